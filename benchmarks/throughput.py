@@ -1,0 +1,350 @@
+"""Offline generation throughput: deepinfer vs HF transformers vs vLLM (CPU).
+
+Workloads (greedy, ``ignore_eos``, every prompt generates exactly ``--max-tokens``):
+
+* ``chat``   -- ``--num-prompts`` short user questions, chat template applied.
+* ``shared`` -- the same questions after a common ~400-token system prompt.
+* ``single`` -- single-stream decode: one chat prompt.
+
+Every run (warm-up and each timed repeat) tags the user messages with the run
+index, so a prefix cache can reuse the genuinely shared prefix but never a whole
+prompt from an earlier run.  All engines get identical token ids.  Reported
+numbers are generated tokens / wall seconds, median of ``--repeats`` runs.
+
+Usage (system python; vLLM runs in its own venv through a subprocess)::
+
+    HF_HUB_OFFLINE=1 python benchmarks/throughput.py \\
+        --engines deepinfer,hf,vllm --vllm-python /work/venvs/vllm/bin/python
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_MODEL_DIR = "/work/models/smollm2-135m-hf"
+DEFAULT_VLLM_PYTHON = "/work/venvs/vllm/bin/python"
+
+QUESTIONS = [
+    "What is the capital of France?", "Explain photosynthesis in simple terms.",
+    "Write a haiku about autumn rain.", "How do magnets work?",
+    "What are the benefits of regular exercise?", "Give me three tips for learning a new language.",
+    "Why is the sky blue?", "What is the difference between a virus and a bacterium?",
+    "Summarize the plot of Romeo and Juliet.", "How does a refrigerator keep food cold?",
+    "What is a prime number? Give examples.", "Suggest a healthy breakfast.",
+    "How do airplanes stay in the air?", "What causes earthquakes?",
+    "Explain what a black hole is.", "Write a short poem about the ocean.",
+    "What is machine learning?", "How can I improve my sleep?",
+    "What is the Pythagorean theorem?", "Describe the water cycle.",
+    "What is inflation in economics?", "How do vaccines work?",
+    "Write a Python function that reverses a string.", "What are the planets in our solar system?",
+    "Why do leaves change color in the fall?", "How does the internet work?",
+    "What is the tallest mountain in the world?", "Give me a recipe for pancakes.",
+    "What is democracy?", "Explain the theory of evolution briefly.",
+    "How do I make a good first impression?", "What is the speed of light?",
+    "Translate 'good morning' into Spanish and German.", "What is climate change?",
+    "How does a bicycle stay upright?", "Tell me a fun fact about octopuses.",
+    "What is the difference between weather and climate?", "How do I start a vegetable garden?",
+    "What is an atom made of?", "Explain recursion to a beginner.",
+    "Who painted the Mona Lisa?", "What are renewable energy sources?",
+    "How does the heart pump blood?", "What is a haiku?",
+    "Give me ideas for a rainy day.", "What is the boiling point of water?",
+    "How do bees make honey?", "Explain supply and demand.",
+    "What is a noun? Give examples.", "How can I reduce stress at work?",
+    "What was the Renaissance?", "Describe how a rainbow forms.",
+    "Write a limerick about a cat.", "What is DNA?",
+    "How do solar panels generate electricity?", "What are the main food groups?",
+    "Why do we have seasons?", "What is the largest ocean on Earth?",
+    "Explain what an API is.", "How do I write a good resume?",
+    "What is gravity?", "Name three famous composers and one work by each.",
+    "How are clouds formed?", "What is the meaning of the word 'serendipity'?",
+]  # fmt: skip
+
+SYSTEM_PROMPT = (
+    "You are Atlas, a knowledgeable, patient and friendly assistant working for the Riverside Public "
+    "Library. Your job is to help visitors of every age and background with questions about science, "
+    "history, literature, mathematics, cooking, gardening, technology, health and everyday life. "
+    "Follow these rules carefully. First, always answer in clear, plain English and avoid jargon; "
+    "when a technical term is unavoidable, define it in one short sentence. Second, keep answers "
+    "focused: start with a direct answer, then add at most three supporting points or steps. Third, "
+    "be honest about uncertainty: if you do not know something, say so and suggest where in the "
+    "library the visitor could look, such as the reference desk, the periodicals room on the second "
+    "floor, the children's corner, or the digital archive terminals near the main entrance. Fourth, "
+    "never give medical, legal or financial advice that could replace a professional; instead give "
+    "general information and recommend consulting a qualified expert. Fifth, be inclusive and "
+    "respectful, and never make assumptions about a visitor's age, gender, culture or abilities. "
+    "Sixth, when asked for creative writing such as poems, stories or jokes, keep the content "
+    "family-friendly and suitable for a public space. Seventh, when asked for code, give short, "
+    "well-commented examples in Python unless another language is requested, and explain what the "
+    "code does in one or two sentences. Eighth, when the visitor asks for recommendations, suggest "
+    "books, magazines or online resources that a public library would typically carry, and mention "
+    "that the catalogue can be searched at any terminal or on the library website. Ninth, if a "
+    "question is ambiguous, make a reasonable assumption, state it briefly, and answer. Tenth, stay "
+    "calm and kind even if the visitor is frustrated. The library is open from nine in the morning "
+    "until eight in the evening on weekdays, and from ten until five on weekends. Borrowing is free "
+    "with a library card, which any resident can obtain at the front desk with proof of address. "
+    "Now answer the visitor's question below."
+)
+
+Prompts = list[list[int]]
+Runs = dict[str, list[Prompts]]  # workload -> [warm-up prompts, repeat 1 prompts, ...]
+
+
+def build_runs(tok: Any, num_prompts: int, repeats: int) -> Runs:
+    def encode(msgs: list[dict[str, str]]) -> list[int]:
+        text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+        return list(tok(text, add_special_tokens=False)["input_ids"])
+
+    qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(num_prompts)]
+    runs: Runs = {"chat": [], "shared": [], "single": []}
+    for r in range(repeats + 1):
+        users = [f"(run {r}) {q}" for q in qs]
+        runs["chat"].append([encode([{"role": "user", "content": u}]) for u in users])
+        runs["shared"].append(
+            [
+                encode([{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": u}])
+                for u in users
+            ]
+        )
+        runs["single"].append(runs["chat"][-1][:1])
+    return runs
+
+
+def summarize(
+    engine: str, name: str, walls: list[float], outs: list[list[int]], prompts: Prompts
+) -> dict[str, Any]:
+    wall = statistics.median(walls)
+    ntok = sum(len(o) for o in outs)
+    return {
+        "engine": engine,
+        "workload": name,
+        "num_prompts": len(prompts),
+        "prompt_tokens": sum(map(len, prompts)),
+        "generated_tokens": ntok,
+        "wall_s": wall,
+        "tok_per_s": ntok / wall,
+        "walls": walls,
+        "first_ids": outs[0],
+    }
+
+
+Gen = Callable[[Prompts], list[list[int]]]
+
+
+def time_runs(engine: str, runs: Runs, gen: Gen, warmup: Gen | None = None) -> list[dict[str, Any]]:
+    results = []
+    for name, plist in runs.items():
+        (warmup or gen)(plist[0])
+        walls, outs = [], []
+        for prompts in plist[1:]:
+            t = time.perf_counter()
+            outs = gen(prompts)
+            walls.append(time.perf_counter() - t)
+        results.append(summarize(engine, name, walls, outs, plist[-1]))
+        print(f"  {engine:9s} {name:7s} {results[-1]['tok_per_s']:8.1f} tok/s", file=sys.stderr, flush=True)
+    return results
+
+
+def run_deepinfer(args: argparse.Namespace, runs: Runs, llm: Any) -> list[dict[str, Any]]:
+    from deepinfer import SamplingParams
+
+    sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+
+    def gen(prompts: Prompts) -> list[list[int]]:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        return [list(o.outputs[0].token_ids) for o in outs]
+
+    return time_runs("deepinfer", runs, gen)
+
+
+def run_hf(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.float32).eval()
+    load_s = time.perf_counter() - t0
+    pad = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+
+    @torch.inference_mode()
+    def gen(prompts: Prompts, max_tokens: int = args.max_tokens) -> list[list[int]]:
+        res: list[list[int]] = []
+        for i in range(0, len(prompts), args.hf_batch_size):
+            chunk = prompts[i : i + args.hf_batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk])
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=max_tokens,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=pad,
+            )
+            res.extend(out[:, width:].tolist())
+        return res
+
+    # HF has no compile step or cache to warm: a short warm-up (one batch, 8 tokens) is enough.
+    results = time_runs("hf", runs, gen, lambda ps: gen(ps[: args.hf_batch_size], 8))
+    for r in results:
+        r["load_s"] = load_s
+    return results
+
+
+def run_vllm(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
+    spec = {
+        "model": args.model_dir,
+        "max_tokens": args.max_tokens,
+        "ignore_eos": True,
+        "dtype": args.vllm_dtype,
+        "enforce_eager": args.vllm_eager,
+        "enable_prefix_caching": True,
+        "max_model_len": 2048,
+        "kv_cache_gib": args.vllm_kv_gib,
+        "return_token_ids": True,
+        "workloads": [{"name": n, "runs": p} for n, p in runs.items()],
+    }
+    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{len(os.sched_getaffinity(0)) - 1}")
+    venv = Path(args.vllm_python).parent.parent  # LD_PRELOAD tcmalloc + iomp as vLLM's CPU docs recommend
+    preload = [
+        str(p)
+        for p in (venv / "lib/preload/libtcmalloc_minimal.so.4", venv / "lib/libiomp5.so")
+        if p.exists()
+    ]
+    if preload and "LD_PRELOAD" not in env:
+        env["LD_PRELOAD"] = ":".join(preload)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run(
+            [args.vllm_python, str(HERE / "baselines" / "vllm_runner.py"), f.name],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=args.vllm_timeout,
+        )
+    finally:
+        os.unlink(f.name)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"vLLM runner failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}")
+    res = json.loads(lines[-1])
+    out = []
+    for name, w in res["workloads"].items():
+        r = summarize("vllm", name, w["walls"], w["token_ids"], runs[name][-1])
+        r["load_s"] = res["load_s"]
+        out.append(r)
+        print(f"  vllm      {name:7s} {r['tok_per_s']:8.1f} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
+def print_table(results: list[dict[str, Any]]) -> None:
+    base = {r["workload"]: r for r in results if r["engine"] == "deepinfer"}
+    hdr = f"{'engine':10s} {'workload':8s} {'prompts':>7s} {'prompt_tok':>10s} {'gen_tok':>8s} {'wall_s':>8s} {'tok/s':>9s} {'load_s':>7s} {'deepinfer/x':>11s} {'same_ids':>8s}"
+    print(hdr)
+    print("-" * len(hdr))
+    for r in results:
+        b = base.get(r["workload"])
+        ratio = f"{b['tok_per_s'] / r['tok_per_s']:.2f}x" if b else "-"
+        same = "-" if not b else ("yes" if b["first_ids"] == r["first_ids"] else "no")
+        load = f"{r['load_s']:.1f}" if "load_s" in r else "-"
+        print(
+            f"{r['engine']:10s} {r['workload']:8s} {r['num_prompts']:7d} {r['prompt_tokens']:10d} "
+            f"{r['generated_tokens']:8d} {r['wall_s']:8.2f} {r['tok_per_s']:9.1f} {load:>7s} {ratio:>11s} {same:>8s}"
+        )
+    single = {r["engine"]: r["tok_per_s"] for r in results if r["workload"] == "single"}
+    if single:
+        print("single-stream decode tok/s: " + ", ".join(f"{e}={v:.1f}" for e, v in single.items()))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--engines", default="deepinfer,hf,vllm", help="comma list of deepinfer,hf,vllm")
+    ap.add_argument("--workloads", default="chat,shared,single", help="comma list of chat,shared,single")
+    ap.add_argument("--num-prompts", type=int, default=64)
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR, help="HF dir (tokenizer, HF and vLLM weights)")
+    ap.add_argument(
+        "--deepinfer-model", default=None, help="model for deepinfer (default: its built-in GGUF)"
+    )
+    ap.add_argument("--deepinfer-max-num-seqs", type=int, default=256)
+    ap.add_argument("--hf-batch-size", type=int, default=16)
+    ap.add_argument("--vllm-python", default=None, help=f"vLLM venv python (auto: {DEFAULT_VLLM_PYTHON})")
+    ap.add_argument("--vllm-dtype", default="float32")
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager (no torch.compile)")
+    ap.add_argument("--vllm-kv-gib", type=float, default=4.0)
+    ap.add_argument("--vllm-timeout", type=int, default=3600)
+    ap.add_argument("--json-out", default=None)
+    args = ap.parse_args()
+
+    engines = [e for e in args.engines.split(",") if e]
+    if "vllm" in engines and args.vllm_python is None:
+        if Path(DEFAULT_VLLM_PYTHON).exists():
+            args.vllm_python = DEFAULT_VLLM_PYTHON
+        else:
+            print("vLLM python not found; skipping vllm", file=sys.stderr)
+            engines.remove("vllm")
+
+    llm: Any = None
+    deepinfer_load = 0.0
+    if "deepinfer" in engines:
+        from deepinfer import LLM
+
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=args.deepinfer_model,
+            dtype="float32",
+            max_num_seqs=args.deepinfer_max_num_seqs,
+            enable_prefix_caching=True,
+        )
+        deepinfer_load = time.perf_counter() - t0
+    if Path(args.model_dir, "tokenizer.json").exists():
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(args.model_dir)
+    elif llm is not None:
+        tok = llm.get_tokenizer()
+    else:
+        sys.exit(f"no tokenizer: {args.model_dir} missing and deepinfer not selected")
+    runs = build_runs(tok, args.num_prompts, args.repeats)
+    wanted = args.workloads.split(",")
+    runs = {k: v for k, v in runs.items() if k in wanted}
+
+    results: list[dict[str, Any]] = []
+    for engine in engines:
+        if engine == "deepinfer":
+            res = run_deepinfer(args, runs, llm)
+            for r in res:
+                r["load_s"] = deepinfer_load
+            llm = None  # free its KV cache before the next engine
+            gc.collect()
+        elif engine == "hf":
+            res = run_hf(args, runs)
+        elif engine == "vllm":
+            res = run_vllm(args, runs)
+        else:
+            sys.exit(f"unknown engine {engine!r}")
+        results.extend(res)
+    print_table(results)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps({"config": vars(args), "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

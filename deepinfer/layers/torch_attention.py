@@ -1,0 +1,102 @@
+"""Paged attention with PyTorch ops only (CPU, and a portable fallback on CUDA).
+
+Decodes: the blocks of all decoding sequences are gathered block-wise into one
+padded [B, blocks * block_size] view and attended in a single SDPA call (grouped
+query heads folded into the query dimension, so no K/V repeat). Prefill chunks:
+one SDPA call each over the chunk's gathered context, causal with the chunk's
+offset. Only blocks the batch references are read.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from deepinfer.layers.attention import AttentionBackend, AttentionBatch
+
+
+@dataclass
+class _PrefillChunk:
+    start: int  # token range in the flattened batch
+    end: int
+    block_table: torch.Tensor  # [num_blocks]
+    context_len: int
+    mask: torch.Tensor | None  # [q, context] bool, None when the chunk starts at position 0 (plain causal)
+
+
+@dataclass
+class TorchAttentionMetadata:
+    slot_mapping: torch.Tensor
+    num_decodes: int
+    decode_block_tables: torch.Tensor | None  # [B, max_blocks]
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, None if no padding
+    prefills: list[_PrefillChunk]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocate_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
+                for _ in range(num_layers)]
+
+    def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        bs, dev = batch.block_size, self.device
+        nd = batch.num_decodes
+        decode_tables = decode_mask = None
+        if nd:
+            lens = batch.context_lens[:nd]
+            max_blocks = (max(lens) + bs - 1) // bs
+            table = torch.zeros((nd, max_blocks), dtype=torch.long)
+            for i, blocks in enumerate(batch.block_tables[:nd]):
+                n = (lens[i] + bs - 1) // bs
+                table[i, :n] = torch.tensor(blocks[:n], dtype=torch.long)
+            decode_tables = table.to(dev)
+            if min(lens) != max_blocks * bs:
+                pos = torch.arange(max_blocks * bs)
+                decode_mask = (pos[None, :] < torch.tensor(lens)[:, None]).view(nd, 1, 1, -1).to(dev)
+        prefills = []
+        start = nd
+        for i in range(nd, len(batch.query_lens)):
+            q, ctx = batch.query_lens[i], batch.context_lens[i]
+            n = (ctx + bs - 1) // bs
+            table = torch.tensor(batch.block_tables[i][:n], dtype=torch.long, device=dev)
+            mask = None
+            if ctx != q:  # chunk after cached/computed context: query j sees keys <= offset + j
+                offset = ctx - q
+                mask = (torch.arange(ctx)[None, :] <= (offset + torch.arange(q))[:, None]).to(dev)
+            prefills.append(_PrefillChunk(start, start + q, table, ctx, mask))
+            start += q
+        return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, prefills)
+
+    def forward(self, q, k, v, cache, meta: TorchAttentionMetadata):
+        k_cache, v_cache = cache
+        num_blocks, bs, kvh, d = k_cache.shape
+        k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
+        v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        heads = q.shape[1]
+        group = heads // kvh
+        out = torch.empty_like(q)
+        nd = meta.num_decodes
+        if nd:
+            tables = meta.decode_block_tables
+            keys = k_cache.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)
+            values = v_cache.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)
+            qd = q[:nd].view(nd, kvh, group, d)
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask)
+            out[:nd] = o.reshape(nd, heads, d)
+        for chunk in meta.prefills:
+            ctx = chunk.context_len
+            keys = k_cache.index_select(0, chunk.block_table).view(-1, kvh, d)[:ctx].transpose(0, 1)
+            values = v_cache.index_select(0, chunk.block_table).view(-1, kvh, d)[:ctx].transpose(0, 1)
+            qp = q[chunk.start:chunk.end].transpose(0, 1)  # [heads, q, d]
+            o = F.scaled_dot_product_attention(
+                qp.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
+                attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=group > 1,
+            )
+            out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+        return out

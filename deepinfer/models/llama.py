@@ -1,0 +1,174 @@
+"""Dense decoder-only transformer in the Llama layout; Qwen2 and Qwen3 are configured variants.
+
+The model consumes a flattened batch (all new tokens of all sequences of one
+step, [T]) with their positions, and returns logits only for the rows the
+sampler needs. Q/K/V and gate/up projections are fused into one matmul each;
+`load_weights` maps HF checkpoint names onto the fused parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers.attention import AttentionBackend
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import RotaryEmbedding, apply_rotary
+
+
+class DecoderAttention(nn.Module):
+    def __init__(self, cfg, backend: AttentionBackend, bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, meta: Any) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = self.backend.forward(q, k, v, cache, meta)
+        return self.o_proj(out.view(t, self.q_size))
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, cfg, bias: bool = False) -> None:
+        super().__init__()
+        act = getattr(cfg, "hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            raise ValueError(f"unsupported activation {act!r}")
+        self.intermediate = cfg.intermediate_size
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg, backend: AttentionBackend, attn_bias: bool, qk_norm: bool, mlp_bias: bool) -> None:
+        super().__init__()
+        self.self_attn = DecoderAttention(cfg, backend, attn_bias, qk_norm)
+        self.mlp = GatedMLP(cfg, mlp_bias)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, cache, meta):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """Llama / SmolLM / Mistral (full attention). Subclasses flip `attn_bias` and `qk_norm`."""
+
+    attn_bias_default = False
+    qk_norm = False
+
+    def __init__(self, cfg, backend: AttentionBackend, max_positions: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.config = cfg
+        attn_bias = getattr(cfg, "attention_bias", self.attn_bias_default)
+        mlp_bias = getattr(cfg, "mlp_bias", False)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, backend, attn_bias, self.qk_norm, mlp_bias) for _ in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.rotary = RotaryEmbedding(cfg, max_positions, dtype)
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.layers[0].self_attn.num_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.layers[0].self_attn.head_dim
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
+                logits_indices: torch.Tensor) -> torch.Tensor:
+        """input_ids, positions: [T]; returns float32 logits [len(logits_indices), vocab]."""
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, cos, sin, cache, meta)
+        x = self.norm(x[logits_indices])
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(x, weight).float()
+
+    # ------------------------------------------------------------------ weights
+
+    _FUSED = {  # HF name suffix -> (our parameter, shard index)
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors into this model; raises if a parameter is missing or unexpected."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name = hf_name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # tied: the embedding serves as the output projection
+            for suffix, (fused, shard) in self._FUSED.items():
+                part = f".{suffix}."
+                if part in name:
+                    name = name.replace(part, f".{fused}.")
+                    param = params[name]
+                    offset, size = self._shard_range(fused, shard, name.rsplit(".", 1)[1])
+                    with torch.no_grad():
+                        param.narrow(0, offset, size).copy_(tensor)
+                    loaded.add(f"{name}#{shard}")
+                    break
+            else:
+                if name not in params:
+                    raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter")
+                if params[name].shape != tensor.shape:
+                    raise ValueError(f"{hf_name}: checkpoint shape {tuple(tensor.shape)} != "
+                                     f"model shape {tuple(params[name].shape)}")
+                with torch.no_grad():
+                    params[name].copy_(tensor)
+                loaded.add(name)
+        expected = set()
+        for name in params:
+            if ".qkv_proj." in name:
+                expected |= {f"{name}#{i}" for i in range(3)}
+            elif ".gate_up_proj." in name:
+                expected |= {f"{name}#{i}" for i in range(2)}
+            else:
+                expected.add(name)
+        missing = expected - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _shard_range(self, fused: str, shard: int, kind: str) -> tuple[int, int]:
+        attn = self.layers[0].self_attn
+        if fused.endswith("qkv_proj"):
+            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
+        else:
+            sizes = [self.layers[0].mlp.intermediate] * 2
+        return sum(sizes[:shard]), sizes[shard]

@@ -1,0 +1,41 @@
+"""Maps HF architecture names to model classes."""
+
+from __future__ import annotations
+
+import torch
+
+from deepinfer.layers.attention import AttentionBackend
+from deepinfer.models.llama import LlamaForCausalLM
+from deepinfer.models.qwen2 import Qwen2ForCausalLM
+from deepinfer.models.qwen3 import Qwen3ForCausalLM
+
+MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": Qwen2ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(MODEL_REGISTRY)
+
+
+def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
+                device: torch.device) -> LlamaForCausalLM:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    for arch in archs:
+        if arch in MODEL_REGISTRY:
+            cls = MODEL_REGISTRY[arch]
+            break
+    else:
+        raise ValueError(
+            f"unsupported model architecture {archs or '(none in config.json)'}; "
+            f"supported: {', '.join(supported_architectures())}"
+        )
+    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True) and \
+            arch == "MistralForCausalLM":
+        raise ValueError("sliding-window attention is not supported yet")
+    with torch.device(device):
+        model = cls(hf_config, backend, max_positions, dtype)
+    return model.to(dtype=dtype)

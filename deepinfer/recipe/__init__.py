@@ -1,0 +1,1 @@
+"""Token encoding and decoding: tokenizer loading, chat templates, incremental detokenization, stop strings."""

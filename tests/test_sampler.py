@@ -1,0 +1,89 @@
+"""Sampler behaviour on synthetic logits (real Sampler, real Requests)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.engine.request import Request
+from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampling_params import SamplingParams
+
+
+def _req(params: SamplingParams, output: list[int] | None = None, prompt: list[int] | None = None,
+         eos=frozenset()) -> Request:
+    r = Request("r", prompt or [1, 2, 3], params, eos_token_ids=eos)
+    r.token_ids.extend(output or [])
+    return r
+
+
+def test_greedy_and_top_k_one_agree():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(0))
+    greedy = Sampler()(logits, [_req(SamplingParams(temperature=0))] * 4).token_ids
+    topk1 = Sampler()(logits, [_req(SamplingParams(temperature=1.0, top_k=1))] * 4).token_ids
+    assert greedy == topk1 == logits.argmax(-1).tolist()
+
+
+def test_seeded_requests_reproduce_and_unseeded_rows_do_not_disturb_them():
+    logits = torch.zeros(3, 1000)
+    a = [Sampler(seed=1)(logits, [_req(SamplingParams(temperature=1, seed=42))]).token_ids[0] for _ in range(3)]
+    r1 = _req(SamplingParams(temperature=1, seed=42))
+    r2 = _req(SamplingParams(temperature=1, seed=42))
+    seq1 = [Sampler(seed=1)(logits[:1], [r1]).token_ids[0] for _ in range(5)]
+    seq2 = [Sampler(seed=99)(logits, [_req(SamplingParams(temperature=1)), r2,
+                                     _req(SamplingParams(temperature=1))]).token_ids[1] for _ in range(5)]
+    assert seq1 == seq2
+    assert len(set(a)) == 1
+    assert len(set(seq1)) > 1  # a uniform distribution over 1000 tokens
+
+
+def test_top_p_keeps_the_nucleus_and_min_p_filters():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    s = Sampler(seed=3)
+    seen = {s(logits, [_req(SamplingParams(temperature=1, top_p=0.7))]).token_ids[0] for _ in range(200)}
+    assert seen == {0, 1}
+    seen = {s(logits, [_req(SamplingParams(temperature=1, min_p=0.5))]).token_ids[0] for _ in range(200)}
+    assert seen == {0, 1}  # 0.15 < 0.5 * 0.5
+    seen = {s(logits, [_req(SamplingParams(temperature=1, top_k=3))]).token_ids[0] for _ in range(300)}
+    assert seen == {0, 1, 2}
+
+
+def test_penalties():
+    logits = torch.tensor([[2.0, 1.9, -1.0, 0.0]])
+    assert Sampler()(logits, [_req(SamplingParams(temperature=0))]).token_ids == [0]
+    # token 0 already generated twice: frequency penalty pushes it below token 1
+    r = _req(SamplingParams(temperature=0, frequency_penalty=0.1), output=[0, 0])
+    assert Sampler()(logits, [r]).token_ids == [1]
+    r = _req(SamplingParams(temperature=0, presence_penalty=0.2), output=[0])
+    assert Sampler()(logits, [r]).token_ids == [1]
+    # repetition penalty applies to prompt tokens too (HF semantics: positive logits divided)
+    r = _req(SamplingParams(temperature=0, repetition_penalty=1.2), prompt=[0])
+    assert Sampler()(logits, [r]).token_ids == [1]
+
+
+def test_min_tokens_blocks_eos_and_stop_ids():
+    logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])
+    r = _req(SamplingParams(temperature=0, min_tokens=2, stop_token_ids=[2]), eos=frozenset({0}))
+    assert Sampler()(logits, [r]).token_ids == [1]
+    r.token_ids.extend([1, 1])  # min_tokens reached
+    assert Sampler()(logits, [r]).token_ids == [0]
+
+
+def test_logprobs_are_raw_and_ranked():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0]])
+    out = Sampler()(logits, [_req(SamplingParams(temperature=0, logprobs=2, presence_penalty=2.0), output=[1])])
+    lp = out.logprobs[0]
+    ref = torch.log_softmax(logits[0], -1)
+    assert out.token_ids == [2]  # the penalty moved the choice ...
+    assert lp.logprob == pytest.approx(ref[2].item()) and lp.rank == 2  # ... but logprobs are raw
+    assert [t for t, _ in lp.top] == [1, 2]
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-1), dict(top_p=0), dict(top_p=1.5), dict(top_k=-2),
+                                    dict(n=0), dict(max_tokens=0), dict(min_tokens=5, max_tokens=2),
+                                    dict(logprobs=21), dict(presence_penalty=3), dict(repetition_penalty=0),
+                                    dict(stop=[""]), dict(min_p=2)])
+def test_invalid_params_raise_clear_errors(kwargs):
+    with pytest.raises(ValueError, match="invalid sampling parameter"):
+        SamplingParams(**kwargs)
