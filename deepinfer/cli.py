@@ -6,7 +6,15 @@ import argparse
 import logging
 import sys
 
-from deepinfer.config import CacheConfig, ModelConfig, SchedulerConfig, add_config_arguments, engine_config_from_args
+from deepinfer.config import (
+    CacheConfig,
+    ModelConfig,
+    SchedulerConfig,
+    ServerConfig,
+    add_config_arguments,
+    config_from_args,
+    engine_config_from_args,
+)
 
 ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
 
@@ -45,6 +53,13 @@ def _stream(engine, prompt_ids: list[int], params) -> str:
             shown = text
     sys.stdout.write("\n")
     return shown
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from deepinfer.server.app import serve
+
+    serve(engine_config_from_args(args), config_from_args(ServerConfig, args))
+    return 0
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -99,6 +114,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="LLM inference serving.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (default: INFO).")
     sub = parser.add_subparsers(dest="command", required=True)
+
+    srv = sub.add_parser("serve", help="Run the OpenAI-compatible API server (default model if no --model).")
+    add_config_arguments(srv, ServerConfig, *ENGINE_SECTIONS)
+    srv.set_defaults(func=cmd_serve)
 
     gen = sub.add_parser("generate", help="Generate a reply to one or more prompts and print it.")
     gen.add_argument("prompt", nargs="+", help="Prompt text (a user message unless --raw).")

@@ -101,6 +101,20 @@ class EngineConfig:
         )
 
 
+@dataclass(frozen=True)
+class ServerConfig:
+    """The HTTP server in front of the engine."""
+
+    host: str = _f("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
+    port: int = _f(8000, "TCP port to listen on.")
+    api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` (or `x-api-key`) on API routes.")
+    uvicorn_log_level: str = _f("warning", "uvicorn's log level (access logs show at info).")
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+
+
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
 
 

@@ -181,6 +181,20 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 
+    def stats(self) -> dict[str, float]:
+        """A snapshot of scheduler and cache state for metrics."""
+        sched, kv = self.core.scheduler, self.core.kv
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "kv_usage": kv.usage(),
+            "kv_blocks_used": kv.pool.num_used,
+            "kv_blocks_total": kv.pool.num_blocks,
+            "prefix_queries": kv.prefix_queries,
+            "prefix_hits": kv.prefix_hits,
+            "num_preemptions": sched.num_preemptions,
+        }
+
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the current state of every request that advanced."""
         changed: dict[str, _Parent] = {}
@@ -240,5 +254,6 @@ class LLMEngine:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_ids,
             outputs=outputs, finished=parent.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-            metrics={"arrival": parent.arrival, "first_token": parent.first_token_time, "now": now},
+            metrics={"arrival": parent.arrival, "first_token": parent.first_token_time, "now": now,
+                     "first_scheduled": first.first_scheduled_time},
         )

@@ -50,6 +50,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; set at first schedule
         self.num_preemptions = 0
+        self.first_scheduled_time: float | None = None
         self.stop_reason: int | str | None = None
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
         # n > 1: siblings wait until the first sibling's prompt is in the prefix cache, then share it.

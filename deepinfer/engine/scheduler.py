@@ -11,6 +11,7 @@ recomputed later from its tokens, so nothing deadlocks and nothing is dropped.
 
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
@@ -144,6 +145,8 @@ class Scheduler:
                 req.num_cached_tokens = min(start, req.num_prompt_tokens)
                 self.kv.record_prefix_query(req, req.num_cached_tokens)
             req.status = RequestStatus.RUNNING
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = time.monotonic()
             self.running.append(req)
             chunks.append(ScheduledRequest(req, n, start))
             budget -= n

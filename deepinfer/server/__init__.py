@@ -1,0 +1,1 @@
+"""HTTP API: OpenAI Chat Completions / Completions, admin endpoints (models, health, metrics, tokenize)."""

@@ -1,0 +1,106 @@
+"""Prometheus metrics, named like vLLM's with a `deepinfer:` prefix, on a per-app registry.
+
+Engine-side state (running / waiting requests, KV usage, prefix-cache counters) is read
+from the engine's latest stats snapshot at scrape time; request latencies are observed
+as outputs stream out (`RequestTimer`).
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                    20.0, 40.0, 80.0, 160.0)
+
+
+class _EngineCollector:
+    def __init__(self, stats_fn, model_name: str) -> None:
+        self.stats_fn = stats_fn
+        self.model_name = model_name
+
+    def collect(self):
+        s = self.stats_fn()
+        label = ["model_name"]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(f"deepinfer:{name}", doc, labels=label)
+            g.add_metric([self.model_name], value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(f"deepinfer:{name}", doc, labels=label)
+            c.add_metric([self.model_name], value)
+            return c
+
+        yield gauge("num_requests_running", "Requests in the running batch.", s["num_running"])
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"])
+        yield gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (1 = full).", s["kv_usage"])
+        yield gauge("kv_cache_blocks_used", "KV blocks referenced by requests.", s["kv_blocks_used"])
+        yield gauge("kv_cache_blocks_total", "KV blocks in the pool.", s["kv_blocks_total"])
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_queries"])
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_hits"])
+        yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", s["num_preemptions"])
+
+
+class ServerMetrics:
+    def __init__(self, stats_fn, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(stats_fn, model_name))
+        self.model_name = model_name
+        label = ["model_name"]
+        r = self.registry
+        self.prompt_tokens = Counter("deepinfer:prompt_tokens", "Prompt tokens processed.", label, registry=r)
+        self.generation_tokens = Counter("deepinfer:generation_tokens", "Tokens generated.", label, registry=r)
+        self.request_success = Counter("deepinfer:request_success", "Finished requests by reason.",
+                                       label + ["finished_reason"], registry=r)
+        self.ttft = Histogram("deepinfer:time_to_first_token_seconds", "Time to first token.", label,
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("deepinfer:inter_token_latency_seconds", "Time between consecutive output tokens.",
+                             label, buckets=_LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("deepinfer:e2e_request_latency_seconds", "Arrival to last token.", label,
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue_time = Histogram("deepinfer:request_queue_time_seconds", "Arrival to first scheduled.", label,
+                                    buckets=_LATENCY_BUCKETS, registry=r)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    def timer(self) -> RequestTimer:
+        return RequestTimer(self)
+
+
+class RequestTimer:
+    """Observes one request's latencies from the outputs it streams."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self.m = metrics
+        self.start = time.monotonic()
+        self.last: float | None = None
+        self.tokens = 0
+
+    def observe(self, out) -> None:
+        now = time.monotonic()
+        tokens = sum(len(c.token_ids) for c in out.outputs)
+        new = tokens - self.tokens
+        name = self.m.model_name
+        if new > 0:
+            if self.last is None:
+                self.m.ttft.labels(name).observe(now - self.start)
+                queued = out.metrics.get("first_scheduled")
+                if queued is not None:
+                    self.m.queue_time.labels(name).observe(max(0.0, queued - out.metrics["arrival"]))
+            else:
+                gap = (now - self.last) / new
+                for _ in range(new):
+                    self.m.itl.labels(name).observe(gap)
+            self.last = now
+            self.tokens = tokens
+            self.m.generation_tokens.labels(name).inc(new)
+        if out.finished:
+            self.m.e2e.labels(name).observe(now - self.start)
+            self.m.prompt_tokens.labels(name).inc(len(out.prompt_token_ids))
+            for c in out.outputs:
+                self.m.request_success.labels(name, c.finish_reason or "abort").inc()
