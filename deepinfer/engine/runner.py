@@ -74,12 +74,30 @@ class ModelRunner:
         self.model = build_model(hf_config, self.backend, max_model_len, self.dtype, self.device)
         self.model.load_weights(files.iter_weights(self.dtype))
         self.model.eval()
+        self.gguf_kernels = self._attach_gguf(model_config.gguf_kernels, files)
         logger.info("loaded weights (%s, %s) in %.1fs", self.dtype, self.device, time.perf_counter() - started)
         self.num_blocks = self._num_blocks(cache_config, hf_config)
         self.kv_caches = self.backend.allocate_cache(
             hf_config.num_hidden_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
             self.model.head_dim, self.dtype, self.device)
         self.sampler = Sampler(model_config.seed)
+
+    def _attach_gguf(self, mode: str, files: ModelFiles) -> bool:
+        is_gguf = files.source.suffix == ".gguf"
+        if mode == "off" or not is_gguf:
+            if mode == "on" and not is_gguf:
+                raise ValueError("gguf_kernels=on needs a .gguf model file")
+            return False
+        usable = self.device.type == "cpu" and self.dtype == torch.float32
+        from deepinfer.layers.gguf_kernels import load_library, read_quantized_tensors
+
+        if not usable or load_library() is None:
+            if mode == "on":
+                raise ValueError("gguf_kernels=on needs float32 on an x86-64 CPU with AVX2 and gcc")
+            return False
+        attached = self.model.attach_gguf(read_quantized_tensors(files.source))
+        logger.info("GGUF kernels: %d projections multiply from quantized blocks for small batches", attached)
+        return attached > 0
 
     @property
     def kv_bytes_per_block(self) -> int:

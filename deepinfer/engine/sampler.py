@@ -69,19 +69,32 @@ class Sampler:
             return logits
         logits = logits.clone()
         vocab = logits.shape[1]
-        for i in rows:  # one row at a time keeps memory at O(vocab); penalties are the rare path
-            p = reqs[i].params
-            out_ids = torch.tensor(reqs[i].output_token_ids, dtype=torch.long)
-            row = logits[i]
-            if p.repetition_penalty != 1.0:
-                seen = torch.zeros(vocab, dtype=torch.bool)
-                seen[torch.tensor(reqs[i].token_ids, dtype=torch.long)] = True
-                penalized = torch.where(row > 0, row / p.repetition_penalty, row * p.repetition_penalty)
-                row = torch.where(seen, penalized, row)
-            if out_ids.numel() and (p.frequency_penalty or p.presence_penalty):
-                counts = torch.bincount(out_ids, minlength=vocab).to(row.dtype)
-                row = row - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(row.dtype)
-            logits[i] = row
+        sub = logits[rows]
+        # generated-token counts per row, from one padded scatter (padding points at an extra column)
+        outs = [reqs[i].output_token_ids for i in rows]
+        width = max(1, max(len(o) for o in outs))
+        ids = torch.full((len(rows), width), vocab, dtype=torch.long)
+        for j, o in enumerate(outs):
+            ids[j, :len(o)] = torch.tensor(o, dtype=torch.long)
+        counts = torch.zeros(len(rows), vocab + 1).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
+        counts = counts[:, :vocab]
+        rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows]).unsqueeze(1)
+        if (rep != 1.0).any():
+            # HF semantics: every token seen in prompt or output; positive logits divided, negative multiplied
+            prompts = [reqs[i].prompt_token_ids for i in rows]
+            pwidth = max(len(p) for p in prompts)
+            pids = torch.full((len(rows), pwidth), vocab, dtype=torch.long)
+            for j, p in enumerate(prompts):
+                pids[j, :len(p)] = torch.tensor(p, dtype=torch.long)
+            seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool).scatter_(1, pids, True)[:, :vocab]
+            seen |= counts > 0
+            penalized = torch.where(sub > 0, sub / rep, sub * rep)
+            sub = torch.where(seen, penalized, sub)
+        # then OpenAI's additive penalties on generated tokens (vLLM's order)
+        freq = torch.tensor([reqs[i].params.frequency_penalty for i in rows]).unsqueeze(1)
+        presence = torch.tensor([reqs[i].params.presence_penalty for i in rows]).unsqueeze(1)
+        sub = sub - freq * counts - presence * (counts > 0).float()
+        logits[rows] = sub
         return logits
 
     @staticmethod

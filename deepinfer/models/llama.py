@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.layers.attention import AttentionBackend
+from deepinfer.layers.gguf_kernels import QuantizedWeight, llama_unpermute_order
+from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, apply_rotary
 
@@ -28,8 +30,8 @@ class DecoderAttention(nn.Module):
         self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
         self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.backend = backend
@@ -54,8 +56,8 @@ class GatedMLP(nn.Module):
         if act not in ("silu", "swish"):
             raise ValueError(f"unsupported activation {act!r}")
         self.intermediate = cfg.intermediate_size
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=bias)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
@@ -92,7 +94,8 @@ class LlamaForCausalLM(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
-        self.lm_head = None if self.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self.rotary = RotaryEmbedding(cfg, max_positions, dtype)
 
     @property
@@ -110,9 +113,7 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.lookup(positions)
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, cos, sin, cache, meta)
-        x = self.norm(x[logits_indices])
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(x, weight).float()
+        return self.lm_head(self.norm(x[logits_indices])).float()
 
     # ------------------------------------------------------------------ weights
 
@@ -126,20 +127,22 @@ class LlamaForCausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors into this model; raises if a parameter is missing or unexpected."""
-        params = dict(self.named_parameters())
+        params = dict(self.named_parameters(remove_duplicate=False))
+        if self.tie_word_embeddings:
+            del params["lm_head.weight"]
         loaded: set[str] = set()
         for hf_name, tensor in weights:
             name = hf_name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.lm_head is None:
+            if name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # tied: the embedding serves as the output projection
             for suffix, (fused, shard) in self._FUSED.items():
                 part = f".{suffix}."
                 if part in name:
                     name = name.replace(part, f".{fused}.")
                     param = params[name]
-                    offset, size = self._shard_range(fused, shard, name.rsplit(".", 1)[1])
+                    offset, size = self._shard_range(fused, shard)
                     with torch.no_grad():
                         param.narrow(0, offset, size).copy_(tensor)
                     loaded.add(f"{name}#{shard}")
@@ -165,7 +168,38 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
 
-    def _shard_range(self, fused: str, shard: int, kind: str) -> tuple[int, int]:
+    def attach_gguf(self, tensors: dict[str, QuantizedWeight]) -> int:
+        """Attach a GGUF file's quantized blocks to the matching projections; returns how many."""
+        attn = self.layers[0].self_attn
+        permuted = getattr(self.config, "model_type", "") in ("llama", "mistral")  # llama.cpp's Q/K row order
+
+        def get(name: str, heads: int | None = None) -> QuantizedWeight | None:
+            w = tensors.get(name)
+            if w is not None and heads and permuted:
+                w = w.permute_rows(llama_unpermute_order(w.n, heads))
+            return w
+
+        targets: list[tuple[Linear, list[QuantizedWeight | None]]] = []
+        for i, layer in enumerate(self.layers):
+            b = f"blk.{i}."
+            targets += [
+                (layer.self_attn.qkv_proj, [get(b + "attn_q.weight", attn.num_heads),
+                                            get(b + "attn_k.weight", attn.num_kv_heads), get(b + "attn_v.weight")]),
+                (layer.self_attn.o_proj, [get(b + "attn_output.weight")]),
+                (layer.mlp.gate_up_proj, [get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]),
+                (layer.mlp.down_proj, [get(b + "ffn_down.weight")]),
+            ]
+        head = "token_embd.weight" if self.tie_word_embeddings else "output.weight"
+        targets.append((self.lm_head, [get(head)]))
+        attached = 0
+        for module, parts in targets:
+            if any(p is None for p in parts) or len({p.kind for p in parts}) != 1:
+                continue
+            module.attach(parts[0] if len(parts) == 1 else QuantizedWeight.concat(parts))
+            attached += 1
+        return attached
+
+    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
         attn = self.layers[0].self_attn
         if fused.endswith("qkv_proj"):
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]

@@ -33,8 +33,9 @@ def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype:
             f"unsupported model architecture {archs or '(none in config.json)'}; "
             f"supported: {', '.join(supported_architectures())}"
         )
-    if getattr(hf_config, "sliding_window", None) and getattr(hf_config, "use_sliding_window", True) and \
-            arch == "MistralForCausalLM":
+    layer_types = getattr(hf_config, "layer_types", None) or []
+    mistral_window = arch == "MistralForCausalLM" and getattr(hf_config, "sliding_window", None)
+    if "sliding_attention" in layer_types or mistral_window:
         raise ValueError("sliding-window attention is not supported yet")
     with torch.device(device):
         model = cls(hf_config, backend, max_positions, dtype)

@@ -80,11 +80,13 @@ class ModelFiles:
     def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (HF parameter name, tensor in `dtype`) for every tensor in the checkpoint."""
         from safetensors import safe_open
+        from tqdm import tqdm
 
-        for path in self.safetensors_files():
-            with safe_open(str(path), framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open has no __iter__
-                    yield key, f.get_tensor(key).to(dtype)
+        files = self.safetensors_files()
+        handles = [safe_open(str(path), framework="pt") for path in files]
+        keys = [(h, k) for h in handles for k in h.keys()]  # noqa: SIM118 - safe_open has no __iter__
+        for handle, key in tqdm(keys, desc="loading weights", unit="tensor", leave=False, disable=None):
+            yield key, handle.get_tensor(key).to(dtype)
 
 
 def resolve_model(spec: str | os.PathLike | None) -> ModelFiles:

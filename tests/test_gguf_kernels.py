@@ -1,0 +1,53 @@
+"""GGUF block kernels: exact weight values, numerics against float32, and engine output against the float32 path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.layers import gguf_kernels as gk
+from deepinfer.weights import default_model_path, resolve_model
+
+pytestmark = pytest.mark.skipif(gk.load_library() is None, reason="needs x86-64 with AVX2 and gcc")
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    return gk.read_quantized_tensors(default_model_path())
+
+
+def test_blocks_equal_the_dequantized_checkpoint(blocks):
+    sd = load_file(str(resolve_model(None).safetensors_files()[0]))
+    q = blocks["blk.3.attn_q.weight"].permute_rows(gk.llama_unpermute_order(576, 9))
+    k = blocks["blk.3.attn_k.weight"].permute_rows(gk.llama_unpermute_order(192, 3))
+    assert torch.equal(q.dequantize(), sd["model.layers.3.self_attn.q_proj.weight"])
+    assert torch.equal(k.dequantize(), sd["model.layers.3.self_attn.k_proj.weight"])
+    assert torch.equal(blocks["blk.3.ffn_down.weight"].dequantize(), sd["model.layers.3.mlp.down_proj.weight"])
+    assert torch.equal(blocks["token_embd.weight"].dequantize(), sd["model.embed_tokens.weight"])
+
+
+@pytest.mark.parametrize("name", ["blk.0.ffn_up.weight", "blk.0.ffn_down.weight", "token_embd.weight"])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_kernel_matches_float32_matmul(blocks, name, rows):
+    w = blocks[name]
+    x = torch.randn(rows, w.k, generator=torch.Generator().manual_seed(rows))
+    ref = x.double() @ w.dequantize().double().T
+    out = w.matmul(x)
+    assert out.shape == (rows, w.n)
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
+
+
+def test_engine_with_kernels_matches_float32_path():
+    params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
+    prompt = [{"role": "user", "content": "Name three colors of the rainbow."}]
+    fast = LLM(None, dtype="float32", kv_cache_memory="64MiB", gguf_kernels="on")
+    assert fast.engine.core.runner.gguf_kernels
+    ref = LLM(None, dtype="float32", kv_cache_memory="64MiB", gguf_kernels="off")
+    a, b = fast.chat(prompt, params)[0].outputs[0], ref.chat(prompt, params)[0].outputs[0]
+    for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids, strict=False)):
+        if x != y:  # only a near-tie may flip
+            assert abs(a.logprobs[i][x].logprob - b.logprobs[i][y].logprob) < 0.05
+            break
+        assert abs(a.logprobs[i][x].logprob - b.logprobs[i][y].logprob) < 1e-3
