@@ -136,6 +136,7 @@ def summarize(
         "generated_tokens": ntok,
         "wall_s": wall,
         "tok_per_s": ntok / wall,
+        "best_tok_per_s": ntok / min(walls),
         "walls": walls,
         "first_ids": outs[0],
     }
@@ -240,6 +241,8 @@ def run_vllm(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
         )
     finally:
         os.unlink(f.name)
+    if args.vllm_log:
+        Path(args.vllm_log).write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
     if proc.returncode != 0 or not lines:
         sys.exit(f"vLLM runner failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}")
@@ -255,7 +258,7 @@ def run_vllm(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
 
 def print_table(results: list[dict[str, Any]]) -> None:
     base = {r["workload"]: r for r in results if r["engine"] == "deepinfer"}
-    hdr = f"{'engine':10s} {'workload':8s} {'prompts':>7s} {'prompt_tok':>10s} {'gen_tok':>8s} {'wall_s':>8s} {'tok/s':>9s} {'load_s':>7s} {'deepinfer/x':>11s} {'same_ids':>8s}"
+    hdr = f"{'engine':10s} {'workload':8s} {'prompts':>7s} {'prompt_tok':>10s} {'gen_tok':>8s} {'wall_s':>8s} {'tok/s':>9s} {'best':>9s} {'load_s':>7s} {'deepinfer/x':>11s} {'same_ids':>8s}"
     print(hdr)
     print("-" * len(hdr))
     for r in results:
@@ -265,7 +268,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
         load = f"{r['load_s']:.1f}" if "load_s" in r else "-"
         print(
             f"{r['engine']:10s} {r['workload']:8s} {r['num_prompts']:7d} {r['prompt_tokens']:10d} "
-            f"{r['generated_tokens']:8d} {r['wall_s']:8.2f} {r['tok_per_s']:9.1f} {load:>7s} {ratio:>11s} {same:>8s}"
+            f"{r['generated_tokens']:8d} {r['wall_s']:8.2f} {r['tok_per_s']:9.1f} {r['best_tok_per_s']:9.1f} {load:>7s} {ratio:>11s} {same:>8s}"
         )
     single = {r["engine"]: r["tok_per_s"] for r in results if r["workload"] == "single"}
     if single:
@@ -290,9 +293,11 @@ def main() -> None:
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager (no torch.compile)")
     ap.add_argument("--vllm-kv-gib", type=float, default=4.0)
     ap.add_argument("--vllm-timeout", type=int, default=3600)
+    ap.add_argument("--vllm-log", default=None, help="save the vLLM runner's stdout/stderr here")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
 
+    load0 = os.getloadavg()
     engines = [e for e in args.engines.split(",") if e]
     if "vllm" in engines and args.vllm_python is None:
         if Path(DEFAULT_VLLM_PYTHON).exists():
@@ -342,8 +347,12 @@ def main() -> None:
             sys.exit(f"unknown engine {engine!r}")
         results.extend(res)
     print_table(results)
+    print(
+        f"load average (1/5/15 min) at end: {os.getloadavg()} -- >0.5 means something else competed for CPU"
+    )
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"config": vars(args), "results": results}, indent=1))
+        meta = {"config": vars(args), "loadavg_start": load0, "loadavg_end": os.getloadavg()}
+        Path(args.json_out).write_text(json.dumps({**meta, "results": results}, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,340 @@
+"""Closed-loop streaming load client for any OpenAI-compatible server (deepinfer, vLLM, ...).
+
+``--concurrency`` workers each keep one streaming request in flight until ``--num-requests``
+have been sent.  Prompts are ~``--prompt-tokens`` words from a fixed word list (deterministic per
+``--seed``; an optional common ``--shared-prefix-tokens`` head exercises prefix caching), and every
+request asks for exactly ``--output-tokens`` (``max_tokens`` + ``ignore_eos``).
+
+Per request it records TTFT, inter-token latency (gaps between content chunks; a chunk may carry
+more than one token), end-to-end latency and the usage chunk's token counts.  A request counts as
+failed on an HTTP error, an in-band error event, a missing ``[DONE]`` or usage chunk, or fewer
+tokens than asked; the failure count is printed and the exit status is 1 when it is non-zero.
+
+Prompts repeat for a given seed: change ``--seed`` between runs against one live server, or the
+prefix cache will serve whole prompts from the previous run.
+
+Examples::
+
+    python benchmarks/serve_load.py --base-url http://127.0.0.1:8000 --concurrency 16 --num-requests 64
+    python benchmarks/serve_load.py --compare --labels deepinfer,vllm --base-url http://127.0.0.1:8011 \\
+        --server-cmd "deepinfer serve --port 8011 --kv-cache-memory 1GiB" \\
+        --server-cmd "HF_HUB_OFFLINE=1 /work/venvs/vllm/bin/vllm serve /work/models/smollm2-135m-hf \\
+            --port 8011 --dtype float32"
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import httpx
+
+_WORD_TEXT = (
+    "time year people way day man thing woman life child world school state family student group "
+    "country problem hand part place case week company system program question work government number "
+    "night point home water room mother area money story fact month lot right study book eye job word "
+    "business issue side kind head house service friend father power hour game line end member law car "
+    "city community name president team minute idea kid body information back parent face others level "
+    "office door health person art war history party result change morning reason research girl guy "
+    "moment air teacher force education river market garden window music paper light color"
+)
+WORDS = _WORD_TEXT.split()
+
+
+@dataclass
+class Result:
+    ok: bool = False
+    error: str = ""
+    ttft: float = 0.0
+    e2e: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    output_tokens: int = 0
+
+
+def make_prompts(n: int, prompt_tokens: int, shared: int, seed: int) -> list[str]:
+    """``n`` prompts of ~``prompt_tokens`` words; the first ``shared`` words are common to all."""
+    rng = random.Random(seed)
+    head = [rng.choice(WORDS) for _ in range(min(shared, prompt_tokens))]
+    out = []
+    for i in range(n):  # "request {i}:" is 3 + len(str(i)) tokens for SmolLM2/Llama-style tokenizers
+        tail = max(prompt_tokens - len(head) - 3 - len(str(i)), 0)
+        out.append(" ".join([*head, f"request {i}:", *(rng.choice(WORDS) for _ in range(tail))]))
+    return out
+
+
+def pct(xs: list[float], q: float) -> float:
+    """Linear-interpolated percentile (q in 0..100); nan for an empty list."""
+    if not xs:
+        return float("nan")
+    s = sorted(xs)
+    k = (len(s) - 1) * q / 100
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+async def one_request(client: httpx.AsyncClient, args: argparse.Namespace, model: str, prompt: str,
+                      max_tokens: int) -> Result:
+    chat = args.endpoint == "chat"
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+                            "stream_options": {"include_usage": True}, "temperature": args.temperature}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    url = "/v1/chat/completions" if chat else "/v1/completions"
+    r = Result()
+    done = False
+    last = t0 = time.perf_counter()
+    try:
+        async with client.stream("POST", url, json=body) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")[:200]
+                r.error = f"HTTP {resp.status_code}: {text}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    done = True
+                    break
+                obj = json.loads(data)
+                if obj.get("error"):
+                    r.error = f"error event: {str(obj['error'])[:200]}"
+                    return r
+                if obj.get("usage"):
+                    r.prompt_tokens = obj["usage"].get("prompt_tokens", 0)
+                    r.output_tokens = obj["usage"].get("completion_tokens", 0)
+                for ch in obj.get("choices") or []:
+                    text = (ch.get("delta") or {}).get("content") if chat else ch.get("text")
+                    if text:
+                        now = time.perf_counter()
+                        if r.ttft == 0.0:
+                            r.ttft = now - t0
+                        else:
+                            r.itls.append(now - last)
+                        last = now
+    except Exception as e:  # noqa: BLE001 - any transport/parse failure counts as a failed request
+        r.error = f"{type(e).__name__}: {e}"[:200]
+        return r
+    r.e2e = time.perf_counter() - t0
+    if not done:
+        r.error = "stream ended without [DONE]"
+    elif r.output_tokens == 0:
+        r.error = "no usage chunk"
+    elif r.output_tokens < max_tokens:
+        r.error = f"short output: {r.output_tokens} < {max_tokens} tokens"
+    r.ok = not r.error
+    return r
+
+
+async def first_model(client: httpx.AsyncClient) -> str:
+    resp = await client.get("/v1/models")
+    resp.raise_for_status()
+    return str(resp.json()["data"][0]["id"])
+
+
+async def run_load(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the configured load against ``args.base_url``; return the summary dict."""
+    limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
+    timeout = httpx.Timeout(args.request_timeout, connect=10.0)
+    async with httpx.AsyncClient(base_url=args.base_url, limits=limits, timeout=timeout) as client:
+        model = args.model or await first_model(client)
+        if args.warmup:
+            warm = make_prompts(args.warmup, args.prompt_tokens, 0, args.seed + 1_000_003)
+            await asyncio.gather(*(one_request(client, args, model, p, 4) for p in warm))
+        prompts = make_prompts(args.num_requests, args.prompt_tokens, args.shared_prefix_tokens, args.seed)
+        results: list[Result] = []
+        pending = iter(prompts)
+
+        async def worker() -> None:
+            for p in pending:  # one shared iterator: each prompt goes to exactly one worker
+                results.append(await one_request(client, args, model, p, args.output_tokens))
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+        wall = time.perf_counter() - t0
+    good = [r for r in results if r.ok]
+    ttfts = [r.ttft for r in good]
+    itls = [x for r in good for x in r.itls]
+    tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in good if r.output_tokens > 1]
+    reasons = Counter(r.error.split(":")[0] for r in results if not r.ok)
+    out_tokens = sum(r.output_tokens for r in good)
+    return {
+        "model": model, "base_url": args.base_url, "endpoint": args.endpoint, "concurrency": args.concurrency,
+        "num_requests": args.num_requests, "prompt_tokens_target": args.prompt_tokens,
+        "output_tokens_target": args.output_tokens, "shared_prefix_tokens": args.shared_prefix_tokens,
+        "seed": args.seed, "wall_s": wall, "completed": len(good), "failed": len(results) - len(good),
+        "failure_reasons": dict(reasons),
+        "failure_examples": [r.error for r in results if not r.ok][:3],
+        "mean_prompt_tokens": sum(r.prompt_tokens for r in good) / max(len(good), 1),
+        "ttft_p50_ms": pct(ttfts, 50) * 1e3, "ttft_p90_ms": pct(ttfts, 90) * 1e3,
+        "ttft_p99_ms": pct(ttfts, 99) * 1e3,
+        "itl_p50_ms": pct(itls, 50) * 1e3, "itl_p99_ms": pct(itls, 99) * 1e3,
+        "tpot_p50_ms": pct(tpots, 50) * 1e3,
+        "e2e_p50_s": pct([r.e2e for r in good], 50), "e2e_p99_s": pct([r.e2e for r in good], 99),
+        "output_tok_per_s": out_tokens / wall, "requests_per_s": len(good) / wall,
+        "requests": [asdict(r) | {"itls": None, "itl_count": len(r.itls)} for r in results],
+    }
+
+
+METRICS = [
+    ("completed", "completed", "{:.0f}"), ("failed", "failed", "{:.0f}"),
+    ("mean_prompt_tokens", "prompt tokens (mean)", "{:.1f}"),
+    ("ttft_p50_ms", "TTFT p50 (ms)", "{:.1f}"), ("ttft_p90_ms", "TTFT p90 (ms)", "{:.1f}"),
+    ("ttft_p99_ms", "TTFT p99 (ms)", "{:.1f}"), ("itl_p50_ms", "ITL p50 (ms)", "{:.2f}"),
+    ("itl_p99_ms", "ITL p99 (ms)", "{:.2f}"), ("tpot_p50_ms", "TPOT p50 (ms)", "{:.2f}"),
+    ("e2e_p50_s", "E2E p50 (s)", "{:.3f}"), ("e2e_p99_s", "E2E p99 (s)", "{:.3f}"),
+    ("output_tok_per_s", "output tok/s", "{:.1f}"), ("requests_per_s", "requests/s", "{:.3f}"),
+]
+
+
+def print_summary(s: dict[str, Any]) -> None:
+    print(f"model={s['model']} url={s['base_url']} endpoint={s['endpoint']} concurrency={s['concurrency']} "
+          f"requests={s['num_requests']} prompt~{s['prompt_tokens_target']} output={s['output_tokens_target']} "
+          f"shared_prefix={s['shared_prefix_tokens']} wall={s['wall_s']:.2f}s")
+    for key, name, fmt in METRICS:
+        print(f"  {name:<22} {fmt.format(s[key])}")
+    if s["failed"]:
+        print(f"  FAILED REQUESTS: {s['failed']} {s['failure_reasons']} e.g. {s['failure_examples']}")
+
+
+def print_compare(labels: list[str], sums: list[dict[str, Any]]) -> None:
+    a, b = labels
+    print(f"\n{'metric':<22} {a:>14} {b:>14} {a + '/' + b:>14}")
+    for key, name, fmt in METRICS:
+        va, vb = sums[0][key], sums[1][key]
+        ratio = f"{va / vb:.3f}" if vb else "-"
+        print(f"{name:<22} {fmt.format(va):>14} {fmt.format(vb):>14} {ratio:>14}")
+
+
+def wait_health(base_url: str, proc: subprocess.Popen[bytes], timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with status {proc.returncode} before becoming healthy")
+        try:
+            if httpx.get(f"{base_url}/health", timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"{base_url}/health not ready after {timeout:.0f}s")
+
+
+def stop_server(proc: subprocess.Popen[bytes]) -> None:
+    """SIGINT, then SIGTERM, then SIGKILL the server's own process group (started by us)."""
+    for sig, wait in ((signal.SIGINT, 20.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
+        if proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(wait)
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_with_server(args: argparse.Namespace, cmd: str, label: str) -> dict[str, Any]:
+    try:
+        httpx.get(f"{args.base_url}/health", timeout=2.0)
+        raise RuntimeError(f"something already listens on {args.base_url}; stop it or change the port")
+    except httpx.TransportError:
+        pass
+    log = tempfile.NamedTemporaryFile(prefix=f"serve_load_{label}_", suffix=".log", delete=False)  # noqa: SIM115
+    print(f"[{label}] starting: {cmd}\n[{label}] log: {log.name}", flush=True)
+    proc = subprocess.Popen(cmd, shell=True, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        t0 = time.monotonic()
+        wait_health(args.base_url, proc, args.server_timeout)
+        print(f"[{label}] healthy after {time.monotonic() - t0:.1f}s", flush=True)
+        summary = asyncio.run(run_load(args))
+    finally:
+        stop_server(proc)
+        log.close()
+    summary["label"], summary["server_cmd"] = label, cmd
+    return summary
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root (no /v1)")
+    p.add_argument("--model", default=None, help="model name (default: first of /v1/models)")
+    p.add_argument("--endpoint", choices=["chat", "completions"], default="chat")
+    p.add_argument("--concurrency", type=int, default=8, help="concurrent streaming workers")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-tokens", type=int, default=128, help="approximate prompt length (words)")
+    p.add_argument("--output-tokens", type=int, default=64, help="exact output length (ignore_eos)")
+    p.add_argument("--shared-prefix-tokens", type=int, default=0, help="common prompt head, in words")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--warmup", type=int, default=1, help="untimed 4-token requests sent first")
+    p.add_argument("--request-timeout", type=float, default=600.0)
+    p.add_argument("--server-cmd", action="append", default=[],
+                   help="shell command starting a server on --base-url (repeat twice with --compare)")
+    p.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
+    p.add_argument("--compare", action="store_true", help="run two --server-cmd one after the other")
+    p.add_argument("--labels", default=None, help="comma-separated names for the --server-cmd runs")
+    p.add_argument("--json-out", default=None, help="write the summary (or both, with --compare) here")
+    args = p.parse_args(argv)
+    if args.compare and len(args.server_cmd) != 2:
+        p.error("--compare needs exactly two --server-cmd")
+    if not args.compare and len(args.server_cmd) > 1:
+        p.error("more than one --server-cmd needs --compare")
+    if min(args.concurrency, args.num_requests, args.prompt_tokens, args.output_tokens) < 1:
+        p.error("--concurrency, --num-requests, --prompt-tokens and --output-tokens must be >= 1")
+    args.base_url = args.base_url.rstrip("/").removesuffix("/v1")
+    return args
+
+
+def default_label(cmd: str) -> str:
+    words = [w for w in shlex.split(cmd) if "=" not in w and w not in ("nice", "-n", "env") and not w.isdigit()]
+    return os.path.basename(words[0]) if words else "server"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    labels = args.labels.split(",") if args.labels else [default_label(c) for c in args.server_cmd]
+    if len(labels) != len(args.server_cmd) or (args.compare and labels[0] == labels[1]):
+        labels = [chr(65 + i) for i in range(len(args.server_cmd))]
+    sums: list[dict[str, Any]] = []
+    if args.server_cmd:
+        for cmd, label in zip(args.server_cmd, labels, strict=True):
+            try:
+                sums.append(run_with_server(args, cmd, label))
+            except (RuntimeError, TimeoutError) as e:
+                print(f"[{label}] error: {e}", file=sys.stderr)
+                return 2
+            print(f"[{label}]", end=" ")
+            print_summary(sums[-1])
+    else:
+        sums.append(asyncio.run(run_load(args)))
+        print_summary(sums[0])
+    if args.compare:
+        print_compare(labels, sums)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(sums if args.compare else sums[0], f, indent=2)
+    failed = sum(s["failed"] for s in sums)
+    print(f"failed requests: {failed}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
