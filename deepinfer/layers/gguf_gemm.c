@@ -28,6 +28,14 @@ static inline float hsum256(__m256 v) {
     return _mm_cvtss_f32(lo);
 }
 
+/* dot product of one dequantized 32-weight block (w0..w3, as integers) with 32 activations */
+static inline __m256 dot_block(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float *xb) {
+    __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
+    s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);
+    s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);
+    return _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);
+}
+
 /* per row m and block b: the sum of x over the block (Q4_1's offset term needs it) */
 static void block_sums(const float *x, int M, int K, float *out) {
     int nb = K / QK;
@@ -61,11 +69,7 @@ void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const float *d, 
             __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
             __m256 scale = _mm256_set1_ps(dn[b]);
             for (int m = 0; m < M; m++) {
-                const float *xb = x + (int64_t)m * K + b * QK;
-                __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-                s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);
-                s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);
-                s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);
+                __m256 s = dot_block(w0, w1, w2, w3, x + (int64_t)m * K + b * QK);
                 acc[m] = _mm256_fmadd_ps(scale, s, acc[m]);
                 off[m] += mnn[b] * scratch[m * nb + b];
             }
@@ -90,14 +94,8 @@ void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const float *d, f
             __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1));
             __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)));
             __m256 scale = _mm256_set1_ps(dn[b]);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (int64_t)m * K + b * QK;
-                __m256 s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-                s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb + 8), s);
-                s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb + 16), s);
-                s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb + 24), s);
-                acc[m] = _mm256_fmadd_ps(scale, s, acc[m]);
-            }
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm256_fmadd_ps(scale, dot_block(w0, w1, w2, w3, x + (int64_t)m * K + b * QK), acc[m]);
         }
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum256(acc[m]);
     }
