@@ -71,21 +71,13 @@ class Sampler:
         vocab = logits.shape[1]
         sub = logits[rows]
         # generated-token counts per row, from one padded scatter (padding points at an extra column)
-        outs = [reqs[i].output_token_ids for i in rows]
-        width = max(1, max(len(o) for o in outs))
-        ids = torch.full((len(rows), width), vocab, dtype=torch.long)
-        for j, o in enumerate(outs):
-            ids[j, :len(o)] = torch.tensor(o, dtype=torch.long)
+        ids = _padded([reqs[i].output_token_ids for i in rows], vocab)
         counts = torch.zeros(len(rows), vocab + 1).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float))
         counts = counts[:, :vocab]
         rep = torch.tensor([reqs[i].params.repetition_penalty for i in rows]).unsqueeze(1)
         if (rep != 1.0).any():
             # HF semantics: every token seen in prompt or output; positive logits divided, negative multiplied
-            prompts = [reqs[i].prompt_token_ids for i in rows]
-            pwidth = max(len(p) for p in prompts)
-            pids = torch.full((len(rows), pwidth), vocab, dtype=torch.long)
-            for j, p in enumerate(prompts):
-                pids[j, :len(p)] = torch.tensor(p, dtype=torch.long)
+            pids = _padded([reqs[i].prompt_token_ids for i in rows], vocab)
             seen = torch.zeros(len(rows), vocab + 1, dtype=torch.bool).scatter_(1, pids, True)[:, :vocab]
             seen |= counts > 0
             penalized = torch.where(sub > 0, sub / rep, sub * rep)
@@ -137,3 +129,10 @@ class Sampler:
                 noise[i].exponential_(generator=r.generator)
         return noise
 
+
+def _padded(rows: list[list[int]], fill: int) -> torch.Tensor:
+    """Token-id lists as one [len(rows), longest] tensor, padded with `fill` (at least one column)."""
+    out = torch.full((len(rows), max(1, max(len(r) for r in rows))), fill, dtype=torch.long)
+    for j, r in enumerate(rows):
+        out[j, :len(r)] = torch.tensor(r, dtype=torch.long)
+    return out

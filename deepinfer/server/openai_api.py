@@ -171,6 +171,11 @@ async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple
             t.cancel()
 
 
+def _client_gone() -> JSONResponse:
+    """Nobody reads this reply; it only ends the handler (nginx's 499 convention)."""
+    return JSONResponse(APIError(499, "client disconnected", "client_closed", code="499").body(), status_code=499)
+
+
 def sse(data: dict | str) -> str:
     return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
 
@@ -253,8 +258,7 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
                                  media_type="text/event-stream")
     final = await final_output_or_disconnect(raw, gen)
     if final is None:
-        return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed",
-                                       "param": None, "code": 499}}, status_code=499)
+        return _client_gone()
     choices = []
     for c in final.outputs:
         choices.append({
@@ -384,8 +388,7 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
                                  media_type="text/event-stream")
     finals = await asyncio.gather(*(final_output_or_disconnect(raw, g) for g in gens))
     if any(f is None for f in finals):
-        return JSONResponse({"error": {"message": "client disconnected", "type": "client_closed",
-                                       "param": None, "code": 499}}, status_code=499)
+        return _client_gone()
     choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
     for pi, ((text, ids), final) in enumerate(zip(prompts, finals, strict=True)):
         prompt_tokens += len(ids)
