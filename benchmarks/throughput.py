@@ -287,9 +287,10 @@ def main() -> None:
         "--deepinfer-model", default=None, help="model for deepinfer (default: its built-in GGUF)"
     )
     ap.add_argument("--deepinfer-max-num-seqs", type=int, default=256)
+    ap.add_argument("--deepinfer-dtype", default="auto", help="auto picks bf16 where the CPU has AVX-512 BF16 / AMX")
     ap.add_argument("--hf-batch-size", type=int, default=16)
     ap.add_argument("--vllm-python", default=None, help=f"vLLM venv python (auto: {DEFAULT_VLLM_PYTHON})")
-    ap.add_argument("--vllm-dtype", default="float32")
+    ap.add_argument("--vllm-dtype", default="auto")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager (no torch.compile)")
     ap.add_argument("--vllm-kv-gib", type=float, default=4.0)
     ap.add_argument("--vllm-timeout", type=int, default=3600)
@@ -314,7 +315,7 @@ def main() -> None:
         t0 = time.perf_counter()
         llm = LLM(
             model=args.deepinfer_model,
-            dtype="float32",
+            dtype=args.deepinfer_dtype,
             max_num_seqs=args.deepinfer_max_num_seqs,
             enable_prefix_caching=True,
         )
