@@ -39,6 +39,17 @@ def test_kernel_matches_float32_matmul(blocks, name, rows):
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5
 
 
+@pytest.mark.parametrize("name", ["blk.0.ffn_up.weight", "token_embd.weight"])
+def test_kernel_takes_and_returns_bfloat16(blocks, name):
+    w = blocks[name]
+    x = torch.randn(4, w.k, generator=torch.Generator().manual_seed(0)).bfloat16()
+    out = w.matmul(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (4, w.n)
+    ref = (x.double() @ w.dequantize().double().T)
+    # exact products of the bf16 inputs, then one rounding to bf16 (relative 2^-8)
+    assert ((out.double() - ref).abs() / ref.abs().clamp_min(1e-3)).median().item() < 4e-3
+
+
 def test_engine_with_kernels_matches_float32_path():
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
     prompt = [{"role": "user", "content": "Name three colors of the rainbow."}]

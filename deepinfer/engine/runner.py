@@ -17,6 +17,7 @@ from deepinfer.config import CacheConfig, ModelConfig, parse_memory
 from deepinfer.engine.sampler import Sampler, TokenLogprobs
 from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.layers.attention import AttentionBatch
+from deepinfer.layers.linear import Linear
 from deepinfer.layers.torch_attention import TorchAttentionBackend
 from deepinfer.models import build_model
 from deepinfer.weights import ModelFiles
@@ -75,6 +76,9 @@ class ModelRunner:
         self.model.load_weights(files.iter_weights(self.dtype))
         self.model.eval()
         self.gguf_kernels = self._attach_gguf(model_config.gguf_kernels, files)
+        packed = sum(m.pack() for m in self.model.modules() if isinstance(m, Linear))
+        if packed:
+            logger.info("packed %d bf16 projections for oneDNN", packed)
         logger.info("loaded weights (%s, %s) in %.1fs", self.dtype, self.device, time.perf_counter() - started)
         self.num_blocks = self._num_blocks(cache_config, hf_config)
         self.kv_caches = self.backend.allocate_cache(
@@ -88,12 +92,13 @@ class ModelRunner:
             if mode == "on" and not is_gguf:
                 raise ValueError("gguf_kernels=on needs a .gguf model file")
             return False
-        usable = self.device.type == "cpu" and self.dtype == torch.float32
-        from deepinfer.layers.gguf_kernels import load_library, read_quantized_tensors
+        usable = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
+        from deepinfer.layers.cpu_kernels import load_library
+        from deepinfer.layers.gguf_kernels import read_quantized_tensors
 
         if not usable or load_library() is None:
             if mode == "on":
-                raise ValueError("gguf_kernels=on needs float32 on an x86-64 CPU with AVX2 and gcc")
+                raise ValueError("gguf_kernels=on needs float32 or bfloat16 on an x86-64 CPU with AVX2 and gcc")
             return False
         attached = self.model.attach_gguf(read_quantized_tensors(files.source))
         logger.info("GGUF kernels: %d projections multiply from quantized blocks for small batches", attached)

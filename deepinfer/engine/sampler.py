@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.request import Request
+from deepinfer.layers.cpu_kernels import argmax_rows
 
 
 @dataclass
@@ -40,11 +41,11 @@ class Sampler:
         logits = self._apply_penalties(logits, reqs)
         logits = self._apply_min_tokens(logits, reqs)
         temps = [r.params.temperature for r in reqs]
-        tokens = logits.argmax(dim=-1)
+        tokens = argmax_rows(logits)
         if any(t > 0 for t in temps):
             temp = torch.tensor([t if t > 0 else 1.0 for t in temps], dtype=torch.float32).unsqueeze(1)
             probs = self._filter(torch.softmax(logits / temp, dim=-1), reqs)
-            sampled = (probs / self._exponential_noise(probs.shape, reqs)).argmax(dim=-1)
+            sampled = argmax_rows(probs / self._exponential_noise(probs.shape, reqs))
             tokens = torch.where(torch.tensor([t == 0 for t in temps]), tokens, sampled)
         token_ids = tokens.tolist()
         logprobs: list[TokenLogprobs | None] = [None] * len(reqs)

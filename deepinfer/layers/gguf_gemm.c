@@ -12,21 +12,13 @@
  *   Q4_1: qs [N, K/32, 16] uint8 (byte j: low nibble = q[j], high nibble = q[j+16]),
  *         d, mn [N, K/32] float32; w = d * q + mn
  *   Q8_0: qs [N, K] int8, d [N, K/32] float32; w = d * q
- * Built by deepinfer/layers/gguf_kernels.py with: gcc -O3 -mavx2 -mfma -fopenmp -shared -fPIC
+ * x and y are float32 or bfloat16 (dtype 0 / 1); bf16 rows are widened into `scratch` first.
+ * Built together with paged_attention.c by deepinfer/layers/cpu_kernels.py.
  */
-#include <immintrin.h>
-#include <stdint.h>
+#include "cpu_common.h"
 
 #define QK 32
 #define MAX_ROWS 8
-
-static inline float hsum256(__m256 v) {
-    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
-    lo = _mm_add_ps(lo, hi);
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
-    return _mm_cvtss_f32(lo);
-}
 
 /* dot product of one dequantized 32-weight block (w0..w3, as integers) with 32 activations */
 static inline __m256 dot_block(__m256 w0, __m256 w1, __m256 w2, __m256 w3, const float *xb) {
@@ -44,13 +36,35 @@ static void block_sums(const float *x, int M, int K, float *out) {
             const float *p = x + (int64_t)m * K + b * QK;
             __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)),
                                      _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24)));
-            out[m * nb + b] = hsum256(s);
+            out[m * nb + b] = hsum8(s);
         }
 }
 
-void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn,
-               float *y, int N, float *scratch /* [M * K/32] */) {
+/* bf16 -> float32 rows (x is [M, K]); returns the float32 view to multiply with */
+static const float *widen(const void *x, int M, int K, int dtype, float *scratch) {
+    if (dtype == 0) return (const float *)x;
+    const uint16_t *src = (const uint16_t *)x;
+    for (int64_t i = 0; i < (int64_t)M * K; i++) {
+        uint32_t bits = (uint32_t)src[i] << 16;
+        memcpy(scratch + i, &bits, 4);
+    }
+    return scratch;
+}
+
+static inline void store_out(void *y, int64_t i, float v, int dtype) {
+    if (dtype == 0) { ((float *)y)[i] = v; return; }
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);  /* round to nearest even, as torch does */
+    ((uint16_t *)y)[i] = (uint16_t)(bits >> 16);
+}
+
+/* scratch: [M * K/32] floats, plus M * K in front of them for bf16 input */
+void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d, const float *mn,
+               void *y, int N, float *scratch, int dtype) {
     int nb = K / QK;
+    const float *x = widen(x_in, M, K, dtype, scratch);
+    if (dtype != 0) scratch += (int64_t)M * K;
     block_sums(x, M, K, scratch);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
@@ -74,12 +88,15 @@ void q4_1_gemm(const float *x, int M, int K, const uint8_t *qs, const float *d, 
                 off[m] += mnn[b] * scratch[m * nb + b];
             }
         }
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum256(acc[m]) + off[m];
+        for (int m = 0; m < M; m++) store_out(y, (int64_t)m * N + n, hsum8(acc[m]) + off[m], dtype);
     }
 }
 
-void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const float *d, float *y, int N) {
+/* scratch: [M * K] floats (used for bf16 input only) */
+void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d, void *y, int N, float *scratch,
+               int dtype) {
     int nb = K / QK;
+    const float *x = widen(x_in, M, K, dtype, scratch);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         __m256 acc[MAX_ROWS];
@@ -97,7 +114,7 @@ void q8_0_gemm(const float *x, int M, int K, const int8_t *qs, const float *d, f
             for (int m = 0; m < M; m++)
                 acc[m] = _mm256_fmadd_ps(scale, dot_block(w0, w1, w2, w3, x + (int64_t)m * K + b * QK), acc[m]);
         }
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum256(acc[m]);
+        for (int m = 0; m < M; m++) store_out(y, (int64_t)m * N + n, hsum8(acc[m]), dtype);
     }
 }
 

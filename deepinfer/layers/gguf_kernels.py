@@ -5,77 +5,21 @@ GGUF file's Q4_1 / Q8_0 blocks (5-6x fewer bytes than float32) and multiplying t
 the AVX2 kernels in `gguf_gemm.c` makes those steps several times faster. Larger batches
 are compute-bound and keep using the float32 weights with the BLAS matmul.
 
-The C file is compiled once with the system's gcc into the deepinfer cache dir and loaded
-with ctypes (which releases the GIL during the call). Where that is impossible (no gcc,
-no AVX2), `load_library()` returns None and everything runs on the float32 path.
+The kernels take float32 or bfloat16 activations. They are built by `cpu_kernels`; where
+that is impossible (no gcc, no AVX2) everything runs on the float weights.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import logging
-import os
-import platform
-import shutil
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-logger = logging.getLogger(__name__)
+from deepinfer.layers.cpu_kernels import dtype_code, float_ptr, load_library
 
-_SOURCE = Path(__file__).with_name("gguf_gemm.c")
 QK = 32
-_lib: ctypes.CDLL | None | bool = False  # False: not tried yet
-
-
-def _cpu_has_avx2() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    return " avx2 " in flags and " fma " in flags
-
-
-def load_library() -> ctypes.CDLL | None:
-    """Compile (once, cached by source hash) and load the kernels; None where unavailable."""
-    global _lib
-    if _lib is not False:
-        return _lib  # type: ignore[return-value]
-    _lib = None
-    if platform.machine() not in ("x86_64", "AMD64") or not _cpu_has_avx2() or shutil.which("gcc") is None:
-        logger.info("GGUF kernels unavailable (needs x86-64 with AVX2 and gcc); using float32 weights")
-        return None
-    from deepinfer.weights.loader import cache_root
-
-    digest = hashlib.blake2b(_SOURCE.read_bytes(), digest_size=8).hexdigest()
-    target = cache_root() / "kernels" / f"gguf_gemm-{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        cmd = ["gcc", "-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC", str(_SOURCE), "-o", tmp]
-        result = subprocess.run(cmd, capture_output=True, text=True)
-        if result.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("could not compile GGUF kernels: %s", result.stderr[-500:])
-            return None
-        os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
-    f32p, u8p = ctypes.POINTER(ctypes.c_float), ctypes.c_void_p
-    lib.q4_1_gemm.argtypes = [f32p, ctypes.c_int, ctypes.c_int, u8p, f32p, f32p, f32p, ctypes.c_int, f32p]
-    lib.q8_0_gemm.argtypes = [f32p, ctypes.c_int, ctypes.c_int, u8p, f32p, f32p, ctypes.c_int]
-    lib.max_rows.restype = ctypes.c_int
-    _lib = lib
-    return lib
-
-
-def _ptr(t: torch.Tensor):
-    return ctypes.cast(t.data_ptr(), ctypes.POINTER(ctypes.c_float))
 
 
 @dataclass
@@ -114,17 +58,20 @@ class QuantizedWeight:
         return (self.qs.view(torch.int8).view(self.n, nb, QK).float() * self.d.unsqueeze(-1)).view(self.n, self.k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, K] float32 with M <= 8 -> [M, N] float32."""
+        """x: [M, K] float32 or bfloat16 with M <= max_rows() -> [M, N] of x's dtype."""
         lib = load_library()
         x = x.contiguous()
-        m = x.shape[0]
-        y = torch.empty((m, self.n), dtype=torch.float32)
+        m, code = x.shape[0], dtype_code(x.dtype)
+        y = torch.empty((m, self.n), dtype=x.dtype)
+        # bf16 rows are widened into the scratch first; Q4_1 also keeps per-block sums of x there
+        widened = m * self.k if code == 1 else 0
+        scratch = torch.empty(widened + (m * (self.k // QK) if self.kind == "q4_1" else 0) + 1, dtype=torch.float32)
         if self.kind == "q4_1":
-            scratch = torch.empty(m * (self.k // QK), dtype=torch.float32)
-            lib.q4_1_gemm(_ptr(x), m, self.k, self.qs.data_ptr(), _ptr(self.d), _ptr(self.mn), _ptr(y), self.n,
-                          _ptr(scratch))
+            lib.q4_1_gemm(x.data_ptr(), m, self.k, self.qs.data_ptr(), float_ptr(self.d), float_ptr(self.mn),
+                          y.data_ptr(), self.n, float_ptr(scratch), code)
         else:
-            lib.q8_0_gemm(_ptr(x), m, self.k, self.qs.data_ptr(), _ptr(self.d), _ptr(y), self.n)
+            lib.q8_0_gemm(x.data_ptr(), m, self.k, self.qs.data_ptr(), float_ptr(self.d), y.data_ptr(), self.n,
+                          float_ptr(scratch), code)
         return y
 
 

@@ -1,10 +1,13 @@
-"""RMSNorm, computed in float32 like the reference implementations."""
+"""RMSNorm, computed in float32 like the reference implementations, optionally fused with
+the residual add that precedes it (`x + residual` is stored back into `residual`)."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from deepinfer.layers import cpu_kernels
 
 
 class RMSNorm(nn.Module):
@@ -13,7 +16,23 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Without `residual`: rmsnorm(x). With it: (rmsnorm(x + residual), x + residual)."""
+        lib = cpu_kernels.load_library()
+        code = cpu_kernels.dtype_code(x.dtype)
+        if lib is not None and code is not None and x.device.type == "cpu" and x.dim() == 2 \
+                and x.shape[-1] % 8 == 0 and x.is_contiguous() and self.weight.dtype == x.dtype:
+            out = torch.empty_like(x)
+            lib.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), self.weight.data_ptr(),
+                         out.data_ptr(), x.shape[0], x.shape[1], self.eps, code)
+            return out if residual is None else (out, residual)
+        if residual is not None:
+            residual = x + residual
+            return self._norm(residual), residual
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op; same formula as below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         dtype = x.dtype

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.layers import cpu_kernels
+
 
 def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
     params = getattr(hf_config, "rope_parameters", None) or {}
@@ -39,12 +41,30 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("sin", (emb.sin() * scaling).to(dtype), persistent=False)
 
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # [T, 1, D]: broadcast over heads
-        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+        """cos, sin rows of the step's positions: [T, D] each, contiguous."""
+        return self.cos[positions], self.sin[positions]
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, D] in HF's half-rotation layout."""
+    """x: [T, heads, D] in HF's half-rotation layout; cos, sin: [T, D]."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # broadcast over heads
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
+
+
+def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate q [T, Hq, D] and k [T, Hk, D] by cos, sin [T, D]; in place with the CPU kernel
+    (q and k may be row-strided views into the fused QKV output), out of place otherwise."""
+    lib = cpu_kernels.load_library()
+    code = cpu_kernels.dtype_code(q.dtype)
+    d = q.shape[-1]
+    if lib is not None and code is not None and q.device.type == "cpu" and d % 16 == 0 \
+            and cos.shape[-1] == d and cos.dtype == q.dtype and k.dtype == q.dtype \
+            and cos.is_contiguous() and sin.is_contiguous() \
+            and q.stride(2) == 1 and q.stride(1) == d and k.stride(2) == 1 and k.stride(1) == d:
+        lib.rotary_qk(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[0], d,
+                      cos.data_ptr(), sin.data_ptr(), code)
+        return q, k
+    return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)

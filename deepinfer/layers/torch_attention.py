@@ -1,10 +1,11 @@
-"""Paged attention with PyTorch ops only (CPU, and a portable fallback on CUDA).
+"""Paged attention for CPU (and a portable fallback on CUDA).
 
-Decodes: the blocks of all decoding sequences are gathered block-wise into one
-padded [B, blocks * block_size] view and attended in a single SDPA call (grouped
-query heads folded into the query dimension, so no K/V repeat). Prefill chunks:
-one SDPA call each over the chunk's gathered context, causal with the chunk's
-offset. Only blocks the batch references are read.
+Decodes: on x86 CPUs the C kernel in `paged_attention.c` reads K/V from the blocks in
+place. Elsewhere the blocks of all decoding sequences are gathered block-wise into one
+padded [B, blocks * block_size] view and attended in a single SDPA call (grouped query
+heads folded into the query dimension, so no K/V repeat). Prefill chunks: one SDPA call
+each over the chunk's gathered context, causal with the chunk's offset. Only blocks the
+batch references are read.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from deepinfer.layers import cpu_kernels
 from deepinfer.layers.attention import AttentionBackend, AttentionBatch
 
 
@@ -32,14 +34,24 @@ class TorchAttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [B, max_blocks]
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, None if no padding
+    decode_context_lens: torch.Tensor | None  # [B] int64 (C kernel only)
     prefills: list[_PrefillChunk]
 
 
+def _kernel_supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
+    """The limits compiled into paged_attention.c (query heads per kv head <= 64 is checked per call)."""
+    return cpu_kernels.dtype_code(dtype) is not None and block_size <= 64 and head_dim % 8 == 0 and head_dim <= 256
+
+
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, use_cpu_kernel: bool = True) -> None:
+        """`use_cpu_kernel=False` keeps decodes on the gather + SDPA path (tests compare the two)."""
         self.device = device
+        self.kernels = cpu_kernels.load_library() if device.type == "cpu" and use_cpu_kernel else None
 
     def allocate_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
+        if self.kernels is not None and not _kernel_supports(dtype, block_size, head_dim):
+            self.kernels = None
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(num_layers)]
@@ -47,8 +59,14 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         bs, dev = batch.block_size, self.device
         nd = batch.num_decodes
-        decode_tables = decode_mask = None
-        if nd:
+        decode_tables = decode_mask = decode_lens = None
+        if nd and self.kernels is not None:
+            lens = batch.context_lens[:nd]
+            max_blocks = max((n + bs - 1) // bs for n in lens)
+            decode_tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
+                                          for t in batch.block_tables[:nd]], dtype=torch.long)
+            decode_lens = torch.tensor(lens, dtype=torch.long)
+        elif nd:
             lens = batch.context_lens[:nd]
             max_blocks = (max(lens) + bs - 1) // bs
             table = torch.zeros((nd, max_blocks), dtype=torch.long)
@@ -71,7 +89,7 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = (torch.arange(ctx)[None, :] <= (offset + torch.arange(q))[:, None]).to(dev)
             prefills.append(_PrefillChunk(start, start + q, table, ctx, mask))
             start += q
-        return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, prefills)
+        return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, decode_lens, prefills)
 
     def forward(self, q, k, v, cache, meta: TorchAttentionMetadata):
         k_cache, v_cache = cache
@@ -84,7 +102,19 @@ class TorchAttentionBackend(AttentionBackend):
         group = heads // kvh
         nd = meta.num_decodes
         out = q.new_empty(q.shape) if meta.prefills else None
-        if nd:
+        if nd and meta.decode_context_lens is not None:
+            o = q.new_empty((nd, heads, d)) if out is None else out
+            qd = q[:nd].contiguous()
+            rc = self.kernels.paged_decode_attention(
+                qd.data_ptr(), o.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                meta.decode_block_tables.data_ptr(), meta.decode_block_tables.shape[1],
+                meta.decode_context_lens.data_ptr(), nd, heads, kvh, d, bs, d ** -0.5,
+                cpu_kernels.dtype_code(q.dtype))
+            if rc != 0:
+                raise RuntimeError("paged_decode_attention rejected its arguments")
+            if out is None:
+                return o
+        elif nd:
             tables = meta.decode_block_tables
             keys = k_rows.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)
             values = v_rows.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)

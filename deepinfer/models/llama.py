@@ -12,14 +12,14 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.layers.activation import silu_and_mul
 from deepinfer.layers.attention import AttentionBackend
 from deepinfer.layers.gguf_kernels import QuantizedWeight, llama_unpermute_order
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
-from deepinfer.layers.rotary import RotaryEmbedding, apply_rotary
+from deepinfer.layers.rotary import RotaryEmbedding, apply_rotary_qk
 
 
 class DecoderAttention(nn.Module):
@@ -43,8 +43,9 @@ class DecoderAttention(nn.Module):
         k = k.view(t, self.num_kv_heads, self.head_dim)
         v = v.view(t, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary_qk(q, k, cos, sin)
         out = self.backend.forward(q, k, v, cache, meta)
         return self.o_proj(out.view(t, self.q_size))
 
@@ -60,8 +61,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
@@ -72,9 +72,18 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, cache, meta):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos, sin, cache, meta
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: this layer's input before its norm, or the previous layer's output still to be
+        added to `residual` (None at the first layer). Returns (output, residual), output not yet added."""
+        if residual is None:
+            residual = x  # the embedding output; fused norms update it in place from here on
+            h = self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(h, cos, sin, cache, meta)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -110,10 +119,12 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; returns float32 logits [len(logits_indices), vocab]."""
         x = self.embed_tokens(input_ids)
+        residual = None
         cos, sin = self.rotary.lookup(positions)
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, cos, sin, cache, meta)
-        return self.lm_head(self.norm(x[logits_indices])).float()
+            x, residual = layer(x, residual, cos, sin, cache, meta)
+        x, residual = x[logits_indices], residual[logits_indices]
+        return self.lm_head(self.norm(x, residual)[0]).float()
 
     # ------------------------------------------------------------------ weights
 

@@ -1,0 +1,63 @@
+/* Helpers shared by the CPU kernels: float32 / bfloat16 loads and stores (bf16 is the top half
+ * of a float32; stores round to nearest even, as torch does), horizontal sums, a vector exp. */
+#pragma once
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+/* 8 consecutive elements as float32; bf16 != 0 means the memory holds bfloat16 */
+static inline __m256 load8(const void *p, int bf16) {
+    if (!bf16) return _mm256_loadu_ps((const float *)p);
+    __m128i h = _mm_loadu_si128((const __m128i *)p);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* float32 lanes rounded to the nearest bfloat16 (kept as float32 bit patterns) */
+static inline __m256i round8_bits(__m256 v) {
+    __m256i b = _mm256_castps_si256(v);
+    __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+    return _mm256_add_epi32(b, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
+}
+
+static inline __m256 round8(__m256 v, int bf16) {
+    if (!bf16) return v;
+    return _mm256_castsi256_ps(_mm256_and_si256(round8_bits(v), _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void store8(void *p, __m256 v, int bf16) {
+    if (!bf16) { _mm256_storeu_ps((float *)p, v); return; }
+    __m256i hi = _mm256_srli_epi32(round8_bits(v), 16);             /* 8 x uint32 holding uint16 */
+    __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(hi), _mm256_extracti128_si256(hi, 1));
+    _mm_storeu_si128((__m128i *)p, packed);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 lo = _mm256_castps256_ps128(v), hi = _mm256_extractf128_ps(v, 1);
+    lo = _mm_add_ps(lo, hi);
+    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
+    lo = _mm_add_ss(lo, _mm_shuffle_ps(lo, lo, 1));
+    return _mm_cvtss_f32(lo);
+}
+
+/* e^x for 8 lanes: 2^n * p(r), r in [-ln2/2, ln2/2]; relative error ~2e-7; clamps to [-87, 88] */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.f)), _mm256_set1_ps(88.f));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    /* n can reach 128 at x = 88: build 2^n as two factors so the exponent field never overflows */
+    const __m256i ni = _mm256_cvtps_epi32(n);
+    const __m256i half = _mm256_srai_epi32(ni, 1);
+    const __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(127)), 23));
+    const __m256 e2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(ni, half), _mm256_set1_epi32(127)), 23));
+    return _mm256_mul_ps(_mm256_mul_ps(p, e1), e2);
+}

@@ -1,0 +1,105 @@
+"""The C kernels (paged decode attention, fused norm / rotary / SiLU, argmax) against torch references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer.layers import cpu_kernels
+from deepinfer.layers.activation import silu_and_mul
+from deepinfer.layers.attention import AttentionBatch
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import apply_rotary, apply_rotary_qk
+from deepinfer.layers.torch_attention import TorchAttentionBackend
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="needs x86-64 with AVX2 and gcc")
+
+CPU = torch.device("cpu")
+TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+
+
+def _decode_batch(lens: list[int], block_size: int, num_blocks: int, gen: torch.Generator):
+    """Random, scattered block tables for sequences of the given context lengths."""
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, used = [], 0
+    for n in lens:
+        nb = (n + block_size - 1) // block_size
+        tables.append(perm[used:used + nb])
+        used += nb
+    slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lens)])
+    return AttentionBatch([1] * len(lens), lens, tables, len(lens), slots, block_size)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 32, 16), (16, 2, 128, 32),
+                                                                 (4, 1, 64, 8)])
+def test_paged_decode_kernel_matches_gather_sdpa(dtype, heads, kv_heads, head_dim, block_size):
+    gen = torch.Generator().manual_seed(heads * 100 + head_dim)
+    lens = [1, 2, block_size, block_size + 1, 37, 300, 5]
+    num_blocks = sum((n + block_size - 1) // block_size for n in lens) + 7
+    batch = _decode_batch(lens, block_size, num_blocks, gen)
+    b = len(lens)
+    q = torch.randn(b, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(b, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(b, kv_heads, head_dim, generator=gen).to(dtype)
+    base = [torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    outs, caches = [], []
+    for use_kernel in (True, False):
+        backend = TorchAttentionBackend(CPU, use_cpu_kernel=use_kernel)
+        cache = backend.allocate_cache(1, num_blocks, block_size, kv_heads, head_dim, dtype, CPU)[0]
+        cache[0].copy_(base[0])
+        cache[1].copy_(base[1])
+        assert (backend.kernels is not None) == use_kernel
+        outs.append(backend.forward(q, k, v, cache, backend.prepare(batch)).float())
+        caches.append(cache)
+    torch.testing.assert_close(outs[0], outs[1], atol=TOL[dtype], rtol=TOL[dtype])
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_add_rms_norm_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(1)
+    norm = RMSNorm(64, eps=1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(64, generator=gen))
+    x = torch.randn(5, 64, generator=gen).to(dtype)
+    res = torch.randn(5, 64, generator=gen).to(dtype)
+    expected_sum = x + res  # rounded to dtype, as the reference stores it
+    expected = norm._norm(expected_sum)
+    out, new_res = norm(x, res.clone())
+    assert torch.equal(new_res, expected_sum)
+    torch.testing.assert_close(out, expected, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(norm(x), norm._norm(x), atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_in_place_on_fused_qkv_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(2)
+    t, hq, hk, d = 6, 4, 2, 32
+    qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(dtype)
+    q, k, _ = qkv.split([hq * d, hk * d, hk * d], dim=-1)
+    q, k = q.view(t, hq, d), k.view(t, hk, d)
+    angles = torch.rand(t, d // 2, generator=gen) * 6
+    cos = torch.cat([angles.cos()] * 2, -1).to(dtype)
+    sin = torch.cat([angles.sin()] * 2, -1).to(dtype)
+    eq, ek = apply_rotary(q.clone(), cos, sin), apply_rotary(k.clone(), cos, sin)
+    rq, rk = apply_rotary_qk(q, k, cos, sin)
+    assert rq.data_ptr() == q.data_ptr()  # rotated in place inside the fused buffer
+    torch.testing.assert_close(rq, eq, atol=TOL[dtype], rtol=TOL[dtype])
+    torch.testing.assert_close(rk, ek, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_matches_reference(dtype):
+    gen = torch.Generator().manual_seed(3)
+    gu = (torch.randn(7, 96, generator=gen) * 30).to(dtype)  # large magnitudes exercise exp's clamping
+    gate, up = gu.split(48, dim=-1)
+    torch.testing.assert_close(silu_and_mul(gu), F.silu(gate) * up, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+def test_argmax_rows_matches_torch_including_ties():
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(9, 1000, generator=gen)
+    x[3, 10] = x[3, 500] = 100.0  # a tie: the first index wins, as in torch
+    assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
