@@ -1,4 +1,5 @@
-"""Step-time cost model: fitting (synthetic data with known coefficients), chunk sizing, prefill estimates."""
+"""Step-time cost model: fitting (synthetic data with known coefficients), chunk sizing, prefill estimates,
+and prediction error on real steps of a tiny model, plus its metrics. No wall-clock performance asserts."""
 
 from __future__ import annotations
 
@@ -8,8 +9,9 @@ import statistics
 import numpy as np
 import pytest
 
-from deepinfer import SamplingParams
+from deepinfer import LLM, SamplingParams
 from deepinfer.engine.cost_model import (
+    DEFAULT_COEFFICIENTS,
     TERMS,
     CostModel,
     StepWork,
@@ -116,3 +118,37 @@ def test_prefill_seconds_counts_cached_context_and_chunks():
     chunked = cm.prefill_seconds(1000, 0, max_chunk_tokens=256)  # 4 steps, each with its overhead
     assert chunked == pytest.approx(cm.predict(StepWork(((256, 0),))) + cm.predict(StepWork(((256, 256),)))
                                     + cm.predict(StepWork(((256, 512),))) + cm.predict(StepWork(((232, 768),))))
+
+
+def test_real_steps_of_a_tiny_model_are_predicted(tiny_models):
+    """Profile at start-up, then serve mixed prompts with small chunks: every step is predicted before it
+    joins the fit, so the recorded errors are held out. Loose bound: the machine may be busy."""
+    llm = LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="64MiB", step_time_budget_ms=3.0)
+    core = llm.engine.core
+    assert core.cost_model.num_observations == 0 and core.cost_model.num_samples > 5  # profiled
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 1000) for _ in range(n)] for n in (3, 20, 60, 130, 250, 400, 9, 33)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+    cm = core.cost_model
+    assert cm.num_observations >= 10
+    assert all(c >= 0 for c in cm.coefficients.values())
+    stats = llm.engine.stats()
+    assert stats["step_time_prediction_abs_error_median"] < 0.5
+    assert stats["cost_model_observations"] == cm.num_observations
+    assert stats["step_time_budget_seconds"] == pytest.approx(0.003)
+    assert stats["step_time_budget_utilization"] > 0
+    from deepinfer.server.metrics import ServerMetrics
+
+    text = ServerMetrics(llm.engine.stats, "tiny").render().decode()
+    for name in ('deepinfer:cost_model_coefficient{model_name="tiny",term="attn_pair"}',
+                 "deepinfer:step_time_prediction_abs_error_ema", "deepinfer:step_time_budget_utilization",
+                 "deepinfer:step_time_predicted_seconds"):
+        assert name in text
+
+
+def test_profile_is_skippable(tiny_models):
+    llm = LLM(str(tiny_models["qwen2"]), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False)
+    cm = llm.engine.core.cost_model
+    assert tuple(cm.coef) == DEFAULT_COEFFICIENTS and cm.num_samples == 0
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert cm.num_observations == 3
