@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -48,24 +48,36 @@ def empty_step() -> np.ndarray:
     return f
 
 
+def add_chunk(features: np.ndarray, new_tokens: int, context: int) -> None:
+    """Add, in place, the terms one scheduled request brings to a step."""
+    features[_TOKEN] += new_tokens
+    features[_SEQ] += 1
+    if new_tokens == 1:
+        features[_CTX] += context + 1
+    else:
+        features[_PAIR] += new_tokens * context + new_tokens * (new_tokens + 1) / 2
+
+
 def chunk_features(new_tokens: int, context: int) -> np.ndarray:
     """The terms one scheduled request adds to a step (no step overhead)."""
     f = np.zeros(len(TERMS))
-    f[_TOKEN] = new_tokens
-    f[_SEQ] = 1.0
-    if new_tokens == 1:
-        f[_CTX] = context + 1
-    else:
-        f[_PAIR] = new_tokens * context + new_tokens * (new_tokens + 1) / 2
+    add_chunk(f, new_tokens, context)
     return f
 
 
-def step_features(chunks: Iterable[tuple[int, int]]) -> np.ndarray:
-    """The terms of a whole step: the overhead (once, if anything runs) plus each chunk's terms."""
+def step_features(chunks: Sequence[tuple[int, int]]) -> np.ndarray:
+    """The terms of a whole step: the overhead (once, if anything runs) plus each chunk's terms.
+    Vectorized: it runs for every step, with up to max_num_seqs chunks."""
     f = np.zeros(len(TERMS))
-    for new_tokens, context in chunks:
-        f += chunk_features(new_tokens, context)
-    f[_OVERHEAD] = 1.0 if f[_SEQ] else 0.0
+    if not chunks:
+        return f
+    c, p = np.asarray(chunks, dtype=float).T
+    decode = c == 1
+    f[_OVERHEAD] = 1.0
+    f[_TOKEN] = c.sum()
+    f[_SEQ] = len(c)
+    f[_PAIR] = (c * p + c * (c + 1) / 2)[~decode].sum()
+    f[_CTX] = (p[decode] + 1).sum()
     return f
 
 

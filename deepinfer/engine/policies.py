@@ -28,7 +28,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.engine.cost_model import CostModel, StepWork, chunk_features, empty_step
+from deepinfer.engine.cost_model import CostModel, StepWork, add_chunk, empty_step
 from deepinfer.engine.request import Request, RequestStatus
 
 # Auto step-time budget = this many single-sequence decode steps: prefill bursts slow a decode stream
@@ -89,7 +89,7 @@ class ComputeBudgetPolicy(PrefillPolicy):
         self._prefilled = False
 
     def add_work(self, new_tokens: int, context: int, prefill: bool = False) -> None:
-        self._used += chunk_features(new_tokens, context)
+        add_chunk(self._used, new_tokens, context)
         self._prefilled |= prefill
 
     def bucket(self, num_tokens: int, start: int) -> int:
