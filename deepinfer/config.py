@@ -76,12 +76,41 @@ class SchedulerConfig:
     max_num_seqs: int = _f(128, "Maximum number of requests running in one step.")
     max_num_batched_tokens: int = _f(2048, "Token budget of one step (decode tokens + prefill chunks).")
     max_queue: int | None = _f(None, "Maximum number of waiting requests; beyond it new requests are refused.")
+    scheduler: str = _f(
+        "compute",
+        "Prefill policy. compute = prefill chunks sized by a cost model to fit --step-time-budget-ms, prompts "
+        "served by bucket of predicted prefill time (short first, FIFO within a bucket, aged requests first); "
+        "tokens = chunks fill the token budget, strict FIFO.",
+        choices=["compute", "tokens"],
+    )
+    step_time_budget_ms: float | None = _f(
+        None,
+        "compute scheduler: target time of one engine step. Every running decode gets one token per step, so "
+        "this is the inter-token latency decodes see while prompts are prefilled: set it to the ITL target "
+        "minus the host time between steps (about 0 offline; HTTP streaming adds a little). Default: 4x the "
+        "predicted time of a one-sequence decode step (profiled at start-up), so prefill slows decodes at "
+        "most ~4x and the fixed per-step cost stays under ~1/4 of a step.",
+    )
+    bucket_aging_ms: float = _f(
+        2000.0,
+        "compute scheduler: a prompt whose first token has waited longer than this is served before every "
+        "bucket (oldest first), so short prompts cannot starve a long one.",
+    )
+    profile_cost_model: bool = _f(
+        True,
+        "Calibrate the step-time cost model at start-up with a few synthetic steps (~1-2 s on the default "
+        "model on CPU); without it the model starts from rough defaults and learns from served steps.",
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
             raise ValueError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
+        if self.step_time_budget_ms is not None and self.step_time_budget_ms <= 0:
+            raise ValueError(f"step_time_budget_ms must be positive, got {self.step_time_budget_ms}")
+        if self.bucket_aging_ms < 0:
+            raise ValueError(f"bucket_aging_ms must be >= 0, got {self.bucket_aging_ms}")
 
 
 @dataclass(frozen=True)

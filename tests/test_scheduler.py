@@ -1,19 +1,27 @@
-"""Scheduler invariants with a real KV manager and no model: budgets, FIFO, preemption, no leaks."""
+"""Scheduler invariants with a real KV manager and no model: budgets, FIFO, preemption, no leaks; the
+compute policy (time budget, shrinking chunks, buckets, aging) with a cost model of known coefficients;
+and greedy output that does not depend on the policy, on a tiny model."""
 
 from __future__ import annotations
 
+import argparse
 import random
 
-from deepinfer.config import SchedulerConfig
+import pytest
+
+from deepinfer.config import EngineConfig, SchedulerConfig, add_config_arguments, engine_config_from_args
+from deepinfer.engine.cost_model import CostModel, StepWork
 from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.policies import ComputeBudgetPolicy, TokenBudgetPolicy
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler
 
 
-def _make(num_blocks=16, block_size=4, max_seqs=8, budget=32, max_len=64) -> Scheduler:
+def _make(num_blocks=16, block_size=4, max_seqs=8, budget=32, max_len=64, scheduler="tokens") -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, "m", "l")
-    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget), kv, max_len)
+    return Scheduler(SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget, scheduler=scheduler),
+                     kv, max_len)
 
 
 def _run_step(s: Scheduler, rng: random.Random) -> list[Request]:
@@ -37,9 +45,10 @@ def _assert_no_leak(s: Scheduler) -> None:
     assert not s.kv.block_tables
 
 
-def test_random_workload_preempts_and_finishes_everything_without_leaks():
+@pytest.mark.parametrize("scheduler", ["tokens", "compute"])
+def test_random_workload_preempts_and_finishes_everything_without_leaks(scheduler):
     rng = random.Random(0)
-    s = _make(num_blocks=12, budget=24, max_len=48)
+    s = _make(num_blocks=12, budget=24, max_len=48, scheduler=scheduler)
     reqs = []
     for i in range(20):
         prompt = [rng.randrange(5, 100) for _ in range(rng.randrange(1, 30))]
@@ -97,3 +106,195 @@ def test_abort_waiting_and_running_frees_blocks():
     assert s.abort("b") is None
     _assert_no_leak(s)
     assert not s.has_unfinished()
+
+
+# ---------------------------------------------------------------------- compute policy
+
+# seconds: per step, per token, per request, per prefill attention pair, per KV token a decode reads
+COEFS = (0.01, 1e-4, 1e-4, 1e-7, 1e-6)
+STEP_BUDGET = 0.05
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _compute(num_blocks=1024, block_size=16, max_seqs=64, budget_tokens=2048, max_len=8192, aging_s=1.0,
+             clock=None) -> Scheduler:
+    kv = KVCacheManager(num_blocks, block_size, "m", "l")
+    cm = CostModel(coefficients=COEFS)
+    policy = ComputeBudgetPolicy(cm, STEP_BUDGET, min_chunk=block_size, aging_s=aging_s, clock=clock or FakeClock())
+    config = SchedulerConfig(max_num_seqs=max_seqs, max_num_batched_tokens=budget_tokens)
+    return Scheduler(config, kv, max_len, policy, cm)
+
+
+def _req(rid: str, n: int, max_tokens: int = 1, arrival: float = 0.0) -> Request:
+    rng = random.Random(rid)  # distinct prompts: no prefix-cache hits between requests
+    return Request(rid, [rng.randrange(5, 1000) for _ in range(n)],
+                   SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_time=arrival)
+
+
+def _step(s: Scheduler):
+    out = s.schedule()
+    sampled = {x.request.request_id: 7 for x in out.scheduled if x.start + x.num_new_tokens == x.request.num_tokens}
+    s.update(out, sampled)
+    return out
+
+
+def test_compute_policy_respects_time_budget_except_the_progress_chunk():
+    rng = random.Random(3)
+    s = _compute(num_blocks=160, max_seqs=48)
+    for i in range(60):
+        s.add(_req(f"r{i}", rng.choice([8, 40, 300, 1500]), max_tokens=rng.randrange(1, 40)))
+    over = 0
+    while s.has_unfinished():
+        out = _step(s)
+        assert out.num_tokens <= 2048 and len(s.running) <= 48
+        if s.cost_model.predict(StepWork.from_output(out)) > STEP_BUDGET + 1e-12:
+            over += 1  # only the minimum-progress chunk may overshoot: one prefill chunk of <= one block
+            chunks = [x.num_new_tokens for x in out.scheduled if x.num_new_tokens > 1]
+            assert len(chunks) <= 1 and all(n <= 16 for n in chunks)
+    assert s.num_preemptions > 0  # blocks ran out on the way: preemption still works under this policy
+    assert s.kv.pool.num_free == s.kv.pool.num_blocks
+
+
+def test_chunks_shrink_as_a_long_prompt_attends_to_more_context():
+    s = _compute()
+    r = _req("long", 6000)
+    s.add(r)
+    sizes = []
+    while r.num_computed_tokens < r.num_prompt_tokens:
+        sizes.append(_step(s).num_tokens)
+    body = sizes[:-1]  # the last chunk is whatever is left
+    assert body == sorted(body, reverse=True) and body[-1] < body[0] / 3, sizes
+    cm = s.cost_model
+    start = 0
+    for n in body:  # each chunk is the largest that fits
+        assert cm.predict(StepWork(((n, start),))) <= STEP_BUDGET < cm.predict(StepWork(((n + 1, start),)))
+        start += n
+
+
+def test_decodes_over_budget_still_leave_a_minimum_prefill_chunk():
+    s = _compute(num_blocks=8192)
+    for i in range(40):  # 40 decodes at 2000 tokens of context: ~0.09 s predicted, about twice the budget
+        s.add(_req(f"d{i}", 2000, max_tokens=1000))
+    s.policy.time_budget_s = 10.0  # let them all in quickly
+    while any(r.num_output_tokens == 0 for r in s.running) or s.waiting:
+        _step(s)
+    s.policy.time_budget_s = STEP_BUDGET
+    assert s.cost_model.predict(StepWork(tuple((1, r.num_computed_tokens) for r in s.running))) > STEP_BUDGET
+    s.add(_req("late", 100))
+    out = _step(s)
+    assert [x.num_new_tokens for x in out.scheduled if x.request.request_id == "late"] == [16]
+    assert sum(x.num_new_tokens == 1 for x in out.scheduled) == 40
+
+
+def test_short_prompts_behind_a_long_one_are_served_before_it_finishes():
+    def first_tokens(scheduler: Scheduler) -> tuple[int, dict[str, int]]:
+        long = _req("long", 3000)
+        scheduler.add(long)
+        done_at, first = None, {}
+        for step in range(1, 200):
+            if step == 2:  # the long prompt is already running when the short ones arrive
+                for i in range(3):
+                    scheduler.add(_req(f"s{i}", 30, arrival=0.1))
+            _step(scheduler)
+            for rid in ("s0", "s1", "s2"):
+                if rid not in first and rid not in scheduler.requests and step >= 2:
+                    first[rid] = step  # finished = got its one token
+            if done_at is None and long.num_computed_tokens >= long.num_prompt_tokens:
+                done_at = step
+            if done_at and len(first) == 3:
+                return done_at, first
+        raise AssertionError("did not finish")
+
+    long_done, short_first = first_tokens(_compute(aging_s=100))
+    assert max(short_first.values()) < long_done  # admitted and answered while the long one prefills
+    tokens = _make(num_blocks=1024, block_size=16, budget=512, max_len=8192, max_seqs=64)
+    long_done_t, short_first_t = first_tokens(tokens)
+    assert min(short_first_t.values()) >= long_done_t  # strict FIFO: they wait for the whole prefill
+
+
+def test_aging_keeps_a_stream_of_short_prompts_from_starving_a_long_one():
+    def run(aging_s: float) -> int | None:
+        clock = FakeClock()
+        s = _compute(aging_s=aging_s, clock=clock, max_seqs=256, num_blocks=4096)
+        long = _req("long", 1500)
+        s.add(long)
+        for step in range(80):
+            clock.now = step * STEP_BUDGET
+            for i in range(12):  # more short work arrives every step than one step can serve
+                s.add(_req(f"s{step}-{i}", 40, arrival=clock.now))
+            _step(s)
+            if long.num_computed_tokens >= long.num_prompt_tokens:
+                return step
+        return None
+
+    assert run(aging_s=float("inf")) is None  # without aging, short prompts always go first: starved
+    finished = run(aging_s=1.0)
+    # aged after 1 s (20 steps); from then on it is served first and gets (nearly) whole steps
+    assert finished is not None and finished < 40
+
+
+def test_compute_order_preempted_then_aged_then_buckets_fifo():
+    clock = FakeClock()
+    s = _compute(clock=clock)
+    policy = s.policy
+    clock.now = 10.0
+    reqs = [_req("long-old", 3000, arrival=9.5), _req("short-b", 20, arrival=9.8), _req("mid", 600, arrival=9.1),
+            _req("short-a", 20, arrival=9.7), _req("aged-long", 3000, arrival=5.0), _req("pre", 3000, arrival=9.9)]
+    reqs[-1].status = reqs[-1].status.PREEMPTED
+    order = policy.prefill_order([], reqs, lambda r: 0)
+    assert [r.request_id for r in order] == ["pre", "aged-long", "short-a", "short-b", "mid", "long-old"]
+    assert [policy.bucket(n, 0) for n in (20, 600, 3000)] == [0, 1, 2]
+    # a cached prefix makes a long prompt cheap to serve: it is bucketed by what is left to compute
+    assert policy.bucket(3000, 2990) == 0
+
+
+def test_fifo_within_a_bucket_and_max_num_seqs_under_compute():
+    s = _compute(max_seqs=2)
+    for i in range(4):
+        s.add(_req(f"r{i}", 3, arrival=float(i)))
+    out = s.schedule()
+    assert [x.request.request_id for x in out.scheduled] == ["r0", "r1"]
+    assert [r.request_id for r in s.waiting] == ["r2", "r3"]
+
+
+def test_scheduler_flags():
+    parser = argparse.ArgumentParser()
+    add_config_arguments(parser, SchedulerConfig)
+    args = parser.parse_args(["--scheduler", "tokens", "--step-time-budget-ms", "80", "--no-profile-cost-model"])
+    config = engine_config_from_args(args).scheduler
+    assert (config.scheduler, config.step_time_budget_ms, config.profile_cost_model) == ("tokens", 80.0, False)
+    assert SchedulerConfig().scheduler == "compute"
+    kv = KVCacheManager(8, 4, "m", "l")
+    assert isinstance(Scheduler(config, kv, 32).policy, TokenBudgetPolicy)
+    compute = Scheduler(SchedulerConfig(step_time_budget_ms=80), kv, 32)
+    assert isinstance(compute.policy, ComputeBudgetPolicy) and compute.step_time_budget == pytest.approx(0.08)
+    auto = Scheduler(SchedulerConfig(), kv, 32)  # 4 one-sequence decode steps of the cost model
+    assert auto.step_time_budget == pytest.approx(4 * auto.cost_model.predict(StepWork(((1, 4),))))
+    with pytest.raises(ValueError):
+        EngineConfig.from_kwargs(step_time_budget_ms=0)
+
+
+def test_greedy_output_identical_under_tokens_and_compute(tiny_models, hf_models):
+    from deepinfer import LLM
+    from tests.conftest import hf_greedy
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (1, 5, 16, 17, 40, 73, 150, 260)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    path = str(tiny_models["qwen3"])
+    tokens = LLM(path, dtype="float32", kv_cache_memory="64MiB", scheduler="tokens", max_num_batched_tokens=48,
+                 profile_cost_model=False)
+    # a tight time budget: chunk sizes vary from step to step with the measured profile
+    compute = LLM(path, dtype="float32", kv_cache_memory="64MiB", scheduler="compute", step_time_budget_ms=2.0)
+    got_t = [o.outputs[0].token_ids for o in tokens.generate(prompts, params)]
+    got_c = [o.outputs[0].token_ids for o in compute.generate(prompts, params)]
+    assert got_t == got_c
+    for p, out in zip(prompts, got_c, strict=True):
+        assert out == hf_greedy(hf_models["qwen3"], p, 10)

@@ -143,8 +143,12 @@ def test_admin_endpoints(server):
                  "deepinfer:prefix_cache_queries_total", "deepinfer:prefix_cache_hits_total",
                  "deepinfer:prompt_tokens_total", "deepinfer:generation_tokens_total",
                  "deepinfer:time_to_first_token_seconds_count", "deepinfer:inter_token_latency_seconds_count",
-                 "deepinfer:e2e_request_latency_seconds_count", "deepinfer:request_queue_time_seconds_count"):
+                 "deepinfer:e2e_request_latency_seconds_count", "deepinfer:request_queue_time_seconds_count",
+                 "deepinfer:cost_model_coefficient", "deepinfer:step_time_seconds",
+                 "deepinfer:step_time_predicted_seconds", "deepinfer:step_time_prediction_abs_error_ema",
+                 "deepinfer:step_time_budget_seconds", "deepinfer:step_time_budget_utilization"):
         metric(server, name)
+    assert metric(server, "deepinfer:step_time_budget_seconds") > 0
     assert metric(server, "deepinfer:generation_tokens_total") > 0
 
 

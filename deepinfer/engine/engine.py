@@ -3,6 +3,7 @@ detokenize, stop strings, n > 1 grouping) used by the offline `LLM` and the serv
 
     LLMEngine.add_request ─▶ EngineCore.add_request ─▶ Scheduler.waiting
     LLMEngine.step ─▶ EngineCore.step: Scheduler.schedule ─▶ ModelRunner.execute ─▶ Scheduler.update
+                                        (the measured step time feeds CostModel.observe)
                   ─▶ detokenize new tokens, match stop strings (finishing the request in the core)
                   ─▶ RequestOutput per request that changed
 """
@@ -16,6 +17,8 @@ import time
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
+from deepinfer.engine.cost_model import CostModel, StepWork
+from deepinfer.engine.cost_profile import profile_steps
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.request import Request, RequestStatus
@@ -61,9 +64,15 @@ class EngineCore:
         kv_layout = f"{self.runner.dtype}|bs{bs}|layers{self.hf_config.num_hidden_layers}"
         self.kv = KVCacheManager(self.runner.num_blocks, bs, self.files.identity, kv_layout,
                                  config.cache.enable_prefix_caching)
-        self.scheduler = Scheduler(config.scheduler, self.kv, self.max_model_len, policy)
+        sc = config.scheduler
+        self.cost_model = CostModel()
+        if sc.profile_cost_model:
+            self.cost_model.calibrate(profile_steps(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
+                                                    sc.max_num_batched_tokens))
+        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.runner.num_blocks, bs,
                     self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20)
+        logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)
         self.num_steps = 0
 
     def add_request(self, req: Request) -> None:
@@ -80,6 +89,7 @@ class EngineCore:
         if plan.empty:
             return []
         result = self.runner.execute(plan, self.kv.block_tables)
+        self.cost_model.observe(StepWork.from_output(plan), result.seconds)
         advanced = self.scheduler.update(plan, result.sampled)
         self.num_steps += 1
         return [CoreOutput(r, r.token_ids[-1], result.logprobs.get(r.request_id)) for r in advanced]
@@ -193,6 +203,7 @@ class LLMEngine:
             "prefix_queries": kv.prefix_queries,
             "prefix_hits": kv.prefix_hits,
             "num_preemptions": sched.num_preemptions,
+            **self.core.cost_model.stats(sched.step_time_budget),
         }
 
     def step(self) -> list[RequestOutput]:

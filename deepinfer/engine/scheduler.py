@@ -1,40 +1,35 @@
 """Continuous batching under one token budget per step, with no separate prefill/decode phases.
 
-Each step: running requests that decode come first (one token each), then running
-requests still prefilling (next chunk), then waiting requests in FIFO order while the
-token budget, `max_num_seqs` and free blocks allow. How many prompt tokens a request
-gets in a step is decided in one place, the `PrefillPolicy` (token budget here; a
-compute-aware policy plugs in the same way). When blocks run out, the newest running
-request not yet scheduled this step is preempted: its blocks are freed and it is
-recomputed later from its tokens, so nothing deadlocks and nothing is dropped.
+Each step: running requests that decode come first (one token each), then prefill work (running
+requests still prefilling and waiting requests) in the order the `PrefillPolicy` gives, while the
+token budget, `max_num_seqs` and free blocks allow. The policy (`policies.py`) also decides how many
+prompt tokens each piece gets: `tokens` fills the token budget in FIFO order; `compute` fills a
+step-time budget predicted by the cost model, serving short prompts first. When blocks run out, the
+newest running request not yet scheduled this step is preempted: its blocks are freed, it goes back
+to the front of the queue and is recomputed later from its tokens, so nothing deadlocks and nothing
+is dropped; no waiting request is admitted in a step that preempted.
 """
 
 from __future__ import annotations
 
 import time
-from abc import ABC, abstractmethod
 from collections import deque
 from dataclasses import dataclass, field
 
 from deepinfer.config import SchedulerConfig
+from deepinfer.engine.cost_model import CostModel
 from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.policies import (
+    ComputeBudgetPolicy,
+    PrefillPolicy,
+    TokenBudgetPolicy,
+    make_policy,
+    resolve_step_time_budget,
+)
 from deepinfer.engine.request import Request, RequestStatus
 
-
-class PrefillPolicy(ABC):
-    """Decides how many of a request's uncomputed tokens run in this step."""
-
-    @abstractmethod
-    def chunk_size(self, req: Request, start: int, remaining: int, token_budget: int) -> int:
-        """`start`: tokens already in the KV cache; `remaining`: tokens left to compute;
-        `token_budget`: tokens still free in this step. Returns 0..min(remaining, token_budget)."""
-
-
-class TokenBudgetPolicy(PrefillPolicy):
-    """As many tokens as the step's token budget has left (classic chunked prefill)."""
-
-    def chunk_size(self, req: Request, start: int, remaining: int, token_budget: int) -> int:
-        return min(remaining, token_budget)
+__all__ = ["ComputeBudgetPolicy", "PrefillPolicy", "ScheduledRequest", "Scheduler", "SchedulerOutput",
+           "TokenBudgetPolicy"]
 
 
 @dataclass
@@ -60,11 +55,16 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 policy: PrefillPolicy | None = None) -> None:
+                 policy: PrefillPolicy | None = None, cost_model: CostModel | None = None) -> None:
+        """`policy` defaults to the one `config.scheduler` names, built on `cost_model` (default: an
+        uncalibrated CostModel)."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
-        self.policy = policy or TokenBudgetPolicy()
+        self.cost_model = cost_model or CostModel()
+        # resolved once: an auto budget must not drift with the online fit, or step sizes would wander
+        self.step_time_budget = resolve_step_time_budget(config, self.cost_model, kv.block_size)
+        self.policy = policy or make_policy(config, self.cost_model, self.step_time_budget, kv.block_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -92,65 +92,90 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        policy = self.policy
+        policy.begin_step()
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         prefill_chunks: list[ScheduledRequest] = []
-        # decodes first (stable: oldest first), then running prefills
-        for req in sorted(self.running, key=lambda r: r.num_tokens - r.num_computed_tokens > 1):
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        for req in decodes:  # oldest first; never held back by the time budget
             if budget == 0:
                 break
-            if req.status is not RequestStatus.RUNNING:
-                continue  # preempted earlier in this loop
-            remaining = req.num_tokens - req.num_computed_tokens
-            n = 1 if remaining == 1 else self.policy.chunk_size(req, req.num_computed_tokens, remaining, budget)
-            n = min(n, budget, remaining)
-            if n <= 0:
-                continue
-            while not self.kv.allocate(req, n):
-                victim = self._newest_unscheduled(scheduled_ids)
-                self._preempt(victim)
-                out.preempted.append(victim)
-                if victim is req:
+            if req.status is RequestStatus.RUNNING and self._allocate_running(req, 1, out, scheduled_ids):
+                out.scheduled.append(ScheduledRequest(req, 1, req.num_computed_tokens))
+                scheduled_ids.add(req.request_id)
+                policy.add_work(1, req.num_computed_tokens)
+                budget -= 1
+        admitting = not out.preempted
+        for req in policy.prefill_order(prefills, self.waiting, self._estimated_start):
+            if budget == 0:
+                break
+            if req.status is RequestStatus.RUNNING:
+                start = req.num_computed_tokens
+                remaining = req.num_tokens - start
+                n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
+                if n <= 0:
+                    break  # the step is full; what comes later in the order is worth less
+                if not self._allocate_running(req, n, out, scheduled_ids):
+                    admitting = False
+                    continue
+                admitting = admitting and not out.preempted
+            else:  # waiting (or preempted earlier in this very step, which `admitting` now refuses)
+                # Under `compute` a short waiting prompt may come before a running long prefill; if its
+                # blocks leave that prefill short, the prefill preempts as above (newest first).
+                if not admitting or len(self.running) >= self.config.max_num_seqs:
+                    admitting = False
+                    continue
+                if not req.ready_to_schedule():
+                    continue
+                cached = self.kv.find_cached_prefix(req)
+                start = len(cached) * self.kv.block_size
+                remaining = req.num_tokens - start
+                n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
+                if n <= 0:
                     break
-            if req.status is not RequestStatus.RUNNING:
-                continue
-            item = ScheduledRequest(req, n, req.num_computed_tokens)
-            (out.scheduled if n == 1 else prefill_chunks).append(item)
+                if not self.kv.allocate(req, n, cached):
+                    admitting = False  # FIFO: the head waits for room rather than being overtaken
+                    continue
+                self._admit(req, start)
+            prefill_chunks.append(ScheduledRequest(req, n, start))
             scheduled_ids.add(req.request_id)
+            policy.add_work(n, start, prefill=True)
             budget -= n
-        if not out.preempted:
-            self._admit_waiting(budget, out, prefill_chunks)
         # single-token work (decodes, 1-token prompt tails) first, then multi-token chunks
         ones = [s for s in prefill_chunks if s.num_new_tokens == 1]
         out.scheduled.extend(ones)
         out.scheduled.extend(s for s in prefill_chunks if s.num_new_tokens != 1)
         return out
 
-    def _admit_waiting(self, budget: int, out: SchedulerOutput, chunks: list[ScheduledRequest]) -> None:
-        skipped: list[Request] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            req = self.waiting[0]
-            if not req.ready_to_schedule():
-                skipped.append(self.waiting.popleft())
-                continue
-            cached = self.kv.find_cached_prefix(req)
-            start = len(cached) * self.kv.block_size
-            remaining = req.num_tokens - start
-            n = min(self.policy.chunk_size(req, start, remaining, budget), budget, remaining)
-            if n <= 0 or not self.kv.allocate(req, n, cached):
-                break  # FIFO: the head waits for room rather than being overtaken
-            self.waiting.popleft()
-            req.num_computed_tokens = start
-            if req.num_cached_tokens < 0:
-                req.num_cached_tokens = min(start, req.num_prompt_tokens)
-                self.kv.record_prefix_query(req, req.num_cached_tokens)
-            req.status = RequestStatus.RUNNING
-            if req.first_scheduled_time is None:
-                req.first_scheduled_time = time.monotonic()
-            self.running.append(req)
-            chunks.append(ScheduledRequest(req, n, start))
-            budget -= n
-        self.waiting.extendleft(reversed(skipped))
+    def _allocate_running(self, req: Request, n: int, out: SchedulerOutput, scheduled_ids: set[str]) -> bool:
+        """Blocks for `n` more tokens of a running request, preempting the newest unscheduled running
+        requests (possibly `req` itself) until they fit. True if `req` is still running and allocated."""
+        while not self.kv.allocate(req, n):
+            victim = self._newest_unscheduled(scheduled_ids)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _admit(self, req: Request, start: int) -> None:
+        self.waiting.remove(req)
+        req.num_computed_tokens = start
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = min(start, req.num_prompt_tokens)
+            self.kv.record_prefix_query(req, req.num_cached_tokens)
+        req.status = RequestStatus.RUNNING
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.running.append(req)
+
+    def _estimated_start(self, req: Request) -> int:
+        """Tokens `req` would not need to compute now: its computed ones, or its cached prefix if waiting."""
+        if req.status is RequestStatus.RUNNING:
+            return req.num_computed_tokens
+        return len(self.kv.find_cached_prefix(req)) * self.kv.block_size
 
     def _newest_unscheduled(self, scheduled_ids: set[str]) -> Request:
         for req in reversed(self.running):

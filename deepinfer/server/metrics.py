@@ -1,7 +1,8 @@
 """Prometheus metrics, named like vLLM's with a `deepinfer:` prefix, on a per-app registry.
 
-Engine-side state (running / waiting requests, KV usage, prefix-cache counters) is read
-from the engine's latest stats snapshot at scrape time; request latencies are observed
+Engine-side state (running / waiting requests, KV usage, prefix-cache counters, the step-time
+cost model's coefficients and prediction error, time-budget use) is read from the engine's
+latest stats snapshot at scrape time; request latencies are observed
 as outputs stream out (`RequestTimer`).
 """
 
@@ -11,6 +12,8 @@ import time
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from deepinfer.engine.cost_model import TERMS
 
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
                     20.0, 40.0, 80.0, 160.0)
@@ -43,6 +46,28 @@ class _EngineCollector:
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_queries"])
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_hits"])
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", s["num_preemptions"])
+        yield counter("cost_model_observations", "Engine steps the step-time cost model has been fitted on.",
+                      s["cost_model_observations"])
+        yield gauge("step_time_seconds", "Measured time of the last engine step.", s["step_time_seconds"])
+        yield gauge("step_time_predicted_seconds", "The cost model's prediction for the last engine step.",
+                    s["step_time_predicted_seconds"])
+        yield gauge("step_time_prediction_error", "(predicted - measured) / measured time of the last step.",
+                    s["step_time_prediction_error"])
+        yield gauge("step_time_prediction_abs_error_ema", "Moving average of |relative error| of predicted step "
+                    "times (each step predicted before it joins the fit).", s["step_time_prediction_abs_error_ema"])
+        yield gauge("step_time_prediction_abs_error_median", "Median |relative error| of predicted step times "
+                    "over the cost model's window.", s["step_time_prediction_abs_error_median"])
+        yield gauge("step_time_budget_seconds", "Time budget of one step (the compute scheduler fills it).",
+                    s["step_time_budget_seconds"])
+        yield gauge("step_time_budget_utilization", "Moving average of measured step time / step time budget.",
+                    s["step_time_budget_utilization"])
+        coef = GaugeMetricFamily("deepinfer:cost_model_coefficient",
+                                 "Step-time cost model: seconds per unit of each term (overhead: per step; token: "
+                                 "per token; seq: per request; attn_pair: per prefill attention pair; decode_ctx: "
+                                 "per KV token a decode reads).", labels=label + ["term"])
+        for term in TERMS:
+            coef.add_metric([self.model_name, term], s[f"cost_coef_{term}"])
+        yield coef
 
 
 class ServerMetrics:

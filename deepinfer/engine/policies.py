@@ -1,0 +1,138 @@
+"""Prefill policies: in what order prefill work is considered and how many tokens each piece gets.
+
+The Scheduler owns the mechanics (KV blocks, preemption, `max_num_seqs`, the token budget) and
+asks its policy, every step:
+
+    begin_step()                                   a new step, nothing in it yet
+    add_work(new_tokens, context, prefill)         the scheduler put this in the step (decodes too)
+    prefill_order(running_prefills, waiting, ...)  which prefill work to consider, best first
+    chunk_size(req, start, remaining, token_budget)  how many of req's tokens to run now
+
+`tokens` (TokenBudgetPolicy): running prefills, then waiting requests FIFO; each piece gets all the
+token budget has left (classic chunked prefill).
+
+`compute` (ComputeBudgetPolicy): a step has a time budget (the target inter-token latency of the
+decodes in it). Decodes always run; prefill chunks fill the time left, each sized with the cost
+model so the predicted step time fits: a long prompt's later chunks attend to more context and so
+get fewer tokens. Prefill work (running and waiting alike) is served by bucket of predicted
+remaining prefill time, short first, FIFO within a bucket; preempted requests come first, and any
+request whose first token has waited longer than `aging_s` comes before every bucket (oldest
+first), so a stream of short prompts cannot starve a long one. The first prefill chunk of a step
+always gets at least `min_chunk` tokens, even when the decodes alone fill the budget.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable
+
+from deepinfer.config import SchedulerConfig
+from deepinfer.engine.cost_model import CostModel, StepWork, add_chunk, empty_step
+from deepinfer.engine.request import Request, RequestStatus
+
+# Auto step-time budget = this many single-sequence decode steps: prefill bursts slow a decode stream
+# to at most ~4x its solo inter-token latency, and the fixed per-step cost stays <= ~1/4 of a step.
+AUTO_BUDGET_DECODE_STEPS = 4.0
+# Bucket upper bounds, in step-time budgets of predicted remaining prefill time: short prompts fit in
+# one step, medium ones in a few; the rest are long.
+BUCKET_BOUNDS = (1.0, 8.0)
+
+
+class PrefillPolicy(ABC):
+    """Decides which prefill work runs in a step and how many of a request's tokens it gets."""
+
+    def begin_step(self) -> None:  # noqa: B027 - optional hook
+        """A new step starts: nothing is scheduled in it yet."""
+
+    def add_work(self, new_tokens: int, context: int, prefill: bool = False) -> None:  # noqa: B027
+        """The scheduler placed `new_tokens` tokens after `context` computed ones in this step;
+        `prefill` tells chunks chosen by `chunk_size` from decodes."""
+
+    def prefill_order(self, running: list[Request], waiting: Iterable[Request],
+                      start_of: Callable[[Request], int]) -> list[Request]:
+        """Running requests still prefilling and waiting requests, in the order to serve them.
+        `start_of(req)` estimates the tokens `req` has computed (or will find in the prefix cache).
+        Default: running first, then waiting in queue order (preempted requests sit at its front)."""
+        return [*running, *waiting]
+
+    @abstractmethod
+    def chunk_size(self, req: Request, start: int, remaining: int, token_budget: int) -> int:
+        """`start`: tokens already in the KV cache; `remaining`: tokens left to compute;
+        `token_budget`: tokens still free in this step. Returns 0..min(remaining, token_budget)."""
+
+
+class TokenBudgetPolicy(PrefillPolicy):
+    """As many tokens as the step's token budget has left (classic chunked prefill)."""
+
+    def chunk_size(self, req: Request, start: int, remaining: int, token_budget: int) -> int:
+        return min(remaining, token_budget)
+
+
+class ComputeBudgetPolicy(PrefillPolicy):
+    """Prefill chunks sized to fit a step-time budget; bucketed, aged FIFO order (see module doc)."""
+
+    def __init__(self, cost_model: CostModel, time_budget_s: float, min_chunk: int = 16, aging_s: float = 2.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if time_budget_s <= 0:
+            raise ValueError(f"the step time budget must be positive, got {time_budget_s}")
+        self.cost_model = cost_model
+        self.time_budget_s = time_budget_s
+        self.min_chunk = min_chunk
+        self.aging_s = aging_s
+        self.clock = clock  # tests drive aging with a fake clock
+        self._used = empty_step()
+        self._prefilled = False
+
+    def begin_step(self) -> None:
+        self._used = empty_step()
+        self._prefilled = False
+
+    def add_work(self, new_tokens: int, context: int, prefill: bool = False) -> None:
+        add_chunk(self._used, new_tokens, context)
+        self._prefilled |= prefill
+
+    def bucket(self, num_tokens: int, start: int) -> int:
+        """0 short / 1 medium / 2 long, by predicted time to prefill tokens [start, num_tokens)."""
+        seconds = self.cost_model.prefill_seconds(num_tokens, start)
+        for i, bound in enumerate(BUCKET_BOUNDS):
+            if seconds <= bound * self.time_budget_s:
+                return i
+        return len(BUCKET_BOUNDS)
+
+    def prefill_order(self, running: list[Request], waiting: Iterable[Request],
+                      start_of: Callable[[Request], int]) -> list[Request]:
+        now = self.clock()
+        candidates = [*running, *waiting]
+
+        def key(item: tuple[int, Request]) -> tuple[int, float, int]:
+            i, req = item
+            if req.status is RequestStatus.PREEMPTED:
+                return (0, 0.0, i)  # back to the front, in the order the scheduler queued them
+            if now - req.arrival_time >= self.aging_s:
+                return (1, req.arrival_time, i)
+            return (2 + self.bucket(req.num_tokens, start_of(req)), req.arrival_time, i)
+
+        return [req for _, req in sorted(enumerate(candidates), key=key)]
+
+    def chunk_size(self, req: Request, start: int, remaining: int, token_budget: int) -> int:
+        limit = min(remaining, token_budget)
+        n = self.cost_model.largest_chunk(self._used, start, self.time_budget_s, limit)
+        if not self._prefilled:  # progress guarantee: the step's first prefill chunk is never starved
+            n = max(n, min(self.min_chunk, limit))
+        return n
+
+
+def resolve_step_time_budget(config: SchedulerConfig, cost_model: CostModel, block_size: int) -> float:
+    """The step-time budget in seconds: the configured one, or auto (see AUTO_BUDGET_DECODE_STEPS)."""
+    if config.step_time_budget_ms is not None:
+        return config.step_time_budget_ms / 1000
+    return AUTO_BUDGET_DECODE_STEPS * cost_model.predict(StepWork(((1, block_size),)))
+
+
+def make_policy(config: SchedulerConfig, cost_model: CostModel, time_budget_s: float,
+                block_size: int) -> PrefillPolicy:
+    if config.scheduler == "tokens":
+        return TokenBudgetPolicy()
+    return ComputeBudgetPolicy(cost_model, time_budget_s, min_chunk=block_size,
+                               aging_s=config.bucket_aging_ms / 1000)
