@@ -27,7 +27,7 @@ def _decode_batch(lens: list[int], block_size: int, num_blocks: int, gen: torch.
         nb = (n + block_size - 1) // block_size
         tables.append(perm[used:used + nb])
         used += nb
-    slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lens)])
+    slots = torch.tensor([t[(n - 1) // block_size] * block_size + (n - 1) % block_size for t, n in zip(tables, lens, strict=True)])
     return AttentionBatch([1] * len(lens), lens, tables, len(lens), slots, block_size)
 
 
