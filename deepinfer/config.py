@@ -101,6 +101,15 @@ class SchedulerConfig:
         "Calibrate the step-time cost model at start-up with a few synthetic steps (~1-2 s on the default "
         "model on CPU); without it the model starts from rough defaults and learns from served steps.",
     )
+    overlap_host_work: str = _f(
+        "auto",
+        "on: run the model on its own thread and overlap host work with it (while step N runs, the engine "
+        "detokenizes, matches stop strings and streams step N-1's tokens, and schedules step N+1 as soon as N "
+        "ends). off: every step runs, then is post-processed, strictly in turn. auto: on for CUDA; off on CPU, "
+        "where the host thread competes with the model's threads for the same cores and the GIL "
+        "(benchmarks/overlap.py measured it slower on a 2-core machine, see BENCHMARKS.md).",
+        choices=["auto", "on", "off"],
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs <= 0:
@@ -109,6 +118,8 @@ class SchedulerConfig:
             raise ValueError(f"max_num_batched_tokens must be positive, got {self.max_num_batched_tokens}")
         if self.step_time_budget_ms is not None and self.step_time_budget_ms <= 0:
             raise ValueError(f"step_time_budget_ms must be positive, got {self.step_time_budget_ms}")
+        if self.overlap_host_work not in ("auto", "on", "off"):
+            raise ValueError(f"overlap_host_work must be auto, on or off, got {self.overlap_host_work!r}")
         if self.bucket_aging_ms < 0:
             raise ValueError(f"bucket_aging_ms must be >= 0, got {self.bucket_aging_ms}")
 

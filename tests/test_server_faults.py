@@ -64,7 +64,7 @@ def test_health_turns_503_when_the_engine_loop_dies(inprocess_server):
     def broken(*_args, **_kw):
         raise RuntimeError("injected device failure")
 
-    engine.engine.core.runner.execute = broken  # fault injection: the next model step fails
+    engine.engine.core.runner.run = broken  # fault injection: the next model step fails
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=30)
     assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
     assert httpx.get(f"{base}/health").status_code == 503

@@ -14,6 +14,7 @@ import dataclasses
 import itertools
 import logging
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
@@ -22,15 +23,21 @@ from deepinfer.engine.cost_profile import profile_steps
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.request import Request, RequestStatus
-from deepinfer.engine.runner import ModelRunner
+from deepinfer.engine.runner import ModelRunner, StepResult
 from deepinfer.engine.sampler import TokenLogprobs
 from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.engine.scheduler import PrefillPolicy, Scheduler
+from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
 from deepinfer.recipe.detokenizer import IncrementalDetokenizer
 from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
 from deepinfer.weights import resolve_model
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlightStep:
+    plan: SchedulerOutput
+    future: Future[StepResult]
 
 
 @dataclass
@@ -74,6 +81,11 @@ class EngineCore:
                     self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20)
         logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)
         self.num_steps = 0
+        self._model_thread: ThreadPoolExecutor | None = None
+        self._last_run_ended: float | None = None
+        self.idle_gap_seconds = 0.0  # model-thread time with no step running between consecutive steps
+        self.idle_gap_last = 0.0
+        self.num_idle_gaps = 0
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -85,14 +97,42 @@ class EngineCore:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[CoreOutput]:
+        """Schedule, run and apply one step, in turn."""
+        inflight = self.launch(background=False)
+        return self.complete(inflight) if inflight is not None else []
+
+    def launch(self, background: bool = True) -> InFlightStep | None:
+        """Schedule the next step and build its inputs (host), then start the model on it: on the
+        model thread when `background`, else right here. None when there is nothing to run."""
         plan = self.scheduler.schedule()
         if plan.empty:
-            return []
-        result = self.runner.execute(plan, self.kv.block_tables)
+            return None
+        prepared = self.runner.prepare(plan, self.kv.block_tables)
+        future: Future[StepResult] = Future()
+        if background:
+            if self._model_thread is None:
+                self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-model")
+            future = self._model_thread.submit(self.runner.run, prepared)
+        else:
+            future.set_result(self.runner.run(prepared))
+        return InFlightStep(plan, future)
+
+    def complete(self, inflight: InFlightStep) -> list[CoreOutput]:
+        """Wait for a launched step and apply it: computed counts, sampled tokens, stop conditions.
+        Requests finished or aborted while it ran (e.g. by a stop string) are skipped."""
+        result = inflight.future.result()
+        plan = inflight.plan
+        if self._last_run_ended is not None:
+            gap = result.run_started - self._last_run_ended
+            self.idle_gap_seconds += gap
+            self.idle_gap_last = gap
+            self.num_idle_gaps += 1
         self.cost_model.observe(StepWork.from_output(plan), result.seconds)
         advanced = self.scheduler.update(plan, result.sampled)
         self.num_steps += 1
-        return [CoreOutput(r, r.token_ids[-1], result.logprobs.get(r.request_id)) for r in advanced]
+        # a gap counts only between steps that follow each other while work is pending
+        self._last_run_ended = result.run_ended if self.scheduler.has_unfinished() else None
+        return [CoreOutput(r, result.sampled[r.request_id], result.logprobs.get(r.request_id)) for r in advanced]
 
 
 class _Child:
@@ -130,6 +170,9 @@ class LLMEngine:
         self._parents: dict[str, _Parent] = {}
         self._child_parent: dict[str, _Parent] = {}
         self._ids = itertools.count()
+        mode = config.scheduler.overlap_host_work
+        self.overlap = mode == "on" or (mode == "auto" and self.core.runner.device.type == "cuda")
+        self._inflight: InFlightStep | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -203,13 +246,31 @@ class LLMEngine:
             "prefix_queries": kv.prefix_queries,
             "prefix_hits": kv.prefix_hits,
             "num_preemptions": sched.num_preemptions,
+            "step_idle_gap_seconds_total": self.core.idle_gap_seconds,
+            "step_idle_gap_last_seconds": self.core.idle_gap_last,
+            "step_idle_gaps": self.core.num_idle_gaps,
             **self.core.cost_model.stats(sched.step_time_budget),
         }
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the current state of every request that advanced."""
+        """Run one engine step; return the current state of every request that advanced.
+
+        With `overlap_host_work`, the step that produced these outputs was launched by the
+        previous call, and the next one is already running on the model thread while this
+        call detokenizes and matches stop strings (a request a stop string ends then has one
+        token in flight, which is discarded)."""
+        core = self.core
+        if not self.overlap:
+            core_outputs = core.step()
+        else:
+            inflight = self._inflight or core.launch()
+            core_outputs = core.complete(inflight) if inflight is not None else []
+            self._inflight = core.launch()
+        return self._process(core_outputs)
+
+    def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         changed: dict[str, _Parent] = {}
-        for out in self.core.step():
+        for out in core_outputs:
             parent = self._child_parent.get(out.request.request_id)
             if parent is None:
                 continue

@@ -1,8 +1,10 @@
 """Loads the model, owns the KV cache tensors, and runs one scheduled step.
 
-`execute(step)` flattens the step's requests into one token batch (decodes first),
-describes it to the attention backend, runs the model once, and samples for every
-request whose known tokens are now all computed.
+A step has two halves so that the engine can overlap them with other work:
+`prepare(step)` (host side: reads token ids and block tables, builds the input and
+attention-metadata tensors) and `run(prepared)` (the model forward and sampling; it
+touches no scheduler state, so it can run on its own thread while the host schedules
+and post-processes). `execute` is both, in order.
 """
 
 from __future__ import annotations
@@ -10,10 +12,12 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from deepinfer.config import CacheConfig, ModelConfig, parse_memory
+from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, TokenLogprobs
 from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.layers.attention import AttentionBatch
@@ -59,7 +63,22 @@ class StepResult:
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     num_tokens: int
-    seconds: float
+    seconds: float  # prepare + run
+    run_started: float = 0.0  # time.perf_counter() at the start and end of `run`
+    run_ended: float = 0.0
+
+
+@dataclass
+class PreparedStep:
+    """A step's inputs, built on the host; `run` needs nothing else."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    meta: Any
+    logits_indices: torch.Tensor
+    sample_reqs: list[Request]
+    num_tokens: int
+    prepare_seconds: float
 
 
 class ModelRunner:
@@ -122,8 +141,10 @@ class ModelRunner:
             budget = min(available // 4, 4 * 2**30) if spec == "auto" else parse_memory(spec, available)
         return max(1, budget // self.kv_bytes_per_block)
 
-    @torch.inference_mode()
     def execute(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
+        return self.run(self.prepare(step, block_tables))
+
+    def prepare(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> PreparedStep:
         started = time.perf_counter()
         bs = self.block_size
         tokens: list[int] = []
@@ -153,20 +174,25 @@ class ModelRunner:
                 sample_reqs.append(req)
         slot_mapping = torch.cat([s if isinstance(s, torch.Tensor) else torch.tensor([s]) for s in slots])
         batch = AttentionBatch(query_lens, context_lens, tables, num_decodes, slot_mapping.to(self.device), bs)
-        meta = self.backend.prepare(batch)
         dev = self.device
-        logits = self.model(
-            torch.tensor(tokens, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            self.kv_caches, meta,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
-        )
+        return PreparedStep(
+            torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
+            self.backend.prepare(batch), torch.tensor(logits_rows, dtype=torch.long, device=dev), sample_reqs,
+            len(tokens), time.perf_counter() - started)
+
+    @torch.inference_mode()
+    def run(self, step: PreparedStep) -> StepResult:
+        """Forward + sampling. Reads only `step` and the sampled requests' params and token ids
+        (which the engine does not change while a step runs)."""
+        started = time.perf_counter()
+        logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_indices)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
-        if sample_reqs:
-            out = self.sampler(logits.cpu(), sample_reqs)
-            for req, tok, lp in zip(sample_reqs, out.token_ids, out.logprobs, strict=True):
+        if step.sample_reqs:
+            out = self.sampler(logits.cpu(), step.sample_reqs)
+            for req, tok, lp in zip(step.sample_reqs, out.token_ids, out.logprobs, strict=True):
                 sampled[req.request_id] = tok
                 if lp is not None:
                     logprobs[req.request_id] = lp
-        return StepResult(sampled, logprobs, len(tokens), time.perf_counter() - started)
+        ended = time.perf_counter()
+        return StepResult(sampled, logprobs, step.num_tokens, step.prepare_seconds + ended - started, started, ended)

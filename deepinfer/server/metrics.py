@@ -61,6 +61,12 @@ class _EngineCollector:
                     s["step_time_budget_seconds"])
         yield gauge("step_time_budget_utilization", "Moving average of measured step time / step time budget.",
                     s["step_time_budget_utilization"])
+        yield counter("step_idle_gap_seconds", "Time the model sat idle between consecutive steps while requests "
+                      "were pending (host work not overlapped with the model).", s["step_idle_gap_seconds_total"])
+        yield counter("step_idle_gaps", "Gaps between consecutive steps counted in step_idle_gap_seconds.",
+                      s["step_idle_gaps"])
+        yield gauge("step_idle_gap_last_seconds", "The last idle gap between consecutive steps.",
+                    s["step_idle_gap_last_seconds"])
         coef = GaugeMetricFamily("deepinfer:cost_model_coefficient",
                                  "Step-time cost model: seconds per unit of each term (overhead: per step; token: "
                                  "per token; seq: per request; attn_pair: per prefill attention pair; decode_ctx: "
