@@ -73,6 +73,45 @@ void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d
         for (int m = 0; m < M; m++) { acc[m] = _mm256_setzero_ps(); off[m] = 0.f; }
         const uint8_t *row = qs + (int64_t)n * nb * 16;
         const float *dn = d + (int64_t)n * nb, *mnn = mn + (int64_t)n * nb;
+#ifdef __AVX512F__
+        /* 16-wide, two blocks per iteration into separate accumulators (two dependency chains) */
+        __m512 acc16[MAX_ROWS], acc16b[MAX_ROWS];
+        for (int m = 0; m < M; m++) acc16[m] = acc16b[m] = _mm512_setzero_ps();
+        const __m128i nib = _mm_set1_epi8(0x0F);
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            __m128i b0 = _mm_loadu_si128((const __m128i *)(row + b * 16));
+            __m128i b1 = _mm_loadu_si128((const __m128i *)(row + b * 16 + 16));
+            __m512 wl0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, nib)));
+            __m512 wh0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b0, 4), nib)));
+            __m512 wl1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, nib)));
+            __m512 wh1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b1, 4), nib)));
+            __m512 sc0 = _mm512_set1_ps(dn[b]), sc1 = _mm512_set1_ps(dn[b + 1]);
+            for (int m = 0; m < M; m++) {
+                const float *xb = x + (int64_t)m * K + b * QK;
+                __m512 s0 = _mm512_fmadd_ps(wh0, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(wl0, _mm512_loadu_ps(xb)));
+                __m512 s1 = _mm512_fmadd_ps(wh1, _mm512_loadu_ps(xb + 48), _mm512_mul_ps(wl1, _mm512_loadu_ps(xb + 32)));
+                acc16[m] = _mm512_fmadd_ps(sc0, s0, acc16[m]);
+                acc16b[m] = _mm512_fmadd_ps(sc1, s1, acc16b[m]);
+                off[m] += mnn[b] * scratch[m * nb + b] + mnn[b + 1] * scratch[m * nb + b + 1];
+            }
+        }
+        for (; b < nb; b++) {
+            __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * 16));
+            __m512 wl = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nib)));
+            __m512 wh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nib)));
+            __m512 scale = _mm512_set1_ps(dn[b]);
+            for (int m = 0; m < M; m++) {
+                const float *xb = x + (int64_t)m * K + b * QK;
+                __m512 s = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(wl, _mm512_loadu_ps(xb)));
+                acc16[m] = _mm512_fmadd_ps(scale, s, acc16[m]);
+                off[m] += mnn[b] * scratch[m * nb + b];
+            }
+        }
+        for (int m = 0; m < M; m++)
+            store_out(y, (int64_t)m * N + n, _mm512_reduce_add_ps(_mm512_add_ps(acc16[m], acc16b[m])) + off[m], dtype);
+        continue;
+#endif
         for (int b = 0; b < nb; b++) {
             __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * 16));
             __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
@@ -103,6 +142,22 @@ void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d,
         for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
         const int8_t *row = qs + (int64_t)n * K;
         const float *dn = d + (int64_t)n * nb;
+#ifdef __AVX512F__
+        __m512 acc16[MAX_ROWS];
+        for (int m = 0; m < M; m++) acc16[m] = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + b * QK))));
+            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + b * QK + 16))));
+            __m512 scale = _mm512_set1_ps(dn[b]);
+            for (int m = 0; m < M; m++) {
+                const float *xb = x + (int64_t)m * K + b * QK;
+                __m512 s = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));
+                acc16[m] = _mm512_fmadd_ps(scale, s, acc16[m]);
+            }
+        }
+        for (int m = 0; m < M; m++) store_out(y, (int64_t)m * N + n, _mm512_reduce_add_ps(acc16[m]), dtype);
+        continue;
+#endif
         for (int b = 0; b < nb; b++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(row + b * QK));
             __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);

@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from deepinfer.layers.cpu_kernels import dtype_code, float_ptr, load_library
+from deepinfer.layers.cpu_kernels import dtype_code, load_library
 
 QK = 32
 
@@ -67,11 +67,11 @@ class QuantizedWeight:
         widened = m * self.k if code == 1 else 0
         scratch = torch.empty(widened + (m * (self.k // QK) if self.kind == "q4_1" else 0) + 1, dtype=torch.float32)
         if self.kind == "q4_1":
-            lib.q4_1_gemm(x.data_ptr(), m, self.k, self.qs.data_ptr(), float_ptr(self.d), float_ptr(self.mn),
-                          y.data_ptr(), self.n, float_ptr(scratch), code)
+            lib.q4_1_gemm(x.data_ptr(), m, self.k, self.qs.data_ptr(), self.d.data_ptr(), self.mn.data_ptr(),
+                          y.data_ptr(), self.n, scratch.data_ptr(), code)
         else:
-            lib.q8_0_gemm(x.data_ptr(), m, self.k, self.qs.data_ptr(), float_ptr(self.d), y.data_ptr(), self.n,
-                          float_ptr(scratch), code)
+            lib.q8_0_gemm(x.data_ptr(), m, self.k, self.qs.data_ptr(), self.d.data_ptr(), y.data_ptr(), self.n,
+                          scratch.data_ptr(), code)
         return y
 
 

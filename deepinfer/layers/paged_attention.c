@@ -36,6 +36,12 @@ static inline void store_elem(void *p, int64_t i, float v, int bf16) {
     ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
 }
 
+/* the four horizontal sums of a0..a3, in one vector */
+static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
 /* s[t] = e^(s[t] - mx) for t < n, adding them to *sum */
 static inline void exp_shifted(float *s, int n, float mx, float *sum) {
     const __m256 m8 = _mm256_set1_ps(mx);
@@ -93,10 +99,7 @@ int paged_decode_attention(const void *q, void *out, const void *k_cache, const 
                             a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * tstride + d * esize, bf16), a2);
                             a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * tstride + d * esize, bf16), a3);
                         }
-                        s[g][t] = hsum8(a0);
-                        s[g][t + 1] = hsum8(a1);
-                        s[g][t + 2] = hsum8(a2);
-                        s[g][t + 3] = hsum8(a3);
+                        _mm_storeu_ps(&s[g][t], hsum4x8(a0, a1, a2, a3));
                     }
                     for (; t < n; t++) {
                         __m256 a = _mm256_setzero_ps();
