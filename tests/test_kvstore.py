@@ -24,7 +24,7 @@ from deepinfer.kvstore import (
     TieredKVStore,
     parse_duration,
 )
-from deepinfer.kvstore.space import LOCK_NAME, iter_files
+from deepinfer.kvstore.space import LOCK_NAME, StoreSpace, iter_files
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = KVLayout("float16", 4, 2, 1, 8)  # 256-byte blocks: enough to exercise every path, fast to write
@@ -183,7 +183,7 @@ def test_leftover_temp_file_is_never_loaded_and_gc_removes_it(tmp_path):
     (seg,) = segments(tmp_path)
     seg.unlink()
     # what a writer killed mid-write leaves behind: a partial temp file next to where the object would be
-    tmp = seg.parent / f".{seg.name}.abc123.{4000}.tmp"
+    tmp = seg.parent / f".{seg.name}.abc123.4000.tmp"
     tmp.write_bytes(b"DIKV" + b"\0" * 100)
     assert store.contains_prefix(hs) == 0 and store.get(hs) == []
     assert store.gc()["tmp"] == 0  # young: it may be a write in flight
@@ -201,7 +201,8 @@ def test_retention_ttl_expiry_and_gc(tmp_path):
     agent, chat = chain(list(range(16))), chain(list(range(50, 66)))
     store.put(agent, [payload(h) for h in agent], "agent")
     store.put(chat, [payload(h) for h in chat], "chat")
-    store.put(chain(list(range(90, 94))), [payload(chain(list(range(90, 94)))[0])], "no-such-class")  # -> chat
+    unknown = chain(list(range(90, 94)))
+    store.put(unknown, [payload(h) for h in unknown], "no-such-class")  # falls back to the default, chat
     assert store.scan()["by_class"].keys() == {"agent", "chat"}
 
     now[0] += 71 * H
@@ -311,12 +312,12 @@ print(json.dumps({"bad": bad, **store.stats()}))
 """
 
 
-def _locked_usage(root: Path) -> int:
-    """Bytes on disk (segments + in-flight writes) while no writer can reserve or evict."""
+def _locked_usage(root: Path) -> tuple[int, int | None]:
+    """(bytes on disk: segments + in-flight writes, the usage counter) while no writer can reserve or evict."""
     fd = os.open(root / LOCK_NAME, os.O_RDWR)
     try:
         fcntl.lockf(fd, fcntl.LOCK_EX)
-        return sum(e.size for e in iter_files(root))
+        return sum(e.size for e in iter_files(root)), StoreSpace(root, 1)._read_counter(fd)
     finally:
         os.close(fd)
 
@@ -328,17 +329,15 @@ def test_capacity_bound_holds_continuously_under_a_write_storm(tmp_path):
     procs = [spawn(STORM_CHILD, tmp_path, me, 40, max_bytes) for me in range(4)]
     peak = samples = 0
     while any(p.poll() is None for p in procs):
-        peak = max(peak, _locked_usage(tmp_path))
+        peak = max(peak, _locked_usage(tmp_path)[0])
         samples += 1
         time.sleep(0.002)
     results = [result(p) for p in procs]
     assert samples > 0 and peak <= max_bytes
-    on_disk = sum(e.size for e in iter_files(tmp_path))
-    assert on_disk <= max_bytes
+    on_disk, counter = _locked_usage(tmp_path)
+    assert on_disk <= max_bytes and counter == on_disk  # the shared counter did not drift
     assert sum(r["evicted"] for r in results) > 0 and sum(r["writes"] for r in results) == 160
     assert all(r["bad"] == 0 and r["corrupt"] == 0 and r["write_errors"] == 0 for r in results)
-    store = make_store(tmp_path, max_bytes=max_bytes)
-    assert store.space._read_counter(os.open(tmp_path / LOCK_NAME, os.O_RDONLY)) == on_disk  # no drift
 
 
 def test_write_failure_store_path_not_a_directory(tmp_path):

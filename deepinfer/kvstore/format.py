@@ -41,8 +41,9 @@ _DIGEST = 16
 # a header bigger than this is corrupt, not a real segment: bounds the read of a damaged length field
 MAX_HEADER_BYTES = 1 << 20
 
-_DTYPE_SIZES = {"float32": 4, "float": 4, "float16": 2, "half": 2, "bfloat16": 2, "float64": 8,
-                "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1, "uint8": 1}
+# canonical torch names only, so one layout has one key
+_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                "int8": 1, "uint8": 1}
 
 
 class CorruptSegment(ValueError):
@@ -121,9 +122,6 @@ class RetentionPolicy:
 
     def ttl(self, retention_class: str | None) -> float:
         return self.ttls[self.resolve(retention_class)]
-
-    def spec(self) -> str:
-        return ",".join(f"{k}={v:g}s" for k, v in self.ttls.items())
 
 
 def _pack_str(s: str) -> bytes:

@@ -257,33 +257,44 @@ def verify_payload(f: BinaryIO, hdr: SegmentHeader) -> None:
             raise CorruptSegment("payload CRC mismatch")
 
 
-def scan(root: Path, clock: Callable[[], float] = time.time) -> dict:
-    """Summary of a store directory (reads every header; no payloads)."""
+def _walk(root: Path, clock: Callable[[], float], verify: bool = False
+          ) -> Iterator[tuple[FileEntry, SegmentHeader | None, str]]:
+    """Every file under `root` with its header and state: tmp, corrupt, expired or live."""
     now = clock()
-    out: dict = {"path": str(root), "objects": 0, "bytes": 0, "blocks": 0, "expired": 0, "expired_bytes": 0,
-                 "corrupt": 0, "tmp_files": 0, "by_class": {}}
     for e in iter_files(root):
         if e.tmp:
-            out["tmp_files"] += 1
+            yield e, None, "tmp"
             continue
         try:
             with open(e.path, "rb") as f:
                 hdr = read_header(f)
+                if verify:
+                    verify_payload(f, hdr)
         except CorruptSegment:
-            out["corrupt"] += 1
+            yield e, None, "corrupt"
             continue
         except FileNotFoundError:
             continue
-        size = e.size
+        yield e, hdr, "expired" if now >= hdr.expires else "live"
+
+
+def scan(root: Path, clock: Callable[[], float] = time.time) -> dict:
+    """Summary of a store directory (reads every header; no payloads)."""
+    out: dict = {"path": str(root), "objects": 0, "bytes": 0, "blocks": 0, "expired": 0, "expired_bytes": 0,
+                 "corrupt": 0, "tmp_files": 0, "by_class": {}}
+    for e, hdr, state in _walk(root, clock):
+        if hdr is None:
+            out["tmp_files" if state == "tmp" else "corrupt"] += 1
+            continue
         out["objects"] += 1
-        out["bytes"] += size
+        out["bytes"] += e.size
         out["blocks"] += hdr.nblocks
         cls = out["by_class"].setdefault(hdr.retention_class, {"objects": 0, "bytes": 0})
         cls["objects"] += 1
-        cls["bytes"] += size
-        if now >= hdr.expires:
+        cls["bytes"] += e.size
+        if state == "expired":
             out["expired"] += 1
-            out["expired_bytes"] += size
+            out["expired_bytes"] += e.size
     return out
 
 
@@ -291,38 +302,31 @@ def gc(root: Path, max_bytes: int | None = None, clock: Callable[[], float] = ti
        verify: bool = False) -> dict:
     """Remove expired, corrupt (header, length; payload CRCs too if `verify`) and stale temp segments,
     then evict LRU segments down to `max_bytes` if given. Returns what was removed and what is left."""
-    now, wall = clock(), time.time()
+    wall = time.time()
     removed = {"expired": 0, "corrupt": 0, "tmp": 0, "evicted": 0, "freed_bytes": 0}
-    for e in iter_files(root):
-        if e.tmp:
+    objects = nbytes = 0
+    for e, _, state in _walk(root, clock, verify):
+        if state == "live":
+            objects += 1
+            nbytes += e.size
+        elif state == "tmp":
             if wall - e.mtime > STALE_TMP_SECONDS and _unlink(e.path):
                 removed["tmp"] += 1
-            continue
-        try:
-            with open(e.path, "rb") as f:
-                hdr = read_header(f)
-                if verify:
-                    verify_payload(f, hdr)
-            reason = "expired" if now >= hdr.expires else None
-        except CorruptSegment:
-            reason = "corrupt"
-        except FileNotFoundError:
-            continue
-        if reason and _unlink(e.path):
-            removed[reason] += 1
+        elif _unlink(e.path):
+            removed[state] += 1
             removed["freed_bytes"] += e.size
             _prune_dir(e.path.parent)
     if max_bytes is not None and root.is_dir():
         space = StoreSpace(root, max(1, max_bytes))
         try:
-            before = space.evicted_bytes
             space.enforce(max_bytes)
-            removed["evicted"] = space.evicted
-            removed["freed_bytes"] += space.evicted_bytes - before
         finally:
             space.close()
-    left = scan(root, clock)
-    return {**removed, "objects": left["objects"], "bytes": left["bytes"]}
+        removed["evicted"] = space.evicted
+        removed["freed_bytes"] += space.evicted_bytes
+        objects -= space.evicted
+        nbytes -= space.evicted_bytes
+    return {**removed, "objects": objects, "bytes": nbytes}
 
 
 def clear(root: Path) -> dict:
