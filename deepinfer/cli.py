@@ -1,4 +1,4 @@
-"""`deepinfer` command line: serve | generate | chat. Flags are generated from the config dataclasses."""
+"""`deepinfer` command line: serve | generate | chat | cache. Flags are generated from the config dataclasses."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import sys
 
 from deepinfer.config import (
     CacheConfig,
+    KVStoreConfig,
     ModelConfig,
     SchedulerConfig,
     ServerConfig,
@@ -16,7 +17,7 @@ from deepinfer.config import (
     engine_config_from_args,
 )
 
-ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig)
+ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, KVStoreConfig)
 
 
 def _sampling_arguments(p: argparse.ArgumentParser) -> None:
@@ -110,6 +111,50 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": reply})
 
 
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    import json
+    import shutil
+
+    from deepinfer.config import parse_memory
+    from deepinfer.kvstore import space
+
+    path = KVStoreConfig(kv_store=args.store).store_path()
+    if path is None:
+        raise ValueError("--store none: no KV store to inspect")
+    if not path.is_dir():
+        raise FileNotFoundError(f"no KV store at {path}")
+    if args.action == "stats":
+        result = space.scan(path)
+    elif args.action == "gc":
+        max_bytes = None
+        if args.max_bytes is not None:
+            max_bytes = parse_memory(args.max_bytes, shutil.disk_usage(path).total)
+        result = space.gc(path, max_bytes, verify=args.verify)
+    else:
+        result = space.clear(path)
+    if args.json:
+        print(json.dumps(result, indent=2, sort_keys=True))
+    elif args.action == "stats":
+        print(f"store: {result['path']}")
+        print(f"objects: {result['objects']} ({result['blocks']} blocks), {_human(result['bytes'])}")
+        for name, c in sorted(result["by_class"].items()):
+            print(f"  {name}: {c['objects']} objects, {_human(c['bytes'])}")
+        print(f"expired: {result['expired']} ({_human(result['expired_bytes'])})")
+        print(f"corrupt: {result['corrupt']}, temp files: {result['tmp_files']}")
+    else:
+        for key, value in result.items():
+            print(f"{key}: {_human(value) if key.endswith('bytes') else value}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="LLM inference serving.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (default: INFO).")
@@ -131,6 +176,23 @@ def build_parser() -> argparse.ArgumentParser:
     _sampling_arguments(chat)
     add_config_arguments(chat, *ENGINE_SECTIONS)
     chat.set_defaults(func=cmd_chat)
+
+    cache = sub.add_parser("cache", help="Inspect or clean the persistent KV block store.")
+    store_args = argparse.ArgumentParser(add_help=False)
+    store_args.add_argument("--store", default="auto",
+                            help="Store directory (default: auto = <cache dir>/kvstore, as --kv-store).")
+    store_args.add_argument("--json", action="store_true", help="Print the result as JSON.")
+    actions = cache.add_subparsers(dest="action", required=True)
+    actions.add_parser("stats", parents=[store_args],
+                       help="Objects, bytes, bytes by retention class, expired and corrupt counts.")
+    gc = actions.add_parser("gc", parents=[store_args],
+                            help="Remove expired and corrupt blocks and stale temp files; with --max-bytes, "
+                            "also evict least recently used blocks down to that size.")
+    gc.add_argument("--max-bytes", default=None,
+                    help="Capacity to enforce: bytes (e.g. 100GiB) or a fraction of the filesystem's size.")
+    gc.add_argument("--verify", action="store_true", help="Also check every payload checksum (reads everything).")
+    actions.add_parser("clear", parents=[store_args], help="Remove every block in the store.")
+    cache.set_defaults(func=cmd_cache)
     return parser
 
 

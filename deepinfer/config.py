@@ -12,6 +12,7 @@ import dataclasses
 import types
 import typing
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 
@@ -125,17 +126,56 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVStoreConfig:
+    """KV tiers below the device cache: host memory and the persistent (shared) block store."""
+
+    host_cache_memory: str = _f(
+        "0", "Host-memory KV tier: bytes (e.g. 4GiB) or a fraction of available memory (e.g. 0.1); 0 = off.")
+    kv_store: str = _f(
+        "auto",
+        "Persistent KV block store directory, shared by every worker that mounts it (local disk, NFS, Lustre, "
+        "3FS ...); auto = <cache dir>/kvstore ($DEEPINFER_CACHE_DIR or ~/.cache/deepinfer); none = off.",
+    )
+    kv_store_max_bytes: str = _f(
+        "20GiB", "Capacity of the KV store (least recently used blocks are evicted first): bytes (e.g. 500GiB) "
+        "or a fraction of the store filesystem's size (e.g. 0.5).")
+    kv_retention: str = _f(
+        "agent=72h,chat=7d", "Retention classes and how long their KV blocks are kept (units s, m, h, d).")
+    default_retention_class: str = _f("chat", "Retention class of requests that do not name one.")
+
+    def __post_init__(self) -> None:
+        from deepinfer.kvstore.format import RetentionPolicy
+
+        RetentionPolicy.parse(self.kv_retention, self.default_retention_class)  # raises ValueError if bad
+        for name in ("host_cache_memory", "kv_store_max_bytes"):
+            parse_memory(getattr(self, name), 1)
+        if not self.kv_store.strip():
+            raise ValueError("kv_store must be a directory, auto or none")
+
+    def store_path(self) -> Path | None:
+        """The store directory, or None when the store is off."""
+        if self.kv_store.strip().lower() == "none":
+            return None
+        if self.kv_store.strip().lower() == "auto":
+            from deepinfer.weights.loader import cache_root
+
+            return cache_root() / "kvstore"
+        return Path(self.kv_store).expanduser()
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; built from keyword arguments or from CLI flags."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments (`LLM(model=..., max_num_seqs=...)`); unknown names raise."""
-        parts: dict[str, dict[str, Any]] = {"model": {}, "cache": {}, "scheduler": {}}
+        parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
         owners = {f.name: part for part, sub in _SECTIONS.items() for f in dataclasses.fields(sub)}
         for key, value in kwargs.items():
             if key not in owners:
@@ -145,6 +185,7 @@ class EngineConfig:
             model=ModelConfig(**parts["model"]),
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**parts["scheduler"]),
+            kvstore=KVStoreConfig(**parts["kvstore"]),
         )
 
 
@@ -162,7 +203,8 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
 
 
-_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig}
+_SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
+                              "kvstore": KVStoreConfig}
 
 
 def parse_memory(spec: str | int | float, available_bytes: int) -> int:
@@ -231,4 +273,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         model=config_from_args(ModelConfig, args),
         cache=config_from_args(CacheConfig, args),
         scheduler=config_from_args(SchedulerConfig, args),
+        kvstore=config_from_args(KVStoreConfig, args),
     )

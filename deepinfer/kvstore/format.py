@@ -1,0 +1,222 @@
+"""What a KV segment object looks like on disk, and the value types around it.
+
+Owns: the KV layout description (`KVLayout`), retention classes and their TTLs
+(`RetentionPolicy`, parsed from specs like ``agent=72h,chat=7d``), and the binary
+segment header (`SegmentHeader`: encode, decode, validate).
+
+One object ("segment") holds ``nblocks`` consecutive KV blocks of one hash chain::
+
+    fixed part      magic "DIKV", format version, header length, block count,
+                    bytes per block, payload length, created, expires,
+                    chain position of the first block
+    strings         model identity, KV layout key, dtype, retention class
+    hashes          16-byte chained hash of every block (the content address)
+    crcs            CRC-32 of every block's payload
+    header digest   BLAKE2b-128 over everything above
+    payload         nblocks * block_nbytes bytes, block after block
+
+The header digest makes a header readable on its own (lookups never touch the
+payload); the per-block CRCs let a reader verify just the blocks it loads.
+CRC-32 rather than BLAKE2b for payloads: it is ~3.5x faster here (1.7 vs 0.45
+GB/s on this machine) and the threat is torn writes and bit rot, not forgery (a
+process that can write the store can write valid digests of any kind). The file
+length must equal header length + payload length, which catches truncation
+without reading the payload.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import zlib
+from dataclasses import dataclass, field
+
+MAGIC = b"DIKV"
+FORMAT_VERSION = 1
+HASH_SIZE = 16
+_FIXED = struct.Struct("<4sHHIIQQddQ")  # magic, version, reserved, header_len, nblocks, block_nbytes,
+#                                          payload_len, created, expires, first_pos
+_DIGEST = 16
+# a header bigger than this is corrupt, not a real segment: bounds the read of a damaged length field
+MAX_HEADER_BYTES = 1 << 20
+
+# canonical torch names only, so one layout has one key
+_DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8, "float8_e4m3fn": 1, "float8_e5m2": 1,
+                "int8": 1, "uint8": 1}
+
+
+class CorruptSegment(ValueError):
+    """A segment that must not be served: damaged, truncated, or not what its name claims."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The shape of one KV block for all layers: K and V, each [block_size, kv_heads, head_dim] per layer."""
+
+    dtype: str
+    block_size: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", str(self.dtype).removeprefix("torch."))
+        if self.dtype not in _DTYPE_SIZES:
+            raise ValueError(f"unknown KV dtype {self.dtype!r}; known: {sorted(_DTYPE_SIZES)}")
+        if min(self.block_size, self.num_layers, self.num_kv_heads, self.head_dim) <= 0:
+            raise ValueError(f"KV layout sizes must be positive: {self}")
+
+    @property
+    def key(self) -> str:
+        """Stable text naming the layout; goes into the segment header (and should go into the root hash)."""
+        return f"{self.dtype}|bs{self.block_size}|L{self.num_layers}|kvh{self.num_kv_heads}|hd{self.head_dim}"
+
+    @property
+    def block_nbytes(self) -> int:
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * _DTYPE_SIZES[self.dtype]
+
+
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """``"90s"``, ``"30m"``, ``"72h"``, ``"7d"``, ``"1.5h"`` -> seconds (a bare number is seconds)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text.lower())
+    if not m:
+        raise ValueError(f"cannot parse duration {text!r} (examples: 90s, 30m, 72h, 7d)")
+    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Retention classes and their TTLs; an unknown class falls back to `default_class`."""
+
+    ttls: dict[str, float] = field(default_factory=lambda: {"agent": 72 * 3600.0, "chat": 7 * 86400.0})
+    default_class: str = "chat"
+
+    def __post_init__(self) -> None:
+        if not self.ttls:
+            raise ValueError("a retention policy needs at least one class")
+        for name, ttl in self.ttls.items():
+            if not re.fullmatch(r"[A-Za-z0-9_.-]+", name) or ttl <= 0:
+                raise ValueError(f"bad retention class {name!r}={ttl!r}: name [A-Za-z0-9_.-]+, TTL > 0")
+        if self.default_class not in self.ttls:
+            raise ValueError(f"default retention class {self.default_class!r} not in {sorted(self.ttls)}")
+
+    @classmethod
+    def parse(cls, spec: str, default_class: str = "chat") -> RetentionPolicy:
+        """``"agent=72h,chat=7d"`` -> policy."""
+        ttls: dict[str, float] = {}
+        for part in spec.split(","):
+            if not part.strip():
+                continue
+            name, sep, dur = part.partition("=")
+            if not sep:
+                raise ValueError(f"bad retention entry {part!r} in {spec!r}; expected class=duration")
+            ttls[name.strip()] = parse_duration(dur)
+        return cls(ttls, default_class)
+
+    def resolve(self, retention_class: str | None) -> str:
+        return retention_class if retention_class in self.ttls else self.default_class
+
+    def ttl(self, retention_class: str | None) -> float:
+        return self.ttls[self.resolve(retention_class)]
+
+
+def _pack_str(s: str) -> bytes:
+    b = s.encode()
+    if len(b) > 0xFFFF:
+        raise ValueError("header string too long")
+    return struct.pack("<H", len(b)) + b
+
+
+@dataclass
+class SegmentHeader:
+    model_identity: str
+    kv_layout: str
+    dtype: str
+    retention_class: str
+    created: float
+    expires: float
+    first_pos: int
+    block_nbytes: int
+    hashes: list[bytes]
+    crcs: list[int]
+    header_len: int = 0  # filled by encode / decode
+
+    @property
+    def nblocks(self) -> int:
+        return len(self.hashes)
+
+    @property
+    def payload_len(self) -> int:
+        return self.nblocks * self.block_nbytes
+
+    @property
+    def file_len(self) -> int:
+        return self.header_len + self.payload_len
+
+    @staticmethod
+    def length_for(nblocks: int, model_identity: str, kv_layout: str, dtype: str, retention_class: str) -> int:
+        """Header length of a segment of `nblocks` blocks with these strings (without building it)."""
+        strings = sum(2 + len(x.encode()) for x in (model_identity, kv_layout, dtype, retention_class))
+        return _FIXED.size + strings + nblocks * (HASH_SIZE + 4) + _DIGEST
+
+    def encode(self) -> bytes:
+        if len(self.crcs) != len(self.hashes) or any(len(h) != HASH_SIZE for h in self.hashes):
+            raise ValueError("one 16-byte hash and one CRC per block")
+        body = b"".join([_pack_str(self.model_identity), _pack_str(self.kv_layout), _pack_str(self.dtype),
+                         _pack_str(self.retention_class), *self.hashes,
+                         struct.pack(f"<{self.nblocks}I", *self.crcs)])
+        self.header_len = _FIXED.size + len(body) + _DIGEST
+        fixed = _FIXED.pack(MAGIC, FORMAT_VERSION, 0, self.header_len, self.nblocks, self.block_nbytes,
+                            self.payload_len, self.created, self.expires, self.first_pos)
+        head = fixed + body
+        return head + hashlib.blake2b(head, digest_size=_DIGEST).digest()
+
+    @staticmethod
+    def length(prefix: bytes) -> int:
+        """Header length announced by the fixed part at the start of a file; raises CorruptSegment."""
+        if len(prefix) < _FIXED.size:
+            raise CorruptSegment("file shorter than a header")
+        magic, version, _, header_len = struct.unpack_from("<4sHHI", prefix)
+        if magic != MAGIC:
+            raise CorruptSegment("bad magic")
+        if version != FORMAT_VERSION:
+            raise CorruptSegment(f"format version {version}, expected {FORMAT_VERSION}")
+        if not _FIXED.size + _DIGEST <= header_len <= MAX_HEADER_BYTES:
+            raise CorruptSegment("bad header length")
+        return header_len
+
+    @classmethod
+    def decode(cls, data: bytes) -> SegmentHeader:
+        """Parse and verify the header at the start of `data` (which may extend past it); raises CorruptSegment."""
+        header_len = cls.length(data)
+        if len(data) < header_len:
+            raise CorruptSegment("header truncated")
+        _, _, _, _, nblocks, block_nbytes, payload_len, created, expires, first_pos = _FIXED.unpack_from(data)
+        head = data[:header_len - _DIGEST]
+        if hashlib.blake2b(head, digest_size=_DIGEST).digest() != data[header_len - _DIGEST:header_len]:
+            raise CorruptSegment("header digest mismatch")
+        if payload_len != nblocks * block_nbytes:
+            raise CorruptSegment("payload length disagrees with block count")
+        try:
+            off = _FIXED.size
+            strings = []
+            for _ in range(4):
+                (n,) = struct.unpack_from("<H", head, off)
+                strings.append(bytes(head[off + 2:off + 2 + n]).decode())
+                off += 2 + n
+            if off + nblocks * (HASH_SIZE + 4) != len(head):
+                raise CorruptSegment("header layout mismatch")
+            hashes = [bytes(head[off + i * HASH_SIZE:off + (i + 1) * HASH_SIZE]) for i in range(nblocks)]
+            crcs = list(struct.unpack_from(f"<{nblocks}I", head, off + nblocks * HASH_SIZE))
+        except (struct.error, UnicodeDecodeError) as e:
+            raise CorruptSegment(f"unreadable header: {e}") from None
+        return cls(strings[0], strings[1], strings[2], strings[3], created, expires, first_pos, block_nbytes,
+                   hashes, crcs, header_len)
+
+
+def block_crc(buf: memoryview | bytes) -> int:
+    return zlib.crc32(buf)
