@@ -103,3 +103,38 @@ def test_argmax_rows_matches_torch_including_ties():
     x = torch.randn(9, 1000, generator=gen)
     x[3, 10] = x[3, 500] = 100.0  # a tie: the first index wins, as in torch
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cascade_over_a_prefix_shared_by_all_decodes(dtype):
+    """Ten decodes whose tables start with the same 6 blocks (a shared system prompt): the shared part is
+    attended once for all and merged by log-sum-exp; the result equals per-sequence attention."""
+    from deepinfer.layers import torch_attention as ta
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    shared = list(range(6))
+    lens = [6 * bs + 1 + 7 * i for i in range(10)]
+    tables, nxt = [], 6
+    for n in lens:
+        own = (n + bs - 1) // bs - 6
+        tables.append(shared + list(range(nxt, nxt + own)))
+        nxt += own
+    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])
+    batch = AttentionBatch([1] * len(lens), lens, tables, len(lens), slots, bs)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(len(lens), kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(len(lens), kv_heads, head_dim, generator=gen).to(dtype)
+    base = [torch.randn(nxt, bs, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+    outs = []
+    for use_kernel in (True, False):
+        backend = TorchAttentionBackend(CPU, use_cpu_kernel=use_kernel)
+        cache = backend.allocate_cache(1, nxt, bs, kv_heads, head_dim, dtype, CPU)[0]
+        cache[0].copy_(base[0])
+        cache[1].copy_(base[1])
+        meta = backend.prepare(batch)
+        if use_kernel:
+            assert meta.shared_blocks is not None and meta.shared_blocks.tolist() == shared
+        outs.append(backend.forward(q, k, v, cache, meta).float())
+    torch.testing.assert_close(outs[0], outs[1], atol=TOL[dtype], rtol=TOL[dtype])
+    assert ta._shared_prefix_blocks(tables[:3], lens[:3], bs) is None  # too few decodes to bother

@@ -83,7 +83,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.q4_1_gemm.argtypes = [vp, i, i, vp, vp, vp, vp, i, vp, i]
     lib.q8_0_gemm.argtypes = [vp, i, i, vp, vp, vp, i, vp, i]
     lib.max_rows.restype = i
-    lib.paged_decode_attention.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, ctypes.c_float, i]
+    lib.paged_decode_attention.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, ctypes.c_float, i,
+                                           ctypes.c_int64, vp]
     lib.paged_decode_attention.restype = i
     lib.rms_norm.argtypes = [vp, vp, vp, vp, i, i, ctypes.c_float, i]
     lib.rotary_qk.argtypes = [vp, ctypes.c_int64, i, vp, ctypes.c_int64, i, i, i, vp, vp, i]

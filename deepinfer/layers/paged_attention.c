@@ -10,6 +10,9 @@
  *   q, out: [B, H, D]; k_cache, v_cache: [num_blocks, block_size, KVH, D]
  *   block_tables: [B, max_blocks] int64; context_lens: [B] int64 (tokens to attend, new one included)
  *   dtype: 0 = float32, 1 = bfloat16 (q, out and the caches share it); math is float32.
+ *   skip: context tokens to leave out at the start (a multiple of block_size; a shared prefix the
+ *   caller attends separately); lse, if not NULL: [B, H] log-sum-exp of the scaled scores, so the
+ *   caller can merge this partial result with its own.
  * Built together with gguf_gemm.c by deepinfer/layers/cpu_kernels.py.
  */
 #include <math.h>
@@ -62,7 +65,8 @@ static inline void exp_shifted(float *s, int n, float mx, float *sum) {
 
 int paged_decode_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
-                           int B, int H, int KVH, int D, int block_size, float scale, int dtype) {
+                           int B, int H, int KVH, int D, int block_size, float scale, int dtype,
+                           int64_t skip, float *lse) {
     if (D > MAX_D || D % 8 || H % KVH || H / KVH > MAX_GROUP || block_size > MAX_BS) return -1;
     const int G = H / KVH, bf16 = dtype == 1, esize = bf16 ? 2 : 4;
     const int64_t row_stride = (int64_t)KVH * D;  /* elements between consecutive tokens of one head */
@@ -80,7 +84,7 @@ int paged_decode_attention(const void *q, void *out, const void *k_cache, const 
             }
             const int64_t ctx = context_lens[b];
             const int64_t *table = block_tables + (int64_t)b * max_blocks;
-            for (int64_t start = 0; start < ctx; start += block_size) {
+            for (int64_t start = skip; start < ctx; start += block_size) {
                 const int n = (int)(ctx - start < block_size ? ctx - start : block_size);
                 const int64_t first = (table[start / block_size] * block_size * row_stride + (int64_t)h * D);
                 const char *kb = (const char *)k_cache + first * esize;
@@ -138,6 +142,7 @@ int paged_decode_attention(const void *q, void *out, const void *k_cache, const 
             for (int g = 0; g < G; g++) {
                 const int64_t base = ((int64_t)b * H + h * G + g) * D;
                 const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+                if (lse) lse[(int64_t)b * H + h * G + g] = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
                 for (int d = 0; d < D; d++) store_elem(out, base + d, acc[g][d] * inv, bf16);
             }
         }

@@ -36,6 +36,7 @@ class TorchAttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, None if no padding
     decode_context_lens: torch.Tensor | None  # [B] int64 (C kernel only)
     prefills: list[_PrefillChunk]
+    shared_blocks: torch.Tensor | None = None  # block ids every decode starts with (C kernel only)
 
 
 def _kernel_supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
@@ -59,13 +60,14 @@ class TorchAttentionBackend(AttentionBackend):
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         bs, dev = batch.block_size, self.device
         nd = batch.num_decodes
-        decode_tables = decode_mask = decode_lens = None
+        decode_tables = decode_mask = decode_lens = shared = None
         if nd and self.kernels is not None:
             lens = batch.context_lens[:nd]
             max_blocks = max((n + bs - 1) // bs for n in lens)
             decode_tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
                                           for t in batch.block_tables[:nd]], dtype=torch.long)
             decode_lens = torch.tensor(lens, dtype=torch.long)
+            shared = _shared_prefix_blocks(batch.block_tables[:nd], lens, bs)
         elif nd:
             lens = batch.context_lens[:nd]
             max_blocks = (max(lens) + bs - 1) // bs
@@ -89,7 +91,8 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = (torch.arange(ctx)[None, :] <= (offset + torch.arange(q))[:, None]).to(dev)
             prefills.append(_PrefillChunk(start, start + q, table, ctx, mask))
             start += q
-        return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, decode_lens, prefills)
+        return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, decode_lens, prefills,
+                                      shared)
 
     def forward(self, q, k, v, cache, meta: TorchAttentionMetadata):
         k_cache, v_cache = cache
@@ -103,17 +106,10 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         out = q.new_empty(q.shape) if meta.prefills else None
         if nd and meta.decode_context_lens is not None:
-            o = q.new_empty((nd, heads, d)) if out is None else out
-            qd = q[:nd].contiguous()
-            rc = self.kernels.paged_decode_attention(
-                qd.data_ptr(), o.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                meta.decode_block_tables.data_ptr(), meta.decode_block_tables.shape[1],
-                meta.decode_context_lens.data_ptr(), nd, heads, kvh, d, bs, d ** -0.5,
-                cpu_kernels.dtype_code(q.dtype))
-            if rc != 0:
-                raise RuntimeError("paged_decode_attention rejected its arguments")
+            o = self._kernel_decode(q[:nd].contiguous(), k_rows, v_rows, k_cache, v_cache, meta)
             if out is None:
                 return o
+            out[:nd] = o
         elif nd:
             tables = meta.decode_block_tables
             keys = k_rows.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)
@@ -134,3 +130,56 @@ class TorchAttentionBackend(AttentionBackend):
             )
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
+
+    def _kernel_decode(self, q, k_rows, v_rows, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+        """Decode attention with the C kernel; a prefix shared by every decode (a system prompt) is
+        attended once for all of them as two batched matmuls, then merged by log-sum-exp with the
+        kernel's result over each sequence's own tokens (cascade attention)."""
+        nd, heads, d = q.shape
+        _, bs, kvh, _ = k_cache.shape
+        scale = d ** -0.5
+        out = torch.empty_like(q)
+        skip, lse = 0, None
+        if meta.shared_blocks is not None:
+            skip = meta.shared_blocks.numel() * bs
+            lse = torch.empty((nd, heads), dtype=torch.float32)
+        rc = self.kernels.paged_decode_attention(
+            q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+            meta.decode_block_tables.data_ptr(), meta.decode_block_tables.shape[1],
+            meta.decode_context_lens.data_ptr(), nd, heads, kvh, d, bs, scale,
+            cpu_kernels.dtype_code(q.dtype), skip, None if lse is None else lse.data_ptr())
+        if rc != 0:
+            raise RuntimeError("paged_decode_attention rejected its arguments")
+        if lse is None:
+            return out
+        group = heads // kvh
+        keys = k_rows.index_select(0, meta.shared_blocks).view(1, skip, kvh, d).transpose(1, 2)  # [1, kvh, P, d]
+        values = v_rows.index_select(0, meta.shared_blocks).view(1, skip, kvh, d).transpose(1, 2)
+        qh = q.view(nd, kvh, group, d).transpose(0, 1).reshape(1, kvh, nd * group, d)
+        # every decode's queries against the shared keys in one flash-attention call, which also
+        # returns the log-sum-exp needed to merge with the kernel's part
+        shared_out, shared_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            qh, keys, values, 0.0, False, scale=scale)[:2]
+        shared_lse = shared_lse.view(kvh, nd, group).transpose(0, 1).reshape(nd, heads)
+        shared_out = shared_out.view(kvh, nd, group, d).transpose(0, 1).reshape(nd, heads, d).float()
+        top = torch.maximum(shared_lse, lse)
+        w_shared, w_own = (shared_lse - top).exp_(), (lse - top).exp_()
+        merged = shared_out * w_shared.unsqueeze(-1) + out.float() * w_own.unsqueeze(-1)
+        return merged.div_((w_shared + w_own).unsqueeze(-1)).to(q.dtype)
+
+
+MIN_CASCADE_DECODES = 8  # below this, attending the shared prefix per sequence costs no more
+MIN_CASCADE_BLOCKS = 4
+
+
+def _shared_prefix_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> torch.Tensor | None:
+    """The leading block ids all decodes share (full blocks before each one's new token), if
+    there are enough decodes and blocks for cascade attention to pay off."""
+    if len(tables) < MIN_CASCADE_DECODES:
+        return None
+    limit = min((n - 1) // block_size for n in lens)
+    first = tables[0]
+    n = 0
+    while n < limit and all(t[n] == first[n] for t in tables):
+        n += 1
+    return torch.tensor(first[:n], dtype=torch.long) if n >= MIN_CASCADE_BLOCKS else None
