@@ -105,9 +105,10 @@ class SchedulerConfig:
     )
     overlap_host_work: str = _f(
         "auto",
-        "on: run the model on its own thread and overlap host work with it (while step N runs, the engine "
-        "detokenizes, matches stop strings and streams step N-1's tokens, and schedules step N+1 as soon as N "
-        "ends). off: every step runs, then is post-processed, strictly in turn. auto: on for CUDA; off on CPU, "
+        "on: run the model on its own thread and overlap host work with it: while step N runs, the engine "
+        "schedules and prepares step N+1 (N's sampled tokens are filled in on the model thread) and "
+        "detokenizes, matches stop strings and streams step N-1's tokens. off: every step is scheduled, run "
+        "and post-processed strictly in turn. auto: on for CUDA; off on CPU, "
         "where the host thread competes with the model's threads for the same cores and the GIL "
         "(benchmarks/overlap.py measured it slower on a 2-core machine, see BENCHMARKS.md).",
         choices=["auto", "on", "off"],

@@ -24,6 +24,7 @@ def test_overlap_is_token_identical_and_leaks_nothing(arch, tiny_models, hf_mode
         assert o.outputs[0].token_ids == hf_greedy(hf_models[arch], p, 10)
     core = llm.engine.core
     assert core.num_idle_gaps > 0 and core.idle_gap_seconds >= 0.0
+    assert core.num_steps_ahead > 0  # decodes were scheduled before the previous step's tokens existed
     _assert_all_free(llm)
 
     sampled = SamplingParams(temperature=0.9, top_p=0.9, seed=5, max_tokens=10, ignore_eos=True,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ logger = logging.getLogger(__name__)
 class InFlightStep:
     plan: SchedulerOutput
     future: Future[StepResult]
+    ready: threading.Event | None = None
 
 
 @dataclass
@@ -86,6 +88,7 @@ class EngineCore:
         self.idle_gap_seconds = 0.0  # model-thread time with no step running between consecutive steps
         self.idle_gap_last = 0.0
         self.num_idle_gaps = 0
+        self.num_steps_ahead = 0  # steps prepared with inputs the still-running step was sampling
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -101,13 +104,20 @@ class EngineCore:
         inflight = self.launch(background=False)
         return self.complete(inflight) if inflight is not None else []
 
-    def launch(self, background: bool = True) -> InFlightStep | None:
+    def launch(self, background: bool = True, ahead: bool = False) -> InFlightStep | None:
         """Schedule the next step and build its inputs (host), then start the model on it: on the
-        model thread when `background`, else right here. None when there is nothing to run."""
+        model thread when `background`, else right here. `ahead`: a step is still running; this
+        one is scheduled with that step's tokens pending and queued behind it on the model
+        thread (its sampling waits until `complete` has applied the earlier step). None when
+        there is nothing to run."""
         plan = self.scheduler.schedule()
         if plan.empty:
             return None
         prepared = self.runner.prepare(plan, self.kv.block_tables)
+        self.scheduler.commit(plan)
+        if ahead:
+            prepared.ready = threading.Event()
+            self.num_steps_ahead += bool(prepared.pending_tokens)
         future: Future[StepResult] = Future()
         if background:
             if self._model_thread is None:
@@ -115,11 +125,19 @@ class EngineCore:
             future = self._model_thread.submit(self.runner.run, prepared)
         else:
             future.set_result(self.runner.run(prepared))
-        return InFlightStep(plan, future)
+        return InFlightStep(plan, future, prepared.ready)
 
-    def complete(self, inflight: InFlightStep) -> list[CoreOutput]:
-        """Wait for a launched step and apply it: computed counts, sampled tokens, stop conditions.
-        Requests finished or aborted while it ran (e.g. by a stop string) are skipped."""
+    def complete(self, inflight: InFlightStep, next_step: InFlightStep | None = None) -> list[CoreOutput]:
+        """Wait for a launched step and apply it: sampled tokens, stop conditions. Requests finished
+        or aborted while it ran (e.g. by a stop string) are skipped. `next_step`, launched ahead of
+        this result, may sample once this returns."""
+        try:
+            return self._apply(inflight)
+        finally:
+            if next_step is not None and next_step.ready is not None:
+                next_step.ready.set()
+
+    def _apply(self, inflight: InFlightStep) -> list[CoreOutput]:
         result = inflight.future.result()
         plan = inflight.plan
         if self._last_run_ended is not None:
@@ -255,18 +273,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the current state of every request that advanced.
 
-        With `overlap_host_work`, the step that produced these outputs was launched by the
-        previous call, and the next one is already running on the model thread while this
-        call detokenizes and matches stop strings (a request a stop string ends then has one
-        token in flight, which is discarded)."""
+        With `overlap_host_work`, the step that produced these outputs (N) was launched by the
+        previous call; this call schedules and prepares step N+1 while N still runs (N's tokens
+        pending), queues it behind N on the model thread, then applies N and detokenizes and
+        matches stop strings while N+1 runs (a request a stop string ends then has one token in
+        flight, which is discarded)."""
         core = self.core
         if not self.overlap:
-            core_outputs = core.step()
-        else:
-            inflight = self._inflight or core.launch()
-            core_outputs = core.complete(inflight) if inflight is not None else []
-            self._inflight = core.launch()
-        return self._process(core_outputs)
+            return self._process(core.step())
+        inflight = self._inflight or core.launch()
+        if inflight is None:
+            return []
+        self._inflight = core.launch(ahead=True)
+        return self._process(core.complete(inflight, next_step=self._inflight))
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         changed: dict[str, _Parent] = {}

@@ -48,6 +48,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # sampled by a launched step but not yet appended (the engine may schedule the next step first)
+        self.num_pending_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; set at first schedule
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
@@ -65,7 +67,8 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
-        return len(self.token_ids)
+        """Known tokens plus the one a running step is sampling, if any."""
+        return len(self.token_ids) + self.num_pending_tokens
 
     @property
     def num_output_tokens(self) -> int:

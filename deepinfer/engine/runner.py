@@ -4,14 +4,17 @@ A step has two halves so that the engine can overlap them with other work:
 `prepare(step)` (host side: reads token ids and block tables, builds the input and
 attention-metadata tensors) and `run(prepared)` (the model forward and sampling; it
 touches no scheduler state, so it can run on its own thread while the host schedules
-and post-processes). `execute` is both, in order.
+and post-processes). A step may be prepared before the previous one has produced its
+tokens: those inputs are placeholders that `run` fills from the previous run's samples.
+`execute` is both halves, in order.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -79,6 +82,11 @@ class PreparedStep:
     sample_reqs: list[Request]
     num_tokens: int
     prepare_seconds: float
+    # (row in input_ids, request id) of tokens the previous step samples: filled in by `run`
+    pending_tokens: list[tuple[int, str]] = field(default_factory=list)
+    # set by the engine once the previous step's tokens are appended; sampling (penalties read the
+    # generated tokens) waits for it. None: nothing to wait for.
+    ready: threading.Event | None = None
 
 
 class ModelRunner:
@@ -104,6 +112,7 @@ class ModelRunner:
             hf_config.num_hidden_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
             self.model.head_dim, self.dtype, self.device)
         self.sampler = Sampler(model_config.seed)
+        self._last_sampled: dict[str, int] = {}  # the previous `run`'s tokens (fills pending inputs)
 
     def _attach_gguf(self, mode: str, files: ModelFiles) -> bool:
         is_gguf = files.source.suffix == ".gguf"
@@ -152,12 +161,17 @@ class ModelRunner:
         slots: list[torch.Tensor | int] = []
         query_lens, context_lens, tables = [], [], []
         logits_rows, sample_reqs = [], []
+        pending: list[tuple[int, str]] = []
         num_decodes = 0
         for item in step.scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
             table = block_tables[req.request_id]
             end = start + n
-            tokens.extend(req.token_ids[start:end])
+            known = req.token_ids[start:end]
+            tokens.extend(known)
+            if len(known) < n:  # the last token is still being sampled by the step before this one
+                pending.append((len(tokens), req.request_id))
+                tokens.append(0)
             if n == 1:
                 num_decodes += 1
                 positions.append(start)
@@ -178,16 +192,20 @@ class ModelRunner:
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
             self.backend.prepare(batch), torch.tensor(logits_rows, dtype=torch.long, device=dev), sample_reqs,
-            len(tokens), time.perf_counter() - started)
+            len(tokens), time.perf_counter() - started, pending)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult:
         """Forward + sampling. Reads only `step` and the sampled requests' params and token ids
         (which the engine does not change while a step runs)."""
         started = time.perf_counter()
+        for row, request_id in step.pending_tokens:
+            step.input_ids[row] = self._last_sampled[request_id]
         logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_indices)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
+        if step.ready is not None:
+            step.ready.wait()
         if step.sample_reqs:
             out = self.sampler(logits.cpu(), step.sample_reqs)
             for req, tok, lp in zip(step.sample_reqs, out.token_ids, out.logprobs, strict=True):
@@ -195,4 +213,5 @@ class ModelRunner:
                 if lp is not None:
                     logprobs[req.request_id] = lp
         ended = time.perf_counter()
+        self._last_sampled = sampled
         return StepResult(sampled, logprobs, step.num_tokens, step.prepare_seconds + ended - started, started, ended)

@@ -43,6 +43,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)  # decodes (1 token) first
     preempted: list[Request] = field(default_factory=list)
+    committed: bool = False  # see Scheduler.commit
 
     @property
     def num_tokens(self) -> int:
@@ -97,7 +98,7 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         prefill_chunks: list[ScheduledRequest] = []
-        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not self._ends_pending(r)]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         for req in decodes:  # oldest first; never held back by the time budget
             if budget == 0:
@@ -194,17 +195,42 @@ class Scheduler:
 
     # ------------------------------------------------------------------ update
 
+    def _ends_pending(self, req: Request) -> bool:
+        """True when the token a running step is sampling for `req` will end it by length, so
+        scheduling its next token ahead of that step's result would be wasted."""
+        if not req.num_pending_tokens:
+            return False
+        limit = req.max_tokens is not None and req.num_output_tokens + req.num_pending_tokens >= req.max_tokens
+        return limit or req.num_tokens >= self.max_model_len
+
+    def commit(self, out: SchedulerOutput) -> None:
+        """A planned step was launched: its tokens count as computed, and each request it samples
+        for has one pending token, so the next step can be scheduled before this one's result."""
+        out.committed = True
+        for item in out.scheduled:
+            req = item.request
+            end = item.start + item.num_new_tokens
+            if end == req.num_tokens:
+                req.num_pending_tokens += 1
+            req.num_computed_tokens = end
+
     def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
-        """Apply a finished step: advance computed counts, append sampled tokens, finish
-        requests that hit a stop condition. Returns the requests that got a new token."""
+        """Apply a finished (committed) step: append sampled tokens, publish computed blocks, finish
+        requests that hit a stop condition. Returns the requests that got a new token. Requests
+        finished while it ran are skipped; one preempted by a step scheduled ahead of this result
+        still gets its token (it was sampled from valid KV), so output never depends on timing."""
+        if not out.committed:  # schedule() -> update() with nothing in between (the step ran inline)
+            self.commit(out)
         advanced = []
         for item in out.scheduled:
             req = item.request
-            if req.finished:
-                continue  # aborted while the step ran
-            req.num_computed_tokens = item.start + item.num_new_tokens
-            self.kv.register_computed(req)
             token = sampled.get(req.request_id)
+            if token is not None:
+                req.num_pending_tokens = max(0, req.num_pending_tokens - 1)
+            if req.finished:
+                continue  # aborted (or stopped by a stop string) while the step ran
+            if req.status is RequestStatus.RUNNING:
+                self.kv.register_computed(req)
             if token is None:
                 continue
             req.token_ids.append(token)
