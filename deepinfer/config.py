@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import types
 import typing
 from dataclasses import dataclass, field
@@ -132,11 +133,14 @@ class KVStoreConfig:
     """KV tiers below the device cache: host memory and the persistent (shared) block store."""
 
     host_cache_memory: str = _f(
-        "0", "Host-memory KV tier: bytes (e.g. 4GiB) or a fraction of available memory (e.g. 0.1); 0 = off.")
+        "0", "Host-memory KV tier: bytes (e.g. 4GiB) or a fraction of available memory (e.g. 0.1); 0 = off. "
+        "Holds KV blocks the device cache evicts.")
     kv_store: str = _f(
         "auto",
         "Persistent KV block store directory, shared by every worker that mounts it (local disk, NFS, Lustre, "
-        "3FS ...); auto = <cache dir>/kvstore ($DEEPINFER_CACHE_DIR or ~/.cache/deepinfer); none = off.",
+        "3FS ...); blocks are written through (in the background) as soon as they are computed. auto = "
+        "$DEEPINFER_KV_STORE if set (a directory or none), else <cache dir>/kvstore ($DEEPINFER_CACHE_DIR or "
+        "~/.cache/deepinfer); none = off. The offline LLM class defaults to none.",
     )
     kv_store_max_bytes: str = _f(
         "20GiB", "Capacity of the KV store (least recently used blocks are evicted first): bytes (e.g. 500GiB) "
@@ -156,13 +160,18 @@ class KVStoreConfig:
 
     def store_path(self) -> Path | None:
         """The store directory, or None when the store is off."""
-        if self.kv_store.strip().lower() == "none":
+        spec = self.kv_store.strip()
+        if spec.lower() == "auto":
+            # an environment-wide default: a deployment points workers at a shared mount, a test suite
+            # keeps servers it starts from writing into the user's cache directory
+            spec = os.environ.get("DEEPINFER_KV_STORE", "").strip() or "auto"
+        if spec.lower() == "none":
             return None
-        if self.kv_store.strip().lower() == "auto":
+        if spec.lower() == "auto":
             from deepinfer.weights.loader import cache_root
 
             return cache_root() / "kvstore"
-        return Path(self.kv_store).expanduser()
+        return Path(spec).expanduser()
 
 
 @dataclass(frozen=True)

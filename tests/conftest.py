@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
+
+# Engines and servers this suite starts (subprocesses inherit it) resolve kv_store=auto to "no store":
+# a test must not read KV another run left in the user's cache directory, nor fill it. Tests of the
+# store pass a tmp_path. ($DEEPINFER_CACHE_DIR stays as it is: converted GGUF weights live there.)
+os.environ["DEEPINFER_KV_STORE"] = "none"
 
 TINY_ARCHS = {
     # GQA, tied embeddings, odd sizes

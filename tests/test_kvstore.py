@@ -235,7 +235,16 @@ def test_retention_spec_parsing_and_config():
         KVStoreConfig(kv_store_max_bytes="lots")
     cfg = EngineConfig.from_kwargs(kv_store="none", host_cache_memory="1GiB")
     assert cfg.kvstore.store_path() is None and cfg.kvstore.host_cache_memory == "1GiB"
-    assert EngineConfig().kvstore.store_path().name == "kvstore"
+    assert EngineConfig().kvstore.store_path() is None  # conftest: auto -> $DEEPINFER_KV_STORE=none
+
+
+def test_auto_store_path_follows_environment(monkeypatch, tmp_path):
+    monkeypatch.delenv("DEEPINFER_KV_STORE", raising=False)
+    monkeypatch.setenv("DEEPINFER_CACHE_DIR", str(tmp_path / "cache"))
+    assert KVStoreConfig().store_path() == tmp_path / "cache" / "kvstore"
+    monkeypatch.setenv("DEEPINFER_KV_STORE", str(tmp_path / "shared"))
+    assert KVStoreConfig().store_path() == tmp_path / "shared"
+    assert KVStoreConfig(kv_store=str(tmp_path / "x")).store_path() == tmp_path / "x"  # explicit wins
 
 
 # ---------------------------------------------------------------- capacity

@@ -82,17 +82,20 @@ class AsyncEngine:
         return int(self._stats["num_waiting"]) + self._num_pending_adds
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
-                       prompt: str | None = None, cache_salt: str | None = None) -> AsyncIterator[RequestOutput]:
+                       prompt: str | None = None, cache_salt: str | None = None,
+                       retention_class: str | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's state after every step that changed it; the last one has `finished`.
-        Raises ValueError for an invalid prompt, QueueFullError when the waiting queue is full."""
+        Raises ValueError for an invalid prompt or retention class, QueueFullError when the waiting queue
+        is full."""
         self.engine.validate_prompt(prompt_token_ids)
+        self.engine.core.check_retention(retention_class)
         self.check_admission()
         request_id = request_id or f"areq-{next(self._ids)}"
         out_queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
         with self._lock:
             self._num_pending_adds += 1
-        self._commands.put(("add", (request_id, prompt, prompt_token_ids, params, cache_salt)))
+        self._commands.put(("add", (request_id, prompt, prompt_token_ids, params, cache_salt, retention_class)))
         finished = False
         try:
             while True:
@@ -115,6 +118,10 @@ class AsyncEngine:
         self._stop.set()
         self._commands.put(("noop", None))
         self._thread.join(timeout=10)
+        if self._thread.is_alive():
+            logger.warning("engine loop still running at shutdown; not waiting for KV store writes")
+            return
+        self.engine.close()  # waits for queued KV store writes: what was computed outlives the process
 
     # ------------------------------------------------------------------ engine thread
 
@@ -146,14 +153,15 @@ class AsyncEngine:
 
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            request_id, prompt, prompt_ids, params, cache_salt = payload
+            request_id, prompt, prompt_ids, params, cache_salt, retention_class = payload
             with self._lock:
                 self._num_pending_adds -= 1
             if request_id not in self._streams:
                 return  # the caller went away before the engine saw the request
             try:
                 self.engine.add_request(prompt if prompt is not None else prompt_ids, params, request_id,
-                                        cache_salt=cache_salt, prompt_token_ids=prompt_ids)
+                                        cache_salt=cache_salt, prompt_token_ids=prompt_ids,
+                                        retention_class=retention_class)
             except ValueError as e:
                 self._deliver(request_id, e)
         elif kind == "abort":

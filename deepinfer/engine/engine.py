@@ -6,6 +6,10 @@ detokenize, stop strings, n > 1 grouping) used by the offline `LLM` and the serv
                                         (the measured step time feeds CostModel.observe)
                   ─▶ detokenize new tokens, match stop strings (finishing the request in the core)
                   ─▶ RequestOutput per request that changed
+
+EngineCore also owns the KV tiers below the device cache (`kv_tiers.KVTiers`, built from
+`config.kvstore`): between scheduling a step and preparing it, tier hits of newly admitted
+requests are loaded into their device blocks; `close()` finishes pending store writes.
 """
 
 from __future__ import annotations
@@ -21,13 +25,16 @@ from dataclasses import dataclass
 from deepinfer.config import EngineConfig
 from deepinfer.engine.cost_model import CostModel, StepWork
 from deepinfer.engine.cost_profile import profile_steps
-from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.kv_manager import TIERS, KVCacheManager
+from deepinfer.engine.kv_tiers import KVTiers, resolve_retention, tier_stats
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.runner import ModelRunner, StepResult
 from deepinfer.engine.sampler import TokenLogprobs
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
+from deepinfer.kvstore import RetentionPolicy
+from deepinfer.kvstore.blocks import layout_of
 from deepinfer.recipe.detokenizer import IncrementalDetokenizer
 from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
 from deepinfer.weights import resolve_model
@@ -70,7 +77,9 @@ class EngineCore:
                     f"max_model_len={self.max_model_len}; raise kv_cache_memory or lower max_model_len")
             logger.warning("max_model_len lowered from %d to %d to fit the KV cache", self.max_model_len, capacity)
             self.max_model_len = capacity
-        kv_layout = f"{self.runner.dtype}|bs{bs}|layers{self.hf_config.num_hidden_layers}"
+        # the layout key (dtype, block size, layers, KV heads, head dim) seeds every block hash: blocks of
+        # another layout in a shared store can then never match, not only fail a header check
+        kv_layout = layout_of(self.runner.kv_caches).key
         self.kv = KVCacheManager(self.runner.num_blocks, bs, self.files.identity, kv_layout,
                                  config.cache.enable_prefix_caching)
         sc = config.scheduler
@@ -78,6 +87,14 @@ class EngineCore:
         if sc.profile_cost_model:
             self.cost_model.calibrate(profile_steps(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
                                                     sc.max_num_batched_tokens))
+        ks = config.kvstore
+        self.retention = RetentionPolicy.parse(ks.kv_retention, ks.default_retention_class)
+        # attached after the profile: its synthetic steps must not reach the tiers. The tiers extend the
+        # prefix cache, so they are off without it.
+        self.tiers: KVTiers | None = None
+        if config.cache.enable_prefix_caching:
+            self.tiers = KVTiers.from_config(ks, self.files.identity, self.runner.kv_caches)
+        self.kv.attach_tiers(self.tiers)
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.runner.num_blocks, bs,
                     self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20)
@@ -99,6 +116,33 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def check_retention(self, retention_class: str | None) -> str:
+        """The retention class a request naming `retention_class` gets; ValueError if this engine has none
+        of that name."""
+        return resolve_retention(self.retention, retention_class)
+
+    def flush_kv_store(self, timeout: float | None = None) -> bool:
+        """Wait until the KV blocks queued for the store are written; False on timeout."""
+        return self.tiers.flush(timeout) if self.tiers is not None else True
+
+    def close(self) -> None:
+        """Finish pending store writes and release the tiers; the engine cannot serve afterwards."""
+        if self._model_thread is not None:
+            self._model_thread.shutdown(wait=True)
+            self._model_thread = None
+        if self.tiers is not None:
+            self.kv.attach_tiers(None)
+            self.tiers.close()
+            self.tiers = None
+
+    def _load_pending(self, plan: SchedulerOutput) -> None:
+        """Copy the tier hits of newly admitted requests into their device blocks. A block that does not
+        come back verified (evicted, expired, corrupt meanwhile) is recomputed instead: the item starts
+        earlier, computes as many tokens as planned, and the request continues next step."""
+        for item in plan.scheduled:
+            if item.request.pending_load is not None:
+                item.start -= self.kv.load_pending(item.request)
+
     def step(self) -> list[CoreOutput]:
         """Schedule, run and apply one step, in turn."""
         inflight = self.launch(background=False)
@@ -113,6 +157,8 @@ class EngineCore:
         plan = self.scheduler.schedule()
         if plan.empty:
             return None
+        # synchronous, on this thread: no step is running now (overlapping loads with one is future work)
+        self._load_pending(plan)
         prepared = self.runner.prepare(plan, self.kv.block_tables)
         self.scheduler.commit(plan)
         if ahead:
@@ -215,13 +261,16 @@ class LLMEngine:
                 f"{self.max_model_len} tokens (prompt + at least one generated token)")
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
-                    cache_salt: str | None = None, prompt_token_ids: list[int] | None = None) -> str:
-        """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized."""
+                    cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
+                    retention_class: str | None = None) -> str:
+        """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized. `retention_class`
+        (default: the configured default class) says how long the KV store keeps its blocks."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._parents:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate_prompt(prompt_ids)
+        retention_class = self.core.check_retention(retention_class)
         children = []
         first: Request | None = None
         for i in range(params.n):
@@ -229,7 +278,7 @@ class LLMEngine:
             if params.n > 1 and params.seed is not None and i > 0:
                 child_params = dataclasses.replace(params, seed=params.seed + i)
             req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, prompt_ids, child_params,
-                          self.eos_token_ids, cache_salt, wait_for=first)
+                          self.eos_token_ids, cache_salt, wait_for=first, retention_class=retention_class)
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                                            params.include_stop_str_in_output)
@@ -252,6 +301,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 
+    def close(self) -> None:
+        """Finish pending KV store writes and release the tiers (see `EngineCore.close`)."""
+        self._inflight = None
+        self.core.close()
+
     def stats(self) -> dict[str, float]:
         """A snapshot of scheduler and cache state for metrics."""
         sched, kv = self.core.scheduler, self.core.kv
@@ -263,6 +317,8 @@ class LLMEngine:
             "kv_blocks_total": kv.pool.num_blocks,
             "prefix_queries": kv.prefix_queries,
             "prefix_hits": kv.prefix_hits,
+            **{f"prefix_hits_{tier}": n for tier, n in kv.tier_hits.items()},
+            **tier_stats(self.core.tiers),
             "num_preemptions": sched.num_preemptions,
             "step_idle_gap_seconds_total": self.core.idle_gap_seconds,
             "step_idle_gap_last_seconds": self.core.idle_gap_last,
@@ -345,6 +401,8 @@ class LLMEngine:
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_ids,
             outputs=outputs, finished=parent.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
+            num_cached_tokens_by_tier=dict(zip(TIERS, (first.num_cached_device, first.num_cached_host,
+                                                       first.num_cached_store), strict=True)),
             metrics={"arrival": parent.arrival, "first_token": parent.first_token_time, "now": now,
                      "first_scheduled": first.first_scheduled_time},
         )

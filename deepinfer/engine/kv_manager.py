@@ -7,14 +7,29 @@ A block is in exactly one of three states:
 - free and empty: ref_count == 0, no hash.
 Allocation takes blocks from the LRU head; freeing appends to the tail (a request's last
 blocks first, so the shared prefix outlives its tails). All operations are O(1) per block.
+
+With KV tiers attached (`attach_tiers`, see `kv_tiers.py`) the prefix cache continues below
+the device: a lookup extends the device match through host memory and the store; admission
+gives the tier hits fresh device blocks and records them as the request's pending load
+(`load_pending`, run before its first step); an evicted cached block is copied to the host
+tier; newly computed blocks are written to the store, in segment-aligned runs while the
+request runs and the rest when it leaves the device.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deepinfer.engine.block_hash import extend_block_hashes, root_hash
-from deepinfer.engine.request import Request
+from deepinfer.engine.request import PendingLoad, Request
+
+if TYPE_CHECKING:
+    from deepinfer.engine.kv_tiers import KVTiers
+
+TIERS = ("device", "host", "store")
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -33,6 +48,8 @@ class BlockPool:
         self.cached: dict[bytes, int] = {}
         self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
         self.num_evictions = 0
+        # called with (block, hash) just before a cached block is reused, while it still holds that KV
+        self.on_evict: Callable[[int, bytes], None] | None = None
 
     @property
     def num_free(self) -> int:
@@ -50,6 +67,8 @@ class BlockPool:
             block, _ = self.free_queue.popitem(last=False)
             h = self.block_hash[block]
             if h is not None:  # evict: its content is about to be overwritten
+                if self.on_evict is not None:
+                    self.on_evict(block, h)
                 del self.cached[h]
                 self.block_hash[block] = None
                 self.num_evictions += 1
@@ -81,17 +100,36 @@ class BlockPool:
                 else:
                     self.free_queue[b] = None
 
-    def register(self, block: int, block_hash: bytes) -> None:
-        """Make a full, computed block findable by its hash (first writer wins)."""
+    def register(self, block: int, block_hash: bytes) -> bool:
+        """Make a full, computed block findable by its hash (first writer wins). True if it now is."""
         if self.block_hash[block] is not None or block_hash in self.cached:
-            return
+            return False
         self.block_hash[block] = block_hash
         self.cached[block_hash] = block
+        return True
 
     def reset_prefix_cache(self) -> None:
         for b in list(self.cached.values()):
             self.block_hash[b] = None
         self.cached.clear()
+
+
+@dataclass
+class PrefixHit:
+    """The longest cached prefix of a request: `blocks` on the device, then `num_host` chain positions
+    in host memory, then `num_store` in the persistent store."""
+
+    blocks: list[int] = field(default_factory=list)
+    num_host: int = 0
+    num_store: int = 0
+
+    @property
+    def num_load(self) -> int:
+        return self.num_host + self.num_store
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.blocks) + self.num_load
 
 
 class KVCacheManager:
@@ -107,9 +145,18 @@ class KVCacheManager:
         self.block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
         self._roots: dict[str | None, bytes] = {}
+        self.tiers: KVTiers | None = None
+        # chain positions each request computed and registered first, not yet handed to the store
+        self._unwritten: dict[str, list[int]] = {}
         # counters (tokens) for metrics
         self.prefix_queries = 0
         self.prefix_hits = 0
+        self.tier_hits = dict.fromkeys(TIERS, 0)
+
+    def attach_tiers(self, tiers: KVTiers | None) -> None:
+        """Continue prefix lookups through `tiers` and move blocks to and from them (None: detach)."""
+        self.tiers = tiers if self.enable_prefix_caching else None
+        self.pool.on_evict = tiers.evicted if self.tiers is not None and tiers.host is not None else None
 
     def _root(self, salt: str | None) -> bytes:
         r = self._roots.get(salt)
@@ -124,7 +171,7 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, req: Request) -> list[int]:
-        """Blocks holding the longest cached prefix of `req` (at most num_tokens - 1 tokens:
+        """Device blocks holding the longest cached prefix of `req` (at most num_tokens - 1 tokens:
         the last token is always recomputed to produce logits). Takes no reference."""
         if not self.enable_prefix_caching:
             return []
@@ -138,13 +185,35 @@ class KVCacheManager:
             blocks.append(b)
         return blocks
 
-    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None) -> bool:
-        """Give `req` blocks for `num_new_tokens` more tokens (after `cached_blocks`, if a new request).
-        Returns False, changing nothing, if the pool cannot supply them."""
+    def lookup_prefix(self, req: Request) -> PrefixHit:
+        """The device prefix, continued through the tiers. The tier answer is kept on the request while
+        the device part and the request's length stay the same: a waiting request is looked up every
+        step, and a store lookup reads files. A stale answer only costs a recompute (loads verify)."""
+        hit = PrefixHit(self.find_cached_prefix(req))
+        if self.tiers is None:
+            return hit
+        limit = (req.num_tokens - 1) // self.block_size
+        start = len(hit.blocks)
+        if start >= limit:
+            return hit
+        memo = req.tier_lookup
+        if memo is None or memo[:2] != (start, limit):
+            memo = req.tier_lookup = (start, limit, *self.tiers.lookup(req.block_hashes[:limit], start))
+        hit.num_host, hit.num_store = memo[2], memo[3]
+        return hit
+
+    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None,
+                 num_load_blocks: int = 0) -> bool:
+        """Give `req` blocks for `num_new_tokens` more tokens (after `cached_blocks` and `num_load_blocks`
+        blocks to be loaded from the tiers, if a new request). Returns False, changing nothing, if the
+        pool cannot supply them."""
         table = self.block_tables.get(req.request_id)
         cached_blocks = cached_blocks or []
         have = len(table) if table is not None else len(cached_blocks)
-        computed = req.num_computed_tokens if table is not None else len(cached_blocks) * self.block_size
+        if table is not None:
+            computed = req.num_computed_tokens
+        else:
+            computed = (len(cached_blocks) + num_load_blocks) * self.block_size
         need = self.blocks_needed(computed + num_new_tokens) - have
         # cached blocks with no other user sit in the free queue: acquiring them uses up free blocks
         reclaim = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
@@ -157,12 +226,51 @@ class KVCacheManager:
             table.extend(self.pool.allocate(need))
         return True
 
-    def record_prefix_query(self, req: Request, num_cached_tokens: int) -> None:
-        self.prefix_queries += req.num_prompt_tokens
-        self.prefix_hits += num_cached_tokens
+    def admit(self, req: Request, hit: PrefixHit) -> None:
+        """`req` was allocated with `hit`: on its first admission, count its cached prompt tokens (tier
+        hits provisionally, until `load_pending` knows what loaded); queue the load of its tier hits."""
+        first = req.num_cached_tokens < 0
+        bs = self.block_size
+        if first:
+            req.num_cached_device = len(hit.blocks) * bs
+            req.num_cached_host = hit.num_host * bs
+            req.num_cached_store = hit.num_store * bs
+            req.num_cached_tokens = min(hit.num_blocks * bs, req.num_prompt_tokens)
+            self.prefix_queries += req.num_prompt_tokens
+            # tier hits are counted once loaded: a counter must not go back down
+            self.prefix_hits += req.num_cached_device
+            self.tier_hits["device"] += req.num_cached_device
+        req.pending_load = PendingLoad(len(hit.blocks), hit.num_load, first) if hit.num_load else None
+        req.tier_lookup = None
+
+    def load_pending(self, req: Request) -> int:
+        """Bring `req`'s pending tier hits into its device blocks (call before the step that first reads
+        them) and make them findable. Returns how many tokens did not load: the caller lowers the step's
+        start by that much, so they are recomputed; the request's computed and cached counts are already
+        lowered here."""
+        pending, req.pending_load = req.pending_load, None
+        if pending is None or self.tiers is None:
+            return 0
+        table = self.block_tables[req.request_id]
+        first, count = pending.first_block, pending.num_blocks
+        from_host, from_store = self.tiers.load(req.block_hashes, table[first:first + count], first)
+        loaded = from_host + from_store
+        for i in range(first, first + loaded):
+            self.pool.register(table[i], req.block_hashes[i])
+        bs = self.block_size
+        if pending.first_admission:
+            req.num_cached_host, req.num_cached_store = from_host * bs, from_store * bs
+            req.num_cached_tokens = req.num_cached_device + (loaded * bs)
+            self.prefix_hits += loaded * bs
+            self.tier_hits["host"] += from_host * bs
+            self.tier_hits["store"] += from_store * bs
+        missing = (count - loaded) * bs
+        req.num_computed_tokens -= missing
+        return missing
 
     def register_computed(self, req: Request) -> None:
-        """Publish full blocks whose KV is now computed, so later requests can share them."""
+        """Publish full blocks whose KV is now computed, so later requests can share them; queue the
+        ones this request computed first for the store, cut at segment boundaries."""
         if not self.enable_prefix_caching:
             return
         table = self.block_tables.get(req.request_id)
@@ -170,15 +278,41 @@ class KVCacheManager:
             return
         self.update_hashes(req)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
-        for i in range(self._num_registered.get(req.request_id, 0), full):
-            self.pool.register(table[i], req.block_hashes[i])
+        new = [i for i in range(self._num_registered.get(req.request_id, 0), full)
+               if self.pool.register(table[i], req.block_hashes[i])]
         self._num_registered[req.request_id] = full
+        if self.tiers is not None and self.tiers.writer is not None:
+            unwritten = self._unwritten.setdefault(req.request_id, [])
+            unwritten.extend(new)
+            self._write(req, table, full - full % self.tiers.group_blocks)
+
+    def _write(self, req: Request, table: list[int], upto: int) -> None:
+        """Hand `req`'s unwritten positions below `upto` to the store, one call per consecutive run."""
+        unwritten = self._unwritten.get(req.request_id)
+        if not unwritten or self.tiers is None:
+            return
+        ready = [i for i in unwritten if i < upto]
+        if not ready:
+            return
+        self._unwritten[req.request_id] = [i for i in unwritten if i >= upto]
+        run_start = prev = ready[0]
+        for i in [*ready[1:], None]:
+            if i is not None and i == prev + 1:
+                prev = i
+                continue
+            self.tiers.write(req.block_hashes, table[run_start:prev + 1], run_start, req.retention_class)
+            if i is not None:
+                run_start = prev = i
 
     def free(self, req: Request) -> None:
         table = self.block_tables.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
+        req.pending_load = None
         if table:
+            # the blocks still hold their KV until reallocated: copy the rest out for the store first
+            self._write(req, table, len(table))
             self.pool.release(list(reversed(table)))
+        self._unwritten.pop(req.request_id, None)
 
     def usage(self) -> float:
         return self.pool.num_used / self.pool.num_blocks

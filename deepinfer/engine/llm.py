@@ -21,18 +21,36 @@ class LLM:
     file; other keyword arguments are engine settings (see `deepinfer.config`), e.g.
     `dtype`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`,
     `enable_prefix_caching`, `block_size`, `seed`.
+
+    KV tiers: `host_cache_memory` (e.g. "2GiB") adds a host-memory tier; `kv_store` (a directory)
+    persists KV blocks across runs and processes. Unlike `deepinfer serve`, the offline API keeps
+    no store unless given one (`kv_store="auto"` for the default directory): a library call should
+    not write gigabytes under the user's cache directory as a side effect. Store writes happen in
+    the background; `close()` (or leaving a `with LLM(...)` block) waits for them.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
+        kwargs.setdefault("kv_store", "none")
         self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Finish pending KV store writes and release the KV tiers."""
+        self.engine.close()
 
     def get_tokenizer(self):
         return self.engine.tokenizer
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None) -> list[RequestOutput]:
-        """Prompts are strings, token-id lists, or `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`."""
+                 cache_salt: str | None = None, retention_class: str | None = None) -> list[RequestOutput]:
+        """Prompts are strings, token-id lists, or `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`.
+        `retention_class` names how long the KV store keeps the blocks (default: `default_retention_class`)."""
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -45,8 +63,10 @@ class LLM:
         tokenized = [self.engine.tokenize(self._prompt_of(p)) for p in prompts]
         for t in tokenized:
             self.engine.validate_prompt(t)
+        self.engine.core.check_retention(retention_class)
         for p, t, sp in zip(prompts, tokenized, params_list, strict=True):
-            ids.append(self.engine.add_request(self._prompt_of(p), sp, cache_salt=cache_salt, prompt_token_ids=t))
+            ids.append(self.engine.add_request(self._prompt_of(p), sp, cache_salt=cache_salt, prompt_token_ids=t,
+                                               retention_class=retention_class))
         return self._run(ids)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -33,5 +33,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
-    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (every tier)
+    # the same split by where they were found: {"device": .., "host": .., "store": ..}
+    num_cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "store": 0})
     metrics: dict = field(default_factory=dict)

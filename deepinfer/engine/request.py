@@ -10,10 +10,19 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import NamedTuple
 
 import torch
 
 from deepinfer.engine.sampling_params import SamplingParams
+
+
+class PendingLoad(NamedTuple):
+    """Tier hits a request was admitted with, not yet in its device blocks (see `KVCacheManager`)."""
+
+    first_block: int  # block-table index (= chain position) of the first block to load
+    num_blocks: int
+    first_admission: bool  # whether what loads counts as the request's cached prompt tokens
 
 
 class RequestStatus(enum.Enum):
@@ -36,13 +45,14 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None,
                  max_tokens: int | None = None, arrival_time: float | None = None,
-                 wait_for: Request | None = None) -> None:
+                 wait_for: Request | None = None, retention_class: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
+        self.retention_class = retention_class  # how long the store keeps its blocks; None: the default
         # limit on generated tokens; None: until EOS or the context is full
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
@@ -51,6 +61,13 @@ class Request:
         # sampled by a launched step but not yet appended (the engine may schedule the next step first)
         self.num_pending_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; set at first schedule
+        # ... of which found on the device, in the host tier, in the store (sum = num_cached_tokens)
+        self.num_cached_device = 0
+        self.num_cached_host = 0
+        self.num_cached_store = 0
+        self.pending_load: PendingLoad | None = None
+        # (device blocks, lookup limit, host blocks, store blocks) of the last tier lookup while waiting
+        self.tier_lookup: tuple[int, int, int, int] | None = None
         self.num_preemptions = 0
         self.first_scheduled_time: float | None = None
         self.stop_reason: int | str | None = None

@@ -8,6 +8,9 @@ step-time budget predicted by the cost model, serving short prompts first. When 
 newest running request not yet scheduled this step is preempted: its blocks are freed, it goes back
 to the front of the queue and is recomputed later from its tokens, so nothing deadlocks and nothing
 is dropped; no waiting request is admitted in a step that preempted.
+
+A waiting request starts after its cached prefix: device blocks, then blocks the KV tiers (host
+memory, store) hold, which count as computed; the engine loads them before the step runs.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from dataclasses import dataclass, field
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.cost_model import CostModel
-from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.kv_manager import KVCacheManager, PrefixHit
 from deepinfer.engine.policies import (
     ComputeBudgetPolicy,
     PrefillPolicy,
@@ -130,16 +133,17 @@ class Scheduler:
                     continue
                 if not req.ready_to_schedule():
                     continue
-                cached = self.kv.find_cached_prefix(req)
-                start = len(cached) * self.kv.block_size
+                # device blocks, then host / store hits: those get fresh blocks, loaded before the step runs
+                hit = self.kv.lookup_prefix(req)
+                start = hit.num_blocks * self.kv.block_size
                 remaining = req.num_tokens - start
                 n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
                 if n <= 0:
                     break
-                if not self.kv.allocate(req, n, cached):
+                if not self.kv.allocate(req, n, hit.blocks, hit.num_load):
                     admitting = False  # FIFO: the head waits for room rather than being overtaken
                     continue
-                self._admit(req, start)
+                self._admit(req, start, hit)
             prefill_chunks.append(ScheduledRequest(req, n, start))
             scheduled_ids.add(req.request_id)
             policy.add_work(n, start, prefill=True)
@@ -161,12 +165,10 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, req: Request, start: int) -> None:
+    def _admit(self, req: Request, start: int, hit: PrefixHit) -> None:
         self.waiting.remove(req)
         req.num_computed_tokens = start
-        if req.num_cached_tokens < 0:
-            req.num_cached_tokens = min(start, req.num_prompt_tokens)
-            self.kv.record_prefix_query(req, req.num_cached_tokens)
+        self.kv.admit(req, hit)
         req.status = RequestStatus.RUNNING
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
@@ -176,7 +178,7 @@ class Scheduler:
         """Tokens `req` would not need to compute now: its computed ones, or its cached prefix if waiting."""
         if req.status is RequestStatus.RUNNING:
             return req.num_computed_tokens
-        return len(self.kv.find_cached_prefix(req)) * self.kv.block_size
+        return self.kv.lookup_prefix(req).num_blocks * self.kv.block_size
 
     def _newest_unscheduled(self, scheduled_ids: set[str]) -> Request:
         for req in reversed(self.running):

@@ -6,6 +6,7 @@
 - `host`    -- `HostKVCache`: a byte-bounded LRU map in host memory
 - `tiers`   -- `TieredKVStore`: lookup / load / offload across host tier + store
 - `blocks`  -- gather / scatter one block between the paged device cache and a payload (imports torch)
+- `writer`  -- `StoreWriter`: store writes on a background thread behind a byte-bounded queue
 
 Blocks are named by the chained hashes of `deepinfer.engine.block_hash`.
 """

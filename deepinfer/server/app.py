@@ -172,6 +172,11 @@ def serve(engine_config, server_config) -> None:
     name = engine_config.model.served_model_name or core.files.name
     print(f"deepinfer: model {name} ({core.runner.dtype}, {core.runner.device}); KV cache {core.runner.num_blocks} "
           f"blocks x {core.config.cache.block_size} tokens; max_model_len {engine.max_model_len}", flush=True)
+    tiers = core.tiers
+    host = tiers.host if tiers is not None else None
+    store = tiers.store if tiers is not None else None
+    print(f"deepinfer: KV host tier {f'{host.max_bytes / 2**20:.0f} MiB' if host is not None else 'off'}; "
+          f"KV store {store.root if store is not None else 'off'}", flush=True)
     app = build_app(engine, name, server_config.api_key)
     url = f"http://{server_config.host}:{server_config.port}"
     print(f"deepinfer: serving {name} at {url}/v1 (OpenAI-compatible; Ctrl-C stops)", flush=True)

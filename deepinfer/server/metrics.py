@@ -1,14 +1,16 @@
 """Prometheus metrics, named like vLLM's with a `deepinfer:` prefix, on a per-app registry.
 
-Engine-side state (running / waiting requests, KV usage, prefix-cache counters, the step-time
-cost model's coefficients and prediction error, time-budget use) is read from the engine's
-latest stats snapshot at scrape time; request latencies are observed
-as outputs stream out (`RequestTimer`).
+Engine-side state (running / waiting requests, KV usage, prefix-cache counters by tier, host tier
+and KV store health, the step-time cost model's coefficients and prediction error, time-budget
+use) is read from the engine's latest stats snapshot at scrape time; request latencies are
+observed as outputs stream out (`RequestTimer`).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -45,6 +47,14 @@ class _EngineCollector:
         yield gauge("kv_cache_blocks_total", "KV blocks in the pool.", s["kv_blocks_total"])
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_queries"])
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_hits"])
+        by_tier = CounterMetricFamily("deepinfer:prefix_cache_hits_by_tier",
+                                      "Prompt tokens served from cache, by where they were found (device cache, "
+                                      "host-memory tier, persistent store); sums to prefix_cache_hits.",
+                                      labels=label + ["tier"])
+        for tier in ("device", "host", "store"):
+            by_tier.add_metric([self.model_name, tier], s[f"prefix_hits_{tier}"])
+        yield by_tier
+        yield from _kv_tier_metrics(s, gauge, counter)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", s["num_preemptions"])
         yield counter("cost_model_observations", "Engine steps the step-time cost model has been fitted on.",
                       s["cost_model_observations"])
@@ -74,6 +84,35 @@ class _EngineCollector:
         for term in TERMS:
             coef.add_metric([self.model_name, term], s[f"cost_coef_{term}"])
         yield coef
+
+
+def _kv_tier_metrics(s: dict, gauge: Callable[[str, str, float], GaugeMetricFamily],
+                     counter: Callable[[str, str, float], CounterMetricFamily]) -> Iterator[Any]:
+    """Host tier occupancy and store health (zeros when a tier is off)."""
+    yield gauge("kv_host_cache_bytes", "Bytes of KV blocks held by the host-memory tier.", s["kv_host_bytes"])
+    yield gauge("kv_host_cache_capacity_bytes", "Capacity of the host-memory tier.", s["kv_host_max_bytes"])
+    yield gauge("kv_host_cache_blocks", "KV blocks held by the host-memory tier.", s["kv_host_blocks"])
+    yield counter("kv_host_cache_evictions", "KV blocks the host tier dropped for room.", s["kv_host_evictions"])
+    yield counter("kv_tier_loaded_blocks_host", "KV blocks copied from host memory into the device cache.",
+                  s["kv_loaded_host_blocks"])
+    yield counter("kv_tier_loaded_blocks_store", "KV blocks read from the store into the device cache.",
+                  s["kv_loaded_store_blocks"])
+    yield counter("kv_store_written_blocks", "KV blocks written to the store by this process.",
+                  s["kv_store_written_blocks"])
+    yield counter("kv_store_corrupt", "Store objects found damaged or mismatched, dropped and treated as misses.",
+                  s["kv_store_corrupt"])
+    yield counter("kv_store_expired", "Store objects found past their retention TTL and dropped.",
+                  s["kv_store_expired"])
+    yield counter("kv_store_read_errors", "Store reads that failed with an I/O error.", s["kv_store_read_errors"])
+    yield counter("kv_store_write_errors", "Store writes dropped by an I/O error (full disk, read-only ...).",
+                  s["kv_store_write_errors"])
+    yield counter("kv_store_evictions", "Store objects this process evicted to stay under capacity.",
+                  s["kv_store_evicted"])
+    yield counter("kv_store_queue_dropped_blocks", "KV blocks not written to the store: the background writer's "
+                  "queue was full.", s["kv_store_dropped_queue_blocks"])
+    yield counter("kv_store_capacity_dropped_writes", "Store writes dropped because they could not fit even "
+                  "after eviction.", s["kv_store_dropped_capacity"])
+    yield counter("kv_tier_errors", "Unexpected KV tier failures handled as misses.", s["kv_tier_errors"])
 
 
 class ServerMetrics:

@@ -96,6 +96,22 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
         raise APIError(400, str(e).removeprefix("invalid sampling parameter: ")) from e
 
 
+RETENTION_HEADER = "x-cache-retention"
+
+
+def retention_class(ctx: ServingContext, req: SamplingFields, raw: Request) -> str:
+    """The request's KV retention class: the body's `prompt_cache_retention`, else the x-cache-retention
+    header, else the server's default class. An unknown class is the client's error (400)."""
+    name = req.prompt_cache_retention
+    param = "prompt_cache_retention"
+    if name is None and raw.headers.get(RETENTION_HEADER) is not None:
+        name, param = raw.headers[RETENTION_HEADER].strip() or None, RETENTION_HEADER
+    try:
+        return ctx.engine.engine.core.check_retention(name)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -109,9 +125,11 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
 
 
 async def stream_with_metrics(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams,
-                              cache_salt: str | None, prompt: str | None = None) -> AsyncIterator[RequestOutput]:
+                              cache_salt: str | None, prompt: str | None = None,
+                              retention: str | None = None) -> AsyncIterator[RequestOutput]:
     timer = ctx.metrics.timer()
-    async for out in ctx.engine.generate(prompt_ids, params, prompt=prompt, cache_salt=cache_salt):
+    async for out in ctx.engine.generate(prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
+                                         retention_class=retention):
         timer.observe(out)
         yield out
 
@@ -249,9 +267,10 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
                                engine.max_model_len, "messages")
     top_n = req.top_logprobs or 0
     params = sampling_params(req, max_tokens, top_n if req.logprobs else None)
+    retention = retention_class(ctx, req, raw)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gen = stream_with_metrics(ctx, prompt_ids, params, req.cache_salt)
+    gen = stream_with_metrics(ctx, prompt_ids, params, req.cache_salt, retention=retention)
     if req.stream:
         first = await _first_or_error(gen)
         return StreamingResponse(_chat_sse(ctx, req, rid, created, first, gen, top_n),
@@ -370,6 +389,7 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, "logprobs must be between 0 and 20", param="logprobs")
     prompts = completion_prompts(req, engine.tokenizer)
+    retention = retention_class(ctx, req, raw)
     engine.check_admission(len(prompts))
     for _, ids in prompts:
         if not ids:
@@ -381,7 +401,8 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
                                 engine.max_model_len, "prompt") for _, ids in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gens = [stream_with_metrics(ctx, ids, sampling_params(req, mt, req.logprobs), req.cache_salt, prompt=text)
+    gens = [stream_with_metrics(ctx, ids, sampling_params(req, mt, req.logprobs), req.cache_salt, prompt=text,
+                                retention=retention)
             for (text, ids), mt in zip(prompts, max_tokens, strict=True)]
     if req.stream:
         return StreamingResponse(_completion_sse(ctx, req, rid, created, prompts, gens),

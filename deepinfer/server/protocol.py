@@ -60,6 +60,9 @@ class SamplingFields(_Lenient):
     stream: bool = False
     stream_options: StreamOptions | None = None
     cache_salt: str | None = None
+    # retention class of the KV blocks this request leaves in the store (else the x-cache-retention header,
+    # else the server default)
+    prompt_cache_retention: str | None = None
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False

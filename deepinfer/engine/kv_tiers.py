@@ -1,0 +1,210 @@
+"""The engine's side of the KV tiers: moving blocks between the paged device cache and `TieredKVStore`.
+
+Owns building the tiers from `KVStoreConfig`, and the three moves the KV manager asks for:
+
+    a block is computed  ──write──▶ store        (write-through, on the background `StoreWriter`)
+    the device pool evicts a block ─▶ host tier  (copied out on the engine thread, before reuse)
+    a request is admitted with tier hits ─load─▶ its fresh device blocks (before its first step)
+
+Write-through, not spill-on-evict: a computed block goes to the store at once
+(in segment-aligned runs, see `KVCacheManager`), so other workers and a
+restarted engine can use it, and nothing is lost when the process dies. The
+host tier then caches what the device pool dropped (plus store hits, which
+`TieredKVStore.load` promotes), so it duplicates little of the device. The two
+moves are split because `TieredKVStore.offload` does both at the same moment,
+synchronously.
+
+Loads are synchronous on the engine thread, between scheduling a step and
+preparing its inputs (overlapping them with the previous step is future work).
+Anything unexpected from a tier (an exception, a payload of the wrong size) is
+logged and treated as a miss: the request recomputes, nothing unverified is
+served, and no storage failure reaches the caller.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Sequence
+
+from deepinfer.config import KVStoreConfig, parse_memory
+from deepinfer.kvstore import HostKVCache, KVBlockStore, KVLayout, RetentionPolicy, TieredKVStore
+from deepinfer.kvstore.blocks import KVCaches, gather_block, layout_of, scatter_block
+from deepinfer.kvstore.writer import StoreWriter
+
+logger = logging.getLogger(__name__)
+
+
+class KVTiers:
+    """Host tier and persistent store wired to one engine's paged KV cache."""
+
+    def __init__(self, tiers: TieredKVStore, kv_caches: KVCaches, writer: StoreWriter | None = None) -> None:
+        self.tiers = tiers
+        self.kv_caches = kv_caches
+        self.writer = writer
+        # a store write covers whole segments when it can: runs are cut at multiples of this
+        self.group_blocks = tiers.store.segment_blocks if tiers.store is not None else 1
+        self.errors = 0
+        self.evicted_to_host = 0
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, config: KVStoreConfig, model_identity: str, kv_caches: KVCaches) -> KVTiers | None:
+        """The configured tiers, or None when both are off (host_cache_memory 0, kv_store none)."""
+        import psutil
+
+        retention = RetentionPolicy.parse(config.kv_retention, config.default_retention_class)
+        layout = layout_of(kv_caches)
+        host_bytes = parse_memory(config.host_cache_memory, psutil.virtual_memory().available)
+        host = HostKVCache(host_bytes) if host_bytes >= layout.block_nbytes else None
+        store = _open_store(config, model_identity, layout, retention)
+        if host is None and store is None:
+            return None
+        writer = StoreWriter(store.put) if store is not None else None
+        logger.info("KV tiers: host %s, store %s", f"{host_bytes / 2**20:.0f} MiB" if host is not None else "off",
+                    store.root if store is not None else "off")
+        return cls(TieredKVStore(host, store), kv_caches, writer)
+
+    @property
+    def host(self) -> HostKVCache | None:
+        return self.tiers.host
+
+    @property
+    def store(self) -> KVBlockStore | None:
+        return self.tiers.store
+
+    def _failed(self, what: str) -> None:
+        self.errors += 1
+        logger.exception("KV tiers: %s failed; treating it as a miss", what)
+
+    # ------------------------------------------------------------------ the three moves
+
+    def lookup(self, hashes: Sequence[bytes], start: int) -> tuple[int, int]:
+        """(blocks in host memory, blocks in the store that follow) from chain position `start`."""
+        try:
+            return self.tiers.lookup(hashes, start)
+        except Exception:  # noqa: BLE001 - a broken tier must cost a recompute, never a request
+            self._failed("lookup")
+            return 0, 0
+
+    def evicted(self, block: int, block_hash: bytes) -> None:
+        """The device pool is about to reuse `block`, which still holds the KV named `block_hash`."""
+        host = self.tiers.host
+        if host is None:
+            return
+        if block_hash in host:  # loaded from there (or promoted): no copy needed, but it was just used
+            host.touch(block_hash)
+            return
+        try:
+            host.put(block_hash, gather_block(self.kv_caches, block))
+            self.evicted_to_host += 1
+        except Exception:  # noqa: BLE001
+            self._failed("host offload")
+
+    def write(self, hashes: Sequence[bytes], blocks: Sequence[int], start: int, retention_class: str | None) -> None:
+        """Queue device blocks `blocks` (chain positions start ..) for the store; copies them now."""
+        if self.writer is None or not blocks:
+            return
+        try:
+            payloads = [gather_block(self.kv_caches, b) for b in blocks]
+        except Exception:  # noqa: BLE001
+            self._failed("gather for the store")
+            return
+        # the chain up to the run's end: the store names groups by their first hash
+        self.writer.submit(tuple(hashes[:start + len(blocks)]), payloads, retention_class, start)
+
+    def load(self, hashes: Sequence[bytes], blocks: Sequence[int], start: int) -> tuple[int, int]:
+        """Fill device `blocks` with chain positions start .. from the tiers, in order, stopping at the
+        first block that does not come back verified. Returns (from host, from store)."""
+        counters = self.tiers.counters
+        host_before, store_before = counters["loaded_host_blocks"], counters["loaded_store_blocks"]
+        try:
+            payloads = self.tiers.load(hashes, start, len(blocks))
+        except Exception:  # noqa: BLE001
+            self._failed("load")
+            return 0, 0
+        n = 0
+        for block, payload in zip(blocks, payloads, strict=False):
+            try:
+                scatter_block(self.kv_caches, block, payload)
+            except Exception:  # noqa: BLE001 - e.g. a payload of another size: stop, recompute the rest
+                self._failed("scatter")
+                break
+            n += 1
+        from_host = min(n, counters["loaded_host_blocks"] - host_before)
+        return from_host, min(n - from_host, counters["loaded_store_blocks"] - store_before)
+
+    # ------------------------------------------------------------------ lifecycle and stats
+
+    def flush(self, timeout: float | None = None) -> bool:
+        """Wait until queued store writes are on disk."""
+        return self.writer.flush(timeout) if self.writer is not None else True
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self.writer is not None:
+            self.writer.close()
+        if self.tiers.store is not None:
+            self.tiers.store.close()
+
+    def stats(self) -> dict[str, float]:
+        """Flat counters for engine stats / metrics, every key of STAT_KEYS (cheap: no file system access)."""
+        t = self.tiers.stats()
+        out = dict.fromkeys(STAT_KEYS, 0.0)
+        out.update(kv_tier_errors=self.errors, kv_host_offloaded_blocks=self.evicted_to_host,
+                   kv_loaded_host_blocks=t["loaded_host_blocks"], kv_loaded_store_blocks=t["loaded_store_blocks"])
+        host = t.get("host")
+        if host is not None:
+            out.update(kv_host_bytes=host["bytes"], kv_host_max_bytes=host["max_bytes"],
+                       kv_host_blocks=host["entries"], kv_host_evictions=host["evictions"])
+        store = t.get("store")
+        if store is not None:
+            for key in _STORE_KEYS:
+                out[f"kv_store_{key}"] = store[key]
+        if self.writer is not None:
+            w = self.writer.stats()
+            out.update(kv_store_dropped_queue_blocks=w["dropped_blocks"], kv_store_pending_bytes=w["pending_bytes"])
+        return out
+
+
+_STORE_KEYS = ("written_blocks", "get_blocks", "corrupt", "expired", "read_errors", "write_errors",
+               "dropped_capacity", "evicted")
+STAT_KEYS = ("kv_tier_errors", "kv_host_offloaded_blocks", "kv_loaded_host_blocks", "kv_loaded_store_blocks",
+             "kv_host_bytes", "kv_host_max_bytes", "kv_host_blocks", "kv_host_evictions",
+             *(f"kv_store_{k}" for k in _STORE_KEYS), "kv_store_dropped_queue_blocks", "kv_store_pending_bytes")
+
+
+def tier_stats(tiers: KVTiers | None) -> dict[str, float]:
+    """`tiers.stats()`, or zeros for every key when there are no tiers."""
+    return tiers.stats() if tiers is not None else dict.fromkeys(STAT_KEYS, 0.0)
+
+
+def resolve_retention(policy: RetentionPolicy, retention_class: str | None) -> str:
+    """`retention_class` if the policy knows it, the default class for None; ValueError otherwise."""
+    if retention_class is None:
+        return policy.default_class
+    if retention_class not in policy.ttls:
+        raise ValueError(f"unknown cache retention class {retention_class!r}; this server has "
+                         f"{', '.join(sorted(policy.ttls))}")
+    return retention_class
+
+
+def _open_store(config: KVStoreConfig, model_identity: str, layout: KVLayout,
+                retention: RetentionPolicy) -> KVBlockStore | None:
+    """The configured store, or None if off or unusable (logged: the engine then runs without it)."""
+    path = config.store_path()
+    if path is None:
+        return None
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        total = shutil.disk_usage(path).total
+    except OSError as e:
+        total = 0  # an absolute size still works: the store counts each failed write and reads what it can
+        logger.warning("KV store %s: %s", path, e)
+    max_bytes = parse_memory(config.kv_store_max_bytes, total)
+    if max_bytes <= 0:
+        logger.warning("KV store %s is off: its capacity %r resolves to 0 bytes", path, config.kv_store_max_bytes)
+        return None
+    return KVBlockStore(path, model_identity, layout, max_bytes, retention)
