@@ -19,7 +19,7 @@ import itertools
 import logging
 import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 from deepinfer.config import EngineConfig
@@ -148,20 +148,24 @@ class EngineCore:
         inflight = self.launch(background=False)
         return self.complete(inflight) if inflight is not None else []
 
-    def launch(self, background: bool = True, ahead: bool = False) -> InFlightStep | None:
+    def launch(self, background: bool = True, ahead: InFlightStep | None = None) -> InFlightStep | None:
         """Schedule the next step and build its inputs (host), then start the model on it: on the
-        model thread when `background`, else right here. `ahead`: a step is still running; this
-        one is scheduled with that step's tokens pending and queued behind it on the model
-        thread (its sampling waits until `complete` has applied the earlier step). None when
-        there is nothing to run."""
+        model thread when `background`, else right here. `ahead`: that step is still running; this
+        one is scheduled with its tokens pending and queued behind it on the model thread (its
+        sampling waits until `complete` has applied the earlier step). None when there is nothing
+        to run."""
         plan = self.scheduler.schedule()
         if plan.empty:
             return None
-        # synchronous, on this thread: no step is running now (overlapping loads with one is future work)
+        if ahead is not None and any(item.request.pending_load is not None for item in plan.scheduled):
+            # loads write device blocks from this thread; a block just freed by a request that a stop
+            # string ended can still receive that request's in-flight token, so let the step finish
+            wait([ahead.future])
+        # synchronous, on this thread, with no step running (overlapping loads with one is future work)
         self._load_pending(plan)
         prepared = self.runner.prepare(plan, self.kv.block_tables)
         self.scheduler.commit(plan)
-        if ahead:
+        if ahead is not None:
             prepared.ready = threading.Event()
             self.num_steps_ahead += bool(prepared.pending_tokens)
         future: Future[StepResult] = Future()
@@ -340,7 +344,7 @@ class LLMEngine:
         inflight = self._inflight or core.launch()
         if inflight is None:
             return []
-        self._inflight = core.launch(ahead=True)
+        self._inflight = core.launch(ahead=inflight)
         return self._process(core.complete(inflight, next_step=self._inflight))
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
