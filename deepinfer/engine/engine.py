@@ -22,6 +22,8 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
+import torch
+
 from deepinfer.config import EngineConfig
 from deepinfer.engine.cost_model import CostModel, StepWork
 from deepinfer.engine.cost_profile import profile_steps
@@ -171,11 +173,22 @@ class EngineCore:
         future: Future[StepResult] = Future()
         if background:
             if self._model_thread is None:
-                self._model_thread = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-model")
+                self._model_thread = self._start_model_thread()
             future = self._model_thread.submit(self.runner.run, prepared)
         else:
             future.set_result(self.runner.run(prepared))
         return InFlightStep(plan, future, prepared.ready)
+
+    def _start_model_thread(self) -> ThreadPoolExecutor:
+        """The thread the model runs on when host work overlaps it. torch's OpenMP thread count is
+        per calling thread: the model thread keeps this thread's count, and on CPU this (host) thread
+        drops to one, so its small tensor ops no longer wake a second OpenMP team that competes with
+        the model's threads for the same cores."""
+        threads = torch.get_num_threads()
+        if self.runner.device.type == "cpu":
+            torch.set_num_threads(1)
+        return ThreadPoolExecutor(1, thread_name_prefix="deepinfer-model",
+                                  initializer=lambda: torch.set_num_threads(threads))
 
     def complete(self, inflight: InFlightStep, next_step: InFlightStep | None = None) -> list[CoreOutput]:
         """Wait for a launched step and apply it: sampled tokens, stop conditions. Requests finished
