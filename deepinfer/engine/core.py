@@ -1,0 +1,207 @@
+"""EngineCore: the token-level engine loop (schedule -> run -> update) and its host/model overlap.
+
+    EngineCore.step (strictly in turn) = launch(background=False) + complete
+    EngineCore.launch: Scheduler.schedule ─▶ load KV tier hits ─▶ ModelRunner.prepare ─▶ Scheduler.commit
+                       ─▶ ModelRunner.run (on the model thread, or inline)
+    EngineCore.complete: wait for the step ─▶ CostModel.observe ─▶ Scheduler.update (tokens, stop checks)
+
+EngineCore also owns the KV tiers below the device cache (`kv_tiers.KVTiers`, built from
+`config.kvstore`): between scheduling a step and preparing it, tier hits of newly admitted
+requests are loaded into their device blocks; `close()` finishes pending store writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.cost_model import CostModel, StepWork
+from deepinfer.engine.cost_profile import profile_steps
+from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.kv_tiers import KVTiers, resolve_retention
+from deepinfer.engine.request import Request
+from deepinfer.engine.runner import ModelRunner, StepResult
+from deepinfer.engine.sampler import TokenLogprobs
+from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
+from deepinfer.kvstore import RetentionPolicy
+from deepinfer.kvstore.blocks import layout_of
+from deepinfer.weights import resolve_model
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class InFlightStep:
+    plan: SchedulerOutput
+    future: Future[StepResult]
+    ready: threading.Event | None = None
+
+
+@dataclass
+class CoreOutput:
+    request: Request
+    new_token_id: int | None
+    logprobs: TokenLogprobs | None
+
+
+class EngineCore:
+    """Token-level engine: owns the scheduler, the KV manager and the model runner."""
+
+    def __init__(self, config: EngineConfig, policy: PrefillPolicy | None = None) -> None:
+        from transformers import AutoConfig
+
+        self.config = config
+        self.files = resolve_model(config.model.model)
+        self.hf_config = AutoConfig.from_pretrained(str(self.files.directory))
+        model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
+        self.max_model_len = config.model.max_model_len or model_len
+        self.runner = ModelRunner(config.model, config.cache, self.files, self.hf_config, self.max_model_len)
+        bs = config.cache.block_size
+        capacity = self.runner.num_blocks * bs
+        if capacity < self.max_model_len:
+            if config.model.max_model_len is not None:
+                raise ValueError(
+                    f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks), less than "
+                    f"max_model_len={self.max_model_len}; raise kv_cache_memory or lower max_model_len")
+            logger.warning("max_model_len lowered from %d to %d to fit the KV cache", self.max_model_len, capacity)
+            self.max_model_len = capacity
+        # the layout key (dtype, block size, layers, KV heads, head dim) seeds every block hash: blocks of
+        # another layout in a shared store can then never match, not only fail a header check
+        kv_layout = layout_of(self.runner.kv_caches).key
+        self.kv = KVCacheManager(self.runner.num_blocks, bs, self.files.identity, kv_layout,
+                                 config.cache.enable_prefix_caching)
+        sc = config.scheduler
+        self.cost_model = CostModel()
+        if sc.profile_cost_model:
+            self.cost_model.calibrate(profile_steps(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
+                                                    sc.max_num_batched_tokens))
+        ks = config.kvstore
+        self.retention = RetentionPolicy.parse(ks.kv_retention, ks.default_retention_class)
+        # attached after the profile: its synthetic steps must not reach the tiers. The tiers extend the
+        # prefix cache, so they are off without it.
+        self.tiers: KVTiers | None = None
+        if config.cache.enable_prefix_caching:
+            self.tiers = KVTiers.from_config(ks, self.files.identity, self.runner.kv_caches)
+        self.kv.attach_tiers(self.tiers)
+        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model)
+        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.runner.num_blocks, bs,
+                    self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20)
+        logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)
+        self.num_steps = 0
+        self._model_thread: ThreadPoolExecutor | None = None
+        self._last_run_ended: float | None = None
+        self.idle_gap_seconds = 0.0  # model-thread time with no step running between consecutive steps
+        self.idle_gap_last = 0.0
+        self.num_idle_gaps = 0
+        self.num_steps_ahead = 0  # steps prepared with inputs the still-running step was sampling
+
+    def add_request(self, req: Request) -> None:
+        self.scheduler.add(req)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def check_retention(self, retention_class: str | None) -> str:
+        """The retention class a request naming `retention_class` gets; ValueError if this engine has none
+        of that name."""
+        return resolve_retention(self.retention, retention_class)
+
+    def flush_kv_store(self, timeout: float | None = None) -> bool:
+        """Wait until the KV blocks queued for the store are written; False on timeout."""
+        return self.tiers.flush(timeout) if self.tiers is not None else True
+
+    def close(self) -> None:
+        """Finish pending store writes and release the tiers; the engine cannot serve afterwards."""
+        if self._model_thread is not None:
+            self._model_thread.shutdown(wait=True)
+            self._model_thread = None
+        if self.tiers is not None:
+            self.kv.attach_tiers(None)
+            self.tiers.close()
+            self.tiers = None
+
+    def _load_pending(self, plan: SchedulerOutput) -> None:
+        """Copy the tier hits of newly admitted requests into their device blocks. A block that does not
+        come back verified (evicted, expired, corrupt meanwhile) is recomputed instead: the item starts
+        earlier, computes as many tokens as planned, and the request continues next step."""
+        for item in plan.scheduled:
+            if item.request.pending_load is not None:
+                item.start -= self.kv.load_pending(item.request)
+
+    def step(self) -> list[CoreOutput]:
+        """Schedule, run and apply one step, in turn."""
+        inflight = self.launch(background=False)
+        return self.complete(inflight) if inflight is not None else []
+
+    def launch(self, background: bool = True, ahead: InFlightStep | None = None) -> InFlightStep | None:
+        """Schedule the next step and build its inputs (host), then start the model on it: on the
+        model thread when `background`, else right here. `ahead`: that step is still running; this
+        one is scheduled with its tokens pending and queued behind it on the model thread (its
+        sampling waits until `complete` has applied the earlier step). None when there is nothing
+        to run."""
+        plan = self.scheduler.schedule()
+        if plan.empty:
+            return None
+        if ahead is not None and any(item.request.pending_load is not None for item in plan.scheduled):
+            # loads write device blocks from this thread; a block just freed by a request that a stop
+            # string ended can still receive that request's in-flight token, so let the step finish
+            wait([ahead.future])
+        # synchronous, on this thread, with no step running (overlapping loads with one is future work)
+        self._load_pending(plan)
+        prepared = self.runner.prepare(plan, self.kv.block_tables)
+        self.scheduler.commit(plan)
+        if ahead is not None:
+            prepared.ready = threading.Event()
+            self.num_steps_ahead += bool(prepared.pending_tokens)
+        future: Future[StepResult] = Future()
+        if background:
+            if self._model_thread is None:
+                self._model_thread = self._start_model_thread()
+            future = self._model_thread.submit(self.runner.run, prepared)
+        else:
+            future.set_result(self.runner.run(prepared))
+        return InFlightStep(plan, future, prepared.ready)
+
+    def _start_model_thread(self) -> ThreadPoolExecutor:
+        """The thread the model runs on when host work overlaps it. torch's OpenMP thread count is
+        per calling thread: the model thread keeps this thread's count, and on CPU this (host) thread
+        drops to one, so its small tensor ops no longer wake a second OpenMP team that competes with
+        the model's threads for the same cores."""
+        threads = torch.get_num_threads()
+        if self.runner.device.type == "cpu":
+            torch.set_num_threads(1)
+        return ThreadPoolExecutor(1, thread_name_prefix="deepinfer-model",
+                                  initializer=lambda: torch.set_num_threads(threads))
+
+    def complete(self, inflight: InFlightStep, next_step: InFlightStep | None = None) -> list[CoreOutput]:
+        """Wait for a launched step and apply it: sampled tokens, stop conditions. Requests finished
+        or aborted while it ran (e.g. by a stop string) are skipped. `next_step`, launched ahead of
+        this result, may sample once this returns."""
+        try:
+            return self._apply(inflight)
+        finally:
+            if next_step is not None and next_step.ready is not None:
+                next_step.ready.set()
+
+    def _apply(self, inflight: InFlightStep) -> list[CoreOutput]:
+        result = inflight.future.result()
+        plan = inflight.plan
+        if self._last_run_ended is not None:
+            gap = result.run_started - self._last_run_ended
+            self.idle_gap_seconds += gap
+            self.idle_gap_last = gap
+            self.num_idle_gaps += 1
+        self.cost_model.observe(StepWork.from_output(plan), result.seconds)
+        advanced = self.scheduler.update(plan, result.sampled)
+        self.num_steps += 1
+        # a gap counts only between steps that follow each other while work is pending
+        self._last_run_ended = result.run_ended if self.scheduler.has_unfinished() else None
+        return [CoreOutput(r, result.sampled[r.request_id], result.logprobs.get(r.request_id)) for r in advanced]
