@@ -181,13 +181,24 @@ def tier_stats(tiers: KVTiers | None) -> dict[str, float]:
     return tiers.stats() if tiers is not None else dict.fromkeys(STAT_KEYS, 0.0)
 
 
+# OpenAI's `prompt_cache_retention` values, so its clients work unchanged: both ask for *at least*
+# that long. "in-memory" (minutes) gets the default class; "24h" the default class if it keeps
+# entries a day, else the class that keeps them longest.
+OPENAI_RETENTION = ("in-memory", "24h")
+
+
 def resolve_retention(policy: RetentionPolicy, retention_class: str | None) -> str:
-    """`retention_class` if the policy knows it, the default class for None; ValueError otherwise."""
-    if retention_class is None:
+    """`retention_class` if the policy knows it (or one of OpenAI's values, mapped), the default class
+    for None; ValueError otherwise."""
+    if retention_class is None or retention_class == "in-memory":
         return policy.default_class
+    if retention_class == "24h" and retention_class not in policy.ttls:
+        if policy.ttls[policy.default_class] >= 86400:
+            return policy.default_class
+        return max(policy.ttls, key=policy.ttls.__getitem__)
     if retention_class not in policy.ttls:
         raise ValueError(f"unknown cache retention class {retention_class!r}; this server has "
-                         f"{', '.join(sorted(policy.ttls))}")
+                         f"{', '.join(sorted(policy.ttls))} (and OpenAI's {', '.join(OPENAI_RETENTION)})")
     return retention_class
 
 
