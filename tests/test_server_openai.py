@@ -146,8 +146,11 @@ def test_admin_endpoints(server):
                  "deepinfer:e2e_request_latency_seconds_count", "deepinfer:request_queue_time_seconds_count",
                  "deepinfer:cost_model_coefficient", "deepinfer:step_time_seconds",
                  "deepinfer:step_time_predicted_seconds", "deepinfer:step_time_prediction_abs_error_ema",
-                 "deepinfer:step_time_budget_seconds", "deepinfer:step_time_budget_utilization"):
+                 "deepinfer:step_time_budget_seconds", "deepinfer:step_time_budget_utilization",
+                 "deepinfer:step_idle_gap_seconds_total", "deepinfer:step_idle_gaps_total",
+                 "deepinfer:step_idle_gap_last_seconds"):
         metric(server, name)
+    assert metric(server, "deepinfer:step_idle_gaps_total") > 0  # consecutive steps of earlier requests
     assert metric(server, "deepinfer:step_time_budget_seconds") > 0
     assert metric(server, "deepinfer:generation_tokens_total") > 0
 
