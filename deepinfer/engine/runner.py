@@ -130,6 +130,8 @@ class ModelRunner:
             return False
         attached = self.model.attach_gguf(read_quantized_tensors(files.source))
         logger.info("GGUF kernels: %d projections multiply from quantized blocks for small batches", attached)
+        if attached and hasattr(self.model, "enable_fused_decode") and self.model.enable_fused_decode():
+            logger.info("small decode steps run each decoder layer as one C call")
         return attached > 0
 
     @property

@@ -2,7 +2,8 @@
 
 Sources: `gguf_gemm.c` (matmuls from GGUF quantized blocks), `paged_attention.c` (decode
 attention reading the paged KV cache in place) and `elementwise.c` (fused residual + RMSNorm,
-rotary, SiLU-and-multiply, row argmax). They are built into one shared
+rotary, SiLU-and-multiply, row argmax), and `decode_layer.c` (a whole decoder layer for a few
+decoding sequences, composed of the others). They are built into one shared
 library with `-march=native`, so the cache key holds the sources, the flags and the CPU's
 model and feature flags: a cache directory moved to another machine rebuilds. ctypes
 releases the GIL during each call. Where building is impossible (not x86-64, no AVX2, no
@@ -25,7 +26,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n) for n in ("gguf_gemm.c", "paged_attention.c", "elementwise.c")]
+_SOURCES = [Path(__file__).with_name(n)
+            for n in ("gguf_gemm.c", "paged_attention.c", "elementwise.c", "decode_layer.c")]
 _HEADERS = [Path(__file__).with_name("cpu_common.h")]
 _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
@@ -90,6 +92,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.rotary_qk.argtypes = [vp, ctypes.c_int64, i, vp, ctypes.c_int64, i, i, i, vp, vp, i]
     lib.silu_mul.argtypes = [vp, vp, i, i, i]
     lib.argmax_rows.argtypes = [vp, i, i, vp]
+    lib.decode_layer.argtypes = [vp, vp, vp, i, i, vp, vp, vp, vp, i, vp, vp, vp, i]
+    lib.decode_layer.restype = i
     _lib = lib
     return lib
 

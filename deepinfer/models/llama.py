@@ -16,6 +16,7 @@ from torch import nn
 
 from deepinfer.layers.activation import silu_and_mul
 from deepinfer.layers.attention import AttentionBackend
+from deepinfer.layers.fused_decode import FusedDecoder
 from deepinfer.layers.gguf_kernels import QuantizedWeight, llama_unpermute_order
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
@@ -106,6 +107,14 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self.rotary = RotaryEmbedding(cfg, max_positions, dtype)
+        self.fused: FusedDecoder | None = None
+
+    def enable_fused_decode(self) -> bool:
+        """Run small all-decode steps through whole-layer C calls (see layers/fused_decode.py) when
+        every projection has GGUF blocks attached; returns whether it is on."""
+        fused = FusedDecoder(self)
+        self.fused = fused if fused.supported() else None
+        return self.fused is not None
 
     @property
     def num_kv_heads(self) -> int:
@@ -119,10 +128,13 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; returns float32 logits [len(logits_indices), vocab]."""
         x = self.embed_tokens(input_ids)
-        residual = None
         cos, sin = self.rotary.lookup(positions)
-        for layer, cache in zip(self.layers, caches, strict=True):
-            x, residual = layer(x, residual, cos, sin, cache, meta)
+        if self.fused is not None and self.fused.accepts(x, meta):
+            x, residual = self.fused.run(x, cos, sin, caches, meta)
+        else:
+            residual = None
+            for layer, cache in zip(self.layers, caches, strict=True):
+                x, residual = layer(x, residual, cos, sin, cache, meta)
         x, residual = x[logits_indices], residual[logits_indices]
         return self.lm_head(self.norm(x, residual)[0]).float()
 

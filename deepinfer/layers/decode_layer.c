@@ -1,0 +1,98 @@
+/*
+ * One whole decoder layer for a few decoding sequences, in one call.
+ *
+ * Decoding one to eight sequences of a small model spends more time dispatching ~15 small
+ * torch ops per layer from Python than computing them. This composes the kernels of the
+ * other files (GGUF matmuls, fused norm / rotary / SiLU, paged decode attention) in the same
+ * order and with the same rounding points as the torch path of models/llama.py, so its
+ * output is the same up to float summation order:
+ *
+ *   residual += x (or residual = x at the first layer);  h = rmsnorm(residual) * w1
+ *   qkv = h Wqkv;  rotate q, k;  k, v -> cache slots;  a = attention(q, paged K/V)
+ *   residual += a Wo;  h = rmsnorm(residual) * w2;  x = (silu(h Wg) * (h Wu)) Wd
+ *
+ * x, residual: [M, hidden] in the model dtype (dtype 0 = float32, 1 = bfloat16); x is
+ * overwritten with the layer's MLP output (not yet added to residual, like the torch path).
+ */
+#include <stdint.h>
+#include <string.h>
+
+typedef struct {
+    int kind; /* 0 = Q4_1, 1 = Q8_0 */
+    const void *qs;
+    const float *d;
+    const float *mn;
+    int n, k;
+} qweight;
+
+typedef struct {
+    qweight qkv, o, gate_up, down;
+    const void *norm1, *norm2;
+    void *k_cache, *v_cache;
+    int hidden, heads, kv_heads, head_dim, inter, block_size;
+    float eps, scale; /* RMSNorm epsilon; attention scale (head_dim ** -0.5) */
+} decoder_layer;
+
+void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d, const float *mn,
+               void *y, int N, float *scratch, int dtype);
+void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d, void *y, int N, float *scratch,
+               int dtype);
+void rms_norm(const void *x, void *residual, const void *w, void *out, int M, int N, float eps, int dtype);
+void rotary_qk(void *q, int64_t q_stride, int q_heads, void *k, int64_t k_stride, int k_heads, int T, int D,
+               const void *cos, const void *sin, int dtype);
+void silu_mul(const void *gu, void *out, int M, int I, int dtype);
+int paged_decode_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                           int B, int H, int KVH, int D, int block_size, float scale, int dtype,
+                           int64_t skip, float *lse);
+
+static void qgemm(const qweight *w, const void *x, int M, void *y, float *scratch, int dtype) {
+    if (w->kind == 0)
+        q4_1_gemm(x, M, w->k, (const uint8_t *)w->qs, w->d, w->mn, y, w->n, scratch, dtype);
+    else
+        q8_0_gemm(x, M, w->k, (const int8_t *)w->qs, w->d, y, w->n, scratch, dtype);
+}
+
+/* work: M * (2 * hidden + qkv + 2 * q_size + 3 * inter) elements of the model dtype;
+ * scratch: M * (max(hidden, inter) * 33 / 32 + 1) floats */
+int decode_layer(const decoder_layer *L, void *x, void *residual, int first, int M,
+                 const void *cos, const void *sin, const int64_t *slots,
+                 const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                 void *work, float *scratch, int dtype) {
+    const int es = dtype == 1 ? 2 : 4;
+    const int q_size = L->heads * L->head_dim, kv_size = L->kv_heads * L->head_dim;
+    const int qkv_n = q_size + 2 * kv_size;
+    if (L->qkv.n != qkv_n || L->gate_up.n != 2 * L->inter) return -1;
+    char *h = (char *)work;                                   /* [M, hidden] */
+    char *qkv = h + (int64_t)M * L->hidden * es;               /* [M, qkv_n] */
+    char *q = qkv + (int64_t)M * qkv_n * es;                   /* [M, q_size] contiguous */
+    char *attn = q + (int64_t)M * q_size * es;                 /* [M, q_size] */
+    char *o = attn + (int64_t)M * q_size * es;                 /* [M, hidden] */
+    char *gu = o + (int64_t)M * L->hidden * es;                /* [M, 2 * inter] */
+    char *act = gu + (int64_t)M * 2 * L->inter * es;           /* [M, inter] */
+
+    if (first) {
+        memcpy(residual, x, (size_t)M * L->hidden * es);
+        rms_norm(x, NULL, L->norm1, h, M, L->hidden, L->eps, dtype);
+    } else {
+        rms_norm(x, residual, L->norm1, h, M, L->hidden, L->eps, dtype);
+    }
+    qgemm(&L->qkv, h, M, qkv, scratch, dtype);
+    rotary_qk(qkv, qkv_n, L->heads, qkv + (int64_t)q_size * es, qkv_n, L->kv_heads, M, L->head_dim, cos, sin, dtype);
+    for (int m = 0; m < M; m++) {
+        const char *row = qkv + (int64_t)m * qkv_n * es;
+        memcpy(q + (int64_t)m * q_size * es, row, (size_t)q_size * es);
+        memcpy((char *)L->k_cache + slots[m] * kv_size * es, row + (int64_t)q_size * es, (size_t)kv_size * es);
+        memcpy((char *)L->v_cache + slots[m] * kv_size * es, row + (int64_t)(q_size + kv_size) * es,
+               (size_t)kv_size * es);
+    }
+    int rc = paged_decode_attention(q, attn, L->k_cache, L->v_cache, block_tables, max_blocks, context_lens, M,
+                                    L->heads, L->kv_heads, L->head_dim, L->block_size, L->scale, dtype, 0, NULL);
+    if (rc != 0) return rc;
+    qgemm(&L->o, attn, M, o, scratch, dtype);
+    rms_norm(o, residual, L->norm2, h, M, L->hidden, L->eps, dtype);
+    qgemm(&L->gate_up, h, M, gu, scratch, dtype);
+    silu_mul(gu, act, M, L->inter, dtype);
+    qgemm(&L->down, act, M, x, scratch, dtype);
+    return 0;
+}

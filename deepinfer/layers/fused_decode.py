@@ -1,0 +1,108 @@
+"""Whole decoder layers in one C call (`decode_layer.c`) for steps that only decode a few sequences.
+
+Used by Llama-layout models whose projections all multiply from GGUF blocks (no biases, no q/k
+norm): for such a step the torch path dispatches ~15 small ops per layer from Python, which costs
+more than the arithmetic. `FusedDecoder.run` replaces the layer loop; everything else (embedding,
+final norm, logits, sampling) stays in torch. The layer descriptions hold raw pointers to the
+weights and KV caches, so they are built once for a given cache list and rebuilt if it changes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import torch
+
+from deepinfer.layers import cpu_kernels
+from deepinfer.layers.gguf_kernels import QuantizedWeight, max_rows
+
+
+class _QWeight(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("mn", ctypes.c_void_p),
+                ("n", ctypes.c_int), ("k", ctypes.c_int)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("qkv", _QWeight), ("o", _QWeight), ("gate_up", _QWeight), ("down", _QWeight),
+                ("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p),
+                ("hidden", ctypes.c_int), ("heads", ctypes.c_int), ("kv_heads", ctypes.c_int),
+                ("head_dim", ctypes.c_int), ("inter", ctypes.c_int), ("block_size", ctypes.c_int),
+                ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
+
+
+def _qweight(w: QuantizedWeight) -> _QWeight:
+    return _QWeight(0 if w.kind == "q4_1" else 1, w.qs.data_ptr(), w.d.data_ptr(),
+                    w.mn.data_ptr() if w.mn is not None else None, w.n, w.k)
+
+
+class FusedDecoder:
+    """The C layer path of one model; `supported()` says whether the model qualifies at all."""
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+        self.lib = cpu_kernels.load_library()
+        self.max_rows = max_rows()
+        self._caches_key: tuple[int, ...] | None = None
+        self._layers: list[_Layer] = []
+
+    def supported(self) -> bool:
+        m = self.model
+        attn0 = m.layers[0].self_attn
+        code = cpu_kernels.dtype_code(m.embed_tokens.weight.dtype)
+        if self.lib is None or code is None or m.embed_tokens.weight.device.type != "cpu":
+            return False
+        if attn0.head_dim % 16 or m.config.hidden_size % 8 or m.layers[0].mlp.intermediate % 8:
+            return False
+        for layer in m.layers:
+            a, mlp = layer.self_attn, layer.mlp
+            linears = (a.qkv_proj, a.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if a.q_norm is not None or any(lin.quantized is None or lin.bias is not None for lin in linears):
+                return False
+        return True
+
+    def accepts(self, x: torch.Tensor, meta: Any) -> bool:
+        """A step of at most max_rows decodes on the C attention path, without a cascade prefix."""
+        return (not getattr(meta, "prefills", True) and getattr(meta, "decode_context_lens", None) is not None
+                and meta.shared_blocks is None and meta.num_decodes == x.shape[0] <= self.max_rows)
+
+    def _build(self, caches: list[Any]) -> None:
+        m = self.model
+        cfg = m.config
+        self._layers = []
+        for layer, (k_cache, v_cache) in zip(m.layers, caches, strict=True):
+            a, mlp = layer.self_attn, layer.mlp
+            self._layers.append(_Layer(
+                _qweight(a.qkv_proj.quantized), _qweight(a.o_proj.quantized), _qweight(mlp.gate_up_proj.quantized),
+                _qweight(mlp.down_proj.quantized), layer.input_layernorm.weight.data_ptr(),
+                layer.post_attention_layernorm.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, mlp.intermediate, k_cache.shape[1],
+                layer.input_layernorm.eps, a.head_dim ** -0.5))
+        self._caches_key = tuple(c[0].data_ptr() for c in caches)
+
+    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[Any], meta: Any
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All layers for decode rows x [M, hidden]; returns (last MLP output, residual) like the layer loop."""
+        if self._caches_key != tuple(c[0].data_ptr() for c in caches):
+            self._build(caches)
+        m_rows, hidden = x.shape
+        cfg_layer = self._layers[0]
+        q_size = cfg_layer.heads * cfg_layer.head_dim
+        qkv = q_size + 2 * cfg_layer.kv_heads * cfg_layer.head_dim
+        x = x.clone()  # overwritten in place, layer after layer
+        residual = torch.empty_like(x)
+        work = x.new_empty(m_rows * (2 * hidden + qkv + 2 * q_size + 3 * cfg_layer.inter))
+        widest = max(hidden, cfg_layer.inter)
+        scratch = torch.empty(m_rows * (widest + widest // 32 + 1), dtype=torch.float32)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        code = cpu_kernels.dtype_code(x.dtype)
+        args = (x.data_ptr(), residual.data_ptr())
+        tail = (m_rows, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
+                tables.shape[1], lens.data_ptr(), work.data_ptr(), scratch.data_ptr(), code)
+        for i, layer in enumerate(self._layers):
+            rc = self.lib.decode_layer(ctypes.byref(layer), *args, int(i == 0), *tail)
+            if rc != 0:
+                raise RuntimeError(f"decode_layer rejected layer {i} (code {rc})")
+        return x, residual
