@@ -167,19 +167,26 @@ def run_agentic(engine: LLMEngine, args: argparse.Namespace) -> tuple[list[Req],
 
 def load_trace(args: argparse.Namespace) -> list[Req]:
     per_hash = 512 // args.scale
-    reqs = []
+    time_scale = args.time_scale if args.time_scale is not None else (2.0 if args.trace_sample == "head" else 1 / 15)
     with open(args.trace) as f:
-        for i, line in enumerate(f):
-            if i >= args.trace_requests:
-                break
-            rec = json.loads(line)
-            n = max(1, rec["input_length"] // args.scale)
-            prompt: list[int] = []
-            for h in rec["hash_ids"]:
-                prompt += _tokens(random.Random(h), per_hash)
-            prompt = prompt[:n]
-            out = max(1, min(args.trace_max_output, rec["output_length"] // args.scale))
-            reqs.append(Req(f"m{i}", prompt, out, rec["timestamp"] * args.time_scale / 1000))
+        records = [json.loads(line) for line in f]
+    if args.trace_sample == "head":
+        records = records[:args.trace_requests]
+    else:  # whole conversations (keyed by their first two hash ids), a seeded sample of them
+        records = [r for r in records if r["timestamp"] < args.trace_minutes * 60_000]
+        keys = sorted({tuple(r["hash_ids"][:2]) for r in records})
+        rng = random.Random(args.seed)
+        chosen = {k for k in keys if rng.random() < args.conv_fraction}
+        records = [r for r in records if tuple(r["hash_ids"][:2]) in chosen]
+    reqs = []
+    for i, rec in enumerate(records):
+        n = max(1, rec["input_length"] // args.scale)
+        prompt: list[int] = []
+        for h in rec["hash_ids"]:
+            prompt += _tokens(random.Random(h), per_hash)
+        prompt = prompt[:n]
+        out = max(1, min(args.trace_max_output, rec["output_length"] // args.scale))
+        reqs.append(Req(f"m{i}", prompt, out, rec["timestamp"] * time_scale / 1000))
     return reqs
 
 
@@ -284,7 +291,13 @@ def main() -> None:
     p.add_argument("--trace", default=str(TRACE))
     p.add_argument("--trace-requests", type=int, default=120)
     p.add_argument("--scale", type=int, default=16, help="(b) lengths divided by this (must divide 512)")
-    p.add_argument("--time-scale", type=float, default=2.0, help="(b) arrival times multiplied by this")
+    p.add_argument("--time-scale", type=float, default=None,
+                   help="(b) arrival times multiplied by this (default: 2 for head, 1/15 for conversations)")
+    p.add_argument("--trace-sample", choices=["conversations", "head"], default="conversations",
+                   help="(b) head: the first --trace-requests requests; conversations: every request of a "
+                        "--conv-fraction sample of the conversations starting in the first --trace-minutes")
+    p.add_argument("--conv-fraction", type=float, default=0.04)
+    p.add_argument("--trace-minutes", type=float, default=20.0)
     p.add_argument("--trace-max-output", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="smoke run: 4 sessions x 3 turns, 20 trace requests")
     p.add_argument("--json", default=None, help="also write the results to this file")
@@ -301,9 +314,11 @@ def main() -> None:
         if args.json:  # after each workload, so an interrupted run keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "results": results}, f, indent=2)
+    sample = (f"first {args.trace_requests} requests" if args.trace_sample == "head" else
+              f"{args.conv_fraction:g} of the conversations of the first {args.trace_minutes:g} min")
+    time_scale = args.time_scale if args.time_scale is not None else (2.0 if args.trace_sample == "head" else 1 / 15)
     print(f"\ndevice pool {args.device_blocks} blocks ({args.device_blocks * BLOCK} tokens), host tier "
-          f"{args.host_cache_memory}; mooncake: first {args.trace_requests} requests, lengths / {args.scale}, "
-          f"arrival times x {args.time_scale}")
+          f"{args.host_cache_memory}; mooncake: {sample}, lengths / {args.scale}, arrival times x {time_scale:.3g}")
     for workload, res in results.items():
         off, on = res["store_off"], res["store_on"]
         print(f"\n{workload:30s} {'store off':>12s} {'store on':>12s} {'on/off':>8s}")
