@@ -11,11 +11,15 @@ evicted and is recomputed, with it the evicted blocks are loaded from the store.
     A session's next turn arrives ``--gap-min``..``--gap-max`` s (uniform) after its previous turn finished;
     session starts are staggered by ``--stagger`` s. Arrival times therefore depend on the run (closed
     loop per session); the prompts' token ids do not, except for the model's own (greedy) outputs.
-(b) mooncake: the first ``--trace-requests`` requests of the Mooncake conversation trace, lengths divided by
-    ``--scale`` (a 512-token hash block becomes 512/scale tokens, generated from random.Random(hash_id) so
-    equal hash ids give equal prefixes), output lengths divided by ``--scale`` and capped at
-    ``--trace-max-output``, arrival times multiplied by ``--time-scale`` (open loop: request i is added at
-    timestamp_i * time_scale / 1000 s after the start).
+(b) mooncake: the Mooncake conversation trace, lengths divided by ``--scale`` (a 512-token hash block
+    becomes 512/scale tokens, generated from random.Random(hash_id) so equal hash ids give equal
+    prefixes), output lengths divided by ``--scale`` and capped at ``--trace-max-output``, prompts longer
+    than the engine's context keep their leading part. Which requests (``--trace-sample``):
+    ``conversations`` (default) = every request, up to minute ``--trace-minutes``, of a seeded
+    ``--conv-fraction`` sample of the conversations (keyed by their first two hash ids) -- sampling whole
+    conversations divides the rate while keeping their reuse; ``head`` = the first ``--trace-requests``
+    requests (little reuse: the trace's first minutes are mostly first turns). Open loop: a request is
+    added at timestamp * ``--time-scale`` (default 1/15 for conversations, 2 for head).
 
 Requests are random token ids, greedy, ignore_eos. TTFT = first output token time - the time the request
 was added (its arrival). Reported per workload and store setting: the ideal input hit rate (an infinite
