@@ -182,6 +182,7 @@ def serve(engine_config, server_config) -> None:
     print(f"deepinfer: serving {name} at {url}/v1 (OpenAI-compatible; Ctrl-C stops)", flush=True)
     try:
         uvicorn.run(app, host=server_config.host, port=server_config.port,
-                    log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5)
+                    log_level=server_config.uvicorn_log_level, timeout_graceful_shutdown=5,
+                    lifespan="off")  # no startup/shutdown hooks; "auto" logs a traceback on Ctrl-C
     finally:
         engine.shutdown()
