@@ -11,10 +11,9 @@ from deepinfer.layers import cpu_kernels
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up: [T, 2I] -> [T, I]; one fused pass with the CPU kernel, three torch ops otherwise."""
     inter = gate_up.shape[-1] // 2
-    lib = cpu_kernels.load_library()
-    code = cpu_kernels.dtype_code(gate_up.dtype)
-    if lib is not None and code is not None and gate_up.device.type == "cpu" and gate_up.dim() == 2 \
-            and inter % 8 == 0 and gate_up.is_contiguous():
+    kernels = cpu_kernels.kernels_for(gate_up)
+    if kernels is not None and gate_up.dim() == 2 and inter % 8 == 0 and gate_up.is_contiguous():
+        lib, code = kernels
         out = gate_up.new_empty((gate_up.shape[0], inter))
         lib.silu_mul(gate_up.data_ptr(), out.data_ptr(), gate_up.shape[0], inter, code)
         return out

@@ -5,6 +5,24 @@
 #include <stdint.h>
 #include <string.h>
 
+/* element i as float32; bf16 != 0 means the memory holds bfloat16 */
+static inline float load1(const void *p, int64_t i, int bf16) {
+    if (!bf16) return ((const float *)p)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* element i = v, rounded to bfloat16 (nearest even) when bf16 != 0 */
+static inline void store1(void *p, int64_t i, float v, int bf16) {
+    if (!bf16) { ((float *)p)[i] = v; return; }
+    uint32_t bits;
+    memcpy(&bits, &v, 4);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
+}
+
 /* 8 consecutive elements as float32; bf16 != 0 means the memory holds bfloat16 */
 static inline __m256 load8(const void *p, int bf16) {
     if (!bf16) return _mm256_loadu_ps((const float *)p);

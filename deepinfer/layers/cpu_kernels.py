@@ -103,6 +103,16 @@ def dtype_code(dtype: torch.dtype) -> int | None:
     return {torch.float32: 0, torch.bfloat16: 1}.get(dtype)
 
 
+def kernels_for(t: torch.Tensor) -> tuple[ctypes.CDLL, int] | None:
+    """The loaded kernels and `t`'s element-type code when they can take `t` (a CPU tensor of a
+    dtype they handle); None otherwise, and the caller uses its torch path."""
+    code = dtype_code(t.dtype)
+    if code is None or t.device.type != "cpu":
+        return None
+    lib = load_library()
+    return None if lib is None else (lib, code)
+
+
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """x.argmax(dim=-1) for a 2-D float32 CPU tensor; the kernel splits rows over threads
     (torch's argmax took 3.5 ms for 64 x 49152 logits on a 2-core Xeon, the kernel ~0.5 ms)."""

@@ -50,8 +50,7 @@ class FusedDecoder:
     def supported(self) -> bool:
         m = self.model
         attn0 = m.layers[0].self_attn
-        code = cpu_kernels.dtype_code(m.embed_tokens.weight.dtype)
-        if self.lib is None or code is None or m.embed_tokens.weight.device.type != "cpu":
+        if self.lib is None or cpu_kernels.kernels_for(m.embed_tokens.weight) is None:
             return False
         if attn0.head_dim % 16 or m.config.hidden_size % 8 or m.layers[0].mlp.intermediate % 8:
             return False
@@ -83,14 +82,14 @@ class FusedDecoder:
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[Any], meta: Any
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All layers for decode rows x [M, hidden]; returns (last MLP output, residual) like the layer loop."""
+        """All layers for decode rows x [M, hidden], which is overwritten (the caller's fresh embedding
+        output); returns (last MLP output, residual) like the layer loop."""
         if self._caches_key != tuple(c[0].data_ptr() for c in caches):
             self._build(caches)
         m_rows, hidden = x.shape
         cfg_layer = self._layers[0]
         q_size = cfg_layer.heads * cfg_layer.head_dim
         qkv = q_size + 2 * cfg_layer.kv_heads * cfg_layer.head_dim
-        x = x.clone()  # overwritten in place, layer after layer
         residual = torch.empty_like(x)
         work = x.new_empty(m_rows * (2 * hidden + qkv + 2 * q_size + 3 * cfg_layer.inter))
         widest = max(hidden, cfg_layer.inter)

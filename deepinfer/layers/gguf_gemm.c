@@ -43,20 +43,8 @@ static void block_sums(const float *x, int M, int K, float *out) {
 /* bf16 -> float32 rows (x is [M, K]); returns the float32 view to multiply with */
 static const float *widen(const void *x, int M, int K, int dtype, float *scratch) {
     if (dtype == 0) return (const float *)x;
-    const uint16_t *src = (const uint16_t *)x;
-    for (int64_t i = 0; i < (int64_t)M * K; i++) {
-        uint32_t bits = (uint32_t)src[i] << 16;
-        memcpy(scratch + i, &bits, 4);
-    }
+    for (int64_t i = 0; i < (int64_t)M * K; i++) scratch[i] = load1(x, i, 1);
     return scratch;
-}
-
-static inline void store_out(void *y, int64_t i, float v, int dtype) {
-    if (dtype == 0) { ((float *)y)[i] = v; return; }
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    bits += 0x7FFF + ((bits >> 16) & 1);  /* round to nearest even, as torch does */
-    ((uint16_t *)y)[i] = (uint16_t)(bits >> 16);
 }
 
 /* scratch: [M * K/32] floats, plus M * K in front of them for bf16 input */
@@ -68,9 +56,8 @@ void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d
     block_sums(x, M, K, scratch);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
-        __m256 acc[MAX_ROWS];
         float off[MAX_ROWS];
-        for (int m = 0; m < M; m++) { acc[m] = _mm256_setzero_ps(); off[m] = 0.f; }
+        for (int m = 0; m < M; m++) off[m] = 0.f;
         const uint8_t *row = qs + (int64_t)n * nb * 16;
         const float *dn = d + (int64_t)n * nb, *mnn = mn + (int64_t)n * nb;
 #ifdef __AVX512F__
@@ -109,9 +96,10 @@ void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d
             }
         }
         for (int m = 0; m < M; m++)
-            store_out(y, (int64_t)m * N + n, _mm512_reduce_add_ps(_mm512_add_ps(acc16[m], acc16b[m])) + off[m], dtype);
-        continue;
-#endif
+            store1(y, (int64_t)m * N + n, _mm512_reduce_add_ps(_mm512_add_ps(acc16[m], acc16b[m])) + off[m], dtype == 1);
+#else
+        __m256 acc[MAX_ROWS];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++) {
             __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * 16));
             __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
@@ -127,7 +115,8 @@ void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d
                 off[m] += mnn[b] * scratch[m * nb + b];
             }
         }
-        for (int m = 0; m < M; m++) store_out(y, (int64_t)m * N + n, hsum8(acc[m]) + off[m], dtype);
+        for (int m = 0; m < M; m++) store1(y, (int64_t)m * N + n, hsum8(acc[m]) + off[m], dtype == 1);
+#endif
     }
 }
 
@@ -138,8 +127,6 @@ void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d,
     const float *x = widen(x_in, M, K, dtype, scratch);
 #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
-        __m256 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
         const int8_t *row = qs + (int64_t)n * K;
         const float *dn = d + (int64_t)n * nb;
 #ifdef __AVX512F__
@@ -155,9 +142,10 @@ void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d,
                 acc16[m] = _mm512_fmadd_ps(scale, s, acc16[m]);
             }
         }
-        for (int m = 0; m < M; m++) store_out(y, (int64_t)m * N + n, _mm512_reduce_add_ps(acc16[m]), dtype);
-        continue;
-#endif
+        for (int m = 0; m < M; m++) store1(y, (int64_t)m * N + n, _mm512_reduce_add_ps(acc16[m]), dtype == 1);
+#else
+        __m256 acc[MAX_ROWS];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
         for (int b = 0; b < nb; b++) {
             __m256i q = _mm256_loadu_si256((const __m256i *)(row + b * QK));
             __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
@@ -169,7 +157,8 @@ void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d,
             for (int m = 0; m < M; m++)
                 acc[m] = _mm256_fmadd_ps(scale, dot_block(w0, w1, w2, w3, x + (int64_t)m * K + b * QK), acc[m]);
         }
-        for (int m = 0; m < M; m++) store_out(y, (int64_t)m * N + n, hsum8(acc[m]), dtype);
+        for (int m = 0; m < M; m++) store1(y, (int64_t)m * N + n, hsum8(acc[m]), dtype == 1);
+#endif
     }
 }
 

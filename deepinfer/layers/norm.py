@@ -19,10 +19,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Without `residual`: rmsnorm(x). With it: (rmsnorm(x + residual), x + residual)."""
-        lib = cpu_kernels.load_library()
-        code = cpu_kernels.dtype_code(x.dtype)
-        if lib is not None and code is not None and x.device.type == "cpu" and x.dim() == 2 \
-                and x.shape[-1] % 8 == 0 and x.is_contiguous() and self.weight.dtype == x.dtype:
+        kernels = cpu_kernels.kernels_for(x)
+        if kernels is not None and x.dim() == 2 and x.shape[-1] % 8 == 0 and x.is_contiguous() \
+                and self.weight.dtype == x.dtype:
+            lib, code = kernels
             out = torch.empty_like(x)
             lib.rms_norm(x.data_ptr(), None if residual is None else residual.data_ptr(), self.weight.data_ptr(),
                          out.data_ptr(), x.shape[0], x.shape[1], self.eps, code)

@@ -23,22 +23,6 @@
 #define MAX_GROUP 64
 #define MAX_BS 64
 
-static inline float load_elem(const void *p, int64_t i, int bf16) {
-    if (!bf16) return ((const float *)p)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline void store_elem(void *p, int64_t i, float v, int bf16) {
-    if (!bf16) { ((float *)p)[i] = v; return; }
-    uint32_t bits;
-    memcpy(&bits, &v, 4);
-    bits += 0x7FFF + ((bits >> 16) & 1);  /* round to nearest even, as torch does */
-    ((uint16_t *)p)[i] = (uint16_t)(bits >> 16);
-}
-
 /* the four horizontal sums of a0..a3, in one vector */
 static inline __m128 hsum4x8(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
     const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
@@ -77,7 +61,7 @@ int paged_decode_attention(const void *q, void *out, const void *k_cache, const 
             float s[MAX_GROUP][MAX_BS], corr[MAX_GROUP];
             for (int g = 0; g < G; g++) {
                 const int64_t base = ((int64_t)b * H + h * G + g) * D;
-                for (int d = 0; d < D; d++) qf[g][d] = load_elem(q, base + d, bf16) * scale;
+                for (int d = 0; d < D; d++) qf[g][d] = load1(q, base + d, bf16) * scale;
                 for (int d = 0; d < D; d++) acc[g][d] = 0.f;
                 m[g] = -INFINITY;
                 l[g] = 0.f;
@@ -143,7 +127,7 @@ int paged_decode_attention(const void *q, void *out, const void *k_cache, const 
                 const int64_t base = ((int64_t)b * H + h * G + g) * D;
                 const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
                 if (lse) lse[(int64_t)b * H + h * G + g] = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
-                for (int d = 0; d < D; d++) store_elem(out, base + d, acc[g][d] * inv, bf16);
+                for (int d = 0; d < D; d++) store1(out, base + d, acc[g][d] * inv, bf16);
             }
         }
     }

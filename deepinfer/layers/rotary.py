@@ -57,13 +57,12 @@ def apply_rotary_qk(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: to
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate q [T, Hq, D] and k [T, Hk, D] by cos, sin [T, D]; in place with the CPU kernel
     (q and k may be row-strided views into the fused QKV output), out of place otherwise."""
-    lib = cpu_kernels.load_library()
-    code = cpu_kernels.dtype_code(q.dtype)
+    kernels = cpu_kernels.kernels_for(q)
     d = q.shape[-1]
-    if lib is not None and code is not None and q.device.type == "cpu" and d % 16 == 0 \
-            and cos.shape[-1] == d and cos.dtype == q.dtype and k.dtype == q.dtype \
+    if kernels is not None and d % 16 == 0 and cos.shape[-1] == d and cos.dtype == q.dtype and k.dtype == q.dtype \
             and cos.is_contiguous() and sin.is_contiguous() \
             and q.stride(2) == 1 and q.stride(1) == d and k.stride(2) == 1 and k.stride(1) == d:
+        lib, code = kernels
         lib.rotary_qk(q.data_ptr(), q.stride(0), q.shape[1], k.data_ptr(), k.stride(0), k.shape[1], q.shape[0], d,
                       cos.data_ptr(), sin.data_ptr(), code)
         return q, k

@@ -61,24 +61,20 @@ class TorchAttentionBackend(AttentionBackend):
         bs, dev = batch.block_size, self.device
         nd = batch.num_decodes
         decode_tables = decode_mask = decode_lens = shared = None
-        if nd and self.kernels is not None:
-            lens = batch.context_lens[:nd]
-            max_blocks = max((n + bs - 1) // bs for n in lens)
-            decode_tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                                          for t in batch.block_tables[:nd]], dtype=torch.long)
-            decode_lens = torch.tensor(lens, dtype=torch.long)
-            shared = _shared_prefix_blocks(batch.block_tables[:nd], lens, bs)
-        elif nd:
+        if nd:
             lens = batch.context_lens[:nd]
             max_blocks = (max(lens) + bs - 1) // bs
-            table = torch.zeros((nd, max_blocks), dtype=torch.long)
-            for i, blocks in enumerate(batch.block_tables[:nd]):
-                n = (lens[i] + bs - 1) // bs
-                table[i, :n] = torch.tensor(blocks[:n], dtype=torch.long)
-            decode_tables = table.to(dev)
-            if min(lens) != max_blocks * bs:
-                pos = torch.arange(max_blocks * bs)
-                decode_mask = (pos[None, :] < torch.tensor(lens)[:, None]).view(nd, 1, 1, -1).to(dev)
+            # each decode's blocks, padded with block 0 (masked out, or never read by the kernel)
+            decode_tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
+                                          for t in batch.block_tables[:nd]], dtype=torch.long)
+            if self.kernels is not None:
+                decode_lens = torch.tensor(lens, dtype=torch.long)
+                shared = _shared_prefix_blocks(batch.block_tables[:nd], lens, bs)
+            else:
+                decode_tables = decode_tables.to(dev)
+                if min(lens) != max_blocks * bs:
+                    pos = torch.arange(max_blocks * bs)
+                    decode_mask = (pos[None, :] < torch.tensor(lens)[:, None]).view(nd, 1, 1, -1).to(dev)
         prefills = []
         start = nd
         for i in range(nd, len(batch.query_lens)):
@@ -133,8 +129,8 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _kernel_decode(self, q, k_rows, v_rows, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
         """Decode attention with the C kernel; a prefix shared by every decode (a system prompt) is
-        attended once for all of them as two batched matmuls, then merged by log-sum-exp with the
-        kernel's result over each sequence's own tokens (cascade attention)."""
+        attended once for all of them in one flash-attention call, then merged by log-sum-exp with
+        the kernel's result over each sequence's own tokens (cascade attention)."""
         nd, heads, d = q.shape
         _, bs, kvh, _ = k_cache.shape
         scale = d ** -0.5
