@@ -208,10 +208,23 @@ class ServerConfig:
     port: int = _f(8000, "TCP port to listen on.")
     api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` (or `x-api-key`) on API routes.")
     uvicorn_log_level: str = _f("warning", "uvicorn's log level (access logs show at info).")
+    tool_parser: str = _f(
+        "auto", "How tool calls are read from the model's output: auto (from the chat template / architecture), "
+        "hermes (<tool_call>{json}</tool_call>; Hermes, Qwen), llama3_json ({\"name\", \"parameters\"}).",
+        choices=["auto", "hermes", "qwen", "llama3_json"])
+    reasoning_parser: str = _f(
+        "auto", "How reasoning is split from the answer: auto (think when the chat template has <think>), "
+        "think / deepseek_r1 / qwen3 (<think>...</think>), none.",
+        choices=["auto", "none", "think", "deepseek_r1", "qwen3"])
+    responses_store_size: int = _f(1000, "Responses kept for previous_response_id and GET /v1/responses/{id} "
+                                         "(the oldest are dropped first).")
+    responses_store_ttl: float = _f(3600.0, "Seconds a stored response is kept.")
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
+            raise ValueError("responses_store_size must be >= 0 and responses_store_ttl > 0")
 
 
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,

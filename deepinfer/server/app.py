@@ -1,8 +1,9 @@
 """The FastAPI application: routes, API-key auth, error rendering, admin endpoints.
 
 `build_app(engine, ...)` wires an `AsyncEngine` to the HTTP surface; `serve(config)`
-loads the engine and runs uvicorn. Every error leaves as OpenAI's
-{"error": {...}} with a meaningful status; bad input never yields a 500.
+loads the engine and runs uvicorn. Every error leaves as OpenAI's {"error": {...}}
+(Anthropic's {"type": "error", "error": {...}} on /v1/messages paths) with a meaningful
+status; bad input never yields a 500.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer import __version__
 from deepinfer.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from deepinfer.recipe.output import RecipeOptions
+from deepinfer.server.anthropic_api import count_tokens, create_message
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.openai_api import (
     ServingContext,
@@ -32,19 +35,44 @@ from deepinfer.server.protocol import (
     DetokenizeRequest,
     TokenizeRequest,
 )
+from deepinfer.server.protocol_anthropic import CountTokensRequest, MessagesRequest, anthropic_error_body
+from deepinfer.server.protocol_responses import ResponsesRequest
+from deepinfer.server.response_store import ResponseStore
+from deepinfer.server.responses_api import create_response, delete_response, stored_response
 
 logger = logging.getLogger(__name__)
 
 
+ANTHROPIC_PREFIX = "/v1/messages"
+
+
 def _error(status: int, message: str, type: str = "invalid_request_error", param=None, code=None,
-           headers=None) -> JSONResponse:
+           headers=None, request: Request | None = None) -> JSONResponse:
+    if request is not None and request.url.path.startswith(ANTHROPIC_PREFIX):
+        return JSONResponse(anthropic_error_body(status, message), status_code=status, headers=headers)
     return JSONResponse(APIError(status, message, type, param, code).body(), status_code=status, headers=headers)
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def recipe_options(tokenizer, architectures: list[str] | None, tool_parser: str = "auto",
+                   reasoning_parser: str = "auto") -> RecipeOptions:
+    """The model's tool-call and reasoning parsers: as configured, or detected from its chat template."""
+    from deepinfer.recipe.reasoning import resolve_reasoning_parser
+    from deepinfer.recipe.tool_parsers import detect_tool_parser, get_tool_parser
+
+    template = getattr(tokenizer, "chat_template", None)
+    tools = detect_tool_parser(template, architectures) if tool_parser == "auto" else tool_parser
+    get_tool_parser(tools)  # ValueError for an unknown name
+    return RecipeOptions(tool_parser=tools, reasoning_parser=resolve_reasoning_parser(reasoning_parser, template))
+
+
+def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, *,
+              recipe: RecipeOptions | None = None, responses: ResponseStore | None = None) -> FastAPI:
     app = FastAPI(title="deepinfer", version=__version__)
     metrics = ServerMetrics(engine.stats, model_name)
-    ctx = ServingContext(engine, model_name, metrics)
+    if recipe is None:
+        recipe = recipe_options(engine.tokenizer, None)
+    ctx = ServingContext(engine, model_name, metrics, recipe)
+    responses = responses if responses is not None else ResponseStore()
     app.state.ctx = ctx
     created = int(time.time())
 
@@ -60,32 +88,33 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     api = APIRouter(dependencies=[Depends(authenticate)])
 
     @app.exception_handler(APIError)
-    async def api_error(_: Request, e: APIError):
-        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+    async def api_error(request: Request, e: APIError):
+        return _error(e.status, e.message, e.type, e.param, e.code, e.headers, request)
 
     @app.exception_handler(RequestValidationError)
-    async def validation_error(_: Request, e: RequestValidationError):
+    async def validation_error(request: Request, e: RequestValidationError):
         errs = e.errors()
         first = errs[0] if errs else {}
         loc = ".".join(str(x) for x in first.get("loc", ())[1:]) or None
-        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", param=loc)
+        return _error(400, f"{loc or 'body'}: {first.get('msg', 'invalid request')}", param=loc, request=request)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_: Request, e: StarletteHTTPException):
+    async def http_error(request: Request, e: StarletteHTTPException):
         return _error(e.status_code, str(e.detail), type="not_found_error" if e.status_code == 404 else
-                      "invalid_request_error")
+                      "invalid_request_error", request=request)
 
     @app.exception_handler(ValueError)
-    async def value_error(_: Request, e: ValueError):
-        return _error(400, str(e))
+    async def value_error(request: Request, e: ValueError):
+        return _error(400, str(e), request=request)
 
     @app.exception_handler(QueueFullError)
-    async def queue_full(_: Request, e: QueueFullError):
-        return _error(429, str(e), type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"})
+    async def queue_full(request: Request, e: QueueFullError):
+        return _error(429, str(e), type="rate_limit_error", code="rate_limit_exceeded", headers={"Retry-After": "1"},
+                      request=request)
 
     @app.exception_handler(EngineDeadError)
-    async def engine_dead(_: Request, e: EngineDeadError):
-        return _error(503, str(e), type="server_error", code="engine_dead")
+    async def engine_dead(request: Request, e: EngineDeadError):
+        return _error(503, str(e), type="server_error", code="engine_dead", request=request)
 
     def check_model(name: str | None) -> None:
         if name is not None and name != model_name:
@@ -133,6 +162,29 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
         check_model(req.model)
         return await completion(ctx, req, raw)
 
+    @api.post("/v1/responses")
+    async def responses_create(req: ResponsesRequest, raw: Request):
+        check_model(req.model)
+        return await create_response(ctx, req, responses, raw)
+
+    @api.get("/v1/responses/{response_id}")
+    async def responses_get(response_id: str):
+        return stored_response(responses, response_id)
+
+    @api.delete("/v1/responses/{response_id}")
+    async def responses_delete(response_id: str):
+        return delete_response(responses, response_id)
+
+    @api.post("/v1/messages")
+    async def messages(req: MessagesRequest, raw: Request):
+        check_model(req.model)
+        return await create_message(ctx, req, raw)
+
+    @api.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(req: CountTokensRequest):
+        check_model(req.model)
+        return await count_tokens(ctx, req)
+
     @api.post("/tokenize")
     async def tokenize(req: TokenizeRequest):
         check_model(req.model)
@@ -177,7 +229,12 @@ def serve(engine_config, server_config) -> None:
     store = tiers.store if tiers is not None else None
     print(f"deepinfer: KV host tier {f'{host.max_bytes / 2**20:.0f} MiB' if host is not None else 'off'}; "
           f"KV store {store.root if store is not None else 'off'}", flush=True)
-    app = build_app(engine, name, server_config.api_key)
+    recipe = recipe_options(engine.tokenizer, getattr(core.hf_config, "architectures", None),
+                            server_config.tool_parser, server_config.reasoning_parser)
+    print(f"deepinfer: tool parser {recipe.tool_parser}; reasoning parser {recipe.reasoning_parser or 'none'}",
+          flush=True)
+    app = build_app(engine, name, server_config.api_key, recipe=recipe,
+                    responses=ResponseStore(server_config.responses_store_size, server_config.responses_store_ttl))
     url = f"http://{server_config.host}:{server_config.port}"
     print(f"deepinfer: serving {name} at {url}/v1 (OpenAI-compatible; Ctrl-C stops)", flush=True)
     try:

@@ -1,0 +1,139 @@
+"""OpenAI Completions (`/v1/completions`): prompts (text or token ids, one or many) -> engine streams ->
+JSON body or SSE chunks in OpenAI's exact shapes."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.server.logprobs import completion_logprobs
+from deepinfer.server.protocol import APIError, CompletionRequest
+from deepinfer.server.serving import (
+    ChoiceState,
+    ServingContext,
+    check_context,
+    client_gone,
+    error_event,
+    final_output_or_disconnect,
+    merge,
+    retention_class,
+    sampling_params,
+    sse,
+    stream_with_metrics,
+    usage,
+)
+
+
+def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[str | None, list[int]]]:
+    p = req.prompt
+    if isinstance(p, str):
+        items: list = [p]
+    elif p and all(isinstance(x, int) for x in p):
+        items = [p]
+    else:
+        items = list(p)
+    if not items:
+        raise APIError(400, "prompt must not be empty", param="prompt")
+    out = []
+    for item in items:
+        if isinstance(item, str):
+            if tokenizer is None:
+                raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
+            out.append((item, list(tokenizer.encode(item))))
+        else:
+            out.append((None, list(item)))
+    return out
+
+
+async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
+    engine = ctx.engine
+    if req.suffix is not None:
+        raise APIError(400, "suffix is not supported", param="suffix")
+    if req.logprobs is not None and not 0 <= req.logprobs <= 20:
+        raise APIError(400, "logprobs must be between 0 and 20", param="logprobs")
+    prompts = completion_prompts(req, engine.tokenizer)
+    retention = retention_class(ctx, req, raw)
+    engine.check_admission(len(prompts))
+    for _, ids in prompts:
+        if not ids:
+            raise APIError(400, "prompt must not be empty", param="prompt")
+        bad = next((t for t in ids if not 0 <= t < engine.engine.vocab_size), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is out of range [0, {engine.engine.vocab_size})", param="prompt")
+    max_tokens = [check_context(len(ids), req.max_tokens if req.max_tokens is not None else 16,
+                                engine.max_model_len, "prompt") for _, ids in prompts]
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    created = int(time.time())
+    gens = [stream_with_metrics(ctx, ids, sampling_params(req, mt, req.logprobs), req.cache_salt, prompt=text,
+                                retention=retention)
+            for (text, ids), mt in zip(prompts, max_tokens, strict=True)]
+    if req.stream:
+        return StreamingResponse(_completion_sse(ctx, req, rid, created, prompts, gens),
+                                 media_type="text/event-stream")
+    finals = await asyncio.gather(*(final_output_or_disconnect(raw, g) for g in gens))
+    if any(f is None for f in finals):
+        return client_gone()
+    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+    for pi, ((text, ids), final) in enumerate(zip(prompts, finals, strict=True)):
+        prompt_tokens += len(ids)
+        cached += final.num_cached_tokens
+        echo = (text if text is not None else engine.tokenizer.decode(ids)) if req.echo else ""
+        for c in final.outputs:
+            completion_tokens += len(c.token_ids)
+            lp = None
+            if req.logprobs is not None:
+                lp = completion_logprobs(engine.tokenizer, c, 0, len(c.token_ids), req.logprobs, len(echo))
+            choices.append({"index": pi * req.n + c.index, "text": echo + c.text, "logprobs": lp,
+                            "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
+                         "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached),
+                         "system_fingerprint": None})
+
+
+async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str, created: int, prompts, gens):
+    tokenizer = ctx.engine.tokenizer
+    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    states: dict[int, ChoiceState] = {}
+    finals: dict[int, RequestOutput] = {}
+    base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
+    try:
+        async for pi, out in merge(gens):
+            for c in out.outputs:
+                index = pi * req.n + c.index
+                st = states.setdefault(index, ChoiceState())
+                text = c.text
+                if req.echo and not st.started:
+                    echo_text = prompts[pi][0] if prompts[pi][0] is not None else tokenizer.decode(prompts[pi][1])
+                    text_out = echo_text + text[st.sent_text:]
+                else:
+                    text_out = text[st.sent_text:]
+                st.started = True
+                fin = c.finish_reason if c.finished() and not st.finished else None
+                if text_out or fin:
+                    lp = None
+                    if req.logprobs is not None and len(c.token_ids) > st.sent_tokens:
+                        lp = completion_logprobs(tokenizer, c, st.sent_tokens, len(c.token_ids), req.logprobs,
+                                                 st.sent_text)
+                    body = {**base, "choices": [{"index": index, "text": text_out, "logprobs": lp,
+                                                 "finish_reason": fin, "stop_reason": c.stop_reason if fin else None}]}
+                    if include_usage:
+                        body["usage"] = None
+                    yield sse(body)
+                    st.sent_text, st.sent_tokens = len(text), len(c.token_ids)
+                st.finished = st.finished or fin is not None
+            finals[pi] = out
+    except Exception as e:  # noqa: BLE001
+        yield error_event(e)
+        yield sse("[DONE]")
+        return
+    if include_usage:
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
+        completion_tokens = sum(len(c.token_ids) for f in finals.values() for c in f.outputs)
+        cached = sum(f.num_cached_tokens for f in finals.values())
+        yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)})
+    yield sse("[DONE]")

@@ -1,0 +1,230 @@
+"""What every API endpoint shares: the serving context, request validation (context length, sampling
+parameters, KV retention class, structured output), the engine stream with metrics and disconnect
+handling, usage and SSE framing. Chat / Completions (openai_api, completions_api), Responses
+(responses_api) and Anthropic Messages (anthropic_api) build on these."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+from collections.abc import AsyncIterator
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse
+
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.recipe.output import RecipeOptions
+from deepinfer.server.metrics import ServerMetrics
+from deepinfer.server.protocol import APIError, SamplingFields
+
+
+@dataclass
+class ServingContext:
+    engine: AsyncEngine
+    model_name: str
+    metrics: ServerMetrics
+    recipe: RecipeOptions = field(default_factory=RecipeOptions)  # the model's tool / reasoning parsers
+
+
+def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> int:
+    """Validate lengths; return the effective max_tokens."""
+    if prompt_len >= max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
+                            f"prompt has {prompt_len} tokens. Please reduce the length of the {param}.",
+                       param=param, code="context_length_exceeded")
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    if max_tokens < 1:
+        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
+    if prompt_len + max_tokens > max_model_len:
+        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
+                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {param}, "
+                            f"{max_tokens} in the completion). Please reduce the length of the {param} "
+                            f"or completion.", param="max_tokens", code="context_length_exceeded")
+    return max_tokens
+
+
+def make_sampling_params(**kwargs: Any) -> SamplingParams:
+    """SamplingParams, with its validation errors as the client's (400)."""
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as e:
+        raise APIError(400, str(e).removeprefix("invalid sampling parameter: ")) from e
+
+
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+    return make_sampling_params(
+        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+        min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
+        max_tokens=max_tokens, min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def with_structured_output(params: SamplingParams, param: str, **spec: Any) -> SamplingParams:
+    """`params` constrained by a grammar (`json_schema=`, `json_object=`, `regex=` or `grammar=`, as in
+    deepinfer.engine.structured.StructuredOutputParams); 400 where this build has no structured output."""
+    try:
+        from deepinfer.engine.structured import StructuredOutputParams
+    except ImportError:
+        raise APIError(400, f"{param}: structured output is not supported yet by this server",
+                       param=param) from None
+    try:
+        return dataclasses.replace(params, structured_output=StructuredOutputParams(**spec))
+    except (ValueError, TypeError) as e:
+        raise APIError(400, f"{param}: {e}", param=param) from e
+
+
+RETENTION_HEADER = "x-cache-retention"
+
+
+def retention_class(ctx: ServingContext, req: SamplingFields, raw: Request) -> str:
+    """The request's KV retention class: the body's `prompt_cache_retention`, else the x-cache-retention
+    header, else the server's default class. An unknown class is the client's error (400)."""
+    return resolve_retention_class(ctx, req.prompt_cache_retention, "prompt_cache_retention", raw)
+
+
+def resolve_retention_class(ctx: ServingContext, name: str | None, param: str, raw: Request) -> str:
+    """`name` (from the body field `param`), else the x-cache-retention header, else the default class."""
+    if name is None and raw.headers.get(RETENTION_HEADER) is not None:
+        name, param = raw.headers[RETENTION_HEADER].strip() or None, RETENTION_HEADER
+    try:
+        return ctx.engine.engine.core.check_retention(name)
+    except ValueError as e:
+        raise APIError(400, str(e), param=param) from e
+
+
+def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_cache_hit_tokens": cached, "prompt_cache_miss_tokens": prompt_tokens - cached,
+    }
+
+
+# ---------------------------------------------------------------- engine stream helpers
+
+
+async def stream_with_metrics(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams,
+                              cache_salt: str | None, prompt: str | None = None,
+                              retention: str | None = None) -> AsyncIterator[RequestOutput]:
+    timer = ctx.metrics.timer()
+    async for out in ctx.engine.generate(prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
+                                         retention_class=retention):
+        timer.observe(out)
+        yield out
+
+
+async def final_output_or_disconnect(raw: Request, gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    """Run a stream to its end; if the client disconnects first, stop it (aborting the request)."""
+    final: list[RequestOutput] = []
+
+    async def consume() -> None:
+        async for out in gen:
+            final[:] = [out]
+
+    task = asyncio.create_task(consume())
+    while not task.done():
+        done, _ = await asyncio.wait({task}, timeout=0.5)
+        if not done and await raw.is_disconnected():
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+            await gen.aclose()
+            return None
+    task.result()
+    return final[0] if final else None
+
+
+async def merge(gens: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    """Interleave several request streams as (stream index, output)."""
+    if len(gens) == 1:
+        async for out in gens[0]:
+            yield 0, out
+        return
+    q: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i: int, g: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in g:
+                await q.put((i, out))
+        except BaseException as e:  # noqa: BLE001 - forwarded to the consumer
+            await q.put((i, e))
+        finally:
+            await q.put((i, done))
+
+    tasks = [asyncio.create_task(pump(i, g)) for i, g in enumerate(gens)]
+    remaining = len(tasks)
+    try:
+        while remaining:
+            i, item = await q.get()
+            if item is done:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+def client_gone() -> JSONResponse:
+    """Nobody reads this reply; it only ends the handler (nginx's 499 convention)."""
+    return JSONResponse(APIError(499, "client disconnected", "client_closed", code="499").body(), status_code=499)
+
+
+def sse(data: dict | str) -> str:
+    return f"data: {data if isinstance(data, str) else json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def sse_event(event: str, data: dict) -> str:
+    """A named SSE frame (Responses and Anthropic streams): `event: <type>` then the JSON data."""
+    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n"
+
+
+def error_event(e: BaseException) -> str:
+    status = getattr(e, "status", 500)
+    return sse({"error": {"message": str(e), "type": "server_error" if status >= 500 else "invalid_request_error",
+                          "param": None, "code": status}})
+
+
+async def first_or_error(gen: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+    """Pull the first output before the 200 is sent, so engine-side rejections still get a status."""
+    try:
+        return await gen.__anext__()
+    except StopAsyncIteration:
+        return None
+
+
+async def chain(first: RequestOutput | None, gen: AsyncIterator[RequestOutput]) -> AsyncIterator[RequestOutput]:
+    if first is not None:
+        yield first
+        if first.finished:
+            return
+    async for out in gen:
+        yield out
+
+
+
+
+@dataclass
+class ChoiceState:
+    """What one choice of a stream has sent so far."""
+
+    sent_text: int = 0
+    sent_tokens: int = 0
+    started: bool = False
+    finished: bool = False
+    extra: dict = field(default_factory=dict)

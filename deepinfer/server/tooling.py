@@ -1,0 +1,84 @@
+"""The recipe as the endpoints use it: tools and tool choice of a request (one plan for all three APIs),
+prompt rendering with its errors as 400s, the grammar that enforces a required / named tool choice,
+and the output parser of each choice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.recipe.output import OutputParser
+from deepinfer.recipe.tool_parsers import ToolCall
+from deepinfer.recipe.tools import (
+    ToolChoice,
+    ToolError,
+    ToolSpec,
+    anthropic_tool_choice,
+    openai_tool_choice,
+    render_prompt,
+    specs_from_anthropic,
+    specs_from_openai,
+    tool_choice_schema,
+)
+from deepinfer.server.protocol import APIError
+from deepinfer.server.serving import ServingContext, with_structured_output
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    specs: list[ToolSpec] = field(default_factory=list)
+    choice: ToolChoice = ToolChoice("none")
+    parallel: bool = True
+
+    @property
+    def active(self) -> bool:
+        """Tools are in the prompt and calls are parsed from the output."""
+        return bool(self.specs) and self.choice.mode != "none"
+
+
+def openai_plan(tools: list[dict] | None, choice: Any, parallel: bool | None) -> ToolPlan:
+    try:
+        specs = specs_from_openai(tools)
+        return ToolPlan(specs, openai_tool_choice(choice, specs), parallel is not False)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
+def anthropic_plan(tools: list[dict] | None, choice: dict | None) -> ToolPlan:
+    try:
+        specs = specs_from_anthropic(tools)
+        parallel = not (isinstance(choice, dict) and choice.get("disable_parallel_tool_use"))
+        return ToolPlan(specs, anthropic_tool_choice(choice, specs), parallel)
+    except ToolError as e:
+        raise APIError(400, str(e), param=e.param) from e
+
+
+def render(ctx: ServingContext, messages: list[dict], plan: ToolPlan, param: str = "messages",
+           add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    """Prompt ids through the chat template; a template that refuses the conversation is a 400."""
+    try:
+        return render_prompt(ctx.engine.tokenizer, messages, plan.specs if plan.active else None,
+                             add_generation_prompt, **template_kwargs)
+    except APIError:
+        raise
+    except Exception as e:  # template errors (e.g. unsupported role order) are the client's to fix
+        raise APIError(400, f"cannot apply the chat template: {e}", param=param) from e
+
+
+def constrain(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
+    """Enforce a required / named tool choice with a JSON schema, so the arguments always parse."""
+    if not plan.choice.constrained:
+        return params
+    schema = tool_choice_schema(plan.specs, plan.choice, plan.parallel)
+    return with_structured_output(params, "tool_choice", json_schema=schema)
+
+
+def output_parser(ctx: ServingContext, prompt_ids: list[int], plan: ToolPlan) -> OutputParser:
+    return OutputParser(ctx.recipe, ctx.engine.tokenizer, prompt_ids, tools=plan.active,
+                        constrained_tools=plan.choice.constrained)
+
+
+def kept_calls(calls: list[ToolCall], plan: ToolPlan) -> list[ToolCall]:
+    """The calls a reply returns: only the first when parallel calls are off."""
+    return calls if plan.parallel else calls[:1]
