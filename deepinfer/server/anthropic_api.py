@@ -32,6 +32,7 @@ from deepinfer.server.protocol_anthropic import (
     anthropic_error_body,
     cache_retention,
     chat_messages,
+    output_format,
 )
 from deepinfer.server.serving import (
     ServingContext,
@@ -44,6 +45,7 @@ from deepinfer.server.serving import (
     resolve_retention_class,
     sse_event,
     stream_with_metrics,
+    with_structured_output,
 )
 from deepinfer.server.tooling import ToolPlan, anthropic_plan, constrain, kept_calls, output_parser, render
 
@@ -103,6 +105,12 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
                                   top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                                   stop=req.stop_sequences, max_tokens=max_tokens, seed=req.seed)
     params = constrain(params, plan)
+    fmt = output_format(req)
+    if fmt is not None:
+        if plan.choice.constrained:
+            raise APIError(400, "output_config.format cannot be combined with tool_choice any / tool",
+                           param="output_config.format")
+        params = with_structured_output(params, "output_config.format", **fmt)
     name, breakpoints = cache_retention(req)
     retention = resolve_retention_class(ctx, name, "cache_control", raw)
     mid = f"msg_{uuid.uuid4().hex}"

@@ -48,6 +48,7 @@ class MessagesRequest(CountTokensRequest):
     top_p: float | None = None
     top_k: int | None = None
     metadata: dict[str, Any] | None = None
+    output_config: dict[str, Any] | None = None  # {"format": {"type": "json_schema", "schema"}}
     stream: bool = False
     seed: int | None = None  # extension: reproducible sampling
 
@@ -108,7 +109,8 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
 
 def _controls(req: CountTokensRequest) -> list[dict]:
     found = []
-    blocks: list[Any] = list(req.system) if isinstance(req.system, list) else []
+    blocks: list[Any] = [{"cache_control": (req.model_extra or {}).get("cache_control")}]  # automatic caching
+    blocks += list(req.system) if isinstance(req.system, list) else []
     blocks += list(req.tools or [])
     for m in req.messages:
         if isinstance(m.content, list):
@@ -138,3 +140,14 @@ def cache_retention(req: CountTokensRequest) -> tuple[str | None, bool]:
     if longest is None:
         return None, False
     return ("24h" if longest == "1h" else "in-memory"), True
+
+
+def output_format(req: MessagesRequest) -> dict | None:
+    """`output_config.format` -> StructuredOutputParams keywords (None for free text)."""
+    fmt = (req.output_config or {}).get("format")
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), dict):
+        raise APIError(400, "output_config.format must be {\"type\": \"json_schema\", \"schema\": {...}}",
+                       param="output_config.format")
+    return {"json_schema": fmt["schema"]}
