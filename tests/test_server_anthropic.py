@@ -1,0 +1,189 @@
+"""The Anthropic Messages API on the real server (default model), through the official `anthropic` SDK.
+
+This SDK version has no temperature parameter on messages.create; greedy decoding goes in extra_body."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import anthropic
+import httpx
+import pytest
+
+from tests.server_utils import running_server
+
+KEY = "test-key"
+MODEL = "SmolLM2-135M-Instruct"
+Q = [{"role": "user", "content": "What is the capital of France?"}]
+GREEDY = {"temperature": 0}
+WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+HAS_STRUCTURED = importlib.util.find_spec("deepinfer.engine.structured") is not None
+# two earlier turns that called the tool: the 135M default model copies the pattern for the third city
+FEW_SHOT = []
+for _i, _city in enumerate(("Paris", "Rome")):
+    FEW_SHOT += [{"role": "user", "content": f"What is the weather in {_city}?"},
+                 {"role": "assistant", "content": [{"type": "tool_use", "id": f"toolu_{_i}", "name": "get_weather",
+                                                    "input": {"city": _city}}]}]
+FEW_SHOT.append({"role": "user", "content": "What is the weather in London?"})
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    log = tmp_path_factory.mktemp("srv") / "server.log"
+    with running_server("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
+                        "--dtype", "float32", log=log) as base:
+        yield base
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=120)
+
+
+def _prompt_tokens(usage) -> int:
+    return usage.input_tokens + usage.cache_read_input_tokens + usage.cache_creation_input_tokens
+
+
+def test_create_text(client):
+    m = client.messages.create(model=MODEL, max_tokens=30, messages=Q, extra_body=GREEDY)
+    assert m.type == "message" and m.role == "assistant" and m.id.startswith("msg_")
+    assert [b.type for b in m.content] == ["text"] and "Paris" in m.content[0].text
+    assert m.stop_reason == "end_turn" and m.stop_sequence is None
+    count = client.messages.count_tokens(model=MODEL, messages=Q).input_tokens
+    assert _prompt_tokens(m.usage) == count and m.usage.output_tokens > 0
+    assert m.usage.cache_creation_input_tokens == 0  # no cache_control breakpoint
+
+
+def test_system_and_count_tokens_match_the_prompt(client, server):
+    system = [{"type": "text", "text": "You answer in one word."}]
+    count = client.messages.count_tokens(model=MODEL, system=system, messages=Q).input_tokens
+    tokenized = httpx.post(f"{server}/tokenize", headers={"x-api-key": KEY}, timeout=30, json={
+        "messages": [{"role": "system", "content": "You answer in one word."}, *Q]}).json()["count"]
+    assert count == tokenized
+    m = client.messages.create(model=MODEL, max_tokens=5, system="You answer in one word.", messages=Q,
+                               extra_body=GREEDY)
+    assert _prompt_tokens(m.usage) == count
+    with_tools = client.messages.count_tokens(model=MODEL, messages=Q, tools=[WEATHER]).input_tokens
+    assert with_tools > client.messages.count_tokens(model=MODEL, messages=Q).input_tokens
+
+
+def test_stop_reasons(client):
+    m = client.messages.create(model=MODEL, max_tokens=3, messages=Q, extra_body=GREEDY)
+    assert m.stop_reason == "max_tokens" and m.usage.output_tokens == 3
+    m = client.messages.create(model=MODEL, max_tokens=30, messages=Q, stop_sequences=["Paris"], extra_body=GREEDY)
+    assert m.stop_reason == "stop_sequence" and m.stop_sequence == "Paris"
+    assert "Paris" not in m.content[0].text
+
+
+def _raw_event_names(server: str, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{server}/v1/messages", json={**body, "stream": True}, timeout=60,
+                      headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"}) as r:
+        assert r.status_code == 200
+        return [line[len("event: "):] for line in r.iter_lines() if line.startswith("event: ")]
+
+
+def test_stream_text(client, server):
+    ref = client.messages.create(model=MODEL, max_tokens=30, messages=Q, extra_body=GREEDY)
+    with client.messages.stream(model=MODEL, max_tokens=30, messages=Q, extra_body=GREEDY) as stream:
+        final = stream.get_final_message()
+    assert final.content[0].text == ref.content[0].text and final.stop_reason == "end_turn"
+    assert final.usage.output_tokens == ref.usage.output_tokens
+    events = list(client.messages.create(model=MODEL, max_tokens=30, messages=Q, stream=True, extra_body=GREEDY))
+    types = [e.type for e in events]
+    collapsed = [t for i, t in enumerate(types) if t != "content_block_delta" or types[i - 1] != t]
+    assert collapsed == ["message_start", "content_block_start", "content_block_delta",
+                         "content_block_stop", "message_delta", "message_stop"]  # the SDK drops pings
+    raw = _raw_event_names(server, {"model": MODEL, "max_tokens": 30, "messages": Q, **GREEDY})
+    assert raw[:3] == ["message_start", "ping", "content_block_start"] and raw[-1] == "message_stop"
+    assert all(e.delta.type == "text_delta" for e in events if e.type == "content_block_delta")
+    assert events[0].message.usage.input_tokens + events[0].message.usage.cache_read_input_tokens == \
+        _prompt_tokens(ref.usage)
+
+
+def test_tools(client):
+    m = client.messages.create(model=MODEL, max_tokens=60, messages=FEW_SHOT, tools=[WEATHER], extra_body=GREEDY)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and len(uses) == 1, m.content
+    assert uses[0].name == "get_weather" and uses[0].input == {"city": "London"} and uses[0].id.startswith("toolu_")
+    with client.messages.stream(model=MODEL, max_tokens=60, messages=FEW_SHOT, tools=[WEATHER],
+                                extra_body=GREEDY) as stream:
+        final = stream.get_final_message()
+    assert [(b.type, b.name, b.input) for b in final.content if b.type == "tool_use"] == \
+        [("tool_use", "get_weather", {"city": "London"})]
+    assert final.stop_reason == "tool_use"
+    events = list(client.messages.create(model=MODEL, max_tokens=60, messages=FEW_SHOT, tools=[WEATHER],
+                                         stream=True, extra_body=GREEDY))
+    json_deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
+    assert len(json_deltas) > 1 and all(e.delta.type == "input_json_delta" for e in events
+                                        if e.type == "content_block_delta")
+    # the result goes back as a tool_result block
+    convo = FEW_SHOT + [{"role": "assistant", "content": [u.model_dump(include={"type", "id", "name", "input"})
+                                                          for u in uses]},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+                                                      "content": "Foggy, 12 C"}]}]
+    answer = client.messages.create(model=MODEL, max_tokens=20, messages=convo, tools=[WEATHER], extra_body=GREEDY)
+    assert _prompt_tokens(answer.usage) > _prompt_tokens(m.usage)
+    none = client.messages.create(model=MODEL, max_tokens=20, messages=FEW_SHOT, tools=[WEATHER],
+                                  tool_choice={"type": "none"}, extra_body=GREEDY)
+    assert all(b.type == "text" for b in none.content) and none.stop_reason != "tool_use"
+
+
+def test_cache_control(client):
+    system = [{"type": "text", "text": "You are terse. " * 20, "cache_control": {"type": "ephemeral", "ttl": "1h"}}]
+    first = client.messages.create(model=MODEL, max_tokens=4, system=system, messages=Q, extra_body=GREEDY)
+    again = client.messages.create(model=MODEL, max_tokens=4, system=system, messages=Q, extra_body=GREEDY)
+    assert _prompt_tokens(first.usage) == _prompt_tokens(again.usage)
+    assert first.usage.input_tokens == 0 and first.usage.cache_creation_input_tokens > 0
+    assert again.usage.cache_read_input_tokens > first.usage.cache_read_input_tokens
+    with pytest.raises(anthropic.BadRequestError, match="ttl"):
+        client.messages.create(model=MODEL, max_tokens=4, messages=Q, system=[
+            {"type": "text", "text": "x", "cache_control": {"type": "ephemeral", "ttl": "2d"}}])
+
+
+def test_errors_use_the_sdk_exception_classes(client, server):
+    with pytest.raises(anthropic.NotFoundError):
+        client.messages.create(model="claude-nope", max_tokens=5, messages=Q)
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL, max_tokens=0, messages=Q)
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL, max_tokens=5, messages=[{"role": "user", "content": [
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AAAA"}}]}])
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL, max_tokens=5, messages=Q, tools=[WEATHER],
+                               tool_choice={"type": "tool", "name": "nope"})
+    with pytest.raises(anthropic.BadRequestError):
+        client.messages.create(model=MODEL, max_tokens=100000, messages=Q)
+    bad_key = anthropic.Anthropic(base_url=server, api_key="wrong", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad_key.messages.create(model=MODEL, max_tokens=5, messages=Q)
+    with pytest.raises(anthropic.AuthenticationError):
+        bad_key.messages.count_tokens(model=MODEL, messages=Q)
+
+
+def test_error_shapes_by_path(server):
+    r = httpx.post(f"{server}/v1/messages", headers={"x-api-key": KEY, "anthropic-version": "2023-06-01"},
+                   json={"model": MODEL, "messages": Q}, timeout=30)  # max_tokens missing
+    assert r.status_code == 400
+    body = r.json()
+    assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+    assert "max_tokens" in body["error"]["message"]
+    r = httpx.post(f"{server}/v1/messages", headers={"x-api-key": "wrong"}, json={}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    r = httpx.post(f"{server}/v1/chat/completions", headers={"x-api-key": "wrong"}, json={}, timeout=30)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key" and "type" not in r.json()
+
+
+@pytest.mark.skipif(HAS_STRUCTURED, reason="structured output is present: the enforcement test runs instead")
+def test_tool_choice_any_without_structured_output_is_400(client):
+    with pytest.raises(anthropic.BadRequestError, match="not supported yet"):
+        client.messages.create(model=MODEL, max_tokens=20, messages=Q, tools=[WEATHER], tool_choice={"type": "any"})
+
+
+@pytest.mark.skipif(not HAS_STRUCTURED, reason="needs deepinfer.engine.structured (branch `structured`)")
+@pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
+def test_tool_choice_enforced(client, choice):
+    m = client.messages.create(model=MODEL, max_tokens=80, messages=[{"role": "user", "content": "Tell me a joke."}],
+                               tools=[WEATHER], tool_choice=choice, extra_body=GREEDY)
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses[0].name == "get_weather" and isinstance(uses[0].input["city"], str)
