@@ -136,7 +136,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
             text += call.arguments
         else:
             calls.append({"type": "tool_use", "id": _tool_id(), "name": call.name, "input": args})
-    if text.strip() or not calls:
+    if text.strip() or not (calls or blocks):  # an empty reply is still one (empty) text block
         blocks.append({"type": "text", "text": text})
     blocks += calls
     stop_reason, stop_sequence = _stop(c, bool(calls), req.stop_sequences or [])

@@ -152,7 +152,7 @@ def output_items(parser: OutputParser, plan: ToolPlan) -> list[dict]:
     if parser.reasoning_text:
         items.append(_reasoning(_id("rs"), parser.reasoning_text))
     calls = kept_calls(parser.tool_calls, plan)
-    if parser.content_text.strip() or not calls:
+    if parser.content_text.strip() or not items + calls:  # an empty reply is still one (empty) message
         items.append(_message(_id("msg"), parser.content_text))
     items += [_call(_id("fc"), _id("call"), c.name, c.arguments) for c in calls]
     return items
