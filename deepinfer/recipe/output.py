@@ -39,10 +39,12 @@ class RecipeOptions:
 
 class OutputParser:
     def __init__(self, options: RecipeOptions, tokenizer, prompt_ids: list[int], tools: bool,
-                 constrained_tools: bool = False) -> None:
+                 constrained_tools: bool = False, constrained: bool = False) -> None:
+        """`constrained_tools`: the output is the JSON of a required / named tool choice. `constrained`: a
+        grammar shapes the whole output (tool choice or structured output), so there is no reasoning in it."""
         self.tokenizer = tokenizer
         self.reasoning = None
-        if options.reasoning_parser is not None and tokenizer is not None:
+        if options.reasoning_parser is not None and tokenizer is not None and not (constrained or constrained_tools):
             cls = REASONING_PARSERS[options.reasoning_parser]
             self.reasoning = cls(in_reasoning=prompt_opens_thinking(tokenizer, prompt_ids))
         self.tools: ToolParser | None = None

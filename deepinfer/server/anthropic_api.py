@@ -117,13 +117,14 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     gen = stream_with_metrics(ctx, prompt_ids, params, None, retention=retention)
     if req.stream:
         first = await first_or_error(gen)
-        return StreamingResponse(_stream(ctx, req, plan, mid, prompt_ids, breakpoints, first, gen),
+        return StreamingResponse(_stream(output_parser(ctx, prompt_ids, plan, fmt is not None), req, plan, mid,
+                                         ctx.model_name, prompt_ids, breakpoints, first, gen),
                                  media_type="text/event-stream")
     final = await final_output_or_disconnect(raw, gen)
     if final is None:
         return client_gone()
     c = final.outputs[0]
-    parser = output_parser(ctx, prompt_ids, plan)
+    parser = output_parser(ctx, prompt_ids, plan, fmt is not None)
     parser.parse_all(c.text)
     blocks: list[dict] = []
     if parser.reasoning_text:
@@ -198,15 +199,14 @@ class _Blocks:
         return out
 
 
-async def _stream(ctx: ServingContext, req: MessagesRequest, plan: ToolPlan, mid: str, prompt_ids: list[int],
-                  breakpoints: bool, first: RequestOutput | None, gen) -> AsyncIterator[str]:
-    parser: OutputParser = output_parser(ctx, prompt_ids, plan)
+async def _stream(parser: OutputParser, req: MessagesRequest, plan: ToolPlan, mid: str, model: str,
+                  prompt_ids: list[int], breakpoints: bool, first: RequestOutput | None, gen) -> AsyncIterator[str]:
     cached = first.num_cached_tokens if first is not None else 0
     start_usage = {"input_tokens": 0 if breakpoints else len(prompt_ids) - cached, "output_tokens": 0,
                    "cache_read_input_tokens": cached,
                    "cache_creation_input_tokens": len(prompt_ids) - cached if breakpoints else 0}
     yield sse_event("message_start", {"type": "message_start", "message": {
-        "id": mid, "type": "message", "role": "assistant", "model": ctx.model_name, "content": [],
+        "id": mid, "type": "message", "role": "assistant", "model": model, "content": [],
         "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
     yield sse_event("ping", {"type": "ping"})
     blocks = _Blocks(plan)

@@ -135,32 +135,28 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
     final = await final_output_or_disconnect(raw, gen)
     if final is None:
         return client_gone()
-    choices = []
+    choices, parsers = [], []
     for c in final.outputs:
-        message, finish = _message(c, output_parser(ctx, prompt_ids, plan), plan)
+        parsers.append(output_parser(ctx, prompt_ids, plan))
+        message, finish = _message(c, parsers[-1], plan)
         choices.append({
             "index": c.index, "message": message,
             "logprobs": chat_logprobs(engine.tokenizer, c, 0, len(c.token_ids), top_n) if req.logprobs else None,
             "finish_reason": finish, "stop_reason": c.stop_reason,
         })
-    completion_tokens = sum(len(c.token_ids) for c in final.outputs)
     return JSONResponse({
         "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-        "choices": choices, "usage": usage_with_reasoning(final, prompt_ids, completion_tokens, ctx, plan),
-        "system_fingerprint": None,
+        "choices": choices, "usage": _usage(ctx, final, parsers), "system_fingerprint": None,
     })
 
 
-def usage_with_reasoning(final: RequestOutput, prompt_ids: list[int], completion_tokens: int,
-                         ctx: ServingContext, plan: ToolPlan) -> dict:
-    body = usage(len(prompt_ids), completion_tokens, final.num_cached_tokens)
+def _usage(ctx: ServingContext, final: RequestOutput, parsers: list[OutputParser]) -> dict:
+    """OpenAI usage; with a reasoning parser also `completion_tokens_details.reasoning_tokens`.
+    `parsers[i]` has parsed `final.outputs[i]`."""
+    body = usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens)
     if ctx.recipe.reasoning_parser is not None:
-        reasoning = 0
-        for c in final.outputs:
-            parser = output_parser(ctx, prompt_ids, plan)
-            parser.parse_all(c.text)
-            reasoning += parser.reasoning_tokens(c.token_ids)
-        body["completion_tokens_details"] = {"reasoning_tokens": reasoning}
+        body["completion_tokens_details"] = {"reasoning_tokens": sum(
+            p.reasoning_tokens(c.token_ids) for p, c in zip(parsers, final.outputs, strict=True))}
     return body
 
 
@@ -240,7 +236,6 @@ async def _chat_sse(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolP
         yield sse("[DONE]")
         return
     if include_usage and last is not None:
-        completion_tokens = sum(len(c.token_ids) for c in last.outputs)
-        yield sse({**base, "choices": [],
-                   "usage": usage_with_reasoning(last, last.prompt_token_ids, completion_tokens, ctx, plan)})
+        parsers = [states[c.index].extra["parser"] for c in last.outputs]
+        yield sse({**base, "choices": [], "usage": _usage(ctx, last, parsers)})
     yield sse("[DONE]")

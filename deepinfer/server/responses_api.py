@@ -68,6 +68,8 @@ class _Job:
                                param="previous_response_id", code="previous_response_not_found")
             history = prev.messages
         self.conversation = history + input_messages(req.input)
+        if not self.conversation:
+            raise APIError(400, "input must not be empty", param="input")
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + self.conversation
         self.plan: ToolPlan = openai_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         self.prompt_ids = render(ctx, messages, self.plan, "input")
@@ -83,6 +85,7 @@ class _Job:
         if fmt is not None:
             params = with_structured_output(params, "text.format", **fmt)
         self.params = params
+        self.structured = fmt is not None
         self.retention = resolve_retention_class(ctx, _retention_name(req.prompt_cache_retention),
                                                  "prompt_cache_retention", raw)
         self.id = _id("resp")
@@ -104,7 +107,8 @@ class _Job:
             "reasoning": {"effort": None, "summary": None}, "store": req.store,
             "temperature": req.temperature, "top_p": req.top_p,
             "text": req.text or {"format": {"type": "text"}},
-            "tool_choice": {"type": "function", "name": choice.name} if choice.mode == "named" else choice.mode,
+            "tool_choice": {"type": "function", "name": choice.name} if choice.mode == "named" else
+            req.tool_choice if isinstance(req.tool_choice, str) else "auto",
             "tools": tools, "truncation": "disabled", "usage": usage, "user": req.user,
             "metadata": req.metadata or {},
         }
@@ -168,7 +172,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, store: Res
     final = await final_output_or_disconnect(raw, gen)
     if final is None:
         return client_gone()
-    parser = output_parser(ctx, job.prompt_ids, job.plan)
+    parser = output_parser(ctx, job.prompt_ids, job.plan, job.structured)
     text = final.outputs[0].text
     if parser.passthrough:
         output = [_message(_id("msg"), text)]
@@ -281,7 +285,7 @@ async def _stream(job: _Job, first: RequestOutput | None, gen) -> AsyncIterator[
     ev = _Events()
     yield ev.ev("response.created", response=job.body("in_progress", [], None))
     yield ev.ev("response.in_progress", response=job.body("in_progress", [], None))
-    parser = output_parser(job.ctx, job.prompt_ids, job.plan)
+    parser = output_parser(job.ctx, job.prompt_ids, job.plan, job.structured)
     sent, last = 0, None
     try:
         async for out in chain(first, gen):

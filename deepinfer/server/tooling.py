@@ -74,9 +74,11 @@ def constrain(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
     return with_structured_output(params, "tool_choice", json_schema=schema)
 
 
-def output_parser(ctx: ServingContext, prompt_ids: list[int], plan: ToolPlan) -> OutputParser:
+def output_parser(ctx: ServingContext, prompt_ids: list[int], plan: ToolPlan,
+                  structured: bool = False) -> OutputParser:
+    """The parser of one choice's output; `structured`: a grammar (response format) shapes all of it."""
     return OutputParser(ctx.recipe, ctx.engine.tokenizer, prompt_ids, tools=plan.active,
-                        constrained_tools=plan.choice.constrained)
+                        constrained_tools=plan.choice.constrained, constrained=structured)
 
 
 def kept_calls(calls: list[ToolCall], plan: ToolPlan) -> list[ToolCall]:
