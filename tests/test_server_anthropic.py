@@ -187,3 +187,22 @@ def test_tool_choice_enforced(client, choice):
                                tools=[WEATHER], tool_choice=choice, extra_body=GREEDY)
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and uses[0].name == "get_weather" and isinstance(uses[0].input["city"], str)
+
+
+def test_shapes_validate_strictly_against_the_sdk_types(server):
+    """The SDK builds its objects without validation; validate our JSON against its types strictly."""
+    import json
+
+    from anthropic.types import Message, RawMessageStreamEvent
+    from pydantic import TypeAdapter
+
+    events = TypeAdapter(RawMessageStreamEvent)
+    headers = {"x-api-key": KEY, "anthropic-version": "2023-06-01"}
+    for body in [{"model": MODEL, "max_tokens": 20, "messages": Q, **GREEDY},
+                 {"model": MODEL, "max_tokens": 60, "messages": FEW_SHOT, "tools": [WEATHER], **GREEDY}]:
+        Message.model_validate(httpx.post(f"{server}/v1/messages", json=body, headers=headers, timeout=120).json())
+        with httpx.stream("POST", f"{server}/v1/messages", json={**body, "stream": True}, headers=headers,
+                          timeout=120) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and json.loads(line[6:])["type"] != "ping":
+                    events.validate_python(json.loads(line[6:]))

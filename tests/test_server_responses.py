@@ -245,3 +245,36 @@ def test_chat_tool_choice_enforced(client, choice):
                 r.choices[0].message.tool_calls[0].function.arguments
         assert name == "get_weather"
         assert isinstance(json.loads(args)["city"], str)
+
+
+def _sse_data(server: str, path: str, body: dict) -> list[tuple[str | None, dict]]:
+    """(event name, data) of each SSE frame, read raw."""
+    frames, event = [], None
+    with httpx.stream("POST", f"{server}{path}", json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("event: "):
+                event = line[len("event: "):]
+            elif line.startswith("data: ") and line != "data: [DONE]":
+                frames.append((event, json.loads(line[len("data: "):])))
+    return frames
+
+
+def test_shapes_validate_strictly_against_the_sdk_types(server):
+    """The SDK builds its objects without validation; validate our JSON against its types strictly."""
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+    from openai.types.responses import Response, ResponseStreamEvent
+    from pydantic import TypeAdapter
+
+    events = TypeAdapter(ResponseStreamEvent)
+    for body in [{"model": MODEL, "input": Q, "max_output_tokens": 20, "temperature": 0},
+                 {"model": MODEL, "input": FEW_SHOT, "tools": [WEATHER], "max_output_tokens": 60, "temperature": 0}]:
+        Response.model_validate(httpx.post(f"{server}/v1/responses", json=body, timeout=120).json())
+        for name, data in _sse_data(server, "/v1/responses", body):
+            assert name == data["type"]
+            events.validate_python(data)
+    body = {"model": MODEL, "messages": CHAT_FEW_SHOT, "tools": [CHAT_WEATHER], "max_tokens": 60, "temperature": 0}
+    r = ChatCompletion.model_validate(httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120).json())
+    assert r.choices[0].message.tool_calls
+    for _, data in _sse_data(server, "/v1/chat/completions", body):
+        ChatCompletionChunk.model_validate(data)
