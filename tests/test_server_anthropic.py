@@ -5,12 +5,13 @@ This SDK version has no temperature parameter on messages.create; greedy decodin
 from __future__ import annotations
 
 import importlib.util
+import time
 
 import anthropic
 import httpx
 import pytest
 
-from tests.server_utils import running_server
+from tests.server_utils import metric, running_server
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
@@ -206,3 +207,29 @@ def test_shapes_validate_strictly_against_the_sdk_types(server):
             for line in r.iter_lines():
                 if line.startswith("data: ") and json.loads(line[6:])["type"] != "ping":
                     events.validate_python(json.loads(line[6:]))
+
+
+@pytest.mark.parametrize("path", ["/v1/messages", "/v1/responses"])
+def test_disconnect_mid_stream_stops_the_request(server, path):
+    prompt = "Count from 1 to 1000, separated by commas."
+    body = ({"model": MODEL, "max_tokens": 1500, "messages": [{"role": "user", "content": prompt}]}
+            if path == "/v1/messages" else {"model": MODEL, "max_output_tokens": 1500, "input": prompt})
+    before = metric(server, "deepinfer:generation_tokens_total")
+    with httpx.stream("POST", f"{server}{path}", json={**body, "stream": True, **GREEDY}, timeout=60,
+                      headers={"x-api-key": KEY, "authorization": f"Bearer {KEY}"}) as r:
+        running = 0.0
+        for i, _ in enumerate(r.iter_lines()):
+            if i % 10 == 9:
+                running = metric(server, "deepinfer:num_requests_running")
+                if running:
+                    break
+        assert running == 1  # still generating when the client goes away
+    deadline = time.monotonic() + 10
+    while metric(server, "deepinfer:num_requests_running") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert metric(server, "deepinfer:num_requests_running") == 0
+    assert metric(server, "deepinfer:kv_cache_blocks_used") == 0
+    generated = metric(server, "deepinfer:generation_tokens_total")
+    time.sleep(1)
+    assert metric(server, "deepinfer:generation_tokens_total") == generated
+    assert generated - before < 100  # left alone, this greedy reply runs 122 tokens
