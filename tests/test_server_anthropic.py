@@ -211,7 +211,7 @@ def test_shapes_validate_strictly_against_the_sdk_types(server):
 
 def _generated(server: str) -> float:
     try:
-        return _generated(server)
+        return metric(server, "deepinfer:generation_tokens_total")
     except KeyError:  # no request has generated yet
         return 0.0
 
