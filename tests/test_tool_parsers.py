@@ -267,3 +267,31 @@ def test_response_store_is_bounded_by_count_and_age():
     off = ResponseStore(max_entries=0)
     off.put("x", {}, [])
     assert off.get("x") is None
+
+
+# ---------------------------------------------------------------- server options
+
+
+class _TemplateTok:
+    def __init__(self, template: str | None) -> None:
+        self.chat_template = template
+
+
+def test_recipe_options_detect_and_override():
+    from deepinfer.cli import build_parser
+    from deepinfer.config import ServerConfig, config_from_args
+    from deepinfer.server.app import recipe_options
+
+    qwen3 = "{% if tools %}<tool_call>{% endif %}{{ '<think>' }}"
+    assert recipe_options(_TemplateTok(qwen3), ["Qwen3ForCausalLM"]) == RecipeOptions("hermes", "think")
+    llama = "{% if tools %}{{ '<|python_tag|>' }}{% endif %}"
+    assert recipe_options(_TemplateTok(llama), ["LlamaForCausalLM"]) == RecipeOptions("llama3_json", None)
+    assert recipe_options(_TemplateTok(qwen3), None, "llama3_json", "none") == RecipeOptions("llama3_json", None)
+    with pytest.raises(ValueError):
+        recipe_options(_TemplateTok(None), None, "nope")
+    args = build_parser().parse_args(["serve", "--tool-parser", "llama3_json", "--reasoning-parser", "none",
+                                      "--responses-store-size", "7"])
+    cfg = config_from_args(ServerConfig, args)
+    assert (cfg.tool_parser, cfg.reasoning_parser, cfg.responses_store_size) == ("llama3_json", "none", 7)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--tool-parser", "nope"])
