@@ -1,6 +1,6 @@
 """The FastAPI application: routes, API-key auth, error rendering, admin endpoints.
 
-`build_app(engine, ...)` wires an `AsyncEngine` to the HTTP surface; `serve(config)`
+`build_app(engine, ...)` wires an `EngineClient` to the HTTP surface; `serve(config)`
 loads the engine and runs uvicorn. Every error leaves as OpenAI's
 {"error": {...}} with a meaningful status; bad input never yields a 500.
 """
@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer import __version__
-from deepinfer.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from deepinfer.engine.engine_client import EngineClient, EngineDeadError, QueueFullError
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.openai_api import (
     ServingContext,
@@ -41,7 +41,7 @@ def _error(status: int, message: str, type: str = "invalid_request_error", param
     return JSONResponse(APIError(status, message, type, param, code).body(), status_code=status, headers=headers)
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_app(engine: EngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="deepinfer", version=__version__)
     metrics = ServerMetrics(engine.stats, model_name)
     ctx = ServingContext(engine, model_name, metrics)
@@ -150,7 +150,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     @api.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < engine.engine.vocab_size), None)
+        bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of range", param="tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
@@ -167,16 +167,15 @@ def serve(engine_config, server_config) -> None:
 
     server_config = server_config or ServerConfig()
     print("deepinfer: loading model and allocating the KV cache ...", flush=True)
-    engine = AsyncEngine(engine_config)
-    core = engine.engine.core
-    name = engine_config.model.served_model_name or core.files.name
-    print(f"deepinfer: model {name} ({core.runner.dtype}, {core.runner.device}); KV cache {core.runner.num_blocks} "
-          f"blocks x {core.config.cache.block_size} tokens; max_model_len {engine.max_model_len}", flush=True)
-    tiers = core.tiers
-    host = tiers.host if tiers is not None else None
-    store = tiers.store if tiers is not None else None
-    print(f"deepinfer: KV host tier {f'{host.max_bytes / 2**20:.0f} MiB' if host is not None else 'off'}; "
-          f"KV store {store.root if store is not None else 'off'}", flush=True)
+    engine = start_engine(engine_config, server_config.engine_process)
+    info = engine.facts
+    name = engine_config.model.served_model_name or info["model_name"]
+    print(f"deepinfer: model {name} ({info['dtype']}, {info['device']}); KV cache {info['num_blocks']} "
+          f"blocks x {info['block_size']} tokens; max_model_len {engine.max_model_len}; engine "
+          f"{'in its own process' if server_config.engine_process else 'on a server thread'}", flush=True)
+    host, store = info["host_tier_bytes"], info["store_root"]
+    print(f"deepinfer: KV host tier {f'{host / 2**20:.0f} MiB' if host is not None else 'off'}; "
+          f"KV store {store or 'off'}", flush=True)
     app = build_app(engine, name, server_config.api_key)
     url = f"http://{server_config.host}:{server_config.port}"
     print(f"deepinfer: serving {name} at {url}/v1 (OpenAI-compatible; Ctrl-C stops)", flush=True)
@@ -186,3 +185,14 @@ def serve(engine_config, server_config) -> None:
                     lifespan="off")  # no startup/shutdown hooks; "auto" logs a traceback on Ctrl-C
     finally:
         engine.shutdown()
+
+
+def start_engine(engine_config, in_own_process: bool) -> EngineClient:
+    if in_own_process:
+        from deepinfer.engine.process_engine import ProcessEngine
+
+        return ProcessEngine(engine_config)
+    from deepinfer.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(engine_config)
+

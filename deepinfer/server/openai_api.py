@@ -1,4 +1,4 @@
-"""OpenAI Chat Completions and Completions on top of AsyncEngine: request -> token ids ->
+"""OpenAI Chat Completions and Completions on top of an EngineClient: request -> token ids ->
 SamplingParams -> engine stream -> JSON body or SSE chunks in OpenAI's exact shapes."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.engine_client import EngineClient
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.server.metrics import ServerMetrics
@@ -23,7 +23,7 @@ from deepinfer.server.protocol import APIError, ChatCompletionRequest, Completio
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     metrics: ServerMetrics
 
@@ -107,7 +107,7 @@ def retention_class(ctx: ServingContext, req: SamplingFields, raw: Request) -> s
     if name is None and raw.headers.get(RETENTION_HEADER) is not None:
         name, param = raw.headers[RETENTION_HEADER].strip() or None, RETENTION_HEADER
     try:
-        return ctx.engine.engine.core.check_retention(name)
+        return ctx.engine.check_retention(name)
     except ValueError as e:
         raise APIError(400, str(e), param=param) from e
 
@@ -394,9 +394,9 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     for _, ids in prompts:
         if not ids:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < engine.engine.vocab_size), None)
+        bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range [0, {engine.engine.vocab_size})", param="prompt")
+            raise APIError(400, f"token id {bad} is out of range [0, {engine.vocab_size})", param="prompt")
     max_tokens = [check_context(len(ids), req.max_tokens if req.max_tokens is not None else 16,
                                 engine.max_model_len, "prompt") for _, ids in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
