@@ -12,6 +12,8 @@ runs the same loop in a process of its own; see engine_client.py for the shared 
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -19,7 +21,7 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.engine_client import EngineClient, EngineDeadError, QueueFullError
+from deepinfer.engine.engine_client import EngineClient, EngineDeadError, QueueFullError, settle_future
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
 
@@ -57,6 +59,13 @@ class AsyncEngine(EngineClient):
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def call(self, method: str, *args: Any) -> Any:
+        self._check_call(method)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._commands.put(("call", (method, args, loop, future)))
+        return await future
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -106,3 +115,11 @@ class AsyncEngine(EngineClient):
                 self._deliver([(request_id, e)])
         elif kind == "abort":
             self.engine.abort_request(payload)
+        elif kind == "call":
+            method, args, loop, future = payload
+            try:
+                ok, value = True, getattr(self.engine, method)(*args)
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                ok, value = False, e
+            with contextlib.suppress(RuntimeError):  # the event loop is closed
+                loop.call_soon_threadsafe(settle_future, future, ok, value)

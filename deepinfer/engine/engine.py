@@ -133,6 +133,10 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 
+    def flush_kv_store(self, timeout: float | None = None) -> bool:
+        """Wait until the KV blocks queued for the persistent store are written; False on timeout."""
+        return self.core.flush_kv_store(timeout)
+
     def close(self) -> None:
         """Finish pending KV store writes and release the tiers (see `EngineCore.close`)."""
         self._inflight = None

@@ -24,6 +24,9 @@ from typing import Any
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 
+# LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
+ENGINE_CALLS = frozenset({"flush_kv_store", "stats"})
+
 
 class EngineDeadError(RuntimeError):
     pass
@@ -97,6 +100,18 @@ class EngineClient(ABC):
     def shutdown(self) -> None:
         """Stop the engine, letting it finish pending KV store writes."""
 
+    @abstractmethod
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run `LLMEngine.<method>(*args)` where the engine lives, between two steps, and return its
+        result (or raise its exception). `method` must be one of `ENGINE_CALLS`; arguments and results
+        must pickle (they may cross a process boundary)."""
+
+    def _check_call(self, method: str) -> None:
+        if method not in ENGINE_CALLS:
+            raise ValueError(f"engine method {method!r} cannot be called remotely")
+        if not self.healthy:
+            raise EngineDeadError("the engine loop is not running")
+
     # ------------------------------------------------------------------ shared by both
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:
@@ -162,6 +177,16 @@ class EngineClient(ABC):
     def _fail_all(self, error: BaseException) -> None:
         self.dead = error
         self._deliver([(rid, EngineDeadError(f"the engine loop died: {error!r}")) for rid in list(self._streams)])
+
+
+def settle_future(future: asyncio.Future, ok: bool, value: Any) -> None:
+    """Complete `future` with a result (ok) or an exception, unless its caller gave up on it."""
+    if future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
 
 
 def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:

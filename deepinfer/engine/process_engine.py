@@ -17,6 +17,9 @@ KV store writes) or when the server process disappears (its command pipe closes)
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import itertools
 import logging
 import multiprocessing
 import queue
@@ -28,7 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.engine_client import EngineClient
+from deepinfer.engine.engine_client import EngineClient, EngineDeadError, settle_future
 from deepinfer.engine.kv_tiers import resolve_retention
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -98,6 +101,8 @@ class ProcessEngine(EngineClient):
         self._assembled: dict[str, RequestOutput] = {}
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._closing = False
+        self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
+        self._call_ids = itertools.count()
         self._sender = threading.Thread(target=self._send_loop, name="deepinfer-engine-send", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="deepinfer-engine-read", daemon=True)
         self._sender.start()
@@ -135,6 +140,18 @@ class ProcessEngine(EngineClient):
         self._assembled.pop(request_id, None)
         self._outbox.put(("abort", request_id))
 
+    async def call(self, method: str, *args: Any) -> Any:
+        self._check_call(method)
+        call_id = next(self._call_ids)
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._calls[call_id] = (loop, future)
+        self._outbox.put(("call", (call_id, method, args)))
+        try:
+            return await future
+        finally:
+            self._calls.pop(call_id, None)
+
     def shutdown(self) -> None:
         self._closing = True
         self._outbox.put(("shutdown", None))
@@ -158,8 +175,13 @@ class ProcessEngine(EngineClient):
     def _read_loop(self) -> None:
         try:
             while True:
-                deltas, stats, adds_seen = self._out_recv.recv()
+                deltas, stats, adds_seen, results = self._out_recv.recv()
                 self._stats = stats
+                for call_id, ok, value in results:
+                    target = self._calls.get(call_id)
+                    if target is not None:
+                        with contextlib.suppress(RuntimeError):  # the event loop is closed
+                            target[0].call_soon_threadsafe(settle_future, target[1], ok, value)
                 with self._pending_lock:
                     self._num_pending_adds = self._adds_sent - adds_seen
                 self._deliver([(rid, item if isinstance(item, BaseException) else self._assemble(item))
@@ -170,6 +192,9 @@ class ProcessEngine(EngineClient):
                 self._fail_all(e)
             else:
                 self.dead = e
+            for loop, future in list(self._calls.values()):
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(settle_future, future, False, EngineDeadError("the engine is gone"))
 
     def _assemble(self, d: OutputDelta) -> RequestOutput:
         prev = self._assembled.get(d.request_id)
@@ -263,6 +288,7 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
     adds_seen = 0
     while True:
         items: list[Any] = []
+        results: list[tuple[int, bool, Any]] = []
         changed = False
         if commands.poll(0 if engine.has_unfinished() else 0.5):
             while True:
@@ -282,10 +308,16 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
                 elif kind == "abort":
                     engine.abort_request(payload)
                     encoder.forget(payload)
+                elif kind == "call":
+                    call_id, method, args = payload
+                    try:
+                        results.append((call_id, True, getattr(engine, method)(*args)))
+                    except Exception as e:  # noqa: BLE001 - the caller gets it
+                        results.append((call_id, False, e))
                 if not commands.poll(0):
                     break
         if engine.has_unfinished():
             items.extend((out.request_id, encoder.encode(out)) for out in engine.step())
             changed = True
         if changed:
-            outputs.send((items, engine.stats(), adds_seen))
+            outputs.send((items, engine.stats(), adds_seen, results))
