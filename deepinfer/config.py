@@ -208,6 +208,8 @@ class ServerConfig:
     port: int = _f(8000, "TCP port to listen on.")
     api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` (or `x-api-key`) on API routes.")
     uvicorn_log_level: str = _f("warning", "uvicorn's log level (access logs show at info).")
+    engine_process: bool = _f(True, "Run the engine loop in its own process (the HTTP layer then has a core "
+                              "of Python to itself); --no-engine-process keeps it on a thread of the server.")
     tool_parser: str = _f(
         "auto", "How tool calls are read from the model's output: auto (from the chat template / architecture), "
         "hermes (<tool_call>{json}</tool_call>; Hermes, Qwen), llama3_json ({\"name\", \"parameters\"}).",

@@ -71,3 +71,31 @@ def test_health_turns_503_when_the_engine_loop_dies(inprocess_server):
     # new requests are refused at once rather than hanging
     r = httpx.post(f"{base}/v1/completions", json=body, timeout=10)
     assert r.status_code == 503
+
+
+def test_engine_process_killed_mid_stream_ends_streams_with_an_error(tiny_models):
+    """The engine runs in its own process (the default): killing it ends open streams with an error
+    event, /health turns 503 and new requests are refused at once; nothing hangs."""
+    import psutil
+
+    with running_server("--model", str(tiny_models["llama"]), "--dtype", "float32", "--kv-cache-memory", "32MiB",
+                        "--max-model-len", "1024") as base:
+        port = int(base.rsplit(":", 1)[1])
+        server = next(p for p in psutil.process_iter(["cmdline"]) if str(port) in (p.info["cmdline"] or []))
+        engine_procs = [p for p in server.children() if "resource_tracker" not in " ".join(p.cmdline())]
+        assert len(engine_procs) == 1
+        body = {"prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                if len(events) == 3:
+                    for p in engine_procs:
+                        p.kill()
+        assert '"error"' in events[-1] or '"error"' in events[-2], events[-3:]
+        assert 3 <= len(events) < 900
+        assert httpx.get(f"{base}/health", timeout=10).status_code == 503
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": [5, 6], "max_tokens": 3}, timeout=10)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"

@@ -16,6 +16,7 @@ import time
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import CoreOutput, EngineCore, InFlightStep
+from deepinfer.engine.engine_client import validate_prompt_ids
 from deepinfer.engine.kv_manager import TIERS
 from deepinfer.engine.kv_tiers import tier_stats
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -78,16 +79,19 @@ class LLMEngine:
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         return list(prompt)
 
+    def describe(self) -> dict:
+        """Model and cache facts for start-up banners and cluster registration (plain values only)."""
+        core = self.core
+        tiers = core.tiers
+        return {"model_name": core.config.model.served_model_name or core.files.name,
+                "dtype": str(core.runner.dtype), "device": str(core.runner.device),
+                "num_blocks": core.runner.num_blocks, "block_size": core.config.cache.block_size,
+                "host_tier_bytes": tiers.host.max_bytes if tiers is not None and tiers.host is not None else None,
+                "store_root": str(tiers.store.root) if tiers is not None and tiers.store is not None else None,
+                "architectures": list(getattr(core.hf_config, "architectures", None) or [])}
+
     def validate_prompt(self, prompt_ids: list[int]) -> None:
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
-        bad = [t for t in prompt_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise ValueError(f"prompt token id {bad[0]} is out of range [0, {self.vocab_size})")
-        if len(prompt_ids) >= self.max_model_len:
-            raise ValueError(
-                f"the prompt has {len(prompt_ids)} tokens, but the maximum context length is "
-                f"{self.max_model_len} tokens (prompt + at least one generated token)")
+        validate_prompt_ids(prompt_ids, self.vocab_size, self.max_model_len)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -129,6 +133,10 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._parents)
+
+    def flush_kv_store(self, timeout: float | None = None) -> bool:
+        """Wait until the KV blocks queued for the persistent store are written; False on timeout."""
+        return self.core.flush_kv_store(timeout)
 
     def close(self) -> None:
         """Finish pending KV store writes and release the tiers (see `EngineCore.close`)."""

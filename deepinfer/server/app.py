@@ -1,6 +1,6 @@
 """The FastAPI application: routes, API-key auth, error rendering, admin endpoints.
 
-`build_app(engine, ...)` wires an `AsyncEngine` to the HTTP surface; `serve(config)`
+`build_app(engine, ...)` wires an `EngineClient` to the HTTP surface; `serve(config)`
 loads the engine and runs uvicorn. Every error leaves as OpenAI's {"error": {...}}
 (Anthropic's {"type": "error", "error": {...}} on /v1/messages paths) with a meaningful
 status; bad input never yields a 500.
@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer import __version__
-from deepinfer.engine.async_engine import AsyncEngine, EngineDeadError, QueueFullError
+from deepinfer.engine.engine_client import EngineClient, EngineDeadError, QueueFullError
 from deepinfer.recipe.output import RecipeOptions
 from deepinfer.server.anthropic_api import count_tokens, create_message
 from deepinfer.server.metrics import ServerMetrics
@@ -65,7 +65,7 @@ def recipe_options(tokenizer, architectures: list[str] | None, tool_parser: str 
     return RecipeOptions(tool_parser=tools, reasoning_parser=resolve_reasoning_parser(reasoning_parser, template))
 
 
-def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, *,
+def build_app(engine: EngineClient, model_name: str, api_key: str | None = None, *,
               recipe: RecipeOptions | None = None, responses: ResponseStore | None = None) -> FastAPI:
     app = FastAPI(title="deepinfer", version=__version__)
     metrics = ServerMetrics(engine.stats, model_name)
@@ -202,7 +202,7 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None, 
     @api.post("/detokenize")
     async def detokenize(req: DetokenizeRequest):
         check_model(req.model)
-        bad = next((t for t in req.tokens if not 0 <= t < engine.engine.vocab_size), None)
+        bad = next((t for t in req.tokens if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of range", param="tokens")
         return {"prompt": engine.tokenizer.decode(req.tokens)}
@@ -219,18 +219,17 @@ def serve(engine_config, server_config) -> None:
 
     server_config = server_config or ServerConfig()
     print("deepinfer: loading model and allocating the KV cache ...", flush=True)
-    engine = AsyncEngine(engine_config)
-    core = engine.engine.core
-    name = engine_config.model.served_model_name or core.files.name
-    print(f"deepinfer: model {name} ({core.runner.dtype}, {core.runner.device}); KV cache {core.runner.num_blocks} "
-          f"blocks x {core.config.cache.block_size} tokens; max_model_len {engine.max_model_len}", flush=True)
-    tiers = core.tiers
-    host = tiers.host if tiers is not None else None
-    store = tiers.store if tiers is not None else None
-    print(f"deepinfer: KV host tier {f'{host.max_bytes / 2**20:.0f} MiB' if host is not None else 'off'}; "
-          f"KV store {store.root if store is not None else 'off'}", flush=True)
-    recipe = recipe_options(engine.tokenizer, getattr(core.hf_config, "architectures", None),
-                            server_config.tool_parser, server_config.reasoning_parser)
+    engine = start_engine(engine_config, server_config.engine_process)
+    info = engine.facts
+    name = engine_config.model.served_model_name or info["model_name"]
+    print(f"deepinfer: model {name} ({info['dtype']}, {info['device']}); KV cache {info['num_blocks']} "
+          f"blocks x {info['block_size']} tokens; max_model_len {engine.max_model_len}; engine "
+          f"{'in its own process' if server_config.engine_process else 'on a server thread'}", flush=True)
+    host, store = info["host_tier_bytes"], info["store_root"]
+    print(f"deepinfer: KV host tier {f'{host / 2**20:.0f} MiB' if host is not None else 'off'}; "
+          f"KV store {store or 'off'}", flush=True)
+    recipe = recipe_options(engine.tokenizer, info.get("architectures"), server_config.tool_parser,
+                            server_config.reasoning_parser)
     print(f"deepinfer: tool parser {recipe.tool_parser}; reasoning parser {recipe.reasoning_parser or 'none'}",
           flush=True)
     app = build_app(engine, name, server_config.api_key, recipe=recipe,
@@ -243,3 +242,14 @@ def serve(engine_config, server_config) -> None:
                     lifespan="off")  # no startup/shutdown hooks; "auto" logs a traceback on Ctrl-C
     finally:
         engine.shutdown()
+
+
+def start_engine(engine_config, in_own_process: bool) -> EngineClient:
+    if in_own_process:
+        from deepinfer.engine.process_engine import ProcessEngine
+
+        return ProcessEngine(engine_config)
+    from deepinfer.engine.async_engine import AsyncEngine
+
+    return AsyncEngine(engine_config)
+

@@ -62,9 +62,9 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     for _, ids in prompts:
         if not ids:
             raise APIError(400, "prompt must not be empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < engine.engine.vocab_size), None)
+        bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range [0, {engine.engine.vocab_size})", param="prompt")
+            raise APIError(400, f"token id {bad} is out of range [0, {engine.vocab_size})", param="prompt")
     max_tokens = [check_context(len(ids), req.max_tokens if req.max_tokens is not None else 16,
                                 engine.max_model_len, "prompt") for _, ids in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"

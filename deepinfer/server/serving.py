@@ -16,7 +16,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse
 
-from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.engine.engine_client import EngineClient
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.recipe.output import RecipeOptions
@@ -26,7 +26,7 @@ from deepinfer.server.protocol import APIError, SamplingFields
 
 @dataclass
 class ServingContext:
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     metrics: ServerMetrics
     recipe: RecipeOptions = field(default_factory=RecipeOptions)  # the model's tool / reasoning parsers
@@ -98,7 +98,7 @@ def resolve_retention_class(ctx: ServingContext, name: str | None, param: str, r
     if name is None and raw.headers.get(RETENTION_HEADER) is not None:
         name, param = raw.headers[RETENTION_HEADER].strip() or None, RETENTION_HEADER
     try:
-        return ctx.engine.engine.core.check_retention(name)
+        return ctx.engine.check_retention(name)
     except ValueError as e:
         raise APIError(400, str(e), param=param) from e
 

@@ -1,0 +1,194 @@
+"""EngineClient: what the HTTP layer (and the cluster router) may ask of an engine, whoever runs it.
+
+Two implementations:
+- `AsyncEngine` (async_engine.py): the engine loop on a thread of the server process;
+- `ProcessEngine` (process_engine.py): the engine loop in its own process, so that the
+  HTTP layer and the engine's Python work do not share one GIL (the default for `serve`).
+
+The base class owns the per-request output streams: `generate()` registers an asyncio
+queue per request, the implementation delivers `RequestOutput`s (or an exception) to it
+from whatever thread it runs, in batches of one call per event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import threading
+from abc import ABC, abstractmethod
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from typing import Any
+
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+
+# LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
+ENGINE_CALLS = frozenset({"flush_kv_store", "stats"})
+
+
+class EngineDeadError(RuntimeError):
+    pass
+
+
+class QueueFullError(RuntimeError):
+    pass
+
+
+def validate_prompt_ids(prompt_ids: list[int], vocab_size: int, max_model_len: int) -> None:
+    """ValueError unless `prompt_ids` is a non-empty prompt of in-vocabulary ids that leaves room for
+    at least one generated token."""
+    if not prompt_ids:
+        raise ValueError("the prompt is empty")
+    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"prompt token id {bad} is out of range [0, {vocab_size})")
+    if len(prompt_ids) >= max_model_len:
+        raise ValueError(
+            f"the prompt has {len(prompt_ids)} tokens, but the maximum context length is "
+            f"{max_model_len} tokens (prompt + at least one generated token)")
+
+
+class EngineClient(ABC):
+    """An engine serving requests for asyncio callers.
+
+    Contract:
+    - `generate()` validates synchronously (ValueError for a bad prompt or retention class,
+      QueueFullError over `max_queue`, EngineDeadError once the engine is gone), then yields the
+      request's state after every step that changed it; the last one has `finished`. Leaving the
+      iteration early aborts the request in the engine (its KV blocks are freed).
+    - If the engine dies, every open stream raises EngineDeadError and `healthy` turns False.
+    - `stats()` is a recent snapshot of scheduler / cache counters, safe to call from any thread.
+    """
+
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    facts: dict  # model and cache facts (LLMEngine.describe())
+
+    def __init__(self, max_queue: int | None) -> None:
+        self.max_queue = max_queue
+        self.dead: BaseException | None = None
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._ids = itertools.count()
+        self._pending_lock = threading.Lock()
+        self._num_pending_adds = 0  # sent to the engine, not yet counted in its stats
+
+    # ------------------------------------------------------------------ implementation hooks
+
+    @property
+    @abstractmethod
+    def healthy(self) -> bool: ...
+
+    @abstractmethod
+    def stats(self) -> dict[str, float]: ...
+
+    @abstractmethod
+    def check_retention(self, retention_class: str | None) -> str:
+        """The retention class a request naming `retention_class` gets; ValueError if unknown."""
+
+    @abstractmethod
+    def _submit(self, request: tuple) -> None:
+        """Hand (request_id, prompt, prompt_ids, params, cache_salt, retention_class) to the engine."""
+
+    @abstractmethod
+    def abort(self, request_id: str) -> None:
+        """Stop a request and free its blocks; unknown or finished ids are ignored."""
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine, letting it finish pending KV store writes."""
+
+    @abstractmethod
+    async def call(self, method: str, *args: Any) -> Any:
+        """Run `LLMEngine.<method>(*args)` where the engine lives, between two steps, and return its
+        result (or raise its exception). `method` must be one of `ENGINE_CALLS`; arguments and results
+        must pickle (they may cross a process boundary)."""
+
+    def _check_call(self, method: str) -> None:
+        if method not in ENGINE_CALLS:
+            raise ValueError(f"engine method {method!r} cannot be called remotely")
+        if not self.healthy:
+            raise EngineDeadError("the engine loop is not running")
+
+    # ------------------------------------------------------------------ shared by both
+
+    def validate_prompt(self, prompt_ids: list[int]) -> None:
+        validate_prompt_ids(prompt_ids, self.vocab_size, self.max_model_len)
+
+    def num_waiting(self) -> int:
+        return int(self.stats().get("num_waiting", 0)) + self._num_pending_adds
+
+    def check_admission(self, num_requests: int = 1) -> None:
+        """Raise unless the engine is alive and the waiting queue has room for `num_requests`."""
+        if not self.healthy:
+            raise EngineDeadError("the engine loop is not running")
+        if self.max_queue is not None and self.num_waiting() + num_requests > self.max_queue:
+            raise QueueFullError(f"the waiting queue is full ({self.max_queue} requests)")
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       prompt: str | None = None, cache_salt: str | None = None,
+                       retention_class: str | None = None) -> AsyncIterator[RequestOutput]:
+        self.validate_prompt(prompt_token_ids)
+        retention_class = self.check_retention(retention_class)
+        self.check_admission()
+        request_id = request_id or f"areq-{next(self._ids)}"
+        out_queue: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
+        self._add_pending(1)
+        self._submit((request_id, prompt, list(prompt_token_ids), params, cache_salt, retention_class))
+        finished = False
+        try:
+            while True:
+                item = await out_queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self.abort(request_id)
+
+    def _add_pending(self, n: int) -> None:
+        with self._pending_lock:
+            self._num_pending_adds += n
+
+    def _wanted(self, request_id: str) -> bool:
+        """Whether someone still reads this request's stream (a request whose caller left before the
+        engine saw it need not run at all)."""
+        return request_id in self._streams
+
+    def _deliver(self, items: list[tuple[str, Any]]) -> None:
+        """Hand (request_id, RequestOutput or exception) pairs to their streams: one wake-up per event
+        loop, not one per item. Callable from any thread."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
+        for request_id, item in items:
+            target = self._streams.get(request_id)
+            if target is not None:
+                by_loop[target[0]].append((target[1], item))
+        for loop, batch in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # the event loop is closed
+                loop.call_soon_threadsafe(_put_all, batch)
+
+    def _fail_all(self, error: BaseException) -> None:
+        self.dead = error
+        self._deliver([(rid, EngineDeadError(f"the engine loop died: {error!r}")) for rid in list(self._streams)])
+
+
+def settle_future(future: asyncio.Future, ok: bool, value: Any) -> None:
+    """Complete `future` with a result (ok) or an exception, unless its caller gave up on it."""
+    if future.done():
+        return
+    if ok:
+        future.set_result(value)
+    else:
+        future.set_exception(value)
+
+
+def _put_all(batch: list[tuple[asyncio.Queue, Any]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
