@@ -107,25 +107,30 @@ def test_tools(client):
     uses = [b for b in m.content if b.type == "tool_use"]
     assert m.stop_reason == "tool_use" and len(uses) == 1, m.content
     assert uses[0].name == "get_weather" and uses[0].input == {"city": "London"} and uses[0].id.startswith("toolu_")
+    json_deltas = []
     with client.messages.stream(model=MODEL, max_tokens=60, messages=FEW_SHOT, tools=[WEATHER],
                                 extra_body=GREEDY) as stream:
+        for event in stream:
+            if event.type == "content_block_delta":
+                assert event.delta.type == "input_json_delta"
+                json_deltas.append(event.delta.partial_json)
         final = stream.get_final_message()
     assert [(b.type, b.name, b.input) for b in final.content if b.type == "tool_use"] == \
         [("tool_use", "get_weather", {"city": "London"})]
     assert final.stop_reason == "tool_use"
-    events = list(client.messages.create(model=MODEL, max_tokens=60, messages=FEW_SHOT, tools=[WEATHER],
-                                         stream=True, extra_body=GREEDY))
-    json_deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta"]
-    assert len(json_deltas) > 1 and all(e.delta.type == "input_json_delta" for e in events
-                                        if e.type == "content_block_delta")
-    # the result goes back as a tool_result block
-    convo = FEW_SHOT + [{"role": "assistant", "content": [u.model_dump(include={"type", "id", "name", "input"})
-                                                          for u in uses]},
-                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
+    assert len(json_deltas) > 1  # the input streamed in pieces
+
+
+def test_tool_result_and_tool_choice_none(client):
+    uses = [{"type": "tool_use", "id": "toolu_9", "name": "get_weather", "input": {"city": "London"}}]
+    convo = FEW_SHOT + [{"role": "assistant", "content": uses},
+                        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_9",
                                                       "content": "Foggy, 12 C"}]}]
-    answer = client.messages.create(model=MODEL, max_tokens=20, messages=convo, tools=[WEATHER], extra_body=GREEDY)
-    assert _prompt_tokens(answer.usage) > _prompt_tokens(m.usage)
-    none = client.messages.create(model=MODEL, max_tokens=20, messages=FEW_SHOT, tools=[WEATHER],
+    with_result = client.messages.count_tokens(model=MODEL, messages=convo, tools=[WEATHER]).input_tokens
+    assert with_result > client.messages.count_tokens(model=MODEL, messages=FEW_SHOT, tools=[WEATHER]).input_tokens
+    answer = client.messages.create(model=MODEL, max_tokens=4, messages=convo, tools=[WEATHER], extra_body=GREEDY)
+    assert _prompt_tokens(answer.usage) == with_result
+    none = client.messages.create(model=MODEL, max_tokens=8, messages=FEW_SHOT, tools=[WEATHER],
                                   tool_choice={"type": "none"}, extra_body=GREEDY)
     assert all(b.type == "text" for b in none.content) and none.stop_reason != "tool_use"
 
