@@ -23,7 +23,6 @@ from deepinfer.recipe.tools import (
     anthropic_tool_choice,
     fallback_messages,
     openai_tool_choice,
-    parse_choice_output,
     specs_from_anthropic,
     specs_from_openai,
     tool_choice_schema,
@@ -230,12 +229,13 @@ def test_tool_choice_schemas_accept_calls_and_reject_others():
     single = tool_choice_schema(specs, ToolChoice("required"), parallel=False)
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(ok, single)
-    calls = parse_choice_output(json.dumps(ok))
-    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"}),
-                                                                   ("get_weather", {"city": "A"})]
-    assert parse_choice_output(json.dumps(ok[0]))[0].name == "get_time"
-    with pytest.raises(ValueError):
-        parse_choice_output("not json")
+    # what the grammar lets through parses straight into the calls, compact or pretty-printed
+    for text in (json.dumps(ok), json.dumps(ok, indent=2), json.dumps(ok, separators=(",", ":"))):
+        _, calls = JsonChoiceToolParser().parse(text)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_time", {"zone": "UTC"}),
+                                                                       ("get_weather", {"city": "A"})]
+    _, calls = JsonChoiceToolParser().parse(json.dumps(ok[0]))
+    assert [c.name for c in calls] == ["get_time"]
 
 
 def test_fallback_prompt_renders_tools_calls_and_results_as_text():

@@ -87,6 +87,7 @@ class _Call:
         self.args_start = -1
         self.args_end = -1
         self.started = False  # the name was sent
+        self.name = ""
         self.done = False
         self.sent_args = ""
 
@@ -106,7 +107,7 @@ class _Call:
                 except json.JSONDecodeError:
                     name = None
                 if name:
-                    self.started = True
+                    self.started, self.name = True, name
                     self.args_start = m.end()
                     self.args = _ObjectScanner()
                     out.append(ToolCallDelta(self.index, name=name))
@@ -138,10 +139,8 @@ class _Call:
         except json.JSONDecodeError:
             obj = None
         valid = isinstance(obj, dict) and isinstance(obj.get("name"), str) and obj["name"]
-        if self.started:
-            # already announced: end it with what was written (a truncated call still ends)
-            name = json.loads(f'"{_HEAD.match(self.text).group(1)}"')
-            return [], ToolCall(name, self.sent_args or "{}")
+        if self.started:  # already announced: end it with what was written (a truncated call still ends)
+            return [], ToolCall(self.name, self.sent_args or "{}")
         if not valid:
             return [], None
         args = obj.get("arguments", obj.get("parameters", {}))

@@ -14,8 +14,6 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
-from deepinfer.recipe.tool_parsers import ToolCall
-
 _EMPTY_PARAMS = {"type": "object", "properties": {}}
 
 
@@ -225,19 +223,3 @@ def tool_choice_schema(specs: list[ToolSpec], choice: ToolChoice, parallel: bool
     if not parallel:
         schema["maxItems"] = 1
     return schema
-
-
-def parse_choice_output(text: str) -> list[ToolCall]:
-    """The calls in a constrained output (one object or an array); ValueError if it is not that shape."""
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"the constrained tool output is not JSON: {e}") from e
-    items = value if isinstance(value, list) else [value]
-    calls = []
-    for item in items:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-            raise ValueError("a constrained tool call must be an object with a name")
-        args = item.get("arguments", {})
-        calls.append(ToolCall(item["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)))
-    return calls
