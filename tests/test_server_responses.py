@@ -260,9 +260,8 @@ def _sse_data(server: str, path: str, body: dict) -> list[tuple[str | None, dict
     return frames
 
 
-def test_shapes_validate_strictly_against_the_sdk_types(server):
+def test_responses_shapes_validate_strictly_against_the_sdk_types(server):
     """The SDK builds its objects without validation; validate our JSON against its types strictly."""
-    from openai.types.chat import ChatCompletion, ChatCompletionChunk
     from openai.types.responses import Response, ResponseStreamEvent
     from pydantic import TypeAdapter
 
@@ -273,6 +272,11 @@ def test_shapes_validate_strictly_against_the_sdk_types(server):
         for name, data in _sse_data(server, "/v1/responses", body):
             assert name == data["type"]
             events.validate_python(data)
+
+
+def test_chat_tool_call_shapes_validate_strictly_against_the_sdk_types(server):
+    from openai.types.chat import ChatCompletion, ChatCompletionChunk
+
     body = {"model": MODEL, "messages": CHAT_FEW_SHOT, "tools": [CHAT_WEATHER], "max_tokens": 60, "temperature": 0}
     r = ChatCompletion.model_validate(httpx.post(f"{server}/v1/chat/completions", json=body, timeout=120).json())
     assert r.choices[0].message.tool_calls
