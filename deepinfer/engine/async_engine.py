@@ -83,10 +83,12 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        prompt: str | None = None, cache_salt: str | None = None,
-                       retention_class: str | None = None) -> AsyncIterator[RequestOutput]:
+                       retention_class: str | None = None, output_prefix: list[int] | None = None,
+                       prefix_logprobs: list | None = None) -> AsyncIterator[RequestOutput]:
         """Stream the request's state after every step that changed it; the last one has `finished`.
         Raises ValueError for an invalid prompt or retention class, QueueFullError when the waiting queue
-        is full."""
+        is full. `output_prefix` / `prefix_logprobs`: see `LLMEngine.add_request` (a decode worker
+        continuing a request another worker prefilled)."""
         self.engine.validate_prompt(prompt_token_ids)
         self.engine.core.check_retention(retention_class)
         self.check_admission()
@@ -95,7 +97,8 @@ class AsyncEngine:
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
         with self._lock:
             self._num_pending_adds += 1
-        self._commands.put(("add", (request_id, prompt, prompt_token_ids, params, cache_salt, retention_class)))
+        self._commands.put(("add", (request_id, prompt, prompt_token_ids, params, cache_salt, retention_class,
+                                    output_prefix, prefix_logprobs)))
         finished = False
         try:
             while True:
@@ -113,6 +116,28 @@ class AsyncEngine:
 
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
+
+    async def export_kv(self, token_ids: list[int], cache_salt: str | None = None) -> list[tuple[bytes, Any]]:
+        """(block hash, payload) of the full blocks of `token_ids` this engine still holds, in chain order
+        from the first block (see `kv_exchange.export_blocks`); runs on the engine thread."""
+        from deepinfer.engine.kv_exchange import export_blocks
+
+        return await self._on_engine_thread(lambda: export_blocks(self.engine.core, token_ids, cache_salt))
+
+    async def import_kv(self, blocks: list[tuple[bytes, Any]]) -> int:
+        """Put named KV blocks where this engine's prefix cache finds them (see `kv_exchange.import_blocks`);
+        a request added afterwards hits them. Returns how many are held."""
+        from deepinfer.engine.kv_exchange import import_blocks
+
+        return await self._on_engine_thread(lambda: import_blocks(self.engine.core, blocks))
+
+    async def _on_engine_thread(self, fn: Any) -> Any:
+        if not self.healthy:
+            raise EngineDeadError("the engine loop is not running")
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
+        self._commands.put(("call", (fn, loop, future)))
+        return await future
 
     def shutdown(self) -> None:
         self._stop.set()
@@ -153,7 +178,7 @@ class AsyncEngine:
 
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            request_id, prompt, prompt_ids, params, cache_salt, retention_class = payload
+            request_id, prompt, prompt_ids, params, cache_salt, retention_class, prefix, prefix_lps = payload
             with self._lock:
                 self._num_pending_adds -= 1
             if request_id not in self._streams:
@@ -161,11 +186,29 @@ class AsyncEngine:
             try:
                 self.engine.add_request(prompt if prompt is not None else prompt_ids, params, request_id,
                                         cache_salt=cache_salt, prompt_token_ids=prompt_ids,
-                                        retention_class=retention_class)
+                                        retention_class=retention_class, output_prefix=prefix,
+                                        prefix_logprobs=prefix_lps)
             except ValueError as e:
                 self._deliver(request_id, e)
         elif kind == "abort":
             self.engine.abort_request(payload)
+        elif kind == "call":
+            fn, loop, future = payload
+            try:
+                result: Any = fn()
+            except Exception as e:  # noqa: BLE001 - the caller gets it
+                result = e
+
+            def settle() -> None:
+                if future.done():
+                    return
+                if isinstance(result, Exception):
+                    future.set_exception(result)
+                else:
+                    future.set_result(result)
+
+            with contextlib.suppress(RuntimeError):  # the event loop is closed
+                loop.call_soon_threadsafe(settle)
 
     def _deliver(self, request_id: str, item: Any) -> None:
         target = self._streams.get(request_id)

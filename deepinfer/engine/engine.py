@@ -52,6 +52,18 @@ class _Parent:
         return all(c.req.finished for c in self.children)
 
 
+def _continue_after(child: _Child, tokens: list[int], logprobs: list[dict[int, Logprob]] | None) -> None:
+    """Make `child` look as if it had already generated `tokens` (text, logprobs, token state)."""
+    child.req.token_ids.extend(tokens)
+    for t in tokens:
+        child.detok.add_token(t)
+    if child.logprobs is not None and logprobs is not None:
+        for token, entry in zip(tokens, logprobs, strict=False):
+            child.logprobs.append(entry)
+            if token in entry:
+                child.cumulative_logprob += entry[token].logprob
+
+
 class LLMEngine:
     """Text-level engine: validation, tokenization, detokenization and stop strings around EngineCore."""
 
@@ -91,15 +103,24 @@ class LLMEngine:
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
-                    retention_class: str | None = None) -> str:
+                    retention_class: str | None = None, output_prefix: list[int] | None = None,
+                    prefix_logprobs: list[dict[int, Logprob]] | None = None) -> str:
         """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized. `retention_class`
-        (default: the configured default class) says how long the KV store keeps its blocks."""
+        (default: the configured default class) says how long the KV store keeps its blocks.
+        `output_prefix`: tokens already generated elsewhere (a prefill worker's first token, with their
+        `prefix_logprobs` if the request wants logprobs); the request continues after them as if it had
+        sampled them itself (n == 1 only)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._parents:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate_prompt(prompt_ids)
         retention_class = self.core.check_retention(retention_class)
+        output_prefix = list(output_prefix or [])
+        if output_prefix and params.n != 1:
+            raise ValueError("output_prefix needs n == 1")
+        if len(prompt_ids) + len(output_prefix) >= self.max_model_len:
+            raise ValueError("the prompt and output prefix fill the context")
         children = []
         first: Request | None = None
         for i in range(params.n):
@@ -111,7 +132,10 @@ class LLMEngine:
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                                            params.include_stop_str_in_output)
-            children.append(_Child(req, detok))
+            child = _Child(req, detok)
+            if output_prefix:
+                _continue_after(child, output_prefix, prefix_logprobs)
+            children.append(child)
         parent = _Parent(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, children)
         self._parents[request_id] = parent
         for child in children:
@@ -149,11 +173,23 @@ class LLMEngine:
             **{f"prefix_hits_{tier}": n for tier, n in kv.tier_hits.items()},
             **tier_stats(self.core.tiers),
             "num_preemptions": sched.num_preemptions,
+            # load signals for a cluster router: queued prefill compute (cost model) and KV held
+            "prefill_queued_seconds": self._queued_prefill_seconds(),
+            "kv_tokens": sum(r.num_tokens for r in sched.running),
             "step_idle_gap_seconds_total": self.core.idle_gap_seconds,
             "step_idle_gap_last_seconds": self.core.idle_gap_last,
             "step_idle_gaps": self.core.num_idle_gaps,
             **self.core.cost_model.stats(sched.step_time_budget),
         }
+
+    def _queued_prefill_seconds(self) -> float:
+        """Predicted compute of the prompt tokens not yet computed (waiting and partly prefilled requests)."""
+        sched, cost = self.core.scheduler, self.core.cost_model
+        total = 0.0
+        for r in (*sched.waiting, *sched.running):
+            if r.num_computed_tokens < r.num_tokens - 1:
+                total += cost.prefill_seconds(r.num_tokens, r.num_computed_tokens)
+        return total
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the current state of every request that advanced.

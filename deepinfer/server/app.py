@@ -159,8 +159,9 @@ def build_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) 
     return app
 
 
-def serve(engine_config, server_config) -> None:
-    """Load the engine, then serve HTTP until interrupted."""
+def serve(engine_config, server_config, customize=None) -> None:
+    """Load the engine, then serve HTTP until interrupted. `customize(app, engine)`, if given, adds to the
+    app before it serves (a cluster worker's /internal routes)."""
     import uvicorn
 
     from deepinfer.config import ServerConfig
@@ -178,6 +179,8 @@ def serve(engine_config, server_config) -> None:
     print(f"deepinfer: KV host tier {f'{host.max_bytes / 2**20:.0f} MiB' if host is not None else 'off'}; "
           f"KV store {store.root if store is not None else 'off'}", flush=True)
     app = build_app(engine, name, server_config.api_key)
+    if customize is not None:
+        customize(app, engine)
     url = f"http://{server_config.host}:{server_config.port}"
     print(f"deepinfer: serving {name} at {url}/v1 (OpenAI-compatible; Ctrl-C stops)", flush=True)
     try:

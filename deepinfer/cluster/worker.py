@@ -1,0 +1,195 @@
+"""A prefill or decode worker: the ordinary server plus `/internal/*` endpoints for the router.
+
+    router ── POST /internal/prefill ──▶ prefill worker: run the prompt to its first token (max_tokens 1),
+                                         export the prompt's full KV blocks, ship them to the decode worker's
+                                         KV receiver (`KVTransfer`), answer with the first output
+    router ── POST /internal/decode  ──▶ decode worker: claim the shipped blocks, import them into the prefix
+                                         cache, continue the request after its first token; NDJSON stream
+                                         of outputs (text and logprobs include the first token)
+    router ── GET  /internal/load    ──▶ either: queued prefill seconds (cost model), running requests, KV
+                                         tokens / usage / capacity, KV receiver address, what names blocks
+    worker ── POST router/internal/register (heartbeat thread, with --router-url): join by URL
+
+The engine is reached only through `AsyncEngine`'s public surface plus `export_kv` / `import_kv`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import threading
+from typing import Any
+
+import httpx
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from deepinfer.cluster.transfer import KVTransfer, KVTransferError, TCPKVTransfer
+from deepinfer.cluster.wire import logprobs_from_json, output_to_json, params_from_json
+from deepinfer.config import ClusterConfig, ServerConfig
+from deepinfer.engine.async_engine import AsyncEngine
+from deepinfer.kvstore.blocks import layout_of
+from deepinfer.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+RECEIVE_TIMEOUT = 30.0  # the router calls decode only after the prefill's send was acknowledged
+ENGINE_CALL_TIMEOUT = 60.0
+
+
+class WorkerState:
+    """What one worker process knows about itself beyond the engine: role, KV receiver, in-flight prefills."""
+
+    def __init__(self, engine: AsyncEngine, cluster: ClusterConfig, server: ServerConfig,
+                 transfer: KVTransfer | None = None) -> None:
+        self.engine = engine
+        self.role = cluster.role
+        self.transfer = transfer or TCPKVTransfer(server.host, cluster.kv_transfer_port, cluster.advertise_host)
+        self._transfer_address: str | None = None
+        self._start_lock = asyncio.Lock()
+        self.pending_prefill_seconds: dict[str, float] = {}
+        self.blocks_sent = 0
+        self.transfer_failures = 0
+
+    async def transfer_address(self) -> str:
+        """The KV receiver's address (started on first use: the server's event loop runs by then)."""
+        async with self._start_lock:
+            if self._transfer_address is None:
+                self._transfer_address = await self.transfer.start()
+        return self._transfer_address
+
+    def load(self, kv_address: str | None) -> dict[str, Any]:
+        eng = self.engine
+        core = eng.engine.core
+        s = eng.stats()
+        layout = layout_of(core.runner.kv_caches)
+        block_size = core.config.cache.block_size
+        queued = max(float(s.get("prefill_queued_seconds", 0.0)), sum(self.pending_prefill_seconds.values()))
+        return {
+            "role": self.role, "pid": os.getpid(), "healthy": eng.healthy, "queued_prefill_seconds": queued,
+            "num_running": int(s["num_running"]), "num_waiting": eng.num_waiting(),
+            "kv_tokens": int(s.get("kv_tokens", 0)), "kv_usage": float(s["kv_usage"]),
+            "kv_capacity_tokens": int(s["kv_blocks_total"]) * block_size,
+            "max_num_seqs": core.config.scheduler.max_num_seqs, "max_model_len": eng.max_model_len,
+            "block_size": block_size, "model_identity": core.files.identity,
+            "kv_layout": [layout.dtype, layout.block_size, layout.num_layers, layout.num_kv_heads, layout.head_dim],
+            "cost_coefficients": list(core.cost_model.coefficients.values()),
+            "kv_transfer": kv_address, "blocks_sent": self.blocks_sent, "transfer_failures": self.transfer_failures,
+            "stats": s,
+        }
+
+
+def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
+    engine = state.engine
+    internal = APIRouter(prefix="/internal")
+
+    @internal.get("/load")
+    async def load():
+        return state.load(await state.transfer_address())
+
+    @internal.post("/prefill")
+    async def prefill(raw: Request):
+        body = await raw.json()
+        prompt_ids = list(body["prompt_token_ids"])
+        params = params_from_json(body["params"])
+        rid = body["request_id"]
+        first_params = params_from_json({**body["params"], "max_tokens": 1,
+                                         "min_tokens": min(params.min_tokens, 1)})
+        core = engine.engine.core
+        state.pending_prefill_seconds[rid] = core.cost_model.prefill_seconds(len(prompt_ids))
+        final = None
+        try:
+            async for out in engine.generate(prompt_ids, first_params, request_id=f"{rid}-prefill",
+                                             cache_salt=body.get("cache_salt"),
+                                             retention_class=body.get("retention_class")):
+                final = out
+        finally:
+            state.pending_prefill_seconds.pop(rid, None)
+        if final is None:
+            raise APIError(503, "the prefill produced no output", type="server_error")
+        sent = 0
+        target = body.get("kv_target")
+        done = final.outputs[0].finish_reason == "stop" or (params.max_tokens or 0) <= 1
+        if target and not done:
+            blocks = await asyncio.wait_for(engine.export_kv(prompt_ids, body.get("cache_salt")),
+                                            ENGINE_CALL_TIMEOUT)
+            try:
+                sent = await state.transfer.send(target, body["transfer_id"], blocks)
+                state.blocks_sent += sent
+            except (KVTransferError, TimeoutError) as e:
+                # the decode worker recomputes the prompt; a slow answer beats a failed request
+                state.transfer_failures += 1
+                logger.warning("KV transfer for %s failed: %r", rid, e)
+        return JSONResponse({"output": output_to_json(final), "blocks_sent": sent})
+
+    @internal.post("/decode")
+    async def decode(raw: Request):
+        body = await raw.json()
+        params = params_from_json(body["params"])
+        blocks: list = []
+        if body.get("transfer_id"):
+            await state.transfer_address()
+            try:
+                blocks = await state.transfer.receive(body["transfer_id"], RECEIVE_TIMEOUT)
+            except TimeoutError:
+                logger.warning("KV for %s did not arrive; recomputing its prompt", body["request_id"])
+        imported = await asyncio.wait_for(engine.import_kv(blocks), ENGINE_CALL_TIMEOUT) if blocks else 0
+        gen = engine.generate(list(body["prompt_token_ids"]), params, request_id=body["request_id"],
+                              cache_salt=body.get("cache_salt"), retention_class=body.get("retention_class"),
+                              output_prefix=list(body["output_prefix"]),
+                              prefix_logprobs=logprobs_from_json(body.get("prefix_logprobs")))
+        try:  # the first output before the 200, so engine-side rejections still get their status
+            first = await gen.__anext__()
+        except StopAsyncIteration:
+            first = None
+
+        async def lines():
+            yield json.dumps({"imported_blocks": imported}) + "\n"
+            if first is None:
+                return
+            yield json.dumps(output_to_json(first)) + "\n"
+            if first.finished:
+                return
+            try:
+                async for out in gen:
+                    yield json.dumps(output_to_json(out)) + "\n"
+            except Exception as e:  # noqa: BLE001 - the status is sent; report in-band
+                yield json.dumps({"error": str(e), "status": getattr(e, "status", 503)}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    app.include_router(internal)
+
+
+def start_heartbeat(router_url: str, worker_url: str, role: str, interval: float = 1.0) -> threading.Event:
+    """Register with the router now and again every `interval` seconds (the router drops a worker it has
+    not heard from); returns the event that stops it. A daemon thread: it dies with the process."""
+    stop = threading.Event()
+
+    def run() -> None:
+        with httpx.Client(timeout=5) as client:
+            while not stop.is_set():
+                try:
+                    client.post(f"{router_url.rstrip('/')}/internal/register", json={"url": worker_url, "role": role})
+                except httpx.HTTPError as e:
+                    logger.debug("heartbeat to %s failed: %r", router_url, e)
+                stop.wait(interval)
+
+    threading.Thread(target=run, name="deepinfer-heartbeat", daemon=True).start()
+    return stop
+
+
+def worker_customizer(cluster: ClusterConfig, server: ServerConfig):
+    """The `serve(customize=...)` hook of a prefill or decode worker."""
+
+    def customize(app: FastAPI, engine: AsyncEngine) -> None:
+        state = WorkerState(engine, cluster, server)
+        app.state.worker = state
+        add_worker_routes(app, state)
+        if cluster.router_url:
+            host = cluster.advertise_host or (server.host if server.host not in ("0.0.0.0", "::") else "127.0.0.1")
+            start_heartbeat(cluster.router_url, f"http://{host}:{server.port}", cluster.role)
+
+    return customize
