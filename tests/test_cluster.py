@@ -192,3 +192,51 @@ def test_decode_worker_dying_mid_stream_loses_no_request(client, cluster):
         r = _chat(client, prompt, 6)
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
     assert not next(w for w in _workers(cluster) if w["url"] == victim["url"])["alive"]
+
+
+@pytest.mark.slow
+def test_router_command_with_workers_joining_by_url(tiny_models, tmp_path):
+    """`deepinfer router` with no workers listed; a prefill and a decode worker started with --router-url
+    register and heartbeat; the router serves once both are in, and drops a worker that stops."""
+    import subprocess
+    import sys
+
+    from tests.server_utils import free_port
+
+    model = str(tiny_models[MODEL])
+    port = free_port()
+    router = f"http://127.0.0.1:{port}"
+    procs = [subprocess.Popen([sys.executable, "-m", "deepinfer.cli", "--log-level", "WARNING", "router", "--port",
+                               str(port), "--model", model, "--health-interval", "0.5", "--worker-timeout", "3"])]
+    try:
+        for role in ("prefill", "decode"):
+            procs.append(subprocess.Popen([sys.executable, "-m", "deepinfer.cli", "--log-level", "WARNING", "serve",
+                                           "--role", role, "--port", str(free_port()), "--model", model, *FLAGS,
+                                           "--router-url", router]))
+        deadline = time.monotonic() + 180
+        while True:
+            try:
+                if httpx.get(f"{router}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "the workers did not join"
+            time.sleep(0.5)
+        c = openai.OpenAI(base_url=f"{router}/v1", api_key="x", max_retries=0, timeout=60)
+        r = _chat(c, PROMPTS[1], 5)
+        assert r.usage.completion_tokens == 5
+        assert sorted(w["role"] for w in _workers(router)) == ["decode", "prefill"]
+        procs[2].terminate()
+        procs[2].wait(timeout=30)
+        deadline = time.monotonic() + 15
+        while httpx.get(f"{router}/health", timeout=2).status_code == 200:
+            assert time.monotonic() < deadline, "a stopped worker stayed in rotation"
+            time.sleep(0.2)
+        with pytest.raises(openai.APIStatusError) as e:
+            _chat(c, PROMPTS[1], 5)
+        assert e.value.status_code == 503
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(timeout=30)

@@ -79,7 +79,9 @@ class ClusterEngineClient:
         self._default_max_model_len = default_max_model_len
         self.store_path = store_path
         self._store: Any = None
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(config.prefill_timeout, connect=5.0))
+        # no connection cap: every open decode stream holds one, and a capped pool would queue new requests
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(config.prefill_timeout, connect=5.0),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         self.num_prefill_retries = 0
         self.num_decode_retries = 0
         self.num_failed = 0
