@@ -124,3 +124,21 @@ def test_tcp_transfer_to_nobody_fails_fast():
             await TCPKVTransfer().send(f"127.0.0.1:{free_port()}", "x", [(b"\x01" * 16, b"abc")], timeout=5)
 
     asyncio.run(main())
+
+
+def test_stats_report_queued_prefill_seconds_and_kv_tokens(tiny_models):
+    with _llm(tiny_models["llama"]) as llm:
+        engine = llm.engine
+        cost = engine.core.cost_model
+        assert engine.stats()["prefill_queued_seconds"] == 0.0
+        for n in (40, 300):
+            engine.add_request(_prompt(n, n), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        s = engine.stats()
+        assert s["prefill_queued_seconds"] == pytest.approx(cost.prefill_seconds(40) + cost.prefill_seconds(300))
+        assert s["kv_tokens"] == 0
+        while engine.has_unfinished():
+            engine.step()
+            s = engine.stats()
+            if s["num_running"] == 2 and s["prefill_queued_seconds"] == 0.0:
+                assert s["kv_tokens"] >= 340  # both prompts computed, decoding
+        assert engine.stats()["prefill_queued_seconds"] == 0.0 and engine.stats()["kv_tokens"] == 0

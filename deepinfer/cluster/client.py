@@ -161,8 +161,10 @@ class ClusterEngineClient:
             dw = self._pick(decodes, route, prefill=False)
             tried.add(pw.url)
             transfer_id = uuid.uuid4().hex
-            pw.inflight_prefill_seconds[base["request_id"]] = estimated_prefill_seconds(pw.view(), route)
+            estimate = estimated_prefill_seconds(pw.view(), route)
+            pw.inflight_prefill_seconds[base["request_id"]] = estimate
             pw.requests_routed += 1
+            pw.prefill_seconds_routed += estimate
             try:
                 r = await self._client.post(f"{pw.url}/internal/prefill", json={
                     **base, "kv_target": dw.load.get("kv_transfer"), "transfer_id": transfer_id})

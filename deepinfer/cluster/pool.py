@@ -40,6 +40,7 @@ class Worker:
     inflight_prefill_seconds: dict[str, float] = field(default_factory=dict)
     inflight_decode_tokens: dict[str, int] = field(default_factory=dict)
     requests_routed: int = 0
+    prefill_seconds_routed: float = 0.0  # estimated prefill compute of the requests sent to it
     _cost: CostModel | None = None
     _cost_key: tuple | None = None
 

@@ -183,13 +183,17 @@ class LLMEngine:
         }
 
     def _queued_prefill_seconds(self) -> float:
-        """Predicted compute of the prompt tokens not yet computed (waiting and partly prefilled requests)."""
+        """Predicted compute of the prompt tokens not yet computed (waiting and partly prefilled requests),
+        each prefilled alone in one step: one vectorized sum, as it runs after every step."""
+        from deepinfer.engine.cost_model import step_features
+
         sched, cost = self.core.scheduler, self.core.cost_model
-        total = 0.0
-        for r in (*sched.waiting, *sched.running):
-            if r.num_computed_tokens < r.num_tokens - 1:
-                total += cost.prefill_seconds(r.num_tokens, r.num_computed_tokens)
-        return total
+        chunks = [(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
+                  for r in (*sched.waiting, *sched.running) if r.num_computed_tokens < r.num_tokens - 1]
+        if not chunks:
+            return 0.0
+        overhead = cost.coefficients["overhead"]
+        return cost.predict_features(step_features(chunks)) + (len(chunks) - 1) * overhead
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the current state of every request that advanced.
