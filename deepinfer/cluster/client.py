@@ -220,6 +220,7 @@ class ClusterEngineClient:
         timeout = httpx.Timeout(self.config.token_timeout, connect=5.0)
         dw.inflight_decode_tokens[rid] = route.num_prompt_tokens + 1
         dw.requests_routed += 1
+        dw.decode_tokens_routed += route.num_prompt_tokens + route.max_tokens
         try:
             async with self._client.stream("POST", f"{dw.url}/internal/decode", json=body, timeout=timeout) as r:
                 if r.status_code != 200:

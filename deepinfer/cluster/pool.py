@@ -41,6 +41,7 @@ class Worker:
     inflight_decode_tokens: dict[str, int] = field(default_factory=dict)
     requests_routed: int = 0
     prefill_seconds_routed: float = 0.0  # estimated prefill compute of the requests sent to it
+    decode_tokens_routed: int = 0  # prompt + max_tokens of the requests sent to it to decode
     _cost: CostModel | None = None
     _cost_key: tuple | None = None
 

@@ -93,7 +93,7 @@ def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str 
         return {"workers": [{
             "url": w.url, "role": w.role, "alive": w.alive, "failures": w.failures,
             "seen_seconds_ago": now - w.last_seen if w.last_seen else None, "requests_routed": w.requests_routed,
-            "prefill_seconds_routed": w.prefill_seconds_routed,
+            "prefill_seconds_routed": w.prefill_seconds_routed, "decode_tokens_routed": w.decode_tokens_routed,
             "view": {k: v for k, v in vars(w.view()).items() if k != "cost_model"},
             "load": {k: v for k, v in w.load.items() if k != "stats"},
         } for w in pool.workers.values()],
