@@ -131,7 +131,7 @@ class ClusterEngineClient:
             raise ValueError("the prompt is empty" if bad is None else f"prompt token id {bad} is out of range")
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
         route = RouteInfo(len(prompt_token_ids), await self._store_hits(prompt_token_ids, cache_salt),
-                          params.max_tokens or 1)
+                          params.max_tokens if params.max_tokens is not None else self.max_model_len)
         base = {"request_id": rid, "prompt_token_ids": prompt_token_ids, "params": params_to_json(params),
                 "cache_salt": cache_salt, "retention_class": retention_class}
         try:

@@ -111,7 +111,7 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
             raise APIError(503, "the prefill produced no output", type="server_error")
         sent = 0
         target = body.get("kv_target")
-        done = final.outputs[0].finish_reason == "stop" or (params.max_tokens or 0) <= 1
+        done = final.outputs[0].finish_reason == "stop" or (params.max_tokens is not None and params.max_tokens <= 1)
         if target and not done:
             blocks = await asyncio.wait_for(engine.export_kv(prompt_ids, body.get("cache_salt")),
                                             ENGINE_CALL_TIMEOUT)

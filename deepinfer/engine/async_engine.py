@@ -129,7 +129,15 @@ class AsyncEngine:
         a request added afterwards hits them. Returns how many are held."""
         from deepinfer.engine.kv_exchange import import_blocks
 
-        return await self._on_engine_thread(lambda: import_blocks(self.engine.core, blocks))
+        def run() -> int:
+            # with host work overlapped, a step may still be running: a block it frees can still receive
+            # its in-flight token, so let it finish before writing free blocks (as `EngineCore.launch` does)
+            inflight = self.engine._inflight
+            if inflight is not None:
+                inflight.future.result()
+            return import_blocks(self.engine.core, blocks)
+
+        return await self._on_engine_thread(run)
 
     async def _on_engine_thread(self, fn: Any) -> Any:
         if not self.healthy:
