@@ -58,7 +58,7 @@ def _continue_after(child: _Child, tokens: list[int], logprobs: list[dict[int, L
     for t in tokens:
         child.detok.add_token(t)
     if child.logprobs is not None and logprobs is not None:
-        for token, entry in zip(tokens, logprobs, strict=False):
+        for token, entry in zip(tokens, logprobs, strict=True):
             child.logprobs.append(entry)
             if token in entry:
                 child.cumulative_logprob += entry[token].logprob
@@ -119,6 +119,8 @@ class LLMEngine:
         output_prefix = list(output_prefix or [])
         if output_prefix and params.n != 1:
             raise ValueError("output_prefix needs n == 1")
+        if output_prefix and params.logprobs is not None and len(prefix_logprobs or ()) != len(output_prefix):
+            raise ValueError("a request with logprobs needs prefix_logprobs for every output_prefix token")
         if len(prompt_ids) + len(output_prefix) >= self.max_model_len:
             raise ValueError("the prompt and output prefix fill the context")
         children = []
