@@ -64,7 +64,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine, server = engine_config_from_args(args), config_from_args(ServerConfig, args)
     cluster = config_from_args(ClusterConfig, args)
     router = config_from_args(RouterConfig, args)
-    if cluster.local_cluster:
+    if cluster.ray is not None:
+        from deepinfer.cluster.ray_launcher import serve_ray_cluster
+
+        serve_ray_cluster(engine, server, cluster, router, log_level=args.log_level)
+    elif cluster.local_cluster:
         from deepinfer.cluster.launcher import serve_local_cluster
 
         serve_local_cluster(engine, server, cluster, router, log_level=args.log_level)

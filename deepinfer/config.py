@@ -237,6 +237,10 @@ class ClusterConfig:
     router_url: str | None = _f(
         None, "prefill/decode role: register with this router (http://host:port) and heartbeat to it, so a "
         "worker on any machine joins by URL.")
+    ray: str | None = _f(
+        None, "With --prefill-workers/--decode-workers: place the workers on this Ray cluster (an address, or "
+        "auto) instead of local processes; the router runs here. Needs `pip install 'deepinfer[ray]'`.")
+    ray_cpus_per_worker: float = _f(1.0, "--ray: CPUs each worker actor reserves on its node.")
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -247,6 +251,10 @@ class ClusterConfig:
             raise ValueError("a local cluster needs both --prefill-workers and --decode-workers (>= 1 each)")
         if self.prefill_workers and self.role != "unified":
             raise ValueError("--prefill-workers/--decode-workers start a router and workers; drop --role")
+        if self.ray is not None and not self.prefill_workers:
+            raise ValueError("--ray places --prefill-workers and --decode-workers; give both")
+        if self.ray_cpus_per_worker < 0:
+            raise ValueError("ray_cpus_per_worker must be >= 0")
         if not 0 <= self.kv_transfer_port <= 65535:
             raise ValueError(f"kv_transfer_port must be in [0, 65535], got {self.kv_transfer_port}")
 
