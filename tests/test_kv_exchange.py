@@ -142,3 +142,31 @@ def test_stats_report_queued_prefill_seconds_and_kv_tokens(tiny_models):
             if s["num_running"] == 2 and s["prefill_queued_seconds"] == 0.0:
                 assert s["kv_tokens"] >= 340  # both prompts computed, decoding
         assert engine.stats()["prefill_queued_seconds"] == 0.0 and engine.stats()["kv_tokens"] == 0
+
+
+def test_router_store_lookup_names_blocks_like_the_engine(tiny_models, tmp_path):
+    """The router's estimate of a prompt's cached part (a lookup in the shared store) must agree with
+    what a worker writes there: same chain hashes from the worker's reported model identity and layout."""
+    from deepinfer.cluster.client import ClusterEngineClient
+    from deepinfer.cluster.policies import DeepInferPolicy
+    from deepinfer.cluster.pool import WorkerPool
+    from deepinfer.config import RouterConfig
+    from deepinfer.kvstore import RetentionPolicy
+    from deepinfer.kvstore.blocks import layout_of
+
+    store = tmp_path / "store"
+    prompt = _prompt(9, 70)
+    with LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False,
+             kv_store=str(store)) as llm:
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))
+        core = llm.engine.core
+        core.flush_kv_store()
+        lay = layout_of(core.runner.kv_caches)
+        load = {"model_identity": core.files.identity,
+                "kv_layout": [lay.dtype, lay.block_size, lay.num_layers, lay.num_kv_heads, lay.head_dim]}
+    client = ClusterEngineClient(WorkerPool(), DeepInferPolicy(), None, 50000, RetentionPolicy(), RouterConfig(),
+                                 1024, store)
+    assert client._store_lookup(load, prompt, None) == 64  # 4 full blocks of 70 tokens
+    assert client._store_lookup(load, prompt + [5] * 40, None) == 64  # a longer prompt: its stored prefix
+    assert client._store_lookup(load, prompt, "tenant-b") == 0  # another salt names other blocks
+    assert client._store_lookup(load, [7] + prompt[1:], None) == 0

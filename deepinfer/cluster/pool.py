@@ -117,6 +117,9 @@ class WorkerPool:
         if not load.get("healthy", False):
             self.mark_failed(w, "reports an unhealthy engine")
             return
+        if load.get("role") not in (w.role, "unified"):
+            self.mark_failed(w, f"is a {load.get('role')} worker, listed as {w.role}")
+            return
         if not w.alive:
             logger.info("worker %s (%s) in rotation", w.url, w.role)
         w.load, w.alive, w.last_seen = load, True, time.monotonic()
