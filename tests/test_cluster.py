@@ -133,6 +133,24 @@ def test_register_rejects_bad_workers(cluster):
     assert r.status_code == 400
 
 
+def test_client_disconnect_aborts_on_the_decode_worker(client, cluster):
+    stream = _chat(client, PROMPTS[2], 400, stream=True)
+    chunks = 0
+    for chunk in stream:
+        chunks += bool(chunk.choices and chunk.choices[0].delta.content)
+        if chunks >= 3:
+            break
+    stream.close()
+    decoders = [w["url"] for w in _workers(cluster) if w["role"] == "decode"]
+    deadline = time.monotonic() + 20
+    while True:  # the router closed its stream to the worker, which aborted the request and freed its blocks
+        loads = [httpx.get(f"{u}/internal/load", timeout=10).json() for u in decoders]
+        if all(ld["num_running"] == 0 and ld["num_waiting"] == 0 and ld["kv_usage"] == 0 for ld in loads):
+            break
+        assert time.monotonic() < deadline, loads
+        time.sleep(0.2)
+
+
 # ---------------------------------------------------------------- faults (they kill workers: keep them last)
 
 
