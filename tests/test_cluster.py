@@ -185,7 +185,7 @@ def test_prefill_worker_dying_before_the_first_token_is_retried_elsewhere(client
 
 def test_decode_worker_dying_mid_stream_loses_no_request(client, cluster):
     c = client.with_options(timeout=90)
-    n, max_tokens = 6, 150
+    n, max_tokens = 6, 300
     progress = [0] * n
     outcomes: list[str | None] = [None] * n
 
