@@ -124,8 +124,11 @@ class ClusterEngineClient:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        prompt: str | None = None, cache_salt: str | None = None,
                        retention_class: str | None = None) -> AsyncIterator[RequestOutput]:
-        if params.n != 1:
-            raise APIError(400, "n > 1 is not supported in disaggregated (router) mode", param="n")
+        if params.n > 1:
+            async for out in self._generate_n(prompt_token_ids, params, request_id, prompt, cache_salt,
+                                              retention_class):
+                yield out
+            return
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.engine.vocab_size), None)
         if bad is not None or not prompt_token_ids:
             raise ValueError("the prompt is empty" if bad is None else f"prompt token id {bad} is out of range")
@@ -146,6 +149,24 @@ class ClusterEngineClient:
         except WorkerError:
             self.num_failed += 1
             raise
+
+    async def _generate_n(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
+                          prompt: str | None, cache_salt: str | None,
+                          retention_class: str | None) -> AsyncIterator[RequestOutput]:
+        """n > 1: n independent one-sequence requests (seeds seed, seed+1, ... as the engine gives its
+        children), each routed on its own, merged into one output with n choices."""
+        from deepinfer.server.openai_api import merge
+
+        rid = request_id or f"rreq-{uuid.uuid4().hex}"
+        subs = [self.generate(prompt_token_ids, replace(params, n=1, seed=None if params.seed is None else
+                                                        params.seed + i), f"{rid}-{i}", prompt, cache_salt,
+                              retention_class) for i in range(params.n)]
+        latest: list[RequestOutput | None] = [None] * params.n
+        async for i, out in merge(subs):
+            latest[i] = out
+            done = [o for o in latest if o is not None]
+            yield replace(done[0], request_id=rid, finished=all(o is not None and o.finished for o in latest),
+                          outputs=[replace(o.outputs[0], index=j) for j, o in enumerate(latest) if o is not None])
 
     # ------------------------------------------------------------------ prefill
 
