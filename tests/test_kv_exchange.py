@@ -170,3 +170,19 @@ def test_router_store_lookup_names_blocks_like_the_engine(tiny_models, tmp_path)
     assert client._store_lookup(load, prompt + [5] * 40, None) == 64  # a longer prompt: its stored prefix
     assert client._store_lookup(load, prompt, "tenant-b") == 0  # another salt names other blocks
     assert client._store_lookup(load, [7] + prompt[1:], None) == 0
+
+
+def test_continued_request_keeps_penalties_and_stop_rules(tiny_models):
+    """Penalties see the first token as generated output (not prompt), on the continuing engine too."""
+    prompt = _prompt(11, 40)
+    kw = dict(temperature=0.0, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3, min_tokens=3)
+    full = SamplingParams(max_tokens=16, **kw)
+    with _llm(tiny_models["llama"]) as unified, _llm(tiny_models["llama"]) as other:
+        ref = _run(unified, prompt, full).outputs[0]
+        first = _run(unified, prompt, SamplingParams(max_tokens=1, **{**kw, "min_tokens": 1})).outputs[0]
+        assert first.token_ids == ref.token_ids[:1]
+        got = _run(other, prompt, full, output_prefix=first.token_ids).outputs[0]
+        assert got.token_ids == ref.token_ids and got.text == ref.text and got.finish_reason == ref.finish_reason
+        with pytest.raises(ValueError, match="prefix_logprobs"):
+            other.engine.add_request(prompt, SamplingParams(max_tokens=4, logprobs=1), prompt_token_ids=prompt,
+                                     output_prefix=[5])
