@@ -4,9 +4,10 @@ The OpenAI handlers (`server/openai_api.py`) run unchanged on top of it. One req
 
     generate(prompt ids, params)
       ├─ route: policy picks a prefill worker (estimated finish) and a decode worker (load score)
-      ├─ POST prefill /internal/prefill  (prompt to its first token; the worker ships the KV to the
+      ├─ POST prefill /internal/prefill  (prompt to its first token; the worker then ships the KV to the
       │    decode worker's receiver)     connection lost / 5xx before the first token ─▶ next prefill worker
-      ├─ yield the first token (the request continues: finish cleared, stop-string tail held back)
+      ├─ yield the first token as soon as it comes (the request continues: finish cleared, stop-string
+      │    tail held back); then read how many KV blocks the prefill worker shipped (0: recompute)
       └─ POST decode /internal/decode, stream its outputs (they include the first token)
            lost before its first output ─▶ another decode worker (recomputes the prompt, no KV)
            lost after                   ─▶ WorkerError, which the handlers turn into an error event / 503
@@ -137,18 +138,23 @@ class ClusterEngineClient:
                           params.max_tokens if params.max_tokens is not None else self.max_model_len)
         base = {"request_id": rid, "prompt_token_ids": prompt_token_ids, "params": params_to_json(params),
                 "cache_salt": cache_salt, "retention_class": retention_class}
+        shipment: _Shipment | None = None
         try:
-            first, decoder, transfer_id = await self._prefill(base, route)
+            first, decoder, shipment = await self._prefill(base, route)
             first.request_id = rid
             if first.finished and (first.outputs[0].finish_reason == "stop" or route.max_tokens <= 1):
                 yield first
                 return
             yield _continuing(first, params)
+            transfer_id = shipment.transfer_id if await shipment.blocks_sent() else ""
             async for out in self._decode(base, route, first, decoder, transfer_id):
                 yield out
         except WorkerError:
             self.num_failed += 1
             raise
+        finally:
+            if shipment is not None:
+                await shipment.close()
 
     async def _generate_n(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
                           prompt: str | None, cache_salt: str | None,
@@ -170,7 +176,7 @@ class ClusterEngineClient:
 
     # ------------------------------------------------------------------ prefill
 
-    async def _prefill(self, base: dict, route: RouteInfo) -> tuple[RequestOutput, Worker, str]:
+    async def _prefill(self, base: dict, route: RouteInfo) -> tuple[RequestOutput, Worker, _Shipment]:
         tried: set[str] = set()
         last_error = "no prefill worker is available"
         for attempt in range(self.config.max_prefill_attempts):
@@ -186,15 +192,31 @@ class ClusterEngineClient:
             pw.inflight_prefill_seconds[base["request_id"]] = estimate
             pw.requests_routed += 1
             pw.prefill_seconds_routed += estimate
+            r: httpx.Response | None = None
             try:
-                r = await self._client.post(f"{pw.url}/internal/prefill", json={
+                request = self._client.build_request("POST", f"{pw.url}/internal/prefill", json={
                     **base, "kv_target": dw.load.get("kv_transfer"), "transfer_id": transfer_id})
-                body = _json_or_error(r)
-                return output_from_json(body["output"]), dw, transfer_id if body.get("blocks_sent") else ""
+                r = await self._client.send(request, stream=True)
+                if r.status_code != 200:
+                    await r.aread()
+                    _json_or_error(r)
+                lines = r.aiter_lines()
+                first = await _next_line(lines)
+                if first is None:
+                    raise _Retry("the prefill answer ended before its first token")
+                return output_from_json(first["output"]), dw, _Shipment(r, lines, transfer_id)
             except httpx.TimeoutException as e:
+                if r is not None:
+                    await r.aclose()
                 raise WorkerError(f"prefill worker {pw.url} did not answer in {self.config.prefill_timeout:.0f} s") \
                     from e
-            except (httpx.TransportError, _Retry) as e:
+            except APIError:
+                if r is not None:
+                    await r.aclose()
+                raise
+            except (httpx.TransportError, _Retry, ValueError) as e:
+                if r is not None:
+                    await r.aclose()
                 self.pool.mark_failed(pw, f"prefill failed: {e!r}")
                 last_error = f"prefill worker {pw.url} failed: {e!r}"
                 if attempt + 1 < self.config.max_prefill_attempts:
@@ -300,6 +322,33 @@ class ClusterEngineClient:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+async def _next_line(lines: AsyncIterator[str]) -> dict | None:
+    async for line in lines:
+        if line.strip():
+            return json.loads(line)
+    return None
+
+
+class _Shipment:
+    """The rest of a prefill worker's answer after the first token: how many KV blocks it shipped."""
+
+    def __init__(self, response: httpx.Response, lines: AsyncIterator[str], transfer_id: str) -> None:
+        self.response, self.lines, self.transfer_id = response, lines, transfer_id
+
+    async def blocks_sent(self) -> int:
+        """0 if the worker shipped none or died meanwhile (the decode worker then recomputes the prompt)."""
+        try:
+            last = await _next_line(self.lines)
+            return int(last.get("blocks_sent", 0)) if last else 0
+        except (httpx.HTTPError, ValueError):
+            return 0
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        await self.response.aclose()
 
 
 def _json_or_error(r: httpx.Response) -> dict:

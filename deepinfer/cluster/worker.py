@@ -1,8 +1,9 @@
 """A prefill or decode worker: the ordinary server plus `/internal/*` endpoints for the router.
 
-    router ── POST /internal/prefill ──▶ prefill worker: run the prompt to its first token (max_tokens 1),
-                                         export the prompt's full KV blocks, ship them to the decode worker's
-                                         KV receiver (`KVTransfer`), answer with the first output
+    router ── POST /internal/prefill ──▶ prefill worker: run the prompt to its first token (max_tokens 1);
+                                         NDJSON answer: the first output at once, then (after exporting the
+                                         prompt's full KV blocks and shipping them to the decode worker's
+                                         KV receiver, `KVTransfer`) how many blocks arrived
     router ── POST /internal/decode  ──▶ decode worker: claim the shipped blocks, import them into the prefix
                                          cache, continue the request after its first token; NDJSON stream
                                          of outputs (text and logprobs include the first token)
@@ -24,7 +25,7 @@ from typing import Any
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import StreamingResponse
 
 from deepinfer.cluster.transfer import KVTransfer, KVTransferError, TCPKVTransfer
 from deepinfer.cluster.wire import logprobs_from_json, output_to_json, params_from_json
@@ -109,20 +110,31 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
             state.pending_prefill_seconds.pop(rid, None)
         if final is None:
             raise APIError(503, "the prefill produced no output", type="server_error")
-        sent = 0
         target = body.get("kv_target")
         done = final.outputs[0].finish_reason == "stop" or (params.max_tokens is not None and params.max_tokens <= 1)
-        if target and not done:
+
+        async def ship() -> int:
+            if not target or done:
+                return 0
             blocks = await asyncio.wait_for(engine.export_kv(prompt_ids, body.get("cache_salt")),
                                             ENGINE_CALL_TIMEOUT)
             try:
                 sent = await state.transfer.send(target, body["transfer_id"], blocks)
-                state.blocks_sent += sent
             except (KVTransferError, TimeoutError) as e:
                 # the decode worker recomputes the prompt; a slow answer beats a failed request
                 state.transfer_failures += 1
                 logger.warning("KV transfer for %s failed: %r", rid, e)
-        return JSONResponse({"output": output_to_json(final), "blocks_sent": sent})
+                return 0
+            state.blocks_sent += sent
+            return sent
+
+        async def lines():
+            # the first token goes out at once (the router streams it to the client) and the KV ships
+            # after it: the transfer overlaps the router's work instead of delaying the first token
+            yield json.dumps({"output": output_to_json(final)}) + "\n"
+            yield json.dumps({"blocks_sent": await ship()}) + "\n"
+
+        return StreamingResponse(lines(), media_type="application/x-ndjson")
 
     @internal.post("/decode")
     async def decode(raw: Request):
