@@ -135,6 +135,18 @@ def test_metrics_have_per_worker_and_per_pool_signals(client, cluster):
     assert metric(cluster, "deepinfer:generation_tokens_total") > 0  # the server's own metrics still work
 
 
+def test_internal_endpoints_reject_bad_input(cluster):
+    worker = next(w["url"] for w in _workers(cluster) if w["role"] == "prefill")
+    for path, body in (("prefill", {"request_id": "x"}), ("decode", {"request_id": "x", "prompt_token_ids": [1]}),
+                       ("prefill", {"request_id": "x", "prompt_token_ids": [1], "params": {"bogus": 1}}),
+                       ("prefill", {"request_id": "x", "prompt_token_ids": [1], "params": {"temperature": -1}})):
+        r = httpx.post(f"{worker}/internal/{path}", json=body, timeout=10)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"]
+    r = httpx.post(f"{worker}/internal/prefill", content=b"{not json", timeout=10)
+    assert r.status_code == 400
+
+
 def test_register_rejects_bad_workers(cluster):
     r = httpx.post(f"{cluster}/internal/register", json={"url": "ftp://x", "role": "prefill"}, timeout=10)
     assert r.status_code == 400

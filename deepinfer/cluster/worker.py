@@ -17,6 +17,7 @@ The engine is reached only through `AsyncEngine`'s public surface plus `export_k
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -82,6 +83,23 @@ class WorkerState:
         }
 
 
+async def _read(raw: Request, *required: str) -> dict[str, Any]:
+    """The JSON body with its required fields, else a 400 (the router is the only intended caller, but bad
+    input still gets a clear error, never a 500)."""
+    try:
+        body = await raw.json()
+    except ValueError as e:
+        raise APIError(400, f"the body is not JSON: {e}") from e
+    missing = [k for k in required if k not in body] if isinstance(body, dict) else list(required)
+    if missing:
+        raise APIError(400, f"missing fields: {', '.join(missing)}", param=missing[0])
+    try:
+        body["params"] = params_from_json(body["params"]) if "params" in body else None
+    except (TypeError, ValueError) as e:
+        raise APIError(400, f"invalid params: {e}", param="params") from e
+    return body
+
+
 def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
     engine = state.engine
     internal = APIRouter(prefix="/internal")
@@ -92,12 +110,11 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
 
     @internal.post("/prefill")
     async def prefill(raw: Request):
-        body = await raw.json()
+        body = await _read(raw, "request_id", "prompt_token_ids", "params")
         prompt_ids = list(body["prompt_token_ids"])
-        params = params_from_json(body["params"])
+        params = body["params"]
         rid = body["request_id"]
-        first_params = params_from_json({**body["params"], "max_tokens": 1,
-                                         "min_tokens": min(params.min_tokens, 1)})
+        first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         core = engine.engine.core
         state.pending_prefill_seconds[rid] = core.cost_model.prefill_seconds(len(prompt_ids))
         final = None
@@ -138,8 +155,8 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
 
     @internal.post("/decode")
     async def decode(raw: Request):
-        body = await raw.json()
-        params = params_from_json(body["params"])
+        body = await _read(raw, "request_id", "prompt_token_ids", "params", "output_prefix")
+        params = body["params"]
         blocks: list = []
         if body.get("transfer_id"):
             await state.transfer_address()
@@ -158,17 +175,19 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
             first = None
 
         async def lines():
-            yield json.dumps({"imported_blocks": imported}) + "\n"
-            if first is None:
-                return
-            yield json.dumps(output_to_json(first)) + "\n"
-            if first.finished:
-                return
             try:
+                yield json.dumps({"imported_blocks": imported}) + "\n"
+                if first is None or first.finished:
+                    if first is not None:
+                        yield json.dumps(output_to_json(first)) + "\n"
+                    return
+                yield json.dumps(output_to_json(first)) + "\n"
                 async for out in gen:
                     yield json.dumps(output_to_json(out)) + "\n"
             except Exception as e:  # noqa: BLE001 - the status is sent; report in-band
                 yield json.dumps({"error": str(e), "status": getattr(e, "status", 503)}) + "\n"
+            finally:
+                await gen.aclose()  # the router went away: abort the request, free its blocks
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
