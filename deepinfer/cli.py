@@ -1,4 +1,4 @@
-"""`deepinfer` command line: serve | generate | chat | cache. Flags are generated from the config dataclasses."""
+"""`deepinfer` command line: serve | router | generate | chat | cache. Flags are generated from the config dataclasses."""
 
 from __future__ import annotations
 
@@ -8,8 +8,10 @@ import sys
 
 from deepinfer.config import (
     CacheConfig,
+    ClusterConfig,
     KVStoreConfig,
     ModelConfig,
+    RouterConfig,
     SchedulerConfig,
     ServerConfig,
     add_config_arguments,
@@ -59,7 +61,31 @@ def _stream(engine, prompt_ids: list[int], params) -> str:
 def cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer.server.app import serve
 
-    serve(engine_config_from_args(args), config_from_args(ServerConfig, args))
+    engine, server = engine_config_from_args(args), config_from_args(ServerConfig, args)
+    cluster = config_from_args(ClusterConfig, args)
+    router = config_from_args(RouterConfig, args)
+    if cluster.ray is not None:
+        from deepinfer.cluster.ray_launcher import serve_ray_cluster
+
+        serve_ray_cluster(engine, server, cluster, router, log_level=args.log_level)
+    elif cluster.local_cluster:
+        from deepinfer.cluster.launcher import serve_local_cluster
+
+        serve_local_cluster(engine, server, cluster, router, log_level=args.log_level)
+    elif cluster.role != "unified":
+        from deepinfer.cluster.worker import worker_customizer
+
+        serve(engine, server, customize=worker_customizer(cluster, server))
+    else:
+        serve(engine, server)
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from deepinfer.cluster.router import serve_router
+
+    serve_router(config_from_args(ModelConfig, args), config_from_args(KVStoreConfig, args),
+                 config_from_args(RouterConfig, args), config_from_args(ServerConfig, args))
     return 0
 
 
@@ -161,8 +187,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="Run the OpenAI-compatible API server (default model if no --model).")
-    add_config_arguments(srv, ServerConfig, *ENGINE_SECTIONS)
+    add_config_arguments(srv, ServerConfig, *ENGINE_SECTIONS, ClusterConfig, RouterConfig)
     srv.set_defaults(func=cmd_serve)
+
+    rtr = sub.add_parser("router", help="Run the load-balancing router in front of prefill and decode workers "
+                         "(the same OpenAI API as serve).")
+    add_config_arguments(rtr, ServerConfig, RouterConfig, ModelConfig, KVStoreConfig)
+    rtr.set_defaults(func=cmd_router)
 
     gen = sub.add_parser("generate", help="Generate a reply to one or more prompts and print it.")
     gen.add_argument("prompt", nargs="+", help="Prompt text (a user message unless --raw).")

@@ -229,6 +229,88 @@ class ServerConfig:
             raise ValueError("responses_store_size must be >= 0 and responses_store_ttl > 0")
 
 
+ROLES = ("unified", "prefill", "decode")
+POLICIES = ("deepinfer", "round_robin", "least_requests")
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Prefill/decode disaggregation: this process's role, or a whole local cluster."""
+
+    role: str = _f(
+        "unified",
+        "unified = one process prefills and decodes; prefill = a worker that computes prompts to their first "
+        "token and ships their KV blocks to a decode worker; decode = a worker that continues requests from "
+        "shipped KV. Workers expose /internal/* endpoints for `deepinfer router`.", choices=list(ROLES))
+    prefill_workers: int = _f(
+        0, "With --decode-workers: start a local cluster instead (a router on --host/--port and this many "
+        "prefill worker processes on free ports, each with this command's engine flags).")
+    decode_workers: int = _f(0, "Decode worker processes of the local cluster (see --prefill-workers).")
+    kv_transfer_port: int = _f(0, "decode role: TCP port receiving KV blocks from prefill workers (0 = a free one).")
+    advertise_host: str | None = _f(
+        None, "Address other machines reach this worker at (default: --host, or 127.0.0.1 for 0.0.0.0).")
+    router_url: str | None = _f(
+        None, "prefill/decode role: register with this router (http://host:port) and heartbeat to it, so a "
+        "worker on any machine joins by URL.")
+    ray: str | None = _f(
+        None, "With --prefill-workers/--decode-workers: place the workers on this Ray cluster (an address, or "
+        "auto) instead of local processes; the router runs here. Needs `pip install 'deepinfer[ray]'`.")
+    ray_cpus_per_worker: float = _f(1.0, "--ray: CPUs each worker actor reserves on its node.")
+
+    def __post_init__(self) -> None:
+        if self.role not in ROLES:
+            raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
+        if self.prefill_workers < 0 or self.decode_workers < 0:
+            raise ValueError("prefill_workers and decode_workers must be >= 0")
+        if (self.prefill_workers > 0) != (self.decode_workers > 0):
+            raise ValueError("a local cluster needs both --prefill-workers and --decode-workers (>= 1 each)")
+        if self.prefill_workers and self.role != "unified":
+            raise ValueError("--prefill-workers/--decode-workers start a router and workers; drop --role")
+        if self.ray is not None and not self.prefill_workers:
+            raise ValueError("--ray places --prefill-workers and --decode-workers; give both")
+        if self.ray_cpus_per_worker < 0:
+            raise ValueError("ray_cpus_per_worker must be >= 0")
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise ValueError(f"kv_transfer_port must be in [0, 65535], got {self.kv_transfer_port}")
+
+    @property
+    def local_cluster(self) -> bool:
+        return self.prefill_workers > 0
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """The load-balancing router in front of prefill and decode workers."""
+
+    prefill: tuple[str, ...] = _f((), "Prefill worker URLs (http://host:port); more may register later.",
+                                  nargs="*")
+    decode: tuple[str, ...] = _f((), "Decode worker URLs (http://host:port); more may register later.", nargs="*")
+    routing_policy: str = _f(
+        "deepinfer",
+        "deepinfer = prefill to the earliest estimated finish (queued seconds + this prompt's uncached compute), "
+        "decode to the lowest weighted running-requests / KV-tokens score; round_robin; least_requests.",
+        choices=list(POLICIES))
+    decode_running_weight: float = _f(1.0, "deepinfer policy: weight of running requests / max_num_seqs.")
+    decode_kv_weight: float = _f(1.0, "deepinfer policy: weight of KV tokens / KV capacity.")
+    health_interval: float = _f(0.5, "Seconds between load/health polls of each worker.")
+    worker_timeout: float = _f(
+        5.0, "A worker that has not answered a poll or heartbeat for this many seconds leaves rotation.")
+    prefill_timeout: float = _f(300.0, "Seconds a prefill (to the first token, KV shipped) may take.")
+    token_timeout: float = _f(60.0, "Seconds a decode stream may go without a token before it is failed.")
+    max_prefill_attempts: int = _f(3, "Prefill workers tried for one request (a dead worker's request moves).")
+
+    def __post_init__(self) -> None:
+        if self.routing_policy not in POLICIES:
+            raise ValueError(f"routing_policy must be one of {', '.join(POLICIES)}, got {self.routing_policy!r}")
+        if self.decode_running_weight < 0 or self.decode_kv_weight < 0:
+            raise ValueError("decode weights must be >= 0")
+        for name in ("health_interval", "worker_timeout", "prefill_timeout", "token_timeout"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive")
+        if self.max_prefill_attempts < 1:
+            raise ValueError("max_prefill_attempts must be >= 1")
+
+
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                               "kvstore": KVStoreConfig}
 
@@ -281,6 +363,10 @@ def add_config_arguments(parser: argparse.ArgumentParser, *config_classes: type)
             flag = "--" + f.name.replace("_", "-")
             tp, is_bool = _flag_type(f.type)
             default = f.default
+            if "nargs" in f.metadata:
+                group.add_argument(flag, dest=f.name, nargs=f.metadata["nargs"], type=str, default=default,
+                                   help=f.metadata["help"])
+                continue
             if is_bool:
                 group.add_argument(flag, dest=f.name, action=argparse.BooleanOptionalAction, default=default,
                                    help=f.metadata["help"])
@@ -291,7 +377,11 @@ def add_config_arguments(parser: argparse.ArgumentParser, *config_classes: type)
 
 def config_from_args(cls: type, args: argparse.Namespace) -> Any:
     """Instantiate a config dataclass from the parsed flags that `add_config_arguments` added."""
-    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)})
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
+    for f in dataclasses.fields(cls):
+        if "nargs" in f.metadata and f.name in values:
+            values[f.name] = tuple(values[f.name] or ())
+    return cls(**values)
 
 
 def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:

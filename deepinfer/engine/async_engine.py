@@ -54,7 +54,7 @@ class AsyncEngine(EngineClient):
     def check_retention(self, retention_class: str | None) -> str:
         return self.engine.core.check_retention(retention_class)
 
-    def _submit(self, request: tuple) -> None:
+    def _submit(self, request: dict[str, Any]) -> None:
         self._commands.put(("add", request))
 
     def abort(self, request_id: str) -> None:
@@ -103,16 +103,13 @@ class AsyncEngine(EngineClient):
 
     def _apply(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            request_id, prompt, prompt_ids, params, cache_salt, retention_class = payload
             self._add_pending(-1)
-            if not self._wanted(request_id):
+            if not self._wanted(payload["request_id"]):
                 return  # the caller went away before the engine saw the request
             try:
-                self.engine.add_request(prompt if prompt is not None else prompt_ids, params, request_id,
-                                        cache_salt=cache_salt, prompt_token_ids=prompt_ids,
-                                        retention_class=retention_class)
+                self.engine.add_request(**payload)
             except ValueError as e:
-                self._deliver([(request_id, e)])
+                self._deliver([(payload["request_id"], e)])
         elif kind == "abort":
             self.engine.abort_request(payload)
         elif kind == "call":

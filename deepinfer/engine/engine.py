@@ -13,16 +13,19 @@ import dataclasses
 import itertools
 import logging
 import time
+from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import CoreOutput, EngineCore, InFlightStep
 from deepinfer.engine.engine_client import validate_prompt_ids
+from deepinfer.engine.kv_exchange import export_blocks, import_blocks
 from deepinfer.engine.kv_manager import TIERS
 from deepinfer.engine.kv_tiers import tier_stats
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import PrefillPolicy
+from deepinfer.kvstore.blocks import layout_of
 from deepinfer.recipe.detokenizer import IncrementalDetokenizer
 from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
 
@@ -51,6 +54,18 @@ class _Parent:
     @property
     def finished(self) -> bool:
         return all(c.req.finished for c in self.children)
+
+
+def _continue_after(child: _Child, tokens: list[int], logprobs: list[dict[int, Logprob]] | None) -> None:
+    """Make `child` look as if it had already generated `tokens` (text, logprobs, token state)."""
+    child.req.token_ids.extend(tokens)
+    for t in tokens:
+        child.detok.add_token(t)
+    if child.logprobs is not None and logprobs is not None:
+        for token, entry in zip(tokens, logprobs, strict=True):
+            child.logprobs.append(entry)
+            if token in entry:
+                child.cumulative_logprob += entry[token].logprob
 
 
 class LLMEngine:
@@ -88,22 +103,35 @@ class LLMEngine:
                 "num_blocks": core.runner.num_blocks, "block_size": core.config.cache.block_size,
                 "host_tier_bytes": tiers.host.max_bytes if tiers is not None and tiers.host is not None else None,
                 "store_root": str(tiers.store.root) if tiers is not None and tiers.store is not None else None,
-                "architectures": list(getattr(core.hf_config, "architectures", None) or [])}
+                "architectures": list(getattr(core.hf_config, "architectures", None) or []),
+                "model_identity": core.files.identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
+                "kv_layout": list(dataclasses.astuple(layout_of(core.runner.kv_caches)))}
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         validate_prompt_ids(prompt_ids, self.vocab_size, self.max_model_len)
 
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
-                    retention_class: str | None = None) -> str:
+                    retention_class: str | None = None, output_prefix: list[int] | None = None,
+                    prefix_logprobs: list[dict[int, Logprob]] | None = None) -> str:
         """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized. `retention_class`
-        (default: the configured default class) says how long the KV store keeps its blocks."""
+        (default: the configured default class) says how long the KV store keeps its blocks.
+        `output_prefix`: tokens already generated elsewhere (a prefill worker's first token, with their
+        `prefix_logprobs` if the request wants logprobs); the request continues after them as if it had
+        sampled them itself (n == 1 only)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._parents:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate_prompt(prompt_ids)
         retention_class = self.core.check_retention(retention_class)
+        output_prefix = list(output_prefix or [])
+        if output_prefix and params.n != 1:
+            raise ValueError("output_prefix needs n == 1")
+        if output_prefix and params.logprobs is not None and len(prefix_logprobs or ()) != len(output_prefix):
+            raise ValueError("a request with logprobs needs prefix_logprobs for every output_prefix token")
+        if len(prompt_ids) + len(output_prefix) >= self.max_model_len:
+            raise ValueError("the prompt and output prefix fill the context")
         children = []
         first: Request | None = None
         for i in range(params.n):
@@ -115,7 +143,10 @@ class LLMEngine:
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                                            params.include_stop_str_in_output)
-            children.append(_Child(req, detok))
+            child = _Child(req, detok)
+            if output_prefix:
+                _continue_after(child, output_prefix, prefix_logprobs)
+            children.append(child)
         parent = _Parent(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, children)
         self._parents[request_id] = parent
         for child in children:
@@ -133,6 +164,20 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._parents)
+
+    def export_kv_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> list[tuple[bytes, Any]]:
+        """(block hash, payload) of the full blocks of `token_ids` this engine still holds, in chain order
+        from the first block (see `kv_exchange.export_blocks`)."""
+        return export_blocks(self.core, token_ids, cache_salt)
+
+    def import_kv_blocks(self, blocks: list[tuple[bytes, Any]]) -> int:
+        """Put named KV blocks where this engine's prefix cache finds them (see `kv_exchange.import_blocks`);
+        a request added afterwards hits them. Returns how many are held."""
+        if self._inflight is not None:
+            # with host work overlapped a step may still be running: a block it frees can still receive
+            # its in-flight token, so let it finish before writing free blocks (as `EngineCore.launch` does)
+            self._inflight.future.result()
+        return import_blocks(self.core, blocks)
 
     def flush_kv_store(self, timeout: float | None = None) -> bool:
         """Wait until the KV blocks queued for the persistent store are written; False on timeout."""
@@ -157,11 +202,27 @@ class LLMEngine:
             **{f"prefix_hits_{tier}": n for tier, n in kv.tier_hits.items()},
             **tier_stats(self.core.tiers),
             "num_preemptions": sched.num_preemptions,
+            # load signals for a cluster router: queued prefill compute (cost model) and KV held
+            "prefill_queued_seconds": self._queued_prefill_seconds(),
+            "kv_tokens": sum(r.num_tokens for r in sched.running),
             "step_idle_gap_seconds_total": self.core.idle_gap_seconds,
             "step_idle_gap_last_seconds": self.core.idle_gap_last,
             "step_idle_gaps": self.core.num_idle_gaps,
             **self.core.cost_model.stats(sched.step_time_budget),
         }
+
+    def _queued_prefill_seconds(self) -> float:
+        """Predicted compute of the prompt tokens not yet computed (waiting and partly prefilled requests),
+        each prefilled alone in one step: one vectorized sum, as it runs after every step."""
+        from deepinfer.engine.cost_model import step_features
+
+        sched, cost = self.core.scheduler, self.core.cost_model
+        chunks = [(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
+                  for r in (*sched.waiting, *sched.running) if r.num_computed_tokens < r.num_tokens - 1]
+        if not chunks:
+            return 0.0
+        overhead = cost.coefficients["overhead"]
+        return cost.predict_features(step_features(chunks)) + (len(chunks) - 1) * overhead
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; return the current state of every request that advanced.

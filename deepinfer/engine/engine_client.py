@@ -25,7 +25,7 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 
 # LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
-ENGINE_CALLS = frozenset({"flush_kv_store", "stats"})
+ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks"})
 
 
 class EngineDeadError(RuntimeError):
@@ -89,8 +89,8 @@ class EngineClient(ABC):
         """The retention class a request naming `retention_class` gets; ValueError if unknown."""
 
     @abstractmethod
-    def _submit(self, request: tuple) -> None:
-        """Hand (request_id, prompt, prompt_ids, params, cache_salt, retention_class) to the engine."""
+    def _submit(self, request: dict[str, Any]) -> None:
+        """Hand a request to the engine: `request` holds `LLMEngine.add_request`'s keyword arguments."""
 
     @abstractmethod
     def abort(self, request_id: str) -> None:
@@ -129,7 +129,10 @@ class EngineClient(ABC):
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        prompt: str | None = None, cache_salt: str | None = None,
-                       retention_class: str | None = None) -> AsyncIterator[RequestOutput]:
+                       retention_class: str | None = None, output_prefix: list[int] | None = None,
+                       prefix_logprobs: list | None = None) -> AsyncIterator[RequestOutput]:
+        """`output_prefix` / `prefix_logprobs`: tokens another worker already generated for this request
+        (see `LLMEngine.add_request`)."""
         self.validate_prompt(prompt_token_ids)
         retention_class = self.check_retention(retention_class)
         self.check_admission()
@@ -137,7 +140,10 @@ class EngineClient(ABC):
         out_queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
         self._add_pending(1)
-        self._submit((request_id, prompt, list(prompt_token_ids), params, cache_salt, retention_class))
+        self._submit({"prompt": prompt if prompt is not None else list(prompt_token_ids), "params": params,
+                      "request_id": request_id, "cache_salt": cache_salt, "prompt_token_ids": list(prompt_token_ids),
+                      "retention_class": retention_class, "output_prefix": output_prefix,
+                      "prefix_logprobs": prefix_logprobs})
         finished = False
         try:
             while True:

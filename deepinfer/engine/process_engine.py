@@ -132,7 +132,7 @@ class ProcessEngine(EngineClient):
     def check_retention(self, retention_class: str | None) -> str:
         return resolve_retention(self.info.retention, retention_class)
 
-    def _submit(self, request: tuple) -> None:
+    def _submit(self, request: dict[str, Any]) -> None:
         self._adds_sent += 1
         self._outbox.put(("add", request))
 
@@ -298,13 +298,10 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
                     return
                 if kind == "add":
                     adds_seen += 1
-                    request_id, prompt, prompt_ids, params, cache_salt, retention_class = payload
                     try:
-                        engine.add_request(prompt if prompt is not None else prompt_ids, params, request_id,
-                                           cache_salt=cache_salt, prompt_token_ids=prompt_ids,
-                                           retention_class=retention_class)
+                        engine.add_request(**payload)
                     except ValueError as e:
-                        items.append((request_id, e))
+                        items.append((payload["request_id"], e))
                 elif kind == "abort":
                     engine.abort_request(payload)
                     encoder.forget(payload)

@@ -211,8 +211,9 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
     return app
 
 
-def serve(engine_config, server_config) -> None:
-    """Load the engine, then serve HTTP until interrupted."""
+def serve(engine_config, server_config, customize=None) -> None:
+    """Load the engine, then serve HTTP until interrupted. `customize(app, engine)`, if given, adds to the
+    app before it serves (a cluster worker's /internal routes)."""
     import uvicorn
 
     from deepinfer.config import ServerConfig
@@ -234,6 +235,8 @@ def serve(engine_config, server_config) -> None:
           flush=True)
     app = build_app(engine, name, server_config.api_key, recipe=recipe,
                     responses=ResponseStore(server_config.responses_store_size, server_config.responses_store_ttl))
+    if customize is not None:
+        customize(app, engine)
     url = f"http://{server_config.host}:{server_config.port}"
     print(f"deepinfer: serving {name} at {url}/v1 (OpenAI-compatible; Ctrl-C stops)", flush=True)
     try:

@@ -1,0 +1,235 @@
+"""Routing policies side by side on one local cluster: round_robin, least_requests, deepinfer.
+
+One run starts P prefill and D decode worker processes (sharing a KV store in a temp
+directory), then, for each policy in turn (interleaved over --repeats rounds), a
+`deepinfer router` process with that policy, and replays the same skewed workload through
+it with streaming /v1/completions requests:
+
+- `skewed`: many short prompts with a few huge ones among them (Poisson arrivals);
+- `sessions`: multi-turn sessions whose turns share a long prefix (each turn = the previous
+  prompt + a new suffix), interleaved with short one-off prompts.
+
+Each policy run uses its own cache salt, so no run reuses KV another run computed. Reported
+per policy: TTFT p50 / p99, inter-token latency p50 / p99 (per streamed chunk), and load
+imbalance max / mean over workers of (prefill) the estimated prefill seconds routed to each
+and (decode) the KV tokens (prompt + max_tokens) routed to each; medians over repeats, ratios against round_robin.
+
+    python benchmarks/router.py --model /path/to/model --workload skewed --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+
+import httpx
+
+from deepinfer.cluster.launcher import free_port, start_worker, stop_workers
+from deepinfer.config import EngineConfig
+
+POLICIES = ("round_robin", "least_requests", "deepinfer")
+
+
+@dataclass
+class Req:
+    at: float  # seconds after the start
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Result:
+    ttft: float | None = None
+    gaps: list[float] = field(default_factory=list)
+    error: str | None = None
+
+
+def workload(kind: str, n: int, rate: float, seed: int, vocab: int, huge: int, small: int,
+             max_tokens: int) -> list[Req]:
+    rng = random.Random(seed)
+
+    def ids(k: int) -> list[int]:
+        return [rng.randrange(100, vocab) for _ in range(k)]
+
+    t, out = 0.0, []
+    if kind == "skewed":
+        for i in range(n):
+            t += rng.expovariate(rate)
+            size = huge if i % 10 == 3 else rng.randint(small // 2, small)
+            out.append(Req(t, ids(size), max_tokens))
+        return out
+    sessions = [ids(huge) for _ in range(max(1, n // 8))]  # each session's history grows turn by turn
+    for i in range(n):
+        t += rng.expovariate(rate)
+        if i % 2 == 0:
+            s = rng.randrange(len(sessions))
+            sessions[s] = sessions[s] + ids(small // 2)
+            out.append(Req(t, list(sessions[s]), max_tokens))
+        else:
+            out.append(Req(t, ids(rng.randint(small // 2, small)), max_tokens))
+    return out
+
+
+async def one(client: httpx.AsyncClient, base: str, req: Req, salt: str, t0: float) -> Result:
+    await asyncio.sleep(max(0.0, t0 + req.at - time.monotonic()))
+    res = Result()
+    start = time.monotonic()
+    last = None
+    body = {"prompt": req.prompt, "max_tokens": req.max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "cache_salt": salt}
+    try:
+        async with client.stream("POST", f"{base}/v1/completions", json=body) as r:
+            if r.status_code != 200:
+                res.error = f"HTTP {r.status_code}"
+                return res
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if "error" in json.loads(line[6:]):
+                    res.error = line
+                    return res
+                now = time.monotonic()
+                if last is None:
+                    res.ttft = now - start
+                else:
+                    res.gaps.append(now - last)
+                last = now
+    except httpx.HTTPError as e:
+        res.error = repr(e)
+    return res
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def imbalance(values: list[float]) -> float:
+    mean = sum(values) / len(values) if values else 0.0
+    return max(values) / mean if mean > 0 else float("nan")
+
+
+def wait_healthy(base: str, timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base} did not become healthy")
+
+
+def run_policy(policy: str, args, prefill: list[str], decode: list[str], store: str, reqs: list[Req],
+               salt: str) -> dict:
+    port = free_port()
+    base = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "deepinfer.cli", "--log-level", "WARNING", "router", "--port", str(port),
+           "--routing-policy", policy, "--kv-store", store, "--prefill", *prefill, "--decode", *decode,
+           "--health-interval", "0.25"]
+    if args.model:
+        cmd += ["--model", args.model]
+    router = subprocess.Popen(cmd)
+    try:
+        wait_healthy(base)
+        while not all(w["alive"] for w in httpx.get(f"{base}/internal/workers").json()["workers"]):
+            time.sleep(0.2)
+
+        async def drive() -> list[Result]:
+            async with httpx.AsyncClient(timeout=httpx.Timeout(300, connect=10),
+                                         limits=httpx.Limits(max_connections=None)) as client:
+                t0 = time.monotonic() + 0.2
+                return await asyncio.gather(*(one(client, base, r, salt, t0) for r in reqs))
+
+        results = asyncio.run(drive())
+        state = httpx.get(f"{base}/internal/workers", timeout=10).json()
+    finally:
+        router.terminate()
+        router.wait(timeout=30)
+    ok = [r for r in results if r.error is None and r.ttft is not None]
+    ttft = [r.ttft for r in ok]
+    gaps = [g for r in ok for g in r.gaps]
+    ws = state["workers"]
+    return {
+        "policy": policy, "ok": len(ok), "errors": len(results) - len(ok),
+        "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p50": pct(gaps, 0.5), "itl_p99": pct(gaps, 0.99),
+        "prefill_imbalance": imbalance([w["prefill_seconds_routed"] for w in ws if w["role"] == "prefill"]),
+        "decode_imbalance": imbalance([float(w["decode_tokens_routed"]) for w in ws if w["role"] == "decode"]),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="Model (default: the default model).")
+    p.add_argument("--workload", default="skewed", choices=["skewed", "sessions"])
+    p.add_argument("--requests", type=int, default=60)
+    p.add_argument("--rate", type=float, default=4.0, help="Mean arrivals per second.")
+    p.add_argument("--huge", type=int, default=1500, help="Tokens of a huge prompt (sessions: of a shared prefix).")
+    p.add_argument("--small", type=int, default=64, help="Tokens of a small prompt (at most).")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--prefill-workers", type=int, default=2)
+    p.add_argument("--decode-workers", type=int, default=2)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--policies", default=",".join(POLICIES))
+    p.add_argument("--threads-per-worker", type=int, default=1)
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args()
+    policies = args.policies.split(",")
+
+    store = tempfile.mkdtemp(prefix="deepinfer-router-bench-")
+    engine = EngineConfig.from_kwargs(model=args.model, num_threads=args.threads_per_worker, kv_store=store,
+                                      kv_cache_memory="512MiB")
+    prefill = [f"http://127.0.0.1:{free_port()}" for _ in range(args.prefill_workers)]
+    decode = [f"http://127.0.0.1:{free_port()}" for _ in range(args.decode_workers)]
+    procs = [start_worker(role, engine, int(u.rsplit(":", 1)[1])) for role, us in (("prefill", prefill),
+                                                                                    ("decode", decode)) for u in us]
+    rows: dict[str, list[dict]] = {pol: [] for pol in policies}
+    try:
+        for u in prefill + decode:
+            wait_healthy(u)
+        from transformers import AutoConfig
+
+        from deepinfer.weights import resolve_model
+
+        vocab = AutoConfig.from_pretrained(str(resolve_model(args.model).directory)).vocab_size
+        reqs = workload(args.workload, args.requests, args.rate, 0, vocab, args.huge, args.small, args.max_tokens)
+        for rep in range(args.repeats):
+            for pol in policies:
+                row = run_policy(pol, args, prefill, decode, store, reqs, salt=f"{pol}-{rep}-{os.getpid()}")
+                rows[pol].append(row)
+                print(json.dumps(row), flush=True)
+    finally:
+        stop_workers(procs)
+    keys = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "prefill_imbalance", "decode_imbalance")
+    med = {pol: {k: statistics.median(r[k] for r in rows[pol]) for k in keys} for pol in policies}
+    print(f"\nworkload={args.workload} requests={args.requests} rate={args.rate}/s huge={args.huge} "
+          f"small<={args.small} max_tokens={args.max_tokens} P={args.prefill_workers} D={args.decode_workers} "
+          f"repeats={args.repeats} (medians; errors: {sum(r['errors'] for rs in rows.values() for r in rs)})")
+    print("| policy | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | prefill imbalance | decode imbalance |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    ref = med.get("round_robin")
+    for pol in policies:
+        m = med[pol]
+        ratio = f" ({m['ttft_p99'] / ref['ttft_p99']:.2f}x rr)" if ref and pol != "round_robin" else ""
+        print(f"| {pol} | {m['ttft_p50']:.3f} | {m['ttft_p99']:.3f}{ratio} | {1000 * m['itl_p50']:.1f} | "
+              f"{1000 * m['itl_p99']:.1f} | {m['prefill_imbalance']:.2f} | {m['decode_imbalance']:.2f} |")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump({"args": vars(args), "runs": rows, "medians": med}, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: worker roles, KV transfer between workers, the router, launchers."""

@@ -1,0 +1,366 @@
+"""The router's engine client: the `EngineClient` surface, served by prefill and decode workers.
+
+The OpenAI handlers (`server/openai_api.py`) run unchanged on top of it. One request:
+
+    generate(prompt ids, params)
+      ├─ route: policy picks a prefill worker (estimated finish) and a decode worker (load score)
+      ├─ POST prefill /internal/prefill  (prompt to its first token; the worker then ships the KV to the
+      │    decode worker's receiver)     connection lost / 5xx before the first token ─▶ next prefill worker
+      ├─ yield the first token as soon as it comes (the request continues: finish cleared, stop-string
+      │    tail held back); then read how many KV blocks the prefill worker shipped (0: recompute)
+      └─ POST decode /internal/decode, stream its outputs (they include the first token)
+           lost before its first output ─▶ another decode worker (recomputes the prompt, no KV)
+           lost after                   ─▶ WorkerError, which the handlers turn into an error event / 503
+
+Every network wait has a timeout (`RouterConfig`): no request hangs on a dead or stuck worker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import uuid
+from collections import defaultdict
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from deepinfer.cluster.policies import RouteInfo, RoutingPolicy, estimated_prefill_seconds
+from deepinfer.cluster.pool import Worker, WorkerPool
+from deepinfer.cluster.wire import logprobs_to_json, output_from_json, params_to_json
+from deepinfer.config import RouterConfig
+from deepinfer.engine.async_engine import EngineDeadError
+from deepinfer.engine.block_hash import extend_block_hashes, root_hash
+from deepinfer.engine.kv_tiers import resolve_retention
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.kvstore import RetentionPolicy
+from deepinfer.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class WorkerError(EngineDeadError):
+    """No worker could serve the request, or its worker failed mid-way (HTTP 503)."""
+
+    status = 503
+
+
+class _Retry(Exception):
+    pass
+
+
+class ClusterEngineClient:
+    def __init__(self, pool: WorkerPool, policy: RoutingPolicy, tokenizer, vocab_size: int,
+                 retention: RetentionPolicy, config: RouterConfig, default_max_model_len: int,
+                 store_path: Path | None = None) -> None:
+        self.pool = pool
+        self.policy = policy
+        self.tokenizer = tokenizer
+        self.config = config
+        self.retention = retention
+        self.vocab_size = vocab_size
+        self._default_max_model_len = default_max_model_len
+        self.store_path = store_path
+        self._store: Any = None
+        # no connection cap: every open decode stream holds one, and a capped pool would queue new requests
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(config.prefill_timeout, connect=5.0),
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        self.num_prefill_retries = 0
+        self.num_decode_retries = 0
+        self.num_failed = 0
+
+    # ------------------------------------------------------------------ the EngineClient surface
+
+    @property
+    def healthy(self) -> bool:
+        return bool(self.pool.rotation("prefill") and self.pool.rotation("decode"))
+
+    @property
+    def max_model_len(self) -> int:
+        lens = [int(w.load["max_model_len"]) for w in self.pool.workers.values() if w.alive and w.load]
+        return min(lens) if lens else self._default_max_model_len
+
+    def num_waiting(self) -> int:
+        return sum(len(w.inflight_prefill_seconds) for w in self.pool.workers.values())
+
+    def check_admission(self, num_requests: int = 1) -> None:
+        if not self.healthy:
+            raise WorkerError("no prefill or no decode worker is available")
+
+    def check_retention(self, retention_class: str | None) -> str:
+        return resolve_retention(self.retention, retention_class)
+
+    def abort(self, request_id: str) -> None:
+        """Nothing to do: closing the `generate` stream closes the worker connections, which aborts there."""
+
+    def stats(self) -> dict[str, float]:
+        """Engine stats summed over live workers (ratios and cost-model terms averaged)."""
+        out: defaultdict[str, float] = defaultdict(float)
+        live = [w for w in self.pool.workers.values() if w.alive and w.load.get("stats")]
+        for w in live:
+            for k, v in w.load["stats"].items():
+                if isinstance(v, int | float):
+                    out[k] += v
+        for k in list(out):
+            if k == "kv_usage" or k.startswith(("cost_", "step_time")):
+                out[k] /= max(len(live), 1)
+        out["num_waiting"] = float(out["num_waiting"])
+        return out
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
+                       prompt: str | None = None, cache_salt: str | None = None,
+                       retention_class: str | None = None) -> AsyncIterator[RequestOutput]:
+        if params.n > 1:
+            async for out in self._generate_n(prompt_token_ids, params, request_id, prompt, cache_salt,
+                                              retention_class):
+                yield out
+            return
+        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None or not prompt_token_ids:
+            raise ValueError("the prompt is empty" if bad is None else f"prompt token id {bad} is out of range")
+        rid = request_id or f"rreq-{uuid.uuid4().hex}"
+        route = RouteInfo(len(prompt_token_ids), await self._store_hits(prompt_token_ids, cache_salt),
+                          params.max_tokens if params.max_tokens is not None else self.max_model_len)
+        base = {"request_id": rid, "prompt_token_ids": prompt_token_ids, "params": params_to_json(params),
+                "cache_salt": cache_salt, "retention_class": retention_class}
+        shipment: _Shipment | None = None
+        try:
+            first, decoder, shipment = await self._prefill(base, route)
+            first.request_id = rid
+            if first.finished and (first.outputs[0].finish_reason == "stop" or route.max_tokens <= 1):
+                yield first
+                return
+            yield _continuing(first, params)
+            transfer_id = shipment.transfer_id if await shipment.blocks_sent() else ""
+            async for out in self._decode(base, route, first, decoder, transfer_id):
+                yield out
+        except WorkerError:
+            self.num_failed += 1
+            raise
+        finally:
+            if shipment is not None:
+                await shipment.close()
+
+    async def _generate_n(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
+                          prompt: str | None, cache_salt: str | None,
+                          retention_class: str | None) -> AsyncIterator[RequestOutput]:
+        """n > 1: n independent one-sequence requests (seeds seed, seed+1, ... as the engine gives its
+        children), each routed on its own, merged into one output with n choices."""
+        from deepinfer.server.serving import merge
+
+        rid = request_id or f"rreq-{uuid.uuid4().hex}"
+        subs = [self.generate(prompt_token_ids, replace(params, n=1, seed=None if params.seed is None else
+                                                        params.seed + i), f"{rid}-{i}", prompt, cache_salt,
+                              retention_class) for i in range(params.n)]
+        latest: list[RequestOutput | None] = [None] * params.n
+        async for i, out in merge(subs):
+            latest[i] = out
+            done = [o for o in latest if o is not None]
+            yield replace(done[0], request_id=rid, finished=all(o is not None and o.finished for o in latest),
+                          outputs=[replace(o.outputs[0], index=j) for j, o in enumerate(latest) if o is not None])
+
+    # ------------------------------------------------------------------ prefill
+
+    async def _prefill(self, base: dict, route: RouteInfo) -> tuple[RequestOutput, Worker, _Shipment]:
+        tried: set[str] = set()
+        last_error = "no prefill worker is available"
+        for attempt in range(self.config.max_prefill_attempts):
+            prefills = [w for w in self.pool.rotation("prefill") if w.url not in tried]
+            decodes = self.pool.rotation("decode")
+            if not prefills or not decodes:
+                break
+            pw = self._pick(prefills, route, prefill=True)
+            dw = self._pick(decodes, route, prefill=False)
+            tried.add(pw.url)
+            transfer_id = uuid.uuid4().hex
+            estimate = estimated_prefill_seconds(pw.view(), route)
+            pw.inflight_prefill_seconds[base["request_id"]] = estimate
+            pw.requests_routed += 1
+            pw.prefill_seconds_routed += estimate
+            r: httpx.Response | None = None
+            try:
+                request = self._client.build_request("POST", f"{pw.url}/internal/prefill", json={
+                    **base, "kv_target": dw.load.get("kv_transfer"), "transfer_id": transfer_id})
+                r = await self._client.send(request, stream=True)
+                if r.status_code != 200:
+                    await r.aread()
+                    _json_or_error(r)
+                lines = r.aiter_lines()
+                first = await _next_line(lines)
+                if first is None:
+                    raise _Retry("the prefill answer ended before its first token")
+                return output_from_json(first["output"]), dw, _Shipment(r, lines, transfer_id)
+            except httpx.TimeoutException as e:
+                if r is not None:
+                    await r.aclose()
+                raise WorkerError(f"prefill worker {pw.url} did not answer in {self.config.prefill_timeout:.0f} s") \
+                    from e
+            except APIError:
+                if r is not None:
+                    await r.aclose()
+                raise
+            except (httpx.TransportError, _Retry, ValueError) as e:
+                if r is not None:
+                    await r.aclose()
+                self.pool.mark_failed(pw, f"prefill failed: {e!r}")
+                last_error = f"prefill worker {pw.url} failed: {e!r}"
+                if attempt + 1 < self.config.max_prefill_attempts:
+                    self.num_prefill_retries += 1
+            finally:
+                pw.inflight_prefill_seconds.pop(base["request_id"], None)
+        raise WorkerError(last_error)
+
+    def _pick(self, workers: list[Worker], route: RouteInfo, prefill: bool) -> Worker:
+        views = [w.view() for w in workers]
+        chosen = (self.policy.pick_prefill if prefill else self.policy.pick_decode)(views, route)
+        return next(w for w in workers if w.url == chosen.url)
+
+    # ------------------------------------------------------------------ decode
+
+    async def _decode(self, base: dict, route: RouteInfo, first: RequestOutput, dw: Worker,
+                      transfer_id: str) -> AsyncIterator[RequestOutput]:
+        c = first.outputs[0]
+        body = {**base, "output_prefix": c.token_ids, "prefix_logprobs": logprobs_to_json(c.logprobs),
+                "transfer_id": transfer_id}
+        tried = {dw.url}
+        while True:
+            started = False
+            try:
+                async for out in self._decode_on(dw, body, first, route):
+                    started = True
+                    yield out
+                return
+            except (httpx.TransportError, _Retry) as e:
+                self.pool.mark_failed(dw, f"decode failed: {e!r}")
+                if started:
+                    raise WorkerError(f"decode worker {dw.url} failed mid-stream: {e!r}") from e
+                others = [w for w in self.pool.rotation("decode") if w.url not in tried]
+                if not others:
+                    raise WorkerError(f"decode worker {dw.url} failed and no other is available: {e!r}") from e
+                self.num_decode_retries += 1
+                dw = self._pick(others, route, prefill=False)
+                tried.add(dw.url)
+                body = {**body, "transfer_id": ""}  # the KV went to the dead worker: recompute the prompt
+
+    async def _decode_on(self, dw: Worker, body: dict, first: RequestOutput,
+                         route: RouteInfo) -> AsyncIterator[RequestOutput]:
+        rid = body["request_id"]
+        timeout = httpx.Timeout(self.config.token_timeout, connect=5.0)
+        dw.inflight_decode_tokens[rid] = route.num_prompt_tokens + 1
+        dw.requests_routed += 1
+        dw.decode_tokens_routed += route.num_prompt_tokens + route.max_tokens
+        try:
+            async with self._client.stream("POST", f"{dw.url}/internal/decode", json=body, timeout=timeout) as r:
+                if r.status_code != 200:
+                    await r.aread()
+                    _json_or_error(r)
+                async for line in r.aiter_lines():
+                    if not line.strip():
+                        continue
+                    d = json.loads(line)
+                    if "imported_blocks" in d:
+                        continue
+                    if "error" in d:
+                        raise WorkerError(f"decode worker {dw.url}: {d['error']}")
+                    out = output_from_json(d)
+                    out.request_id = rid
+                    out.num_cached_tokens = first.num_cached_tokens
+                    out.num_cached_tokens_by_tier = first.num_cached_tokens_by_tier
+                    out.metrics = first.metrics
+                    dw.inflight_decode_tokens[rid] = route.num_prompt_tokens + len(out.outputs[0].token_ids)
+                    yield out
+                    if out.finished:
+                        return
+            raise _Retry("the decode stream ended before the request finished")
+        except httpx.TimeoutException as e:
+            self.pool.mark_failed(dw, "decode stream timed out")
+            raise WorkerError(f"decode worker {dw.url} sent no token for {self.config.token_timeout:.0f} s") from e
+        finally:
+            dw.inflight_decode_tokens.pop(rid, None)
+
+    # ------------------------------------------------------------------ store lookup
+
+    async def _store_hits(self, prompt_ids: list[int], cache_salt: str | None) -> int:
+        """Prompt tokens the shared KV store holds (what no prefill worker has to compute); 0 without one."""
+        if self.store_path is None:
+            return 0
+        load = self.pool.any_load()
+        if not load.get("kv_layout"):
+            return 0
+        try:
+            return await asyncio.to_thread(self._store_lookup, load, prompt_ids, cache_salt)
+        except Exception:  # noqa: BLE001 - routing falls back to "nothing cached"
+            logger.exception("KV store lookup failed")
+            return 0
+
+    def _store_lookup(self, load: dict, prompt_ids: list[int], cache_salt: str | None) -> int:
+        from deepinfer.kvstore import KVBlockStore, KVLayout
+
+        layout = KVLayout(*load["kv_layout"])
+        if self._store is None or self._store.layout != layout:
+            self._store = KVBlockStore(self.store_path, load["model_identity"], layout, 1 << 60, self.retention)
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, prompt_ids, layout.block_size,
+                            root_hash(load["model_identity"], layout.key, cache_salt))
+        limit = (len(prompt_ids) - 1) // layout.block_size
+        return self._store.contains_prefix(hashes[:limit]) * layout.block_size
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+async def _next_line(lines: AsyncIterator[str]) -> dict | None:
+    async for line in lines:
+        if line.strip():
+            return json.loads(line)
+    return None
+
+
+class _Shipment:
+    """The rest of a prefill worker's answer after the first token: how many KV blocks it shipped."""
+
+    def __init__(self, response: httpx.Response, lines: AsyncIterator[str], transfer_id: str) -> None:
+        self.response, self.lines, self.transfer_id = response, lines, transfer_id
+
+    async def blocks_sent(self) -> int:
+        """0 if the worker shipped none or died meanwhile (the decode worker then recomputes the prompt)."""
+        try:
+            last = await _next_line(self.lines)
+            return int(last.get("blocks_sent", 0)) if last else 0
+        except (httpx.HTTPError, ValueError):
+            return 0
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        await self.response.aclose()
+
+
+def _json_or_error(r: httpx.Response) -> dict:
+    """A worker's JSON answer; its 4xx become the client's error, 5xx a reason to try another worker."""
+    if r.status_code == 200:
+        return r.json()
+    try:
+        err = r.json().get("error", {})
+    except ValueError:
+        err = {}
+    message = err.get("message") or r.text[:200]
+    if 400 <= r.status_code < 500 and r.status_code != 408:
+        raise APIError(r.status_code, message, err.get("type", "invalid_request_error"), err.get("param"),
+                       err.get("code"))
+    raise _Retry(f"HTTP {r.status_code}: {message}")
+
+
+def _continuing(first: RequestOutput, params: SamplingParams) -> RequestOutput:
+    """The prefill's finished one-token output as the first output of a continuing request: no finish
+    reason, and the text without the tail a stop string could still claim (as the engine holds it back)."""
+    c = first.outputs[0]
+    holdback = max((len(s) for s in params.stop or ()), default=1) - 1
+    text = c.text[:max(0, len(c.text) - holdback)] if holdback else c.text
+    return replace(first, finished=False,
+                   outputs=[replace(c, text=text, finish_reason=None, stop_reason=None)])

@@ -1,0 +1,111 @@
+"""One-command local cluster: `deepinfer serve --prefill-workers P --decode-workers D`.
+
+    this process: router on --host/--port ──polls──▶ P prefill + D decode worker processes
+                                                    (`deepinfer serve --role ...` on free 127.0.0.1 ports,
+                                                     each with this command's engine flags)
+
+Workers are children: they get SIGTERM when the router stops, and (Linux) when this
+process dies without cleaning up. A worker that exits is logged; the router takes it
+out of rotation by itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+from typing import Any
+
+from deepinfer.config import ClusterConfig, EngineConfig, RouterConfig, ServerConfig
+
+logger = logging.getLogger(__name__)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def config_flags(cfg: Any) -> list[str]:
+    """The CLI flags that rebuild `cfg` (a config dataclass) in another process."""
+    out: list[str] = []
+    for f in dataclasses.fields(cfg):
+        if "help" not in f.metadata:
+            continue
+        value = getattr(cfg, f.name)
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, tuple):
+            if value:
+                out += [flag, *map(str, value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
+
+
+def engine_flags(engine: EngineConfig) -> list[str]:
+    return [*config_flags(engine.model), *config_flags(engine.cache), *config_flags(engine.scheduler),
+            *config_flags(engine.kvstore)]
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def start_worker(role: str, engine: EngineConfig, port: int, log_level: str = "WARNING",
+                 extra: list[str] | None = None) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "deepinfer.cli", "--log-level", log_level, "serve", "--role", role,
+           "--host", "127.0.0.1", "--port", str(port), *engine_flags(engine), *(extra or [])]
+    preexec = _die_with_parent if sys.platform.startswith("linux") else None
+    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=preexec)  # noqa: PLW1509
+
+
+def stop_workers(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def serve_local_cluster(engine: EngineConfig, server: ServerConfig, cluster: ClusterConfig,
+                        router: RouterConfig, log_level: str = "WARNING") -> None:
+    """Start the workers, then run the router here until interrupted; stop the workers on the way out."""
+    from deepinfer.cluster.router import build_client, model_name_of, run_router
+
+    def interrupted(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)  # `finally` below stops the workers on SIGTERM too
+    prefill = [f"http://127.0.0.1:{free_port()}" for _ in range(cluster.prefill_workers)]
+    decode = [f"http://127.0.0.1:{free_port()}" for _ in range(cluster.decode_workers)]
+    procs = [start_worker(role, engine, int(url.rsplit(":", 1)[1]), log_level)
+             for role, urls in (("prefill", prefill), ("decode", decode)) for url in urls]
+    try:
+        router = dataclasses.replace(router, prefill=(*router.prefill, *prefill), decode=(*router.decode, *decode))
+        client = build_client(engine.model, engine.kvstore, router)
+        name = model_name_of(engine.model)
+        print(f"deepinfer: local cluster: router http://{server.host}:{server.port}/v1, prefill workers "
+              f"{', '.join(prefill)}, decode workers {', '.join(decode)} ({router.routing_policy} policy)",
+              flush=True)
+        asyncio.run(run_router(client, name, server))
+    except KeyboardInterrupt:
+        pass
+    finally:
+        stop_workers(procs)

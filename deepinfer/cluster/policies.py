@@ -1,0 +1,128 @@
+"""Routing policies: which prefill worker and which decode worker a request goes to.
+
+A policy sees `WorkerView`s (a worker's last load report merged with what this router
+has sent it since) and the request's `RouteInfo`, and picks one worker per pool:
+
+- `round_robin`: in turn, ignoring load.
+- `least_requests`: fewest requests in flight (prefill: queued + running; decode: running).
+- `deepinfer`: prefill = earliest estimated finish, i.e. the worker's queued prefill seconds plus
+  this prompt's uncached compute under that worker's cost model (prefixes live in the shared
+  store, so no cache affinity); decode = lowest `w_run * running / max_num_seqs +
+  w_kv * kv_tokens / kv_capacity_tokens` (scheduling pressure and memory pressure).
+
+Ties go to the worker listed first. Policies are pure apart from the round-robin cursor.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from deepinfer.engine.cost_model import CostModel
+
+
+@dataclass
+class WorkerView:
+    url: str
+    queued_prefill_seconds: float = 0.0
+    num_waiting: int = 0
+    num_running: int = 0
+    kv_tokens: int = 0
+    max_num_seqs: int = 1
+    kv_capacity_tokens: int = 1
+    cost_model: CostModel | None = None
+
+
+@dataclass
+class RouteInfo:
+    num_prompt_tokens: int
+    num_cached_tokens: int = 0  # found in the shared store (or 0 without a store lookup)
+    max_tokens: int = 1
+
+
+class RoutingPolicy(ABC):
+    name: str = ""
+
+    @abstractmethod
+    def pick_prefill(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView: ...
+
+    @abstractmethod
+    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView: ...
+
+
+def _check(workers: Sequence[WorkerView]) -> None:
+    if not workers:
+        raise ValueError("no worker to route to")
+
+
+class RoundRobin(RoutingPolicy):
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = {"prefill": 0, "decode": 0}
+
+    def _pick(self, pool: str, workers: Sequence[WorkerView]) -> WorkerView:
+        _check(workers)
+        i = self._next[pool] % len(workers)
+        self._next[pool] = i + 1
+        return workers[i]
+
+    def pick_prefill(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
+        return self._pick("prefill", workers)
+
+    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
+        return self._pick("decode", workers)
+
+
+class LeastRequests(RoutingPolicy):
+    name = "least_requests"
+
+    def pick_prefill(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
+        _check(workers)
+        return min(workers, key=lambda w: w.num_waiting + w.num_running)
+
+    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
+        _check(workers)
+        return min(workers, key=lambda w: w.num_running)
+
+
+def estimated_prefill_seconds(worker: WorkerView, req: RouteInfo) -> float:
+    """This request's uncached prefill compute on `worker` (its own cost model, else the default one)."""
+    model = worker.cost_model or CostModel()
+    return model.prefill_seconds(req.num_prompt_tokens, req.num_cached_tokens)
+
+
+class DeepInferPolicy(RoutingPolicy):
+    name = "deepinfer"
+
+    def __init__(self, running_weight: float = 1.0, kv_weight: float = 1.0) -> None:
+        if running_weight < 0 or kv_weight < 0:
+            raise ValueError("decode weights must be >= 0")
+        self.running_weight = running_weight
+        self.kv_weight = kv_weight
+
+    def prefill_finish(self, worker: WorkerView, req: RouteInfo) -> float:
+        return worker.queued_prefill_seconds + estimated_prefill_seconds(worker, req)
+
+    def decode_score(self, worker: WorkerView) -> float:
+        return (self.running_weight * worker.num_running / max(worker.max_num_seqs, 1)
+                + self.kv_weight * worker.kv_tokens / max(worker.kv_capacity_tokens, 1))
+
+    def pick_prefill(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
+        _check(workers)
+        return min(workers, key=lambda w: self.prefill_finish(w, req))
+
+    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
+        _check(workers)
+        return min(workers, key=self.decode_score)
+
+
+def make_policy(name: str, running_weight: float = 1.0, kv_weight: float = 1.0) -> RoutingPolicy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "least_requests":
+        return LeastRequests()
+    if name == "deepinfer":
+        return DeepInferPolicy(running_weight, kv_weight)
+    raise ValueError(f"unknown routing policy {name!r}")

@@ -1,0 +1,160 @@
+"""The router's view of its workers: membership, health, load, and what it has in flight on each.
+
+    add(url, role) / register (heartbeat) ─▶ Worker ─▶ poll loop: GET /internal/load every interval
+                                                         ok  ─▶ load report, last_seen, back in rotation
+                                                         err ─▶ failures; out of rotation (dead) at once
+    rotation(role): live workers, each as a `WorkerView` = its last report merged with the requests this
+    router sent it since (a report lags; without the merge a burst would all go to one worker)
+
+A worker leaves rotation when a poll fails, when a request to it fails at the connection
+level (`mark_failed`), or when it has not been heard from for `worker_timeout` seconds;
+it rejoins on the next successful poll.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from deepinfer.cluster.policies import WorkerView
+from deepinfer.engine.cost_model import CostModel
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Worker:
+    url: str
+    role: str
+    load: dict[str, Any] = field(default_factory=dict)
+    alive: bool = False
+    last_seen: float = 0.0
+    failures: int = 0
+    # requests this router has in flight on the worker
+    inflight_prefill_seconds: dict[str, float] = field(default_factory=dict)
+    inflight_decode_tokens: dict[str, int] = field(default_factory=dict)
+    requests_routed: int = 0
+    prefill_seconds_routed: float = 0.0  # estimated prefill compute of the requests sent to it
+    decode_tokens_routed: int = 0  # prompt + max_tokens of the requests sent to it to decode
+    _cost: CostModel | None = None
+    _cost_key: tuple | None = None
+
+    def cost_model(self) -> CostModel | None:
+        coef = self.load.get("cost_coefficients")
+        if not coef:
+            return None
+        key = tuple(coef)
+        if key != self._cost_key:
+            try:
+                self._cost, self._cost_key = CostModel(key), key
+            except ValueError:
+                return None
+        return self._cost
+
+    def view(self) -> WorkerView:
+        load = self.load
+        queued = max(float(load.get("queued_prefill_seconds", 0.0)), sum(self.inflight_prefill_seconds.values()))
+        running = max(int(load.get("num_running", 0)), len(self.inflight_decode_tokens))
+        kv_tokens = max(int(load.get("kv_tokens", 0)), sum(self.inflight_decode_tokens.values()))
+        waiting = max(int(load.get("num_waiting", 0)), len(self.inflight_prefill_seconds))
+        return WorkerView(self.url, queued, waiting, running, kv_tokens, int(load.get("max_num_seqs", 1)),
+                          int(load.get("kv_capacity_tokens", 1)), self.cost_model())
+
+
+class WorkerPool:
+    def __init__(self, interval: float = 0.5, worker_timeout: float = 5.0) -> None:
+        self.workers: dict[str, Worker] = {}
+        self.interval = interval
+        self.worker_timeout = worker_timeout
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(min(worker_timeout, 10.0)))
+        self._task: asyncio.Task | None = None
+        self._changed = asyncio.Event()
+
+    def add(self, url: str, role: str) -> Worker:
+        url = url.rstrip("/")
+        if role not in ("prefill", "decode"):
+            raise ValueError(f"a worker's role must be prefill or decode, got {role!r}")
+        w = self.workers.get(url)
+        if w is None or w.role != role:
+            w = self.workers[url] = Worker(url, role)
+            logger.info("worker %s (%s) added", url, role)
+        return w
+
+    def heartbeat(self, url: str, role: str) -> None:
+        """A worker announced itself: add it if new; it is polled (and enters rotation) right away."""
+        w = self.add(url, role)
+        if not w.alive:
+            self._changed.set()
+
+    def rotation(self, role: str) -> list[Worker]:
+        now = time.monotonic()
+        return [w for w in self.workers.values()
+                if w.role == role and w.alive and now - w.last_seen <= self.worker_timeout]
+
+    def mark_failed(self, worker: Worker, why: str) -> None:
+        if worker.alive:
+            logger.warning("worker %s leaves rotation: %s", worker.url, why)
+        worker.alive = False
+        worker.failures += 1
+
+    async def poll_once(self) -> None:
+        await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
+
+    async def _poll(self, w: Worker) -> None:
+        try:
+            r = await self._client.get(f"{w.url}/internal/load")
+            r.raise_for_status()
+            load = r.json()
+        except (httpx.HTTPError, ValueError) as e:
+            self.mark_failed(w, f"load poll failed: {e!r}")
+            return
+        if not load.get("healthy", False):
+            self.mark_failed(w, "reports an unhealthy engine")
+            return
+        if load.get("role") not in (w.role, "unified"):
+            self.mark_failed(w, f"is a {load.get('role')} worker, listed as {w.role}")
+            return
+        if not w.alive:
+            logger.info("worker %s (%s) in rotation", w.url, w.role)
+        w.load, w.alive, w.last_seen = load, True, time.monotonic()
+
+    async def run(self) -> None:
+        while True:
+            await self.poll_once()
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), self.interval)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self.run())
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Until at least one prefill and one decode worker are in rotation (True) or `timeout` passes."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.rotation("prefill") and self.rotation("decode"):
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    def any_load(self) -> dict[str, Any]:
+        """The load report of some live worker (model facts: max_model_len, block size, layout)."""
+        for w in self.workers.values():
+            if w.alive and w.load:
+                return w.load
+        return {}
+
+    async def close(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        await self._client.aclose()

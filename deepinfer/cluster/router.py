@@ -1,0 +1,157 @@
+"""`deepinfer router`: the OpenAI API of `deepinfer serve`, served by prefill and decode workers.
+
+The app is the server's own (`server.app.build_app`) around a `ClusterEngineClient`, plus:
+- POST /internal/register {url, role}: a worker joins (or heartbeats) by URL;
+- GET /internal/workers: every known worker, its state and last load report;
+- /metrics: the server's metrics (engine stats summed over workers) and the scaling signals per
+  worker and per pool: queued prefill seconds, running requests, KV tokens and usage, liveness.
+
+The router loads only the tokenizer and config of the model (no weights).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from prometheus_client.core import GaugeMetricFamily
+
+from deepinfer.cluster.client import ClusterEngineClient
+from deepinfer.cluster.policies import make_policy
+from deepinfer.cluster.pool import WorkerPool
+from deepinfer.config import KVStoreConfig, ModelConfig, RouterConfig, ServerConfig
+from deepinfer.kvstore import RetentionPolicy
+from deepinfer.server.protocol import APIError
+
+logger = logging.getLogger(__name__)
+
+
+class ClusterCollector:
+    """Prometheus collector of the per-worker and per-pool scaling signals."""
+
+    def __init__(self, pool: WorkerPool) -> None:
+        self.pool = pool
+
+    def collect(self):
+        def family(name: str, doc: str, labels: list[str]) -> GaugeMetricFamily:
+            return GaugeMetricFamily(f"deepinfer:cluster_{name}", doc, labels=labels)
+
+        up = family("worker_up", "1 if the worker is in rotation.", ["worker", "role"])
+        queued = family("worker_queued_prefill_seconds", "Estimated prefill compute queued on the worker.",
+                        ["worker", "role"])
+        running = family("worker_running_requests", "Requests running on the worker.", ["worker", "role"])
+        kv_tokens = family("worker_kv_tokens", "KV tokens held by the worker's running requests.", ["worker", "role"])
+        kv_usage = family("worker_kv_usage", "Fraction of the worker's KV blocks in use.", ["worker", "role"])
+        pool_queued = family("pool_queued_prefill_seconds", "Queued prefill compute summed over the pool.", ["pool"])
+        pool_running = family("pool_running_requests", "Running requests summed over the pool.", ["pool"])
+        pool_usage = family("pool_kv_usage", "Mean KV usage over the pool's live workers.", ["pool"])
+        pool_live = family("pool_workers_live", "Workers of the pool in rotation.", ["pool"])
+        for role in ("prefill", "decode"):
+            members = [w for w in self.pool.workers.values() if w.role == role]
+            live = self.pool.rotation(role)
+            for w in members:
+                v = w.view()
+                usage = float(w.load.get("kv_usage", 0.0))
+                up.add_metric([w.url, role], 1.0 if w in live else 0.0)
+                queued.add_metric([w.url, role], v.queued_prefill_seconds)
+                running.add_metric([w.url, role], v.num_running)
+                kv_tokens.add_metric([w.url, role], v.kv_tokens)
+                kv_usage.add_metric([w.url, role], usage)
+            views = [w.view() for w in live]
+            pool_queued.add_metric([role], sum(v.queued_prefill_seconds for v in views))
+            pool_running.add_metric([role], sum(v.num_running for v in views))
+            pool_usage.add_metric([role], sum(float(w.load.get("kv_usage", 0.0)) for w in live) / max(len(live), 1))
+            pool_live.add_metric([role], len(live))
+        yield from (up, queued, running, kv_tokens, kv_usage, pool_queued, pool_running, pool_usage, pool_live)
+
+
+def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
+    from deepinfer.server.app import build_app
+
+    app = build_app(client, model_name, api_key)  # type: ignore[arg-type]  # the EngineClient surface
+    pool = client.pool
+    app.state.ctx.metrics.registry.register(ClusterCollector(pool))
+
+    @app.post("/internal/register")
+    async def register(raw: Request):
+        body = await raw.json()
+        url, role = body.get("url"), body.get("role")
+        if not isinstance(url, str) or not url.startswith(("http://", "https://")):
+            raise APIError(400, "url must be an http(s) URL", param="url")
+        if role not in ("prefill", "decode"):
+            raise APIError(400, "role must be prefill or decode", param="role")
+        pool.heartbeat(url, role)
+        return {"ok": True}
+
+    @app.get("/internal/workers")
+    async def workers() -> dict[str, Any]:
+        now = time.monotonic()
+        return {"workers": [{
+            "url": w.url, "role": w.role, "alive": w.alive, "failures": w.failures,
+            "seen_seconds_ago": now - w.last_seen if w.last_seen else None, "requests_routed": w.requests_routed,
+            "prefill_seconds_routed": w.prefill_seconds_routed, "decode_tokens_routed": w.decode_tokens_routed,
+            "view": {k: v for k, v in vars(w.view()).items() if k != "cost_model"},
+            "load": {k: v for k, v in w.load.items() if k != "stats"},
+        } for w in pool.workers.values()],
+            "prefill_retries": client.num_prefill_retries, "decode_retries": client.num_decode_retries,
+            "failed_requests": client.num_failed}
+
+    return app
+
+
+def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfig) -> ClusterEngineClient:
+    """Pool, policy and tokenizer of a router (the model's tokenizer and config only; no weights)."""
+    from transformers import AutoConfig
+
+    from deepinfer.recipe.tokenizer import load_tokenizer
+    from deepinfer.weights import resolve_model
+
+    files = resolve_model(model.model)
+    hf_config = AutoConfig.from_pretrained(str(files.directory))
+    tokenizer = load_tokenizer(files) if files.has_tokenizer() else None
+    pool = WorkerPool(router.health_interval, router.worker_timeout)
+    for url in router.prefill:
+        pool.add(url, "prefill")
+    for url in router.decode:
+        pool.add(url, "decode")
+    policy = make_policy(router.routing_policy, router.decode_running_weight, router.decode_kv_weight)
+    retention = RetentionPolicy.parse(kvstore.kv_retention, kvstore.default_retention_class)
+    default_len = model.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 4096
+    store: Path | None = kvstore.store_path()
+    return ClusterEngineClient(pool, policy, tokenizer, hf_config.vocab_size, retention, router, default_len, store)
+
+
+def model_name_of(model: ModelConfig) -> str:
+    from deepinfer.weights import resolve_model
+
+    return model.served_model_name or resolve_model(model.model).name
+
+
+async def run_router(client: ClusterEngineClient, model_name: str, server: ServerConfig,
+                     ready_timeout: float = 0.0) -> None:
+    """Serve the router until cancelled (the poll loop runs alongside)."""
+    import uvicorn
+
+    app = build_router_app(client, model_name, server.api_key)
+    client.pool.start()
+    if ready_timeout:
+        await client.pool.wait_ready(ready_timeout)
+    config = uvicorn.Config(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
+                            timeout_graceful_shutdown=5, lifespan="off")
+    try:
+        await uvicorn.Server(config).serve()
+    finally:
+        await client.pool.close()
+        await client.close()
+
+
+def serve_router(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfig, server: ServerConfig) -> None:
+    client = build_client(model, kvstore, router)
+    name = model_name_of(model)
+    print(f"deepinfer: router for {name} at http://{server.host}:{server.port}/v1 ({router.routing_policy} "
+          f"policy; {len(router.prefill)} prefill and {len(router.decode)} decode workers listed)", flush=True)
+    asyncio.run(run_router(client, name, server))

@@ -1,0 +1,58 @@
+"""JSON shapes of what crosses the router <-> worker HTTP boundary: sampling parameters, outputs, logprobs.
+
+Token-level state travels as token ids; text is re-derived nowhere: a decode worker's
+outputs already carry the detokenized text of the whole completion (its engine was
+given the prefill's first token, see `LLMEngine.add_request(output_prefix=...)`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.sampling_params import SamplingParams
+
+
+def params_to_json(p: SamplingParams) -> dict[str, Any]:
+    return dataclasses.asdict(p)
+
+
+def params_from_json(d: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**d)
+
+
+def logprobs_to_json(entries: list[dict[int, Logprob]] | None) -> list[list[list[Any]]] | None:
+    """[{token: Logprob}] -> [[[token, logprob, rank, decoded], ...], ...] (JSON keys cannot be ints)."""
+    if entries is None:
+        return None
+    return [[[t, lp.logprob, lp.rank, lp.decoded_token] for t, lp in e.items()] for e in entries]
+
+
+def logprobs_from_json(data: list | None) -> list[dict[int, Logprob]] | None:
+    if data is None:
+        return None
+    return [{int(t): Logprob(lp, rank, dec) for t, lp, rank, dec in e} for e in data]
+
+
+def output_to_json(out: RequestOutput) -> dict[str, Any]:
+    return {
+        "request_id": out.request_id, "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
+        "finished": out.finished, "num_cached_tokens": out.num_cached_tokens,
+        "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier, "metrics": out.metrics,
+        "outputs": [{
+            "index": c.index, "text": c.text, "token_ids": c.token_ids, "cumulative_logprob": c.cumulative_logprob,
+            "logprobs": logprobs_to_json(c.logprobs), "finish_reason": c.finish_reason,
+            "stop_reason": c.stop_reason,
+        } for c in out.outputs],
+    }
+
+
+def output_from_json(d: dict[str, Any]) -> RequestOutput:
+    outputs = [CompletionOutput(index=c["index"], text=c["text"], token_ids=list(c["token_ids"]),
+                                cumulative_logprob=c["cumulative_logprob"], logprobs=logprobs_from_json(c["logprobs"]),
+                                finish_reason=c["finish_reason"], stop_reason=c["stop_reason"])
+               for c in d["outputs"]]
+    return RequestOutput(request_id=d["request_id"], prompt=d["prompt"], prompt_token_ids=list(d["prompt_token_ids"]),
+                         outputs=outputs, finished=d["finished"], num_cached_tokens=d["num_cached_tokens"],
+                         num_cached_tokens_by_tier=dict(d["num_cached_tokens_by_tier"]), metrics=dict(d["metrics"]))

@@ -1,0 +1,112 @@
+"""Routing policies and the router's merge of load reports with its own in-flight requests (no processes)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from deepinfer.cluster.policies import (
+    DeepInferPolicy,
+    LeastRequests,
+    RoundRobin,
+    RouteInfo,
+    WorkerView,
+    estimated_prefill_seconds,
+    make_policy,
+)
+from deepinfer.cluster.pool import Worker, WorkerPool
+from deepinfer.config import RouterConfig
+from deepinfer.engine.cost_model import CostModel
+
+
+def _views(**fields: list) -> list[WorkerView]:
+    n = len(next(iter(fields.values())))
+    return [WorkerView(f"w{i}", **{k: v[i] for k, v in fields.items()}) for i in range(n)]
+
+
+def test_round_robin_cycles_each_pool_on_its_own():
+    p = RoundRobin()
+    ws = _views(num_running=[0, 0, 0])
+    req = RouteInfo(10)
+    assert [p.pick_prefill(ws, req).url for _ in range(4)] == ["w0", "w1", "w2", "w0"]
+    assert [p.pick_decode(ws[:2], req).url for _ in range(3)] == ["w0", "w1", "w0"]
+
+
+def test_least_requests_counts_queued_and_running():
+    p = LeastRequests()
+    ws = _views(num_waiting=[3, 0, 1], num_running=[0, 4, 1])
+    assert p.pick_prefill(ws, RouteInfo(10)).url == "w2"  # 3, 4, 2 in flight
+    assert p.pick_decode(ws, RouteInfo(10)).url == "w0"  # running only
+
+
+def test_deepinfer_prefill_picks_the_earliest_estimated_finish():
+    cost = CostModel()
+    p = DeepInferPolicy()
+    long_prompt = RouteInfo(4000)
+    # w0 has less queued work, but w1's cost model (a faster machine) finishes this long prompt first
+    slow = CostModel([c * 4 for c in cost.coef])
+    ws = [WorkerView("w0", queued_prefill_seconds=0.5, cost_model=slow),
+          WorkerView("w1", queued_prefill_seconds=1.0, cost_model=cost)]
+    t0, t1 = (p.prefill_finish(w, long_prompt) for w in ws)
+    assert t0 > t1 and p.pick_prefill(ws, long_prompt).url == "w1"
+    # a short prompt costs little anywhere: the shorter queue wins
+    assert p.pick_prefill(ws, RouteInfo(8)).url == "w0"
+
+
+def test_deepinfer_prefill_counts_store_hits_as_free():
+    cost = CostModel()
+    w = WorkerView("w", cost_model=cost)
+    cold = estimated_prefill_seconds(w, RouteInfo(2048))
+    warm = estimated_prefill_seconds(w, RouteInfo(2048, num_cached_tokens=2032))
+    assert warm < cold / 10
+    assert warm == pytest.approx(cost.prefill_seconds(2048, 2032))
+
+
+def test_deepinfer_decode_weighs_running_and_kv_by_capacity():
+    # w0: few requests but long contexts; w1: many short requests
+    ws = _views(num_running=[2, 12], max_num_seqs=[16, 16], kv_tokens=[90_000, 6_000],
+                kv_capacity_tokens=[100_000, 100_000])
+    assert DeepInferPolicy(1.0, 1.0).pick_decode(ws, RouteInfo(1)).url == "w1"  # 0.125+0.9 vs 0.75+0.06
+    assert DeepInferPolicy(1.0, 0.0).pick_decode(ws, RouteInfo(1)).url == "w0"  # requests only
+    # capacity normalises: the same load on a worker twice the size scores half
+    big = _views(num_running=[8, 8], max_num_seqs=[16, 32], kv_tokens=[0, 0], kv_capacity_tokens=[1, 1])
+    assert DeepInferPolicy().decode_score(big[1]) == pytest.approx(DeepInferPolicy().decode_score(big[0]) / 2)
+
+
+def test_policies_refuse_an_empty_pool_and_unknown_names():
+    for p in (RoundRobin(), LeastRequests(), DeepInferPolicy()):
+        with pytest.raises(ValueError):
+            p.pick_prefill([], RouteInfo(1))
+    with pytest.raises(ValueError):
+        make_policy("random")
+    with pytest.raises(ValueError):
+        DeepInferPolicy(-1.0, 1.0)
+    with pytest.raises(ValueError):
+        RouterConfig(routing_policy="fastest")
+
+
+def test_worker_view_adds_what_the_router_sent_since_the_last_report():
+    w = Worker("http://a", "prefill", load={"queued_prefill_seconds": 0.2, "num_running": 1, "kv_tokens": 100,
+                                             "max_num_seqs": 8, "kv_capacity_tokens": 1000,
+                                             "cost_coefficients": list(CostModel().coef)})
+    assert w.view().queued_prefill_seconds == 0.2
+    w.inflight_prefill_seconds.update(a=0.3, b=0.4)  # a burst the report has not seen yet
+    w.inflight_decode_tokens.update(a=300, b=400, c=50)
+    v = w.view()
+    assert v.queued_prefill_seconds == pytest.approx(0.7)
+    assert (v.num_running, v.kv_tokens, v.num_waiting) == (3, 750, 2)
+    assert v.cost_model is not None and list(v.cost_model.coef) == list(CostModel().coef)
+
+
+def test_pool_rotation_tracks_liveness():
+    pool = WorkerPool(interval=0.1, worker_timeout=5.0)
+    a = pool.add("http://a/", "prefill")
+    pool.add("http://b", "decode")
+    assert a.url == "http://a" and pool.rotation("prefill") == []  # not polled yet
+    a.alive, a.last_seen = True, time.monotonic()
+    assert pool.rotation("prefill") == [a]
+    pool.mark_failed(a, "test")
+    assert pool.rotation("prefill") == [] and a.failures == 1
+    with pytest.raises(ValueError):
+        pool.add("http://c", "unified")

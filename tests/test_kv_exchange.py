@@ -1,0 +1,188 @@
+"""The engine hooks of disaggregation, in process: export a prefilled prompt's KV blocks from one engine,
+import them into another, continue there after the first token -- token-identical to one engine doing it all.
+
+Real engines on tiny float32 models, real TCP transfer on 127.0.0.1; no mocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.cluster.transfer import TCPKVTransfer, checksum
+from deepinfer.engine.kv_exchange import export_blocks, import_blocks, prompt_block_hashes
+from tests.test_models_vs_hf import _assert_all_free
+
+BS = 16
+
+
+def _prompt(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 49152) for _ in range(n)]
+
+
+def _llm(path) -> LLM:
+    return LLM(str(path), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False, kv_store="none")
+
+
+def _run(llm: LLM, prompt: list[int], params: SamplingParams, **kw):
+    engine = llm.engine
+    engine.add_request(prompt, params, prompt_token_ids=prompt, **kw)
+    final = None
+    while engine.has_unfinished():
+        for out in engine.step():
+            final = out
+    return final
+
+
+@pytest.mark.parametrize("length", [5, 16, 47, 64])
+def test_prefill_here_decode_there_matches_one_engine(tiny_models, length):
+    model = tiny_models["llama"]
+    prompt = _prompt(length, length)
+    full = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)
+    with _llm(model) as unified, _llm(model) as prefill, _llm(model) as decode:
+        ref = _run(unified, prompt, full).outputs[0]
+        first = _run(prefill, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True, logprobs=2))
+        assert first.outputs[0].token_ids == ref.token_ids[:1]
+        blocks = export_blocks(prefill.engine.core, prompt, None)
+        assert len(blocks) == length // BS  # every full block of the prompt, nothing of the tail
+        assert [h for h, _ in blocks] == prompt_block_hashes(decode.engine.core, prompt, None)
+        assert import_blocks(decode.engine.core, blocks) == len(blocks)
+        out = _run(decode, prompt, full, output_prefix=first.outputs[0].token_ids,
+                   prefix_logprobs=first.outputs[0].logprobs)
+        got = out.outputs[0]
+        assert got.token_ids == ref.token_ids
+        assert got.text == ref.text
+        assert out.num_cached_tokens == (length // BS) * BS  # the imported blocks were hits, not recomputed
+        assert [max(e, key=lambda t: e[t].logprob) for e in got.logprobs] == ref.token_ids
+        for a, b in zip(got.logprobs, ref.logprobs, strict=True):
+            assert set(a) == set(b)
+            for t in a:
+                assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4)
+        for llm in (unified, prefill, decode):
+            _assert_all_free(llm)
+
+
+def test_import_skips_held_blocks_and_stops_at_a_bad_payload(tiny_models):
+    prompt = _prompt(3, 64)
+    with _llm(tiny_models["llama"]) as a, _llm(tiny_models["llama"]) as b:
+        _run(a, prompt, SamplingParams(temperature=0.0, max_tokens=1))
+        blocks = export_blocks(a.engine.core, prompt, None)
+        assert len(blocks) == 4
+        assert export_blocks(a.engine.core, prompt, "another-tenant") == []  # the salt changes every name
+        # a payload of the wrong size ends the import there: a prefix of the chain is all that is kept
+        bad = [blocks[0], (blocks[1][0], bytearray(8)), *blocks[2:]]
+        assert import_blocks(b.engine.core, bad) == 1
+        assert import_blocks(b.engine.core, blocks) == 4
+        _assert_all_free(b)
+
+
+def test_tcp_transfer_delivers_blocks_and_keeps_only_a_verified_prefix():
+    async def main():
+        rx = TCPKVTransfer("127.0.0.1", 0)
+        addr = await rx.start()
+        tx = TCPKVTransfer()
+        blocks = [(bytes([i]) * 16, bytes([i]) * (1000 + i)) for i in range(5)]
+        assert await tx.send(addr, "t1", blocks) == 5
+        got = await rx.receive("t1", timeout=5)
+        assert [(h, bytes(p)) for h, p in got] == blocks
+        assert checksum(got[2][1]) == checksum(blocks[2][1])
+        # a transfer nobody sent times out instead of hanging
+        with pytest.raises(TimeoutError):
+            await rx.receive("never", timeout=0.2)
+        # a corrupted block (checksum mismatch) cuts the run: blocks after it are dropped too
+        import deepinfer.cluster.transfer as t
+
+        real = t.checksum
+        calls = []
+
+        def flaky(data):
+            calls.append(1)
+            return b"\x00" * 16 if len(calls) == 3 else real(data)
+
+        t.checksum = flaky
+        try:
+            accepted = await tx.send(addr, "t2", blocks)
+        finally:
+            t.checksum = real
+        assert accepted == 2
+        assert len(await rx.receive("t2", timeout=5)) == 2
+        await rx.close()
+
+    asyncio.run(main())
+
+
+def test_tcp_transfer_to_nobody_fails_fast():
+    from deepinfer.cluster.transfer import KVTransferError
+    from tests.server_utils import free_port
+
+    async def main():
+        with pytest.raises(KVTransferError):
+            await TCPKVTransfer().send(f"127.0.0.1:{free_port()}", "x", [(b"\x01" * 16, b"abc")], timeout=5)
+
+    asyncio.run(main())
+
+
+def test_stats_report_queued_prefill_seconds_and_kv_tokens(tiny_models):
+    with _llm(tiny_models["llama"]) as llm:
+        engine = llm.engine
+        cost = engine.core.cost_model
+        assert engine.stats()["prefill_queued_seconds"] == 0.0
+        for n in (40, 300):
+            engine.add_request(_prompt(n, n), SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        s = engine.stats()
+        assert s["prefill_queued_seconds"] == pytest.approx(cost.prefill_seconds(40) + cost.prefill_seconds(300))
+        assert s["kv_tokens"] == 0
+        while engine.has_unfinished():
+            engine.step()
+            s = engine.stats()
+            if s["num_running"] == 2 and s["prefill_queued_seconds"] == 0.0:
+                assert s["kv_tokens"] >= 340  # both prompts computed, decoding
+        assert engine.stats()["prefill_queued_seconds"] == 0.0 and engine.stats()["kv_tokens"] == 0
+
+
+def test_router_store_lookup_names_blocks_like_the_engine(tiny_models, tmp_path):
+    """The router's estimate of a prompt's cached part (a lookup in the shared store) must agree with
+    what a worker writes there: same chain hashes from the worker's reported model identity and layout."""
+    from deepinfer.cluster.client import ClusterEngineClient
+    from deepinfer.cluster.policies import DeepInferPolicy
+    from deepinfer.cluster.pool import WorkerPool
+    from deepinfer.config import RouterConfig
+    from deepinfer.kvstore import RetentionPolicy
+    from deepinfer.kvstore.blocks import layout_of
+
+    store = tmp_path / "store"
+    prompt = _prompt(9, 70)
+    with LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False,
+             kv_store=str(store)) as llm:
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))
+        core = llm.engine.core
+        core.flush_kv_store()
+        lay = layout_of(core.runner.kv_caches)
+        load = {"model_identity": core.files.identity,
+                "kv_layout": [lay.dtype, lay.block_size, lay.num_layers, lay.num_kv_heads, lay.head_dim]}
+    client = ClusterEngineClient(WorkerPool(), DeepInferPolicy(), None, 50000, RetentionPolicy(), RouterConfig(),
+                                 1024, store)
+    assert client._store_lookup(load, prompt, None) == 64  # 4 full blocks of 70 tokens
+    assert client._store_lookup(load, prompt + [5] * 40, None) == 64  # a longer prompt: its stored prefix
+    assert client._store_lookup(load, prompt, "tenant-b") == 0  # another salt names other blocks
+    assert client._store_lookup(load, [7] + prompt[1:], None) == 0
+
+
+def test_continued_request_keeps_penalties_and_stop_rules(tiny_models):
+    """Penalties see the first token as generated output (not prompt), on the continuing engine too."""
+    prompt = _prompt(11, 40)
+    kw = dict(temperature=0.0, presence_penalty=0.8, frequency_penalty=0.6, repetition_penalty=1.3, min_tokens=3)
+    full = SamplingParams(max_tokens=16, **kw)
+    with _llm(tiny_models["llama"]) as unified, _llm(tiny_models["llama"]) as other:
+        ref = _run(unified, prompt, full).outputs[0]
+        first = _run(unified, prompt, SamplingParams(max_tokens=1, **{**kw, "min_tokens": 1})).outputs[0]
+        assert first.token_ids == ref.token_ids[:1]
+        got = _run(other, prompt, full, output_prefix=first.token_ids).outputs[0]
+        assert got.token_ids == ref.token_ids and got.text == ref.text and got.finish_reason == ref.finish_reason
+        with pytest.raises(ValueError, match="prefix_logprobs"):
+            other.engine.add_request(prompt, SamplingParams(max_tokens=4, logprobs=1), prompt_token_ids=prompt,
+                                     output_prefix=[5])
