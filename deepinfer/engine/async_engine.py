@@ -88,6 +88,7 @@ class AsyncEngine:
         Raises ValueError for an invalid prompt or retention class, QueueFullError when the waiting queue
         is full."""
         self.engine.validate_prompt(prompt_token_ids)
+        self.engine.validate_params(params)
         self.engine.core.check_retention(retention_class)
         self.check_admission()
         request_id = request_id or f"areq-{next(self._ids)}"
@@ -131,7 +132,9 @@ class AsyncEngine:
                 self._drain(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     for out in self.engine.step():
-                        self._deliver(out.request_id, out)
+                        error = next((c.error for c in out.outputs if c.error), None)
+                        # an engine-side rejection (e.g. a grammar that failed to compile) ends the stream
+                        self._deliver(out.request_id, ValueError(error) if error and out.finished else out)
                 self._stats = self.engine.stats()
         except BaseException as e:  # noqa: BLE001 - any failure kills the loop; streams must learn of it
             logger.exception("engine loop died")

@@ -73,6 +73,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.failed: list[Request] = []  # ended by the engine with `Request.error`, not yet reported
 
     # ------------------------------------------------------------------ queue
 
@@ -94,7 +95,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
 
+    def take_failed(self) -> list[Request]:
+        """Requests the engine ended with an error (`Request.error`) since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _fail_bad_grammars(self) -> None:
+        for req in [r for r in self.waiting if r.grammar is not None and r.grammar.poll() and r.grammar.error]:
+            req.error = req.grammar.error
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self.failed.append(req)
+
     def schedule(self) -> SchedulerOutput:
+        self._fail_bad_grammars()
         out = SchedulerOutput()
         policy = self.policy
         policy.begin_step()
@@ -238,6 +251,14 @@ class Scheduler:
             req.token_ids.append(token)
             advanced.append(req)
             status = self._stop_status(req, token)
+            if req.grammar is not None:
+                # the one place a structured request's matcher advances: once per appended token
+                if not req.grammar.accept(token):
+                    # only when no token satisfied both the grammar and another rule (e.g. min_tokens)
+                    req.error = f"token {token} violates the request's grammar; no allowed token was left"
+                    status = RequestStatus.FINISHED_ABORTED
+                elif status is None and req.grammar.terminated:
+                    status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self._finish(req, status)
         return advanced
