@@ -15,10 +15,12 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.server.logprobs import chat_logprobs, completion_logprobs
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, ChatCompletionRequest, CompletionRequest, SamplingFields
+from deepinfer.server.structured_fields import engine_fields, precompile
 
 
 @dataclass
@@ -81,7 +83,8 @@ def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, p
     return max_tokens
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None, engine: AsyncEngine) -> SamplingParams:
+    extra = engine_fields(req, engine)  # structured output, logit_bias (APIError names the field)
     try:
         return SamplingParams(
             n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
@@ -90,7 +93,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
             max_tokens=max_tokens, min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
             frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
             ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-            include_stop_str_in_output=req.include_stop_str_in_output,
+            include_stop_str_in_output=req.include_stop_str_in_output, **extra,
         )
     except ValueError as e:
         raise APIError(400, str(e).removeprefix("invalid sampling parameter: ")) from e
@@ -213,45 +216,6 @@ class _ChoiceState:
     extra: dict = field(default_factory=dict)
 
 
-# ---------------------------------------------------------------- logprobs formatting
-
-
-def _token_str(tokenizer, tid: int) -> str:
-    return tokenizer.decode([tid]) if tokenizer is not None else str(tid)
-
-
-def chat_logprobs(tokenizer, comp: CompletionOutput, start: int, end: int, top_n: int) -> dict:
-    content = []
-    for i in range(start, end):
-        tid = comp.token_ids[i]
-        entry = comp.logprobs[i]
-        tok = _token_str(tokenizer, tid)
-        alts = sorted(((t, lp) for t, lp in entry.items()), key=lambda x: x[1].rank or 0)[:top_n] if top_n else []
-        content.append({
-            "token": tok, "logprob": entry[tid].logprob, "bytes": list(tok.encode()),
-            "top_logprobs": [{"token": (s := _token_str(tokenizer, t)), "logprob": lp.logprob,
-                              "bytes": list(s.encode())} for t, lp in alts],
-        })
-    return {"content": content}
-
-
-def completion_logprobs(tokenizer, comp: CompletionOutput, start: int, end: int, top_n: int,
-                        text_offset: int) -> dict:
-    tokens, token_lps, tops, offsets = [], [], [], []
-    offset = text_offset
-    for i in range(start, end):
-        tid = comp.token_ids[i]
-        entry = comp.logprobs[i]
-        tok = _token_str(tokenizer, tid)
-        tokens.append(tok)
-        token_lps.append(entry[tid].logprob)
-        alts = sorted(entry.items(), key=lambda x: x[1].rank or 0)[:top_n]
-        tops.append({_token_str(tokenizer, t): lp.logprob for t, lp in alts})
-        offsets.append(offset)
-        offset += len(tok)
-    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
-
-
 # ---------------------------------------------------------------- chat completions
 
 
@@ -266,7 +230,8 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
     max_tokens = check_context(len(prompt_ids), req.max_completion_tokens or req.max_tokens,
                                engine.max_model_len, "messages")
     top_n = req.top_logprobs or 0
-    params = sampling_params(req, max_tokens, top_n if req.logprobs else None)
+    params = sampling_params(req, max_tokens, top_n if req.logprobs else None, engine)
+    await precompile(req, engine)
     retention = retention_class(ctx, req, raw)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
@@ -399,9 +364,10 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
             raise APIError(400, f"token id {bad} is out of range [0, {engine.engine.vocab_size})", param="prompt")
     max_tokens = [check_context(len(ids), req.max_tokens if req.max_tokens is not None else 16,
                                 engine.max_model_len, "prompt") for _, ids in prompts]
+    await precompile(req, engine)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gens = [stream_with_metrics(ctx, ids, sampling_params(req, mt, req.logprobs), req.cache_salt, prompt=text,
+    gens = [stream_with_metrics(ctx, ids, sampling_params(req, mt, req.logprobs, engine), req.cache_salt, prompt=text,
                                 retention=retention)
             for (text, ids), mt in zip(prompts, max_tokens, strict=True)]
     if req.stream:

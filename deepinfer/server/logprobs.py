@@ -1,0 +1,41 @@
+"""OpenAI logprobs shapes: chat (`logprobs.content[]`) and completions (parallel token lists)."""
+
+from __future__ import annotations
+
+from deepinfer.engine.outputs import CompletionOutput
+
+
+def _token_str(tokenizer, tid: int) -> str:
+    return tokenizer.decode([tid]) if tokenizer is not None else str(tid)
+
+
+def chat_logprobs(tokenizer, comp: CompletionOutput, start: int, end: int, top_n: int) -> dict:
+    content = []
+    for i in range(start, end):
+        tid = comp.token_ids[i]
+        entry = comp.logprobs[i]
+        tok = _token_str(tokenizer, tid)
+        alts = sorted(((t, lp) for t, lp in entry.items()), key=lambda x: x[1].rank or 0)[:top_n] if top_n else []
+        content.append({
+            "token": tok, "logprob": entry[tid].logprob, "bytes": list(tok.encode()),
+            "top_logprobs": [{"token": (s := _token_str(tokenizer, t)), "logprob": lp.logprob,
+                              "bytes": list(s.encode())} for t, lp in alts],
+        })
+    return {"content": content}
+
+
+def completion_logprobs(tokenizer, comp: CompletionOutput, start: int, end: int, top_n: int,
+                        text_offset: int) -> dict:
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = text_offset
+    for i in range(start, end):
+        tid = comp.token_ids[i]
+        entry = comp.logprobs[i]
+        tok = _token_str(tokenizer, tid)
+        tokens.append(tok)
+        token_lps.append(entry[tid].logprob)
+        alts = sorted(entry.items(), key=lambda x: x[1].rank or 0)[:top_n]
+        tops.append({_token_str(tokenizer, t): lp.logprob for t, lp in alts})
+        offsets.append(offset)
+        offset += len(tok)
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
