@@ -75,6 +75,10 @@ def test_regex_and_ebnf(llm):
     for out in outs:
         assert out.outputs[0].finish_reason == "stop"
         assert re.fullmatch(pattern, out.outputs[0].text), out.outputs[0].text
+    # min_tokens cannot stretch a grammar: the grammar's end wins over the EOS ban
+    out = llm.generate("d", SamplingParams(temperature=0.0, max_tokens=30, min_tokens=20,
+                                           structured_output=StructuredOutputParams(regex=pattern)))[0].outputs[0]
+    assert out.finish_reason == "stop" and out.error is None and re.fullmatch(pattern, out.text)
     ebnf = 'root ::= "(" expr ")"\nexpr ::= num | num " + " num\nnum ::= [1-9] [0-9]?'
     outs = llm.generate(["sum", "two", "x"], SamplingParams(
         temperature=1.0, seed=4, max_tokens=30, structured_output=StructuredOutputParams(grammar=ebnf)))

@@ -131,7 +131,8 @@ class Sampler:
         cloned = False
         for i, r in enumerate(reqs):
             p = r.params
-            if r.num_output_tokens < p.min_tokens:
+            # a grammar decides when a structured output ends; banning its only stop would leave no token
+            if r.num_output_tokens < p.min_tokens and r.grammar is None:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                 if banned:
                     if not cloned:
