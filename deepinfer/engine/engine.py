@@ -5,6 +5,9 @@ used by the offline `LLM` and the server.
     LLMEngine.step ─▶ EngineCore (see core.py): schedule ─▶ run ─▶ update
                   ─▶ detokenize new tokens, match stop strings (finishing the request in the core)
                   ─▶ RequestOutput per request that changed
+
+Structured output: `add_request` starts each sequence's grammar compiling on `grammar.GrammarCache`
+(a small thread pool, cached by schema); the scheduler holds the request back until it is ready.
 """
 
 from __future__ import annotations

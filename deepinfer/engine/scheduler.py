@@ -11,6 +11,10 @@ is dropped; no waiting request is admitted in a step that preempted.
 
 A waiting request starts after its cached prefix: device blocks, then blocks the KV tiers (host
 memory, store) hold, which count as computed; the engine loads them before the step runs.
+
+Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
+whose grammar failed is finished with `Request.error` and reported through `take_failed`. `update`
+advances a request's grammar matcher once per appended token, and the grammar's termination ends it.
 """
 
 from __future__ import annotations
