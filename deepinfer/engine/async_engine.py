@@ -22,6 +22,7 @@ from typing import Any
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.engine_client import EngineClient, EngineDeadError, QueueFullError, settle_future
+from deepinfer.engine.structured import StructuredOutputParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
 
@@ -36,6 +37,7 @@ class AsyncEngine(EngineClient):
         self.tokenizer = self.engine.tokenizer
         self.max_model_len = self.engine.max_model_len
         self.vocab_size = self.engine.vocab_size
+        self.eos_token_ids = self.engine.eos_token_ids
         self.facts = self.engine.describe()
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
@@ -53,6 +55,9 @@ class AsyncEngine(EngineClient):
 
     def check_retention(self, retention_class: str | None) -> str:
         return self.engine.core.check_retention(retention_class)
+
+    async def compile_grammar(self, params: StructuredOutputParams) -> None:
+        await asyncio.wrap_future(self.engine.compile_grammar(params))  # the engine's own cache
 
     def _submit(self, request: dict[str, Any]) -> None:
         self._commands.put(("add", request))

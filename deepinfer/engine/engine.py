@@ -5,6 +5,9 @@ used by the offline `LLM` and the server.
     LLMEngine.step ─▶ EngineCore (see core.py): schedule ─▶ run ─▶ update
                   ─▶ detokenize new tokens, match stop strings (finishing the request in the core)
                   ─▶ RequestOutput per request that changed
+
+Structured output: `add_request` starts each sequence's grammar compiling on `grammar.GrammarCache`
+(a small thread pool, cached by schema); the scheduler holds the request back until it is ready.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import CoreOutput, EngineCore, InFlightStep
-from deepinfer.engine.engine_client import validate_prompt_ids
+from deepinfer.engine.engine_client import validate_model_params, validate_prompt_ids
+from deepinfer.engine.grammar import GrammarCache, wait_for_any
 from deepinfer.engine.kv_exchange import export_blocks, import_blocks
 from deepinfer.engine.kv_manager import TIERS
 from deepinfer.engine.kv_tiers import tier_stats
@@ -25,6 +29,7 @@ from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import PrefillPolicy
+from deepinfer.engine.structured import GrammarBackend, StructuredOutputParams, XGrammarBackend
 from deepinfer.kvstore.blocks import layout_of
 from deepinfer.recipe.detokenizer import IncrementalDetokenizer
 from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
@@ -59,6 +64,8 @@ class _Parent:
 def _continue_after(child: _Child, tokens: list[int], logprobs: list[dict[int, Logprob]] | None) -> None:
     """Make `child` look as if it had already generated `tokens` (text, logprobs, token state)."""
     child.req.token_ids.extend(tokens)
+    if child.req.grammar is not None:
+        child.req.grammar.replay.extend(tokens)
     for t in tokens:
         child.detok.add_token(t)
     if child.logprobs is not None and logprobs is not None:
@@ -82,6 +89,10 @@ class LLMEngine:
         mode = config.scheduler.overlap_host_work
         self.overlap = mode == "on" or (mode == "auto" and self.core.runner.device.type == "cuda")
         self._inflight: InFlightStep | None = None
+        self.grammars = GrammarCache(self._grammar_backend)
+
+    def _grammar_backend(self) -> GrammarBackend:
+        return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
 
     @property
     def max_model_len(self) -> int:
@@ -110,6 +121,15 @@ class LLMEngine:
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         validate_prompt_ids(prompt_ids, self.vocab_size, self.max_model_len)
 
+    def validate_params(self, params: SamplingParams) -> None:
+        """Checks that need the model: logit_bias token ids in its vocabulary, a tokenizer for grammars."""
+        validate_model_params(params, self.vocab_size, self.tokenizer is not None)
+
+    def compile_grammar(self, params: StructuredOutputParams):
+        """Start compiling (or find cached) `params`' grammar; a Future whose `result()` raises
+        ValueError for an invalid grammar. Callers that want the error before queuing wait on it."""
+        return self.grammars.compile(params)
+
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
                     retention_class: str | None = None, output_prefix: list[int] | None = None,
@@ -124,6 +144,7 @@ class LLMEngine:
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenize(prompt)
         self.validate_prompt(prompt_ids)
+        self.validate_params(params)
         retention_class = self.core.check_retention(retention_class)
         output_prefix = list(output_prefix or [])
         if output_prefix and params.n != 1:
@@ -138,8 +159,12 @@ class LLMEngine:
             child_params = params
             if params.n > 1 and params.seed is not None and i > 0:
                 child_params = dataclasses.replace(params, seed=params.seed + i)
+            grammar = None
+            if params.structured_output is not None:  # each sequence walks the grammar on its own
+                grammar = self.grammars.request_state(params.structured_output)
             req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, prompt_ids, child_params,
-                          self.eos_token_ids, cache_salt, wait_for=first, retention_class=retention_class)
+                          self.eos_token_ids, cache_salt, wait_for=first, retention_class=retention_class,
+                          grammar=grammar)
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                                            params.include_stop_str_in_output)
@@ -186,6 +211,7 @@ class LLMEngine:
     def close(self) -> None:
         """Finish pending KV store writes and release the tiers (see `EngineCore.close`)."""
         self._inflight = None
+        self.grammars.close()
         self.core.close()
 
     def stats(self) -> dict[str, float]:
@@ -234,12 +260,26 @@ class LLMEngine:
         flight, which is discarded)."""
         core = self.core
         if not self.overlap:
-            return self._process(core.step())
-        inflight = self._inflight or core.launch()
-        if inflight is None:
-            return []
-        self._inflight = core.launch(ahead=inflight)
-        return self._process(core.complete(inflight, next_step=self._inflight))
+            outputs = core.step()
+        else:
+            inflight = self._inflight or core.launch()
+            if inflight is None:
+                outputs = []
+            else:
+                self._inflight = core.launch(ahead=inflight)
+                outputs = core.complete(inflight, next_step=self._inflight)
+        # requests the scheduler ended without a token (a grammar that failed to compile)
+        outputs += [CoreOutput(r, None, None) for r in core.scheduler.take_failed()]
+        if not outputs and self._inflight is None:
+            self._wait_for_grammars()
+        return self._process(outputs)
+
+    def _wait_for_grammars(self) -> None:
+        """Nothing ran: if requests wait only for their grammars, sleep until one compiles (briefly:
+        new requests may arrive meanwhile) instead of spinning."""
+        pending = [r.grammar for r in self.core.scheduler.waiting if r.grammar is not None and not r.grammar.poll()]
+        if pending and not self.core.scheduler.running:
+            wait_for_any(pending, timeout=0.05)
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         changed: dict[str, _Parent] = {}
@@ -249,7 +289,7 @@ class LLMEngine:
                 continue
             child = next(c for c in parent.children if c.req is out.request)
             self._process_token(child, out)
-            if parent.first_token_time is None:
+            if parent.first_token_time is None and out.new_token_id is not None:
                 parent.first_token_time = time.monotonic()
             changed[parent.request_id] = parent
         results = []
@@ -264,6 +304,8 @@ class LLMEngine:
     def _process_token(self, child: _Child, out: CoreOutput) -> None:
         token = out.new_token_id
         req = child.req
+        if token is None:
+            return
         ended_by_token = req.status is RequestStatus.FINISHED_STOPPED and (
             token in req.eos_token_ids or token == req.stop_reason)
         if not ended_by_token or req.params.include_stop_str_in_output:
@@ -292,7 +334,7 @@ class LLMEngine:
             outputs.append(CompletionOutput(
                 index=i, text=c.detok.text(finished), token_ids=list(token_ids),
                 cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason,
+                finish_reason=req.finish_reason, stop_reason=req.stop_reason, error=req.error,
             ))
         first = parent.children[0].req
         now = time.monotonic()

@@ -23,6 +23,7 @@ from typing import Any
 
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.structured import StructuredOutputParams
 
 # LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
 ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks"})
@@ -50,6 +51,16 @@ def validate_prompt_ids(prompt_ids: list[int], vocab_size: int, max_model_len: i
             f"{max_model_len} tokens (prompt + at least one generated token)")
 
 
+def validate_model_params(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> None:
+    """ValueError for sampling parameters this model cannot honour: logit_bias token ids outside its
+    vocabulary, structured output without a tokenizer."""
+    bad = next((t for t in (params.logit_bias or {}) if t >= vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"logit_bias token id {bad} is out of range [0, {vocab_size})")
+    if params.structured_output is not None and not has_tokenizer:
+        raise ValueError("structured output needs a tokenizer; this model has none")
+
+
 class EngineClient(ABC):
     """An engine serving requests for asyncio callers.
 
@@ -65,6 +76,7 @@ class EngineClient(ABC):
     tokenizer: Any
     max_model_len: int
     vocab_size: int
+    eos_token_ids: Any
     facts: dict  # model and cache facts (LLMEngine.describe())
 
     def __init__(self, max_queue: int | None) -> None:
@@ -74,6 +86,7 @@ class EngineClient(ABC):
         self._ids = itertools.count()
         self._pending_lock = threading.Lock()
         self._num_pending_adds = 0  # sent to the engine, not yet counted in its stats
+        self._grammars: Any = None  # GrammarCache, made on first use
 
     # ------------------------------------------------------------------ implementation hooks
 
@@ -117,6 +130,21 @@ class EngineClient(ABC):
     def validate_prompt(self, prompt_ids: list[int]) -> None:
         validate_prompt_ids(prompt_ids, self.vocab_size, self.max_model_len)
 
+    def validate_params(self, params: SamplingParams) -> None:
+        validate_model_params(params, self.vocab_size, self.tokenizer is not None)
+
+    async def compile_grammar(self, params: StructuredOutputParams) -> None:
+        """Compile `params`' grammar (or find it cached) without blocking the event loop; ValueError if it
+        is invalid. This default compiles on a cache of the client's own, beside the engine's (the engine
+        may live in another process); `AsyncEngine` shares the engine's."""
+        if self._grammars is None:
+            from deepinfer.engine.grammar import GrammarCache
+            from deepinfer.engine.structured import XGrammarBackend
+
+            self._grammars = GrammarCache(lambda: XGrammarBackend(self.tokenizer, self.vocab_size,
+                                                                  self.eos_token_ids), num_threads=1)
+        await asyncio.wrap_future(self._grammars.compile(params))
+
     def num_waiting(self) -> int:
         return int(self.stats().get("num_waiting", 0)) + self._num_pending_adds
 
@@ -134,6 +162,7 @@ class EngineClient(ABC):
         """`output_prefix` / `prefix_logprobs`: tokens another worker already generated for this request
         (see `LLMEngine.add_request`)."""
         self.validate_prompt(prompt_token_ids)
+        self.validate_params(params)
         retention_class = self.check_retention(retention_class)
         self.check_admission()
         request_id = request_id or f"areq-{next(self._ids)}"
@@ -173,6 +202,10 @@ class EngineClient(ABC):
         loop, not one per item. Callable from any thread."""
         by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Any]]] = defaultdict(list)
         for request_id, item in items:
+            if isinstance(item, RequestOutput) and item.finished:
+                error = next((c.error for c in item.outputs if c.error), None)
+                if error:  # an engine-side rejection (e.g. a grammar that failed to compile) ends the stream
+                    item = ValueError(error)
             target = self._streams.get(request_id)
             if target is not None:
                 by_loop[target[0]].append((target[1], item))

@@ -63,6 +63,13 @@ class LLM:
         tokenized = [self.engine.tokenize(self._prompt_of(p)) for p in prompts]
         for t in tokenized:
             self.engine.validate_prompt(t)
+        for sp in params_list:
+            self.engine.validate_params(sp)
+        # compile every grammar first (in parallel, cached for the engine): a bad one fails the call here
+        compiling = [self.engine.compile_grammar(sp.structured_output) for sp in params_list
+                     if sp.structured_output is not None]
+        for future in compiling:
+            future.result()
         self.engine.core.check_retention(retention_class)
         for p, t, sp in zip(prompts, tokenized, params_list, strict=True):
             ids.append(self.engine.add_request(self._prompt_of(p), sp, cache_salt=cache_salt, prompt_token_ids=t,

@@ -21,6 +21,7 @@ class CompletionOutput:
     logprobs: list[dict[int, Logprob]] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # set when the engine ended it early (finish_reason "abort"), e.g. a bad grammar
 
     def finished(self) -> bool:
         return self.finish_reason is not None

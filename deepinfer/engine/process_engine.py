@@ -48,6 +48,7 @@ class EngineInfo:
     max_model_len: int
     vocab_size: int
     retention: Any  # RetentionPolicy
+    eos_token_ids: Any
     facts: dict  # LLMEngine.describe()
     stats: dict  # the first stats snapshot
 
@@ -62,6 +63,7 @@ class CompletionDelta:
     cumulative_logprob: float | None
     finish_reason: str | None
     stop_reason: int | str | None
+    error: str | None = None
 
 
 @dataclass
@@ -95,6 +97,7 @@ class ProcessEngine(EngineClient):
         self.tokenizer = self.info.tokenizer
         self.max_model_len = self.info.max_model_len
         self.vocab_size = self.info.vocab_size
+        self.eos_token_ids = self.info.eos_token_ids
         self.facts = self.info.facts
         self._stats: dict[str, float] = self.info.stats
         self._adds_sent = 0
@@ -210,7 +213,7 @@ class ProcessEngine(EngineClient):
             outputs[c.index] = CompletionOutput(
                 index=c.index, text=old.text[:c.text_keep] + c.text_new, token_ids=old.token_ids + c.new_token_ids,
                 cumulative_logprob=c.cumulative_logprob, logprobs=logprobs, finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason)
+                stop_reason=c.stop_reason, error=c.error)
         out = RequestOutput(
             request_id=d.request_id, prompt=d.prompt if prev is None else prev.prompt,
             prompt_token_ids=d.prompt_token_ids if prev is None else prev.prompt_token_ids,
@@ -242,7 +245,7 @@ class _DeltaEncoder:
             keep = len(text) if o.text.startswith(text) else _common_prefix(text, o.text)
             lps = o.logprobs[nlp:] if o.logprobs is not None else None
             deltas.append(CompletionDelta(o.index, keep, o.text[keep:], o.token_ids[ntok:], lps,
-                                          o.cumulative_logprob, o.finish_reason, o.stop_reason))
+                                          o.cumulative_logprob, o.finish_reason, o.stop_reason, o.error))
             sent[o.index] = (o.text, len(o.token_ids), len(o.logprobs) if o.logprobs is not None else 0)
         if out.finished:
             self._sent.pop(out.request_id, None)
@@ -274,7 +277,8 @@ def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection
         outputs.send(("failed", traceback.format_exc()))
         return
     outputs.send(("ready", EngineInfo(engine.tokenizer, engine.max_model_len, engine.vocab_size,
-                                      engine.core.retention, engine.describe(), engine.stats())))
+                                      engine.core.retention, engine.eos_token_ids, engine.describe(),
+                                      engine.stats())))
     try:
         _serve_loop(engine, commands, outputs)
     except (EOFError, OSError, BrokenPipeError):

@@ -14,6 +14,7 @@ from typing import NamedTuple
 
 import torch
 
+from deepinfer.engine.grammar import RequestGrammar
 from deepinfer.engine.sampling_params import SamplingParams
 
 
@@ -45,7 +46,8 @@ class Request:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                  eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None,
                  max_tokens: int | None = None, arrival_time: float | None = None,
-                 wait_for: Request | None = None, retention_class: str | None = None) -> None:
+                 wait_for: Request | None = None, retention_class: str | None = None,
+                 grammar: RequestGrammar | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -74,6 +76,9 @@ class Request:
         self.block_hashes: list[bytes] = []  # chained hashes of this request's full blocks
         # n > 1: siblings wait until the first sibling's prompt is in the prefix cache, then share it.
         self.wait_for = wait_for
+        # structured output: compiled off the engine loop; the request waits (unscheduled) until it is
+        self.grammar = grammar
+        self.error: str | None = None  # why the engine ended it early (e.g. its grammar failed to compile)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)
@@ -104,7 +109,9 @@ class Request:
         return self.status.value if self.finished else None
 
     def ready_to_schedule(self) -> bool:
-        """False while an n>1 sibling is still computing the shared prompt."""
+        """False while its grammar compiles, or while an n>1 sibling is still computing the shared prompt."""
+        if self.grammar is not None and not self.grammar.poll():
+            return False
         first = self.wait_for
         if first is None or first.finished or first.num_computed_tokens >= first.num_prompt_tokens:
             self.wait_for = None

@@ -85,7 +85,8 @@ class PreparedStep:
     # (row in input_ids, request id) of tokens the previous step samples: filled in by `run`
     pending_tokens: list[tuple[int, str]] = field(default_factory=list)
     # set by the engine once the previous step's tokens are appended; sampling (penalties read the
-    # generated tokens) waits for it. None: nothing to wait for.
+    # generated tokens, grammar masks need the matchers advanced past them) waits for it. None:
+    # nothing to wait for.
     ready: threading.Event | None = None
 
 

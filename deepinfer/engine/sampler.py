@@ -1,10 +1,13 @@
-"""Batched sampling: penalties, min_tokens, temperature, top-k / top-p / min-p, seeds, logprobs.
+"""Batched sampling: penalties, logit bias, min_tokens, grammar masks, temperature, top-k / top-p /
+min-p, seeds, logprobs.
 
 All rows are processed as one [B, vocab] tensor; per-row parameters become
 column vectors. Random rows sample by the exponential race (argmax of p / E with
 E ~ Exp(1)), which lets a seeded request draw its noise from its own generator
 while unseeded rows share one draw. Logprobs come from the raw model
-distribution, before any processing.
+distribution, before any processing. Structured-output rows get their grammar's token bitmask
+(filled for all of them in one batched call, applied in one call) after the logit bias, so a bias
+can never re-allow a token the grammar forbids.
 """
 
 from __future__ import annotations
@@ -39,7 +42,9 @@ class Sampler:
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         logits = self._apply_penalties(logits, reqs)
+        logits = self._apply_logit_bias(logits, reqs)
         logits = self._apply_min_tokens(logits, reqs)
+        self._apply_grammar(logits, reqs)
         temps = [r.params.temperature for r in reqs]
         tokens = argmax_rows(logits)
         if any(t > 0 for t in temps):
@@ -91,11 +96,43 @@ class Sampler:
         return logits
 
     @staticmethod
+    def _apply_logit_bias(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        vocab = logits.shape[1]
+        for i, r in enumerate(reqs):
+            for tid, value in (r.params.logit_bias or {}).items():
+                if tid < vocab:  # the engine rejects larger ids; padding columns never get a bias
+                    rows.append(i)
+                    cols.append(tid)
+                    vals.append(float(value))
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits.index_put_((torch.tensor(rows), torch.tensor(cols)), torch.tensor(vals), accumulate=True)
+        return logits
+
+    @staticmethod
+    def _apply_grammar(logits: torch.Tensor, reqs: list[Request]) -> None:
+        """Mask, in place, every structured row whose grammar still constrains the next token. Runs
+        after the previous step's tokens were accepted (the runner waits for that under overlap).
+        Rows of finished requests are left alone: their token is discarded."""
+        rows = [i for i, r in enumerate(reqs) if r.grammar is not None and not r.finished and r.grammar.live]
+        if not rows:
+            return
+        backend = reqs[rows[0]].grammar.backend
+        bitmask = backend.allocate_bitmask(len(reqs))
+        backend.fill_bitmask([reqs[i].grammar.matcher for i in rows], bitmask, rows)
+        backend.apply_bitmask(logits, bitmask, rows)
+
+    @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
         cloned = False
         for i, r in enumerate(reqs):
             p = r.params
-            if r.num_output_tokens < p.min_tokens:
+            # a grammar decides when a structured output ends; banning its only stop would leave no token
+            if r.num_output_tokens < p.min_tokens and r.grammar is None:
                 banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(r.eos_token_ids))
                 if banned:
                     if not cloned:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from deepinfer.engine.structured import StructuredOutputParams
+
 
 @dataclass
 class SamplingParams:
@@ -13,6 +15,10 @@ class SamplingParams:
     generated tokens) and HF (repetition, on prompt and generated tokens). `logprobs=k`
     returns the sampled token's log-probability and the k most likely alternatives, from
     the model's raw distribution (before penalties and temperature).
+
+    `structured_output` constrains the output to a JSON schema, JSON object, regex or EBNF
+    grammar (see `StructuredOutputParams`). `logit_bias` maps token ids to values in [-100, 100]
+    added to their logits before sampling (OpenAI semantics; -100 effectively bans, 100 forces).
     """
 
     n: int = 1
@@ -32,6 +38,8 @@ class SamplingParams:
     logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    structured_output: StructuredOutputParams | None = None
+    logit_bias: dict[int, float] | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -73,6 +81,16 @@ class SamplingParams:
             raise bad(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop strings must be non-empty strings")
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):
+            raise bad("structured_output must be a StructuredOutputParams")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise bad("logit_bias must map token ids to numbers")
+            for tid, value in self.logit_bias.items():
+                if not isinstance(tid, int) or isinstance(tid, bool) or tid < 0:
+                    raise bad(f"logit_bias keys must be token ids (integers >= 0), got {tid!r}")
+                if not isinstance(value, int | float) or isinstance(value, bool) or not -100 <= value <= 100:
+                    raise bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tid}")
 
     @property
     def greedy(self) -> bool:

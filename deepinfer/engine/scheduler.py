@@ -11,6 +11,10 @@ is dropped; no waiting request is admitted in a step that preempted.
 
 A waiting request starts after its cached prefix: device blocks, then blocks the KV tiers (host
 memory, store) hold, which count as computed; the engine loads them before the step runs.
+
+Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
+whose grammar failed is finished with `Request.error` and reported through `take_failed`. `update`
+advances a request's grammar matcher once per appended token, and the grammar's termination ends it.
 """
 
 from __future__ import annotations
@@ -73,6 +77,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.failed: list[Request] = []  # ended by the engine with `Request.error`, not yet reported
 
     # ------------------------------------------------------------------ queue
 
@@ -94,7 +99,19 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
 
+    def take_failed(self) -> list[Request]:
+        """Requests the engine ended with an error (`Request.error`) since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def _fail_bad_grammars(self) -> None:
+        for req in [r for r in self.waiting if r.grammar is not None and r.grammar.poll() and r.grammar.error]:
+            req.error = req.grammar.error
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self.failed.append(req)
+
     def schedule(self) -> SchedulerOutput:
+        self._fail_bad_grammars()
         out = SchedulerOutput()
         policy = self.policy
         policy.begin_step()
@@ -238,6 +255,14 @@ class Scheduler:
             req.token_ids.append(token)
             advanced.append(req)
             status = self._stop_status(req, token)
+            if req.grammar is not None:
+                # the one place a structured request's matcher advances: once per appended token
+                if not req.grammar.accept(token):
+                    # only when no token satisfied both the grammar and another rule (e.g. min_tokens)
+                    req.error = f"token {token} violates the request's grammar; no allowed token was left"
+                    status = RequestStatus.FINISHED_ABORTED
+                elif status is None and req.grammar.terminated:
+                    status = RequestStatus.FINISHED_STOPPED
             if status is not None:
                 self._finish(req, status)
         return advanced

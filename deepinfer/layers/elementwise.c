@@ -100,3 +100,27 @@ void argmax_rows(const float *x, int M, int N, int64_t *out) {
         out[m] = best;
     }
 }
+
+/* Grammar token masks: for each listed row, logits[row][t] = -inf where bit t of the row's bitmask
+   (32 tokens per int32 word, low bit first, as xgrammar packs it) is 0. A fully-allowed word is
+   skipped, a fully-forbidden one filled; tokens past `vocab` are left alone. */
+void apply_token_bitmask(float *logits, int ld, const int32_t *bitmask, int words, const int64_t *rows,
+                         int nrows, int vocab) {
+    const float ninf = -INFINITY;
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < nrows; r++) {
+        float *row = logits + rows[r] * (int64_t)ld;
+        const int32_t *bits = bitmask + rows[r] * (int64_t)words;
+        for (int w = 0; w < words; w++) {
+            uint32_t word = (uint32_t)bits[w];
+            if (word == 0xFFFFFFFFu) continue;
+            int base = w * 32, end = base + 32 < vocab ? base + 32 : vocab;
+            if (word == 0) {
+                for (int t = base; t < end; t++) row[t] = ninf;
+            } else {
+                for (int t = base; t < end; t++)
+                    if (!((word >> (t - base)) & 1u)) row[t] = ninf;
+            }
+        }
+    }
+}

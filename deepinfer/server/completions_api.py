@@ -27,6 +27,7 @@ from deepinfer.server.serving import (
     stream_with_metrics,
     usage,
 )
+from deepinfer.server.structured_fields import grammar_field, precompile
 
 
 def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[str | None, list[int]]]:
@@ -69,9 +70,11 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
                                 engine.max_model_len, "prompt") for _, ids in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gens = [stream_with_metrics(ctx, ids, sampling_params(req, mt, req.logprobs), req.cache_salt, prompt=text,
-                                retention=retention)
-            for (text, ids), mt in zip(prompts, max_tokens, strict=True)]
+    params = [sampling_params(req, mt, req.logprobs, engine) for mt in max_tokens]
+    await precompile(engine, params[0], grammar_field(req))  # a bad grammar is a 400, also when streaming
+    gens = [stream_with_metrics(ctx, ids, p, req.cache_salt, prompt=text, retention=retention,
+                                grammar_param=grammar_field(req))
+            for (text, ids), p in zip(prompts, params, strict=True)]
     if req.stream:
         return StreamingResponse(_completion_sse(ctx, req, rid, created, prompts, gens),
                                  media_type="text/event-stream")

@@ -36,6 +36,7 @@ from deepinfer.server.serving import (
     stream_with_metrics,
     usage,
 )
+from deepinfer.server.structured_fields import grammar_field
 from deepinfer.server.tooling import ToolPlan, constrain, kept_calls, openai_plan, output_parser, render
 
 __all__ = ["ServingContext", "chat_completion", "chat_messages", "completion"]
@@ -123,11 +124,13 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
     max_tokens = check_context(len(prompt_ids), req.max_completion_tokens or req.max_tokens,
                                engine.max_model_len, "messages")
     top_n = req.top_logprobs or 0
-    params = constrain(sampling_params(req, max_tokens, top_n if req.logprobs else None), plan)
+    params = constrain(sampling_params(req, max_tokens, top_n if req.logprobs else None, engine), plan)
+    grammar_param = grammar_field(req) or ("tool_choice" if plan.choice.constrained else None)
     retention = retention_class(ctx, req, raw)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    gen = stream_with_metrics(ctx, prompt_ids, params, req.cache_salt, retention=retention)
+    gen = stream_with_metrics(ctx, prompt_ids, params, req.cache_salt, retention=retention,
+                              grammar_param=grammar_param)
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_chat_sse(ctx, req, plan, rid, created, first, gen, top_n),
@@ -137,7 +140,7 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
         return client_gone()
     choices, parsers = [], []
     for c in final.outputs:
-        parsers.append(output_parser(ctx, prompt_ids, plan))
+        parsers.append(output_parser(ctx, prompt_ids, plan, grammar_field(req) is not None))
         message, finish = _message(c, parsers[-1], plan)
         choices.append({
             "index": c.index, "message": message,
@@ -202,7 +205,7 @@ async def _chat_sse(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolP
                 st = states[c.index]
                 if not st.started:
                     st.started = True
-                    st.extra["parser"] = output_parser(ctx, out.prompt_token_ids, plan)
+                    st.extra["parser"] = output_parser(ctx, out.prompt_token_ids, plan, grammar_field(req) is not None)
                     yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None})
                 parser: OutputParser = st.extra["parser"]

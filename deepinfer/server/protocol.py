@@ -68,6 +68,13 @@ class SamplingFields(_Lenient):
     user: str | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+    # structured output and biases: mapped onto SamplingParams by server/structured_fields.py
+    response_format: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

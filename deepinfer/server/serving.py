@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse
 from deepinfer.engine.engine_client import EngineClient
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.structured import StructuredOutputParams
 from deepinfer.recipe.output import RecipeOptions
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, SamplingFields
@@ -58,7 +59,11 @@ def make_sampling_params(**kwargs: Any) -> SamplingParams:
         raise APIError(400, str(e).removeprefix("invalid sampling parameter: ")) from e
 
 
-def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
+                    engine: EngineClient) -> SamplingParams:
+    """The Chat / Completions fields as SamplingParams (structured output and logit_bias included)."""
+    from deepinfer.server.structured_fields import engine_fields
+
     return make_sampling_params(
         n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
         top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
@@ -66,18 +71,15 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None) 
         max_tokens=max_tokens, min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output,
+        include_stop_str_in_output=req.include_stop_str_in_output, **engine_fields(req, engine),
     )
 
 
 def with_structured_output(params: SamplingParams, param: str, **spec: Any) -> SamplingParams:
     """`params` constrained by a grammar (`json_schema=`, `json_object=`, `regex=` or `grammar=`, as in
-    deepinfer.engine.structured.StructuredOutputParams); 400 where this build has no structured output."""
-    try:
-        from deepinfer.engine.structured import StructuredOutputParams
-    except ImportError:
-        raise APIError(400, f"{param}: structured output is not supported yet by this server",
-                       param=param) from None
+    deepinfer.engine.structured.StructuredOutputParams); a 400 naming `param` if the spec is invalid."""
+    if params.structured_output is not None:
+        raise APIError(400, f"{param} cannot be combined with another structured-output constraint", param=param)
     try:
         return dataclasses.replace(params, structured_output=StructuredOutputParams(**spec))
     except (ValueError, TypeError) as e:
@@ -117,7 +119,13 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
 
 async def stream_with_metrics(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams,
                               cache_salt: str | None, prompt: str | None = None,
-                              retention: str | None = None) -> AsyncIterator[RequestOutput]:
+                              retention: str | None = None, grammar_param: str | None = None
+                              ) -> AsyncIterator[RequestOutput]:
+    """The engine's stream for one request, observed by the metrics. A grammar is compiled (or found
+    cached) first, so an invalid one is a 400 naming `grammar_param` before anything is queued."""
+    from deepinfer.server.structured_fields import precompile
+
+    await precompile(ctx.engine, params, grammar_param)
     timer = ctx.metrics.timer()
     async for out in ctx.engine.generate(prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
                                          retention_class=retention):
