@@ -4,7 +4,6 @@ This SDK version has no temperature parameter on messages.create; greedy decodin
 
 from __future__ import annotations
 
-import importlib.util
 import time
 
 import anthropic
@@ -19,7 +18,6 @@ Q = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
 WEATHER = {"name": "get_weather", "description": "Get the current weather in a city",
            "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-HAS_STRUCTURED = importlib.util.find_spec("deepinfer.engine.structured") is not None
 # two earlier turns that called the tool: the 135M default model copies the pattern for the third city
 FEW_SHOT = []
 for _i, _city in enumerate(("Paris", "Rome")):
@@ -180,13 +178,6 @@ def test_error_shapes_by_path(server):
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key" and "type" not in r.json()
 
 
-@pytest.mark.skipif(HAS_STRUCTURED, reason="structured output is present: the enforcement test runs instead")
-def test_tool_choice_any_without_structured_output_is_400(client):
-    with pytest.raises(anthropic.BadRequestError, match="not supported yet"):
-        client.messages.create(model=MODEL, max_tokens=20, messages=Q, tools=[WEATHER], tool_choice={"type": "any"})
-
-
-@pytest.mark.skipif(not HAS_STRUCTURED, reason="needs deepinfer.engine.structured (branch `structured`)")
 @pytest.mark.parametrize("choice", [{"type": "any"}, {"type": "tool", "name": "get_weather"}])
 def test_tool_choice_enforced(client, choice):
     m = client.messages.create(model=MODEL, max_tokens=80, messages=[{"role": "user", "content": "Tell me a joke."}],

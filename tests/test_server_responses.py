@@ -3,7 +3,6 @@ official `openai` SDK."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import httpx
@@ -17,7 +16,6 @@ Q = "What is the capital of France?"
 WEATHER = {"type": "function", "name": "get_weather", "description": "Get the current weather in a city",
            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
 CHAT_WEATHER = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
-HAS_STRUCTURED = importlib.util.find_spec("deepinfer.engine.structured") is not None
 TEXT_ORDER = ["response.created", "response.in_progress", "response.output_item.added",
               "response.content_part.added", "response.output_text.delta", "response.output_text.done",
               "response.content_part.done", "response.output_item.done", "response.completed"]
@@ -164,14 +162,6 @@ def test_function_call_items(client):
     assert follow.usage.input_tokens > r.usage.input_tokens
 
 
-@pytest.mark.skipif(HAS_STRUCTURED, reason="structured output is present: covered by the json_schema test")
-def test_text_format_without_structured_output_is_400(client):
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client.responses.create(model=MODEL, input="hi", max_output_tokens=4, text={"format": {
-            "type": "json_schema", "name": "x", "schema": {"type": "object"}}})
-
-
-@pytest.mark.skipif(not HAS_STRUCTURED, reason="needs deepinfer.engine.structured (branch `structured`)")
 def test_text_format_json_schema_validates(client):
     jsonschema = pytest.importorskip("jsonschema")
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "sunny": {"type": "boolean"}},
@@ -220,14 +210,6 @@ def test_chat_tool_errors(client):
                                               "max_tokens": 5, **kwargs})
 
 
-@pytest.mark.skipif(HAS_STRUCTURED, reason="structured output is present: the enforcement test runs instead")
-def test_chat_tool_choice_required_without_structured_output_is_400(client):
-    with pytest.raises(openai.BadRequestError, match="not supported yet"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": Q}], tools=[CHAT_WEATHER],
-                                       tool_choice="required", max_tokens=20)
-
-
-@pytest.mark.skipif(not HAS_STRUCTURED, reason="needs deepinfer.engine.structured (branch `structured`)")
 @pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
 def test_chat_tool_choice_enforced(client, choice):
     # a question that does not call for the tool: only the grammar makes the model call it
