@@ -64,6 +64,9 @@ class SimConfig:
         1e-5, "Seconds to load one cached token's KV from the store (~23 KB/token at ~2 GB/s for SmolLM2-135M).")
     max_running: int = _f(128, "Decode worker: most requests in a batch (as --max-num-seqs).")
     kv_capacity_tokens: int = _f(2_097_152, "Decode worker: KV capacity in tokens (input + output reserved).")
+    decode_pick: str = _f("arrival", "When the decode worker is chosen: arrival (as the router does: with the "
+                          "prefill worker, seeing only requests already decoding) or prefill_done (when the first "
+                          "token exists).", choices=["arrival", "prefill_done"])
     decode_running_weight: float = _f(1.0, "deepinfer policy: weight of running requests / max_running.")
     decode_kv_weight: float = _f(1.0, "deepinfer policy: weight of KV tokens / KV capacity.")
 
@@ -73,6 +76,8 @@ class SimConfig:
         for name in ("max_chunk_tokens", "block_tokens", "max_running", "kv_capacity_tokens", "target_load"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        if self.decode_pick not in ("arrival", "prefill_done"):
+            raise ValueError(f"decode_pick must be arrival or prefill_done, got {self.decode_pick!r}")
         if self.time_scale is not None and self.time_scale <= 0:
             raise ValueError("time_scale must be positive")
         if self.load_seconds_per_token < 0:
@@ -271,6 +276,9 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
         return WorkerView(f"decode-{i}", 0.0, 0, running + len(w.waiting), w.context + w.waiting_tokens,
                           cfg.max_running, cfg.kv_capacity_tokens, model)
 
+    def pick_decode(route: RouteInfo) -> int:
+        return int(policy.pick_decode([decode_view(i) for i in range(len(dec))], route).url.rsplit("-", 1)[1])
+
     def start_prefill(i: int, now: float) -> None:
         nonlocal hits
         w = pre[i]
@@ -317,8 +325,8 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
                                                             cfg.block_tokens), max(r.output_length, 1))
             views = [prefill_view(i, now) for i in range(len(pre))]
             p = int(policy.pick_prefill(views, route).url.rsplit("-", 1)[1])
-            decode_of[idx] = int(policy.pick_decode([decode_view(i) for i in range(len(dec))], route)
-                                 .url.rsplit("-", 1)[1])
+            if cfg.decode_pick == "arrival":
+                decode_of[idx] = pick_decode(route)
             estimate = model.prefill_seconds(r.input_length, route.num_cached_tokens, cfg.max_chunk_tokens)
             pre[p].queue.append((idx, estimate))
             pre[p].queued_estimate += estimate
@@ -334,6 +342,8 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
             if r.output_length <= 1:
                 finish[idx] = now
                 continue
+            if cfg.decode_pick == "prefill_done":
+                decode_of[idx] = pick_decode(RouteInfo(r.input_length, 0, r.output_length))
             d = dec[decode_of[idx]]
             d.waiting.append(idx)
             d.waiting_tokens += r.input_length + 1
@@ -388,7 +398,8 @@ def run(cfg: SimConfig) -> tuple[str, list[PolicyResult]]:
     span = (requests[-1].arrival - requests[0].arrival) * scale
     head = (f"trace {path.name}: {len(requests)} requests over {span:.0f} s simulated (time scale {scale:.3g}"
             f"{'' if cfg.time_scale else f', prefill load {cfg.target_load:g}'}); "
-            f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode workers; cost model "
+            f"{cfg.prefill_workers} prefill + {cfg.decode_workers} decode workers (decode picked at "
+            f"{cfg.decode_pick}); cost model "
             f"{dict(zip(TERMS, model.coef.tolist(), strict=True))}; ideal hit rate "
             f"{ideal_hit_rate(requests, cfg.block_tokens):.1%}")
     return head + "\n\n" + format_table(results), results
