@@ -140,6 +140,11 @@ def test_bad_trace_and_config(tmp_path):
         load_trace(bad)
     with pytest.raises(ValueError, match="unknown routing policy"):
         SimConfig(policies=("fastest",))
+    with pytest.raises(ValueError, match="time_scale"):
+        SimConfig(time_scale=0.0)
+    with pytest.raises(ValueError, match="store_capacity_blocks"):
+        SimConfig(store_capacity_blocks=-1)
+    assert main(["bench", "simulate", "--trace", str(bad), "--max-requests", "0"]) == 2
     coef = tmp_path / "c.json"
     coef.write_text(json.dumps({"overhead": 0.01, "token": 1e-4}))
     with pytest.raises(ValueError, match="lack"):

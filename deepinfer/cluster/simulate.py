@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import math
 from collections import OrderedDict, deque
@@ -73,22 +74,18 @@ class SimConfig:
     def __post_init__(self) -> None:
         if self.prefill_workers <= 0 or self.decode_workers <= 0:
             raise ValueError("need at least one prefill and one decode worker")
-        for name in ("max_chunk_tokens", "block_tokens", "max_running", "kv_capacity_tokens", "target_load"):
-            if getattr(self, name) <= 0:
+        for name in ("max_chunk_tokens", "block_tokens", "max_running", "kv_capacity_tokens", "target_load",
+                     "time_scale", "max_requests"):
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
+        for name in ("load_seconds_per_token", "store_capacity_blocks"):
+            if getattr(self, name) is not None and getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0")
         if self.decode_pick not in ("arrival", "prefill_done"):
             raise ValueError(f"decode_pick must be arrival or prefill_done, got {self.decode_pick!r}")
-        if self.time_scale is not None and self.time_scale <= 0:
-            raise ValueError("time_scale must be positive")
-        if self.load_seconds_per_token < 0:
-            raise ValueError("load_seconds_per_token must be >= 0")
-        if self.store_capacity_blocks is not None and self.store_capacity_blocks < 0:
-            raise ValueError("store_capacity_blocks must be >= 0")
-        if self.max_requests is not None and self.max_requests <= 0:
-            raise ValueError("max_requests must be positive")
-        for p in self.policies:
-            if p not in POLICIES:
-                raise ValueError(f"unknown routing policy {p!r} (choose from {', '.join(POLICIES)})")
+        unknown = [p for p in self.policies if p not in POLICIES] or ([] if self.policies else ["(none)"])
+        if unknown:
+            raise ValueError(f"unknown routing policy {unknown[0]!r} (choose from {', '.join(POLICIES)})")
 
 
 @dataclass(frozen=True)
@@ -257,13 +254,11 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
     first_token = [math.nan] * n
     finish = [math.nan] * n
     hits = 0
-    events: list[tuple[float, int, int, int, int]] = []  # (time, seq, kind, worker, request)
-    seq = 0
+    events: list[tuple[float, int, int, int, int]] = []  # (time, seq, kind, worker, request); seq breaks ties
+    order = itertools.count()
 
     def push(t: float, kind: int, worker: int, idx: int) -> None:
-        nonlocal seq
-        heapq.heappush(events, (t, seq, kind, worker, idx))
-        seq += 1
+        heapq.heappush(events, (t, next(order), kind, worker, idx))
 
     def prefill_view(i: int, now: float) -> WorkerView:
         w = pre[i]
