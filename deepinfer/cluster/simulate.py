@@ -278,7 +278,7 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
         nonlocal hits
         w = pre[i]
         idx, estimate = w.queue.popleft()
-        w.queued_estimate -= estimate
+        w.queued_estimate = w.queued_estimate - estimate if w.queue else 0.0  # no float drift below zero
         r = requests[idx]
         c = cached_tokens(store.cached_blocks(r.hash_ids, touch=True), r.input_length, cfg.block_tokens)
         hits += c
