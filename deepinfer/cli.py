@@ -1,4 +1,4 @@
-"""`deepinfer` command line: serve | router | generate | chat | cache. Flags are generated from the config dataclasses."""
+"""`deepinfer` command line: serve | router | generate | chat | cache | bench simulate. Flags are generated from the config dataclasses."""
 
 from __future__ import annotations
 
@@ -181,6 +181,14 @@ def cmd_cache(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_simulate(args: argparse.Namespace) -> int:
+    from deepinfer.cluster.simulate import SimConfig, run
+
+    report, _ = run(config_from_args(SimConfig, args))
+    print(report)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="LLM inference serving.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (default: INFO).")
@@ -224,6 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     gc.add_argument("--verify", action="store_true", help="Also check every payload checksum (reads everything).")
     actions.add_parser("clear", parents=[store_args], help="Remove every block in the store.")
     cache.set_defaults(func=cmd_cache)
+
+    from deepinfer.cluster.simulate import add_arguments as simulate_arguments
+
+    bench = sub.add_parser("bench", help="Benchmarks that need no running server.")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    sim = benches.add_parser("simulate", help="Replay a trace against modelled prefill/decode workers "
+                             "(cost model + shared store hit model) and compare routing policies side by side.")
+    simulate_arguments(sim)
+    sim.set_defaults(func=cmd_bench_simulate)
     return parser
 
 
