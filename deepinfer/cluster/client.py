@@ -129,6 +129,7 @@ class ClusterEngineClient:
         base = {"request_id": rid, "prompt_token_ids": prompt_token_ids, "params": params_to_json(params),
                 "cache_salt": cache_salt, "retention_class": retention_class}
         shipment: _Shipment | None = None
+        decoder: Worker | None = None
         try:
             first, decoder, shipment = await self._prefill(base, route)
             first.request_id = rid
@@ -143,6 +144,8 @@ class ClusterEngineClient:
             self.num_failed += 1
             raise
         finally:
+            if decoder is not None:  # its reservation, if the request never reached it (or ended there)
+                decoder.inflight_decode_tokens.pop(rid, None)
             if shipment is not None:
                 await shipment.close()
 
@@ -176,6 +179,10 @@ class ClusterEngineClient:
                 break
             pw = self._pick(prefills, route, prefill=True)
             dw = self._pick(decodes, route, prefill=False)
+            # counted against the decode worker from the pick on: requests still in prefill must not be
+            # invisible to the next pick, or every arrival in that window herds onto one worker
+            dw.inflight_decode_tokens[base["request_id"]] = route.num_prompt_tokens + 1
+            picked = False
             tried.add(pw.url)
             transfer_id = uuid.uuid4().hex
             estimate = estimated_prefill_seconds(pw.view(), route)
@@ -194,6 +201,7 @@ class ClusterEngineClient:
                 first = await _next_line(lines)
                 if first is None:
                     raise _Retry("the prefill answer ended before its first token")
+                picked = True
                 return output_from_json(first["output"]), dw, _Shipment(r, lines, transfer_id)
             except httpx.TimeoutException as e:
                 if r is not None:
@@ -213,6 +221,8 @@ class ClusterEngineClient:
                     self.num_prefill_retries += 1
             finally:
                 pw.inflight_prefill_seconds.pop(base["request_id"], None)
+                if not picked:
+                    dw.inflight_decode_tokens.pop(base["request_id"], None)
         raise WorkerError(last_error)
 
     def _pick(self, workers: list[Worker], route: RouteInfo, prefill: bool) -> Worker:

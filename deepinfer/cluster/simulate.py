@@ -66,8 +66,8 @@ class SimConfig:
     max_running: int = _f(128, "Decode worker: most requests in a batch (as --max-num-seqs).")
     kv_capacity_tokens: int = _f(2_097_152, "Decode worker: KV capacity in tokens (input + output reserved).")
     decode_pick: str = _f("arrival", "When the decode worker is chosen: arrival (as the router does: with the "
-                          "prefill worker, seeing only requests already decoding) or prefill_done (when the first "
-                          "token exists).", choices=["arrival", "prefill_done"])
+                          "prefill worker, counting requests against it from the pick on) or prefill_done (when the "
+                          "first token exists).", choices=["arrival", "prefill_done"])
     decode_running_weight: float = _f(1.0, "deepinfer policy: weight of running requests / max_running.")
     decode_kv_weight: float = _f(1.0, "deepinfer policy: weight of KV tokens / KV capacity.")
 
@@ -207,6 +207,8 @@ class _Prefill:
 class _Decode:
     waiting: deque = field(default_factory=deque)  # request indices
     waiting_tokens: int = 0
+    assigned: int = 0  # routed here at arrival, still in prefill (the router counts them from the pick on)
+    assigned_tokens: int = 0
     finishes: list = field(default_factory=list)  # heap of (step at which it leaves, request index)
     reserved: int = 0  # input + output of the running requests
     context: int = 0  # sum over running of input + tokens generated
@@ -268,7 +270,8 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
     def decode_view(i: int) -> WorkerView:
         w = dec[i]
         running = len(w.finishes)
-        return WorkerView(f"decode-{i}", 0.0, 0, running + len(w.waiting), w.context + w.waiting_tokens,
+        return WorkerView(f"decode-{i}", 0.0, 0, running + len(w.waiting) + w.assigned,
+                          w.context + w.waiting_tokens + w.assigned_tokens,
                           cfg.max_running, cfg.kv_capacity_tokens, model)
 
     def pick_decode(route: RouteInfo) -> int:
@@ -322,6 +325,8 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
             p = int(policy.pick_prefill(views, route).url.rsplit("-", 1)[1])
             if cfg.decode_pick == "arrival":
                 decode_of[idx] = pick_decode(route)
+                dec[decode_of[idx]].assigned += 1
+                dec[decode_of[idx]].assigned_tokens += r.input_length + 1
             estimate = model.prefill_seconds(r.input_length, route.num_cached_tokens, cfg.max_chunk_tokens)
             pre[p].queue.append((idx, estimate))
             pre[p].queued_estimate += estimate
@@ -334,6 +339,9 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
             pre[wi].busy = False
             if pre[wi].queue:
                 start_prefill(wi, now)
+            if cfg.decode_pick == "arrival":  # from assigned to waiting (or done) on its decode worker
+                dec[decode_of[idx]].assigned -= 1
+                dec[decode_of[idx]].assigned_tokens -= r.input_length + 1
             if r.output_length <= 1:
                 finish[idx] = now
                 continue
