@@ -104,6 +104,20 @@ def test_one_token_stop_strings_and_completions_match_unified(client, unified):
     assert got.choices[0].text == ref.choices[0].text
 
 
+def test_structured_output_through_the_cluster_matches_unified(client, unified):
+    # the decode worker's grammar replays the prefill worker's first token before sampling its own
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "string"}},
+              "required": ["a", "b"]}
+    fmt = {"type": "json_schema", "json_schema": {"name": "t", "schema": schema}}
+    ref = _chat(unified, PROMPTS[0], 24, response_format=fmt)
+    got = _chat(client, PROMPTS[0], 24, response_format=fmt)
+    assert got.choices[0].message.content == ref.choices[0].message.content
+    assert got.choices[0].finish_reason == ref.choices[0].finish_reason
+    with pytest.raises(openai.BadRequestError):  # rejected by the router, before any worker
+        _chat(client, PROMPTS[0], 4, response_format={"type": "json_schema", "json_schema": {
+            "name": "bad", "schema": {"type": "no-such-type"}}})
+
+
 def test_n_choices_match_unified(client, unified):
     ref = _chat(unified, PROMPTS[1], 6, n=3)
     got = _chat(client, PROMPTS[1], 6, n=3)

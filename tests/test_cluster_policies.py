@@ -110,3 +110,15 @@ def test_pool_rotation_tracks_liveness():
     assert pool.rotation("prefill") == [] and a.failures == 1
     with pytest.raises(ValueError):
         pool.add("http://c", "unified")
+
+
+def test_sampling_params_survive_the_wire():
+    import json
+
+    from deepinfer.cluster.wire import params_from_json, params_to_json
+    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.engine.structured import StructuredOutputParams
+
+    p = SamplingParams(temperature=0, max_tokens=7, stop=["x"], logit_bias={5: 2.5, 17: -100.0},
+                       structured_output=StructuredOutputParams(json_schema={"type": "object"}))
+    assert params_from_json(json.loads(json.dumps(params_to_json(p)))) == p

@@ -33,11 +33,12 @@ from deepinfer.cluster.policies import RouteInfo, RoutingPolicy, estimated_prefi
 from deepinfer.cluster.pool import Worker, WorkerPool
 from deepinfer.cluster.wire import logprobs_to_json, output_from_json, params_to_json
 from deepinfer.config import RouterConfig
-from deepinfer.engine.async_engine import EngineDeadError
 from deepinfer.engine.block_hash import extend_block_hashes, root_hash
+from deepinfer.engine.engine_client import EngineDeadError, GrammarChecker, validate_model_params
 from deepinfer.engine.kv_tiers import resolve_retention
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.structured import StructuredOutputParams
 from deepinfer.kvstore import RetentionPolicy
 from deepinfer.server.protocol import APIError
 
@@ -57,10 +58,12 @@ class _Retry(Exception):
 class ClusterEngineClient:
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, tokenizer, vocab_size: int,
                  retention: RetentionPolicy, config: RouterConfig, default_max_model_len: int,
-                 store_path: Path | None = None) -> None:
+                 store_path: Path | None = None, eos_token_ids: Any = frozenset()) -> None:
         self.pool = pool
         self.policy = policy
         self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self._grammars: GrammarChecker | None = None
         self.config = config
         self.retention = retention
         self.vocab_size = vocab_size
@@ -92,6 +95,12 @@ class ClusterEngineClient:
         if not self.healthy:
             raise WorkerError("no prefill or no decode worker is available")
 
+    async def compile_grammar(self, params: StructuredOutputParams) -> None:
+        """Reject an invalid grammar here, before a worker sees the request (see `GrammarChecker`)."""
+        if self._grammars is None:
+            self._grammars = GrammarChecker(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        await self._grammars.check(params)
+
     def check_retention(self, retention_class: str | None) -> str:
         return resolve_retention(self.retention, retention_class)
 
@@ -120,6 +129,7 @@ class ClusterEngineClient:
                                               retention_class):
                 yield out
             return
+        validate_model_params(params, self.vocab_size, self.tokenizer is not None)
         bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None or not prompt_token_ids:
             raise ValueError("the prompt is empty" if bad is None else f"prompt token id {bad} is out of range")

@@ -107,7 +107,7 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
     """Pool, policy and tokenizer of a router (the model's tokenizer and config only; no weights)."""
     from transformers import AutoConfig
 
-    from deepinfer.recipe.tokenizer import load_tokenizer
+    from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
     from deepinfer.weights import resolve_model
 
     files = resolve_model(model.model)
@@ -122,7 +122,8 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
     retention = RetentionPolicy.parse(kvstore.kv_retention, kvstore.default_retention_class)
     default_len = model.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 4096
     store: Path | None = kvstore.store_path()
-    return ClusterEngineClient(pool, policy, tokenizer, hf_config.vocab_size, retention, router, default_len, store)
+    return ClusterEngineClient(pool, policy, tokenizer, hf_config.vocab_size, retention, router, default_len, store,
+                               eos_token_ids(tokenizer, hf_config, files.directory))
 
 
 def model_name_of(model: ModelConfig) -> str:

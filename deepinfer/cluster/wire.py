@@ -12,6 +12,7 @@ from typing import Any
 
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.structured import StructuredOutputParams
 
 
 def params_to_json(p: SamplingParams) -> dict[str, Any]:
@@ -19,6 +20,12 @@ def params_to_json(p: SamplingParams) -> dict[str, Any]:
 
 
 def params_from_json(d: dict[str, Any]) -> SamplingParams:
+    """The inverse of `params_to_json`: JSON turned the grammar into a dict and logit_bias keys into strings."""
+    d = dict(d)
+    if d.get("structured_output") is not None:
+        d["structured_output"] = StructuredOutputParams(**d["structured_output"])
+    if d.get("logit_bias") is not None:
+        d["logit_bias"] = {int(t): float(v) for t, v in d["logit_bias"].items()}
     return SamplingParams(**d)
 
 

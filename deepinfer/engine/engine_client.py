@@ -138,12 +138,8 @@ class EngineClient(ABC):
         is invalid. This default compiles on a cache of the client's own, beside the engine's (the engine
         may live in another process); `AsyncEngine` shares the engine's."""
         if self._grammars is None:
-            from deepinfer.engine.grammar import GrammarCache
-            from deepinfer.engine.structured import XGrammarBackend
-
-            self._grammars = GrammarCache(lambda: XGrammarBackend(self.tokenizer, self.vocab_size,
-                                                                  self.eos_token_ids), num_threads=1)
-        await asyncio.wrap_future(self._grammars.compile(params))
+            self._grammars = GrammarChecker(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        await self._grammars.check(params)
 
     def num_waiting(self) -> int:
         return int(self.stats().get("num_waiting", 0)) + self._num_pending_adds
@@ -216,6 +212,20 @@ class EngineClient(ABC):
     def _fail_all(self, error: BaseException) -> None:
         self.dead = error
         self._deliver([(rid, EngineDeadError(f"the engine loop died: {error!r}")) for rid in list(self._streams)])
+
+
+class GrammarChecker:
+    """Compiles grammars where no engine lives (the server beside an engine process, the router), only to
+    reject invalid ones before a request is queued; cached by schema like the engine's own."""
+
+    def __init__(self, tokenizer: Any, vocab_size: int, eos_token_ids: Any) -> None:
+        from deepinfer.engine.grammar import GrammarCache
+        from deepinfer.engine.structured import XGrammarBackend
+
+        self._cache = GrammarCache(lambda: XGrammarBackend(tokenizer, vocab_size, eos_token_ids), num_threads=1)
+
+    async def check(self, params: StructuredOutputParams) -> None:
+        await asyncio.wrap_future(self._cache.compile(params))
 
 
 def settle_future(future: asyncio.Future, ok: bool, value: Any) -> None:
