@@ -13,7 +13,6 @@ runs the same loop in a process of its own; see engine_client.py for the shared 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import queue
 import threading
@@ -21,7 +20,13 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
-from deepinfer.engine.engine_client import EngineClient, EngineDeadError, QueueFullError, settle_future
+from deepinfer.engine.engine_client import (
+    EngineClient,
+    EngineDeadError,
+    QueueFullError,
+    run_engine_call,
+    settle_from_thread,
+)
 from deepinfer.engine.structured import StructuredOutputParams
 
 __all__ = ["AsyncEngine", "EngineDeadError", "QueueFullError"]
@@ -119,9 +124,4 @@ class AsyncEngine(EngineClient):
             self.engine.abort_request(payload)
         elif kind == "call":
             method, args, loop, future = payload
-            try:
-                ok, value = True, getattr(self.engine, method)(*args)
-            except Exception as e:  # noqa: BLE001 - the caller gets it
-                ok, value = False, e
-            with contextlib.suppress(RuntimeError):  # the event loop is closed
-                loop.call_soon_threadsafe(settle_future, future, ok, value)
+            settle_from_thread(loop, future, *run_engine_call(self.engine, method, args))

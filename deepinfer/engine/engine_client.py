@@ -228,8 +228,23 @@ class GrammarChecker:
         await asyncio.wrap_future(self._cache.compile(params))
 
 
-def settle_future(future: asyncio.Future, ok: bool, value: Any) -> None:
-    """Complete `future` with a result (ok) or an exception, unless its caller gave up on it."""
+def run_engine_call(engine: Any, method: str, args: tuple) -> tuple[bool, Any]:
+    """(True, result) of `engine.<method>(*args)`, or (False, the exception it raised); runs where the
+    engine lives (see `EngineClient.call`)."""
+    try:
+        return True, getattr(engine, method)(*args)
+    except Exception as e:  # noqa: BLE001 - the caller gets it
+        return False, e
+
+
+def settle_from_thread(loop: asyncio.AbstractEventLoop, future: asyncio.Future, ok: bool, value: Any) -> None:
+    """From any thread: complete `future` on its loop with a result (ok) or an exception, unless its
+    caller gave up on it or the loop is closed."""
+    with contextlib.suppress(RuntimeError):  # the event loop is closed
+        loop.call_soon_threadsafe(_settle, future, ok, value)
+
+
+def _settle(future: asyncio.Future, ok: bool, value: Any) -> None:
     if future.done():
         return
     if ok:

@@ -18,10 +18,10 @@ KV store writes) or when the server process disappears (its command pipe closes)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import multiprocessing
+import os
 import queue
 import signal
 import threading
@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Any
 
 from deepinfer.config import EngineConfig
-from deepinfer.engine.engine_client import EngineClient, EngineDeadError, settle_future
+from deepinfer.engine.engine_client import EngineClient, EngineDeadError, run_engine_call, settle_from_thread
 from deepinfer.engine.kv_tiers import resolve_retention
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 
@@ -183,8 +183,7 @@ class ProcessEngine(EngineClient):
                 for call_id, ok, value in results:
                     target = self._calls.get(call_id)
                     if target is not None:
-                        with contextlib.suppress(RuntimeError):  # the event loop is closed
-                            target[0].call_soon_threadsafe(settle_future, target[1], ok, value)
+                        settle_from_thread(*target, ok, value)
                 with self._pending_lock:
                     self._num_pending_adds = self._adds_sent - adds_seen
                 self._deliver([(rid, item if isinstance(item, BaseException) else self._assemble(item))
@@ -196,8 +195,7 @@ class ProcessEngine(EngineClient):
             else:
                 self.dead = e
             for loop, future in list(self._calls.values()):
-                with contextlib.suppress(RuntimeError):
-                    loop.call_soon_threadsafe(settle_future, future, False, EngineDeadError("the engine is gone"))
+                settle_from_thread(loop, future, False, EngineDeadError("the engine is gone"))
 
     def _assemble(self, d: OutputDelta) -> RequestOutput:
         prev = self._assembled.get(d.request_id)
@@ -242,7 +240,7 @@ class _DeltaEncoder:
         deltas = []
         for o in out.outputs:
             text, ntok, nlp = sent.get(o.index, ("", 0, 0))
-            keep = len(text) if o.text.startswith(text) else _common_prefix(text, o.text)
+            keep = len(text) if o.text.startswith(text) else len(os.path.commonprefix([text, o.text]))
             lps = o.logprobs[nlp:] if o.logprobs is not None else None
             deltas.append(CompletionDelta(o.index, keep, o.text[keep:], o.token_ids[ntok:], lps,
                                           o.cumulative_logprob, o.finish_reason, o.stop_reason, o.error))
@@ -254,15 +252,6 @@ class _DeltaEncoder:
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
-
-
-def _common_prefix(a: str, b: str) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int) -> None:
@@ -311,10 +300,7 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
                     encoder.forget(payload)
                 elif kind == "call":
                     call_id, method, args = payload
-                    try:
-                        results.append((call_id, True, getattr(engine, method)(*args)))
-                    except Exception as e:  # noqa: BLE001 - the caller gets it
-                        results.append((call_id, False, e))
+                    results.append((call_id, *run_engine_call(engine, method, args)))
                 if not commands.poll(0):
                     break
         if engine.has_unfinished():
