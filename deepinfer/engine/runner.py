@@ -106,7 +106,7 @@ class ModelRunner:
         self.gguf_kernels = self._attach_gguf(model_config.gguf_kernels, files)
         packed = sum(m.pack() for m in self.model.modules() if isinstance(m, Linear))
         if packed:
-            logger.info("packed %d bf16 projections for oneDNN", packed)
+            logger.info("packed %d projections for oneDNN", packed)
         logger.info("loaded weights (%s, %s) in %.1fs", self.dtype, self.device, time.perf_counter() - started)
         self.num_blocks = self._num_blocks(cache_config, hf_config)
         self.kv_caches = self.backend.allocate_cache(

@@ -13,9 +13,12 @@
  *   skip: context tokens to leave out at the start (a multiple of block_size; a shared prefix the
  *   caller attends separately); lse, if not NULL: [B, H] log-sum-exp of the scaled scores, so the
  *   caller can merge this partial result with its own.
+ * Two builds of the loop: AVX-512 (head_dim a multiple of 16, on CPUs that have it; it prefetches
+ * the blocks ahead, see below) and AVX2 (everything else).
  * Built together with gguf_gemm.c by deepinfer/layers/cpu_kernels.py.
  */
 #include <math.h>
+#include <omp.h>
 
 #include "cpu_common.h"
 
@@ -47,11 +50,10 @@ static inline void exp_shifted(float *s, int n, float mx, float *sum) {
     *sum += total;
 }
 
-int paged_decode_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
-                           const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
-                           int B, int H, int KVH, int D, int block_size, float scale, int dtype,
-                           int64_t skip, float *lse) {
-    if (D > MAX_D || D % 8 || H % KVH || H / KVH > MAX_GROUP || block_size > MAX_BS) return -1;
+static int decode_attention_avx2(const void *q, void *out, const void *k_cache, const void *v_cache,
+                                 const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                                 int B, int H, int KVH, int D, int block_size, float scale, int dtype,
+                                 int64_t skip, float *lse) {
     const int G = H / KVH, bf16 = dtype == 1, esize = bf16 ? 2 : 4;
     const int64_t row_stride = (int64_t)KVH * D;  /* elements between consecutive tokens of one head */
 #pragma omp parallel for schedule(dynamic, 1) collapse(2)
@@ -132,4 +134,210 @@ int paged_decode_attention(const void *q, void *out, const void *k_cache, const 
         }
     }
     return 0;
+}
+
+#ifdef __AVX512F__
+/* ---- AVX-512: 16 lanes, each sequence's heads on one thread, K read once for all grouped heads ----
+ * The AVX2 loop above streams each K row once per grouped query head and is bound by the
+ * ~7.5 GB/s it reaches on a 2-core Xeon (a plain streaming read gets ~21 GB/s there). Here a
+ * task is (sequence, kv head) as before, but the tasks of one sequence run on one thread back
+ * to back (its K/V rows for all heads are contiguous per token), and with G <= 4 grouped heads
+ * every K row is loaded (and widened) once into registers for all of them. */
+
+static inline __m512 load16(const void *p, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* the 8-lane sum of the two halves (AVX-512F only: no DQ extract needed) */
+static inline __m256 fold16(__m512 a) {
+    return _mm256_add_ps(_mm512_castps512_ps256(a),
+                         _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
+}
+
+/* e^x for 16 lanes, x <= 0 here (scores minus their running max): same polynomial as exp8 */
+static inline __m512 exp16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+/* s[g][t..t+3] = q[g] . K[t..t+3] for the G (constant after inlining) grouped heads: each K row
+ * is loaded once and multiplied by every grouped query */
+static inline __attribute__((always_inline)) void scores_quad(const float (*qf)[MAX_D], float (*s)[MAX_BS], int G,
+                                                              const char *k0, int64_t tstride, int D, int esize,
+                                                              int bf16, int t) {
+    __m512 a[4][4];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        __m512 k[4];
+        for (int j = 0; j < 4; j++) k[j] = load16(k0 + j * tstride + d * esize, bf16);
+        for (int g = 0; g < G; g++) {
+            const __m512 qv = _mm512_loadu_ps(&qf[g][d]);
+            for (int j = 0; j < 4; j++) a[g][j] = _mm512_fmadd_ps(qv, k[j], a[g][j]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        _mm_storeu_ps(&s[g][t], hsum4x8(fold16(a[g][0]), fold16(a[g][1]), fold16(a[g][2]), fold16(a[g][3])));
+}
+
+static void block_scores(const float (*qf)[MAX_D], float (*s)[MAX_BS], int G, const char *kb, int64_t tstride,
+                         int n, int D, int esize, int bf16) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const char *k0 = kb + t * tstride;
+        switch (G) {  /* constant G: the accumulators stay in registers */
+            case 1: scores_quad(qf, s, 1, k0, tstride, D, esize, bf16, t); break;
+            case 2: scores_quad(qf, s, 2, k0, tstride, D, esize, bf16, t); break;
+            case 3: scores_quad(qf, s, 3, k0, tstride, D, esize, bf16, t); break;
+            case 4: scores_quad(qf, s, 4, k0, tstride, D, esize, bf16, t); break;
+            default:
+                for (int g0 = 0; g0 < G; g0 += 4) {
+                    const int gn = G - g0 < 4 ? G - g0 : 4;
+                    scores_quad(qf + g0, s + g0, gn, k0, tstride, D, esize, bf16, t);
+                }
+        }
+    }
+    for (; t < n; t++) {
+        const char *kt = kb + t * tstride;
+        for (int g = 0; g < G; g++) {
+            __m512 a = _mm512_setzero_ps();
+            for (int d = 0; d < D; d += 16) a = _mm512_fmadd_ps(_mm512_loadu_ps(&qf[g][d]), load16(kt + d * esize, bf16), a);
+            s[g][t] = _mm512_reduce_add_ps(a);
+        }
+    }
+}
+
+/* online softmax over one block's n scores of one head: updates m, l; leaves probabilities in s;
+ * returns the factor by which the head's accumulated output must be rescaled */
+static inline float block_softmax(float *s, int n, float *m, float *l) {
+    __m512 mx = _mm512_set1_ps(*m);
+    for (int c = 0; c < n; c += 16) {
+        const __mmask16 k = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, k, s + c));
+    }
+    const float new_max = _mm512_reduce_max_ps(mx);
+    const float correction = expf(*m - new_max);
+    const __m512 shift = _mm512_set1_ps(new_max);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < n; c += 16) {
+        const __mmask16 k = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1);
+        const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, s + c), shift));
+        _mm512_mask_storeu_ps(s + c, k, e);
+        sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(k, e));
+    }
+    *m = new_max;
+    *l = *l * correction + _mm512_reduce_add_ps(sum);
+    return correction;
+}
+
+#ifndef PREFETCH_BLOCKS
+#define PREFETCH_BLOCKS 2  /* how many blocks ahead of the one computing are requested */
+#endif
+
+/* prefetch head h's rows of block `block` (the first `rows` tokens of it) for K and V */
+static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t block, int block_size,
+                                  int64_t row_stride, int h, int D, int esize, int64_t rows) {
+    const int n = rows < block_size ? (int)rows : block_size;
+    const int64_t first = (block * block_size * row_stride + (int64_t)h * D) * esize;
+    const int64_t tstride = row_stride * esize;
+    for (int t = 0; t < n; t++)
+        for (int off = 0; off < D * esize; off += 64) {
+            _mm_prefetch((const char *)k_cache + first + t * tstride + off, _MM_HINT_T0);
+            _mm_prefetch((const char *)v_cache + first + t * tstride + off, _MM_HINT_T0);
+        }
+}
+
+static int decode_attention_avx512(const void *q, void *out, const void *k_cache, const void *v_cache,
+                                   const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                                   int B, int H, int KVH, int D, int block_size, float scale, int dtype,
+                                   int64_t skip, float *lse) {
+    const int G = H / KVH, bf16 = dtype == 1, esize = bf16 ? 2 : 4;
+    const int64_t row_stride = (int64_t)KVH * D, tstride = row_stride * esize;
+    const int tasks = B * KVH;
+    /* a sequence's heads go to one thread while there are enough sequences to keep every thread busy */
+    int chunk = tasks / (4 * omp_get_max_threads());
+    chunk = chunk < 1 ? 1 : chunk > KVH ? KVH : chunk;
+#pragma omp parallel for schedule(dynamic, chunk)
+    for (int task = 0; task < tasks; task++) {
+        const int b = task / KVH, h = task % KVH;
+        float qf[MAX_GROUP][MAX_D] __attribute__((aligned(64)));
+        float acc[MAX_GROUP][MAX_D] __attribute__((aligned(64)));
+        float s[MAX_GROUP][MAX_BS] __attribute__((aligned(64)));
+        float m[MAX_GROUP], l[MAX_GROUP], corr[MAX_GROUP];
+        for (int g = 0; g < G; g++) {
+            const int64_t base = ((int64_t)b * H + h * G + g) * D;
+            for (int d = 0; d < D; d++) qf[g][d] = load1(q, base + d, bf16) * scale;
+            memset(acc[g], 0, sizeof(float) * D);
+            m[g] = -INFINITY;
+            l[g] = 0.f;
+        }
+        const int64_t ctx = context_lens[b];
+        const int64_t *table = block_tables + (int64_t)b * max_blocks;
+        for (int64_t ahead = skip; ahead < ctx && ahead < skip + PREFETCH_BLOCKS * block_size; ahead += block_size)
+            prefetch_block(k_cache, v_cache, table[ahead / block_size], block_size, row_stride, h, D, esize, ctx - ahead);
+        for (int64_t start = skip; start < ctx; start += block_size) {
+            const int n = (int)(ctx - start < block_size ? ctx - start : block_size);
+            const int64_t first = table[start / block_size] * block_size * row_stride + (int64_t)h * D;
+            const char *kb = (const char *)k_cache + first * esize;
+            const char *vb = (const char *)v_cache + first * esize;
+            /* blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across
+             * them: ask for the blocks ahead while this one computes (measured 3x: the kernel ran at
+             * ~7 GB/s on scattered blocks and ~23 GB/s on cache-resident ones) */
+            const int64_t ahead = start + PREFETCH_BLOCKS * block_size;
+            if (ahead < ctx)
+                prefetch_block(k_cache, v_cache, table[ahead / block_size], block_size, row_stride, h, D, esize,
+                               ctx - ahead);
+            block_scores((const float (*)[MAX_D])qf, s, G, kb, tstride, n, D, esize, bf16);
+            for (int g = 0; g < G; g++) corr[g] = block_softmax(s[g], n, &m[g], &l[g]);
+            /* acc = acc * correction + p . V: each 16-wide V slice is loaded once for up to 4 grouped heads */
+            for (int d = 0; d < D; d += 16) {
+                for (int g0 = 0; g0 < G; g0 += 4) {
+                    const int gn = G - g0 < 4 ? G - g0 : 4;
+                    __m512 a[4];
+                    for (int j = 0; j < gn; j++)
+                        a[j] = _mm512_mul_ps(_mm512_set1_ps(corr[g0 + j]), _mm512_load_ps(&acc[g0 + j][d]));
+                    for (int t = 0; t < n; t++) {
+                        const __m512 v = load16(vb + t * tstride + d * esize, bf16);
+                        for (int j = 0; j < gn; j++) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(s[g0 + j][t]), v, a[j]);
+                    }
+                    for (int j = 0; j < gn; j++) _mm512_store_ps(&acc[g0 + j][d], a[j]);
+                }
+            }
+        }
+        for (int g = 0; g < G; g++) {
+            const int64_t base = ((int64_t)b * H + h * G + g) * D;
+            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+            if (lse) lse[(int64_t)b * H + h * G + g] = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
+            for (int d = 0; d < D; d++) store1(out, base + d, acc[g][d] * inv, bf16);
+        }
+    }
+    return 0;
+}
+#endif
+
+int paged_decode_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                           int B, int H, int KVH, int D, int block_size, float scale, int dtype,
+                           int64_t skip, float *lse) {
+    if (D > MAX_D || D % 8 || H % KVH || H / KVH > MAX_GROUP || block_size > MAX_BS) return -1;
+#ifdef __AVX512F__
+    if (D % 16 == 0)
+        return decode_attention_avx512(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH, D,
+                                       block_size, scale, dtype, skip, lse);
+#endif
+    return decode_attention_avx2(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH, D,
+                                 block_size, scale, dtype, skip, lse);
 }
