@@ -115,6 +115,56 @@ def test_tcp_transfer_delivers_blocks_and_keeps_only_a_verified_prefix():
     asyncio.run(main())
 
 
+def test_tcp_stream_delivers_batches_as_they_are_sent_and_reports_a_break():
+    from deepinfer.cluster.transfer import KVTransferError
+
+    async def main():
+        seen: dict[str, list] = {}
+        ends: dict[str, str] = {}
+        arrived = asyncio.Event()
+
+        async def on_transfer(incoming):
+            seen[incoming.transfer_id] = []
+            try:
+                async for batch in incoming:
+                    seen[incoming.transfer_id].append([(h, bytes(p)) for h, p in batch])
+                    arrived.set()
+                ends[incoming.transfer_id] = "ok"
+            except KVTransferError:
+                ends[incoming.transfer_id] = "broken"
+
+        rx = TCPKVTransfer("127.0.0.1", 0)
+        addr = await rx.start(on_transfer)
+        blocks = [(bytes([i]) * 16, bytes([i]) * 5000) for i in range(6)]
+        stream = await TCPKVTransfer().open(addr, "s1")
+        stream.send(blocks[:2])
+        await asyncio.wait_for(arrived.wait(), 5)  # the first blocks land before the transfer is finished
+        assert "s1" not in ends and sum(map(len, seen["s1"])) == 2
+        stream.send(blocks[2:])
+        assert await stream.finish(5) == 6
+        for _ in range(50):
+            if "s1" in ends:
+                break
+            await asyncio.sleep(0.02)
+        assert ends["s1"] == "ok" and [b for batch in seen["s1"] for b in batch] == blocks
+        # a sender that goes away mid-stream: the receiver's iteration fails instead of waiting forever
+        stream = await TCPKVTransfer().open(addr, "s2")
+        stream.send(blocks[:3])
+        for _ in range(50):
+            if sum(map(len, seen.get("s2", []))) == 3:
+                break
+            await asyncio.sleep(0.02)
+        await stream.abort()
+        for _ in range(50):
+            if "s2" in ends:
+                break
+            await asyncio.sleep(0.02)
+        assert ends["s2"] == "broken" and sum(map(len, seen["s2"])) == 3
+        await rx.close()
+
+    asyncio.run(main())
+
+
 def test_tcp_transfer_to_nobody_fails_fast():
     from deepinfer.cluster.transfer import KVTransferError
     from tests.server_utils import free_port
