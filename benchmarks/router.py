@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from deepinfer.cluster.launcher import free_port, start_worker, stop_workers
+from deepinfer.cluster.launcher import free_port, start_worker, stop_workers, worker_cpu_sets
 from deepinfer.config import EngineConfig
 
 POLICIES = ("round_robin", "least_requests", "deepinfer")
@@ -184,6 +184,8 @@ def main() -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--policies", default=",".join(POLICIES))
     p.add_argument("--threads-per-worker", type=int, default=1)
+    p.add_argument("--pin-workers", action="store_true",
+                   help="Pin each worker to CPUs of its own, round-robin (as `serve --pin-workers`).")
     p.add_argument("--json-out", default=None)
     args = p.parse_args()
     policies = args.policies.split(",")
@@ -193,8 +195,10 @@ def main() -> int:
                                       kv_cache_memory="512MiB")
     prefill = [f"http://127.0.0.1:{free_port()}" for _ in range(args.prefill_workers)]
     decode = [f"http://127.0.0.1:{free_port()}" for _ in range(args.decode_workers)]
-    procs = [start_worker(role, engine, int(u.rsplit(":", 1)[1])) for role, us in (("prefill", prefill),
-                                                                                    ("decode", decode)) for u in us]
+    roles = [(role, u) for role, us in (("prefill", prefill), ("decode", decode)) for u in us]
+    cpu_sets = worker_cpu_sets(len(roles), args.threads_per_worker) if args.pin_workers else [None] * len(roles)
+    procs = [start_worker(role, engine, int(u.rsplit(":", 1)[1]), cpus=cpus)
+             for (role, u), cpus in zip(roles, cpu_sets, strict=True)]
     rows: dict[str, list[dict]] = {pol: [] for pol in policies}
     try:
         for u in prefill + decode:
@@ -216,7 +220,7 @@ def main() -> int:
     med = {pol: {k: statistics.median(r[k] for r in rows[pol]) for k in keys} for pol in policies}
     print(f"\nworkload={args.workload} requests={args.requests} rate={args.rate}/s huge={args.huge} "
           f"small<={args.small} max_tokens={args.max_tokens} P={args.prefill_workers} D={args.decode_workers} "
-          f"repeats={args.repeats} (medians; errors: {sum(r['errors'] for rs in rows.values() for r in rs)})")
+          f"repeats={args.repeats} pin_workers={args.pin_workers} (medians; errors: {sum(r['errors'] for rs in rows.values() for r in rs)})")
     print("| policy | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | prefill imbalance | decode imbalance |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     ref = med.get("round_robin")

@@ -246,6 +246,10 @@ class ClusterConfig:
         0, "With --decode-workers: start a local cluster instead (a router on --host/--port and this many "
         "prefill worker processes on free ports, each with this command's engine flags).")
     decode_workers: int = _f(0, "Decode worker processes of the local cluster (see --prefill-workers).")
+    pin_workers: bool = _f(
+        False, "Local cluster: pin each worker process (and its engine) to CPUs of its own, dealt round-robin "
+        "over the CPUs this command may use (prefill workers first), so workers on one machine interfere "
+        "as little as workers on separate machines; pair with --num-threads.")
     kv_transfer_port: int = _f(0, "decode role: TCP port receiving KV blocks from prefill workers (0 = a free one).")
     advertise_host: str | None = _f(
         None, "Address other machines reach this worker at (default: --host, or 127.0.0.1 for 0.0.0.0).")

@@ -54,13 +54,15 @@ def test_deepinfer_prefill_picks_the_earliest_estimated_finish():
     assert p.pick_prefill(ws, RouteInfo(8)).url == "w0"
 
 
-def test_deepinfer_prefill_counts_store_hits_as_free():
+def test_deepinfer_prefill_counts_store_hits_as_cheap_not_free():
+    from deepinfer.cluster.policies import STORE_LOAD_SECONDS_PER_TOKEN
+
     cost = CostModel()
     w = WorkerView("w", cost_model=cost)
     cold = estimated_prefill_seconds(w, RouteInfo(2048))
     warm = estimated_prefill_seconds(w, RouteInfo(2048, num_cached_tokens=2032))
-    assert warm < cold / 10
-    assert warm == pytest.approx(cost.prefill_seconds(2048, 2032))
+    assert warm < cold / 5
+    assert warm == pytest.approx(cost.prefill_seconds(2048, 2032) + 2032 * STORE_LOAD_SECONDS_PER_TOKEN)
 
 
 def test_deepinfer_decode_weighs_running_and_kv_by_capacity():

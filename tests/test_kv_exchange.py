@@ -115,6 +115,56 @@ def test_tcp_transfer_delivers_blocks_and_keeps_only_a_verified_prefix():
     asyncio.run(main())
 
 
+def test_tcp_stream_delivers_batches_as_they_are_sent_and_reports_a_break():
+    from deepinfer.cluster.transfer import KVTransferError
+
+    async def main():
+        seen: dict[str, list] = {}
+        ends: dict[str, str] = {}
+        arrived = asyncio.Event()
+
+        async def on_transfer(incoming):
+            seen[incoming.transfer_id] = []
+            try:
+                async for batch in incoming:
+                    seen[incoming.transfer_id].append([(h, bytes(p)) for h, p in batch])
+                    arrived.set()
+                ends[incoming.transfer_id] = "ok"
+            except KVTransferError:
+                ends[incoming.transfer_id] = "broken"
+
+        rx = TCPKVTransfer("127.0.0.1", 0)
+        addr = await rx.start(on_transfer)
+        blocks = [(bytes([i]) * 16, bytes([i]) * 5000) for i in range(6)]
+        stream = await TCPKVTransfer().open(addr, "s1")
+        stream.send(blocks[:2])
+        await asyncio.wait_for(arrived.wait(), 5)  # the first blocks land before the transfer is finished
+        assert "s1" not in ends and sum(map(len, seen["s1"])) == 2
+        stream.send(blocks[2:])
+        assert await stream.finish(5) == 6
+        for _ in range(50):
+            if "s1" in ends:
+                break
+            await asyncio.sleep(0.02)
+        assert ends["s1"] == "ok" and [b for batch in seen["s1"] for b in batch] == blocks
+        # a sender that goes away mid-stream: the receiver's iteration fails instead of waiting forever
+        stream = await TCPKVTransfer().open(addr, "s2")
+        stream.send(blocks[:3])
+        for _ in range(50):
+            if sum(map(len, seen.get("s2", []))) == 3:
+                break
+            await asyncio.sleep(0.02)
+        await stream.abort()
+        for _ in range(50):
+            if "s2" in ends:
+                break
+            await asyncio.sleep(0.02)
+        assert ends["s2"] == "broken" and sum(map(len, seen["s2"])) == 3
+        await rx.close()
+
+    asyncio.run(main())
+
+
 def test_tcp_transfer_to_nobody_fails_fast():
     from deepinfer.cluster.transfer import KVTransferError
     from tests.server_utils import free_port
@@ -186,3 +236,41 @@ def test_continued_request_keeps_penalties_and_stop_rules(tiny_models):
         with pytest.raises(ValueError, match="prefix_logprobs"):
             other.engine.add_request(prompt, SamplingParams(max_tokens=4, logprobs=1), prompt_token_ids=prompt,
                                      output_prefix=[5])
+
+
+@pytest.mark.parametrize("overlap", ["off", "on"])
+def test_streamed_export_ships_blocks_chunk_by_chunk_and_held_import_continues_identically(tiny_models, overlap):
+    """`stream_kv`: outputs carry each chunk's newly computed prompt blocks before the first token exists;
+    imported under a hold key as they come, they serve the continued request and are released after."""
+    model = tiny_models["llama"]
+    prompt = _prompt(21, 150)  # 9 full blocks + a 6-token tail; 32-token chunks -> 5 prefill steps
+    full = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    chunked = dict(max_num_batched_tokens=32, scheduler="tokens", overlap_host_work=overlap)
+    with _llm(model) as unified, LLM(str(model), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False,
+                                     kv_store="none", **chunked) as prefill, _llm(model) as decode:
+        ref = _run(unified, prompt, full).outputs[0]
+        engine = prefill.engine
+        engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+                           prompt_token_ids=prompt, stream_kv=True)
+        batches, first = [], None
+        while engine.has_unfinished():
+            for out in engine.step():
+                if out.kv_blocks:
+                    batches.append((out.outputs[0].token_ids[:], out.kv_blocks))
+                if out.finished:
+                    first = out.outputs[0].token_ids
+        assert first == ref.token_ids[:1]
+        assert len(batches) >= 4  # one batch per chunk that completed a block
+        assert sum(not toks for toks, _ in batches) >= 3  # most arrived before the first token existed
+        blocks = [b for _, bs in batches for b in bs]
+        assert [h for h, _ in blocks] == prompt_block_hashes(decode.engine.core, prompt, None)  # in chain order
+        for _, bs in batches:
+            assert decode.engine.import_kv_blocks(bs, hold_key="t") == len(bs)
+        assert decode.engine.stats()["kv_blocks_held_for_imports"] == 9
+        out = _run(decode, prompt, full, output_prefix=first)
+        assert out.outputs[0].token_ids == ref.token_ids
+        assert out.num_cached_tokens == 9 * BS
+        assert decode.engine.release_kv_blocks("t") == 9
+        assert decode.engine.release_kv_blocks("t") == 0
+        for llm in (unified, prefill, decode):
+            _assert_all_free(llm)

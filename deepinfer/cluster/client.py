@@ -4,11 +4,13 @@ The OpenAI handlers (`server/openai_api.py`) run unchanged on top of it. One req
 
     generate(prompt ids, params)
       ├─ route: policy picks a prefill worker (estimated finish) and a decode worker (load score)
-      ├─ POST prefill /internal/prefill  (prompt to its first token; the worker then ships the KV to the
-      │    decode worker's receiver)     connection lost / 5xx before the first token ─▶ next prefill worker
+      ├─ POST prefill /internal/prefill  (prompt to its first token; the worker streams the KV to the decode
+      │    worker's receiver chunk by chunk meanwhile)
+      │                                  connection lost / 5xx before the first token ─▶ next prefill worker
       ├─ yield the first token as soon as it comes (the request continues: finish cleared, stop-string
-      │    tail held back); then read how many KV blocks the prefill worker shipped (0: recompute)
-      └─ POST decode /internal/decode, stream its outputs (they include the first token)
+      │    tail held back)
+      └─ POST decode /internal/decode at once (the decode worker waits for the last blocks, if the KV
+           stream is up; else it recomputes the prompt), stream its outputs (they include the first token)
            lost before its first output ─▶ another decode worker (recomputes the prompt, no KV)
            lost after                   ─▶ WorkerError, which the handlers turn into an error event / 503
 
@@ -147,7 +149,7 @@ class ClusterEngineClient:
                 yield first
                 return
             yield _continuing(first, params)
-            transfer_id = shipment.transfer_id if await shipment.blocks_sent() else ""
+            transfer_id = shipment.transfer_id if shipment.kv_stream else ""
             async for out in self._decode(base, route, first, decoder, transfer_id):
                 yield out
         except WorkerError:
@@ -212,7 +214,8 @@ class ClusterEngineClient:
                 if first is None:
                     raise _Retry("the prefill answer ended before its first token")
                 picked = True
-                return output_from_json(first["output"]), dw, _Shipment(r, lines, transfer_id)
+                shipment = _Shipment(r, transfer_id, bool(first.get("kv_stream")))
+                return output_from_json(first["output"]), dw, shipment
             except httpx.TimeoutException as e:
                 if r is not None:
                     await r.aclose()
@@ -342,20 +345,11 @@ async def _next_line(lines: AsyncIterator[str]) -> dict | None:
 
 
 class _Shipment:
-    """The rest of a prefill worker's answer after the first token: how many KV blocks it shipped."""
+    """A prefill worker's answer after the first token: its KV stream to the decode worker (`kv_stream`:
+    whether it is up). The stream ends on its own; the answer is kept open only until the request ends."""
 
-    def __init__(self, response: httpx.Response, lines: AsyncIterator[str], transfer_id: str) -> None:
-        self.response, self.lines, self.transfer_id = response, lines, transfer_id
-
-    async def blocks_sent(self) -> int:
-        """0 if the worker shipped none or died meanwhile (the decode worker then recomputes the prompt)."""
-        try:
-            last = await _next_line(self.lines)
-            return int(last.get("blocks_sent", 0)) if last else 0
-        except (httpx.HTTPError, ValueError):
-            return 0
-        finally:
-            await self.close()
+    def __init__(self, response: httpx.Response, transfer_id: str, kv_stream: bool) -> None:
+        self.response, self.transfer_id, self.kv_stream = response, transfer_id, kv_stream
 
     async def close(self) -> None:
         await self.response.aclose()

@@ -64,12 +64,28 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
         pass
 
 
+def worker_cpu_sets(num_workers: int, threads_per_worker: int = 1) -> list[set[int]]:
+    """CPU sets for `num_workers` workers of `threads_per_worker` threads each, dealt round-robin over the
+    CPUs this process may use (workers share CPUs only when there are fewer CPUs than threads)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    per = max(1, min(threads_per_worker, len(cpus)))
+    return [{cpus[(i * per + j) % len(cpus)] for j in range(per)} for i in range(num_workers)]
+
+
 def start_worker(role: str, engine: EngineConfig, port: int, log_level: str = "WARNING",
-                 extra: list[str] | None = None) -> subprocess.Popen:
+                 extra: list[str] | None = None, cpus: set[int] | None = None) -> subprocess.Popen:
+    """A worker process; `cpus`: pin it (and the engine process it starts, which inherits it) to them."""
     cmd = [sys.executable, "-m", "deepinfer.cli", "--log-level", log_level, "serve", "--role", role,
            "--host", "127.0.0.1", "--port", str(port), *engine_flags(engine), *(extra or [])]
-    preexec = _die_with_parent if sys.platform.startswith("linux") else None
-    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"}, preexec_fn=preexec)  # noqa: PLW1509
+    linux = sys.platform.startswith("linux")
+
+    def preexec() -> None:  # pragma: no cover - runs in the child before exec
+        _die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},  # noqa: PLW1509
+                            preexec_fn=preexec if linux else None)
 
 
 def stop_workers(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
@@ -95,8 +111,11 @@ def serve_local_cluster(engine: EngineConfig, server: ServerConfig, cluster: Clu
     signal.signal(signal.SIGTERM, interrupted)  # `finally` below stops the workers on SIGTERM too
     prefill = [f"http://127.0.0.1:{free_port()}" for _ in range(cluster.prefill_workers)]
     decode = [f"http://127.0.0.1:{free_port()}" for _ in range(cluster.decode_workers)]
-    procs = [start_worker(role, engine, int(url.rsplit(":", 1)[1]), log_level)
-             for role, urls in (("prefill", prefill), ("decode", decode)) for url in urls]
+    roles = [(role, url) for role, urls in (("prefill", prefill), ("decode", decode)) for url in urls]
+    cpu_sets = (worker_cpu_sets(len(roles), engine.model.num_threads or 1) if cluster.pin_workers
+                else [None] * len(roles))
+    procs = [start_worker(role, engine, int(url.rsplit(":", 1)[1]), log_level, cpus=cpus)
+             for (role, url), cpus in zip(roles, cpu_sets, strict=True)]
     try:
         router = dataclasses.replace(router, prefill=(*router.prefill, *prefill), decode=(*router.decode, *decode))
         client = build_client(engine.model, engine.kvstore, router)

@@ -6,8 +6,9 @@ has sent it since) and the request's `RouteInfo`, and picks one worker per pool:
 - `round_robin`: in turn, ignoring load.
 - `least_requests`: fewest requests in flight (prefill: queued + running; decode: running).
 - `deepinfer`: prefill = earliest estimated finish, i.e. the worker's queued prefill seconds plus
-  this prompt's uncached compute under that worker's cost model (prefixes live in the shared
-  store, so no cache affinity); decode = lowest `w_run * running / max_num_seqs +
+  this prompt's uncached compute under that worker's cost model (fitted online to the worker's
+  observed step times) plus the time to load its cached part from the shared store (prefixes live
+  there, so no cache affinity; a store hit is cheaper than compute, not free); decode = lowest `w_run * running / max_num_seqs +
   w_kv * kv_tokens / kv_capacity_tokens` (scheduling pressure and memory pressure).
 
 Ties go to the worker listed first. Policies are pure apart from the round-robin cursor.
@@ -87,10 +88,17 @@ class LeastRequests(RoutingPolicy):
         return min(workers, key=lambda w: w.num_running)
 
 
+# loading one cached token's KV from the shared store (~23 KB/token for SmolLM2-135M at ~2 GB/s; the
+# simulator's `load_seconds_per_token` default)
+STORE_LOAD_SECONDS_PER_TOKEN = 1e-5
+
+
 def estimated_prefill_seconds(worker: WorkerView, req: RouteInfo) -> float:
-    """This request's uncached prefill compute on `worker` (its own cost model, else the default one)."""
+    """This request's prefill on `worker`: its uncached compute (the worker's own cost model, else the
+    default one) plus loading its store hits."""
     model = worker.cost_model or CostModel()
-    return model.prefill_seconds(req.num_prompt_tokens, req.num_cached_tokens)
+    return (model.prefill_seconds(req.num_prompt_tokens, req.num_cached_tokens)
+            + STORE_LOAD_SECONDS_PER_TOKEN * req.num_cached_tokens)
 
 
 class DeepInferPolicy(RoutingPolicy):

@@ -1,19 +1,20 @@
-"""Moving a request's KV blocks from a prefill worker to a decode worker.
+"""Moving a request's KV blocks from a prefill worker to a decode worker, while the prefill still runs.
 
-`KVTransfer` is the interface (TCP now; RDMA / NIXL would be other implementations);
-`TCPKVTransfer` sends block by block over a plain TCP connection, worker to worker:
+`KVTransfer` is the interface (TCP now; RDMA / NIXL would be other implementations). One transfer is
+a stream: the sender opens it when the prefill starts, hands in blocks as chunks complete, and
+finishes it after the first token; the receiver sees the blocks as they land:
 
-    prefill worker                                   decode worker (listening on its KV port)
-    send(addr, tid, blocks) ── connect ──────────▶   accept
-        header: MAGIC, transfer id, block count  ─▶
-        per block: hash | checksum | size | payload ─▶ verify checksum, keep (hash, payload)
-                                               ◀──   ack: blocks accepted
-    returns the accepted count                       receive(tid) returns them to the decode handler
+    prefill worker                                     decode worker (listening on its KV port)
+    open(addr, tid) ── connect, header ──────────────▶ accept ─▶ on_transfer(IncomingTransfer)
+    stream.send(blocks)   (returns at once; a background task writes them)
+        per block: B | hash | checksum | size | payload ─▶ verify checksum ─▶ `async for batch in incoming`
+    stream.finish() ── E | blocks sent ──────────────▶ the iteration ends
+                    ◀── ack: blocks verified ───────
+    connection lost before E ────────────────────────▶ the iteration raises KVTransferError
 
-A block whose checksum fails ends the transfer's accepted run there: what a receiver
-keeps is always a prefix of the block chain, so whatever is missing is simply
-recomputed by the decode engine. Every wait has a timeout; a transfer nobody claims
-is dropped after `ttl` seconds.
+A block whose checksum fails ends what the receiver keeps: it is always a prefix of the
+block chain, so whatever is missing is simply recomputed by the decode engine. Every wait
+has a timeout; a connection that stays open past `ttl` seconds is dropped.
 """
 
 from __future__ import annotations
@@ -25,15 +26,18 @@ import logging
 import struct
 import time
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DIKV1\n"
+MAGIC = b"DIKV2\n"
 HASH_SIZE = 16
 _BLOCK_HEADER = struct.Struct(f"!{HASH_SIZE}s16sQ")  # block hash, blake2b-128 of the payload, payload size
+_BLOCK, _END = b"B", b"E"
 MAX_BLOCK_BYTES = 1 << 30
+
+Block = tuple[bytes, Any]  # (chained block hash, payload: bytes-like or a uint8 tensor)
 
 
 class KVTransferError(RuntimeError):
@@ -54,31 +58,94 @@ def as_bytes(payload: Any) -> bytes:
     return bytes(memoryview(payload))
 
 
+class KVSendStream(ABC):
+    """The sender's side of one transfer. `blocks_sent`: blocks written so far."""
+
+    blocks_sent: int = 0
+
+    @abstractmethod
+    def send(self, blocks: Sequence[Block]) -> None:
+        """Queue blocks (the next ones of the chain); returns at once, never raises (a failure is
+        reported by `finish`)."""
+
+    @abstractmethod
+    async def finish(self, timeout: float = 60.0) -> int:
+        """Send what is queued, end the transfer and return how many blocks the receiver verified;
+        KVTransferError if it broke off, TimeoutError past `timeout`."""
+
+    @abstractmethod
+    async def abort(self) -> None:
+        """Break the transfer off (the receiver sees it fail)."""
+
+
+class IncomingTransfer:
+    """The receiver's side of one transfer: `async for batch in it` yields the verified blocks (payloads
+    as bytearrays) as they arrive, several per batch when they arrive faster than they are consumed;
+    the iteration ends when the sender finishes and raises KVTransferError if the transfer broke off.
+    Transport implementations feed it with `put`, `end` and `fail`."""
+
+    def __init__(self, transfer_id: str) -> None:
+        self.transfer_id = transfer_id
+        self.started = time.monotonic()
+        self.blocks_received = 0
+        self._queue: asyncio.Queue[Block | BaseException | None] = asyncio.Queue()
+
+    def put(self, block: Block) -> None:
+        self.blocks_received += 1
+        self._queue.put_nowait(block)
+
+    def end(self) -> None:
+        self._queue.put_nowait(None)
+
+    def fail(self, error: BaseException) -> None:
+        self._queue.put_nowait(error)
+
+    async def __aiter__(self) -> AsyncIterator[list[Block]]:
+        while True:
+            items = [await self._queue.get()]
+            while not self._queue.empty():
+                items.append(self._queue.get_nowait())
+            batch = [b for b in items if isinstance(b, tuple)]
+            if batch:
+                yield batch
+            last = items[-1]
+            if last is None:
+                return
+            if isinstance(last, BaseException):
+                raise last
+
+
 class KVTransfer(ABC):
     """Ships (block hash, payload) runs between workers.
 
     Contract:
-    - `start()` (receiver side) begins accepting transfers and returns the address senders use.
-    - `send(address, transfer_id, blocks)` (sender side) delivers the blocks, in order, and returns how many
-      the receiver accepted (verified); raises `KVTransferError` if the receiver cannot be reached or the
-      transfer breaks off, `TimeoutError` past `timeout` seconds.
-    - `receive(transfer_id, timeout)` (receiver side) returns the accepted blocks of a finished transfer,
-      a prefix of what was sent, each payload as bytes; raises `TimeoutError` if none finished in time.
+    - `start(on_transfer)` (receiver side) begins accepting transfers and returns the address senders
+      use; each transfer is handed to `on_transfer` as an `IncomingTransfer` when it begins. Without a
+      handler, finished transfers are kept for `receive`.
+    - `open(address, transfer_id)` (sender side) starts a transfer: a `KVSendStream`; KVTransferError
+      if the receiver cannot be reached.
+    - `send(address, transfer_id, blocks)`: a whole transfer at once (open, send, finish).
+    - `receive(transfer_id, timeout)` (no handler): the verified blocks of a finished transfer;
+      TimeoutError if none finished in time.
     - `close()` stops accepting and drops unclaimed transfers.
     """
 
     @abstractmethod
-    async def start(self) -> str: ...
+    async def start(self, on_transfer: Callable[[IncomingTransfer], Awaitable[None]] | None = None) -> str: ...
 
     @abstractmethod
-    async def send(self, address: str, transfer_id: str, blocks: Sequence[tuple[bytes, Any]],
-                   timeout: float = 60.0) -> int: ...
+    async def open(self, address: str, transfer_id: str, timeout: float = 10.0) -> KVSendStream: ...
 
     @abstractmethod
     async def receive(self, transfer_id: str, timeout: float = 60.0) -> list[tuple[bytes, bytearray]]: ...
 
     @abstractmethod
     async def close(self) -> None: ...
+
+    async def send(self, address: str, transfer_id: str, blocks: Sequence[Block], timeout: float = 60.0) -> int:
+        stream = await self.open(address, transfer_id, timeout)
+        stream.send(blocks)
+        return await stream.finish(timeout)
 
 
 class TCPKVTransfer(KVTransfer):
@@ -88,7 +155,9 @@ class TCPKVTransfer(KVTransfer):
         self.advertise_host = advertise_host or (host if host not in ("0.0.0.0", "::", "") else "127.0.0.1")
         self.ttl = ttl
         self._server: asyncio.base_events.Server | None = None
-        self._done: dict[str, tuple[float, list[tuple[bytes, bytes]]]] = {}
+        self._on_transfer: Callable[[IncomingTransfer], Awaitable[None]] | None = None
+        self._handlers: set[asyncio.Task] = set()
+        self._done: dict[str, tuple[float, list[tuple[bytes, bytearray]]]] = {}
         self._waiters: dict[str, asyncio.Event] = {}
         self.blocks_received = 0
         self.bytes_received = 0
@@ -96,55 +165,74 @@ class TCPKVTransfer(KVTransfer):
 
     # ------------------------------------------------------------------ receiver
 
-    async def start(self) -> str:
+    async def start(self, on_transfer: Callable[[IncomingTransfer], Awaitable[None]] | None = None) -> str:
+        self._on_transfer = on_transfer or self._collect
         self._server = await asyncio.start_server(self._handle, self.host, self.port)
         self.port = self._server.sockets[0].getsockname()[1]
         return f"{self.advertise_host}:{self.port}"
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        incoming: IncomingTransfer | None = None
         try:
-            await asyncio.wait_for(self._read_transfer(reader, writer), timeout=self.ttl)
+            async with asyncio.timeout(self.ttl):
+                if await reader.readexactly(len(MAGIC)) != MAGIC:
+                    raise KVTransferError("not a KV transfer")
+                (tid_len,) = struct.unpack("!H", await reader.readexactly(2))
+                incoming = IncomingTransfer((await reader.readexactly(tid_len)).decode())
+                task = asyncio.get_running_loop().create_task((self._on_transfer or self._collect)(incoming))
+                self._handlers.add(task)
+                task.add_done_callback(self._handlers.discard)
+                accepted = await self._read_blocks(reader, incoming)
+                incoming.end()
+                writer.write(struct.pack("!I", accepted))
+                await writer.drain()
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, KVTransferError) as e:
             logger.warning("KV transfer from %s failed: %r", writer.get_extra_info("peername"), e)
+            if incoming is not None:
+                incoming.fail(KVTransferError(f"the KV transfer broke off: {e!r}"))
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
 
-    async def _read_transfer(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        if await reader.readexactly(len(MAGIC)) != MAGIC:
-            raise KVTransferError("not a KV transfer")
-        (tid_len,) = struct.unpack("!H", await reader.readexactly(2))
-        transfer_id = (await reader.readexactly(tid_len)).decode()
-        (count,) = struct.unpack("!I", await reader.readexactly(4))
-        blocks: list[tuple[bytes, bytes]] = []
+    async def _read_blocks(self, reader: asyncio.StreamReader, incoming: IncomingTransfer) -> int:
+        """Read frames up to the end frame; hand on the verified prefix; return its length."""
         intact = True
-        for _ in range(count):
+        while True:
+            kind = await reader.readexactly(1)
+            if kind == _END:
+                await reader.readexactly(4)  # blocks sent: what the receiver verified is what counts
+                return incoming.blocks_received
+            if kind != _BLOCK:
+                raise KVTransferError(f"unknown frame {kind!r}")
             block_hash, digest, size = _BLOCK_HEADER.unpack(await reader.readexactly(_BLOCK_HEADER.size))
             if size > MAX_BLOCK_BYTES:
                 raise KVTransferError(f"block of {size} bytes")
-            payload = await reader.readexactly(size)
-            if intact and checksum(payload) == digest:
-                blocks.append((block_hash, bytearray(payload)))
+            payload = bytearray(await reader.readexactly(size))
+            # hashlib drops the GIL on large buffers: verifying off the loop keeps the receiver responsive
+            if intact and await asyncio.to_thread(checksum, payload) == digest:
+                incoming.put((block_hash, payload))
+                self.blocks_received += 1
                 self.bytes_received += size
             elif intact:
                 intact = False  # keep a prefix of the chain only
                 self.checksum_failures += 1
                 logger.warning("KV transfer %s: block %d failed its checksum; the rest is recomputed",
-                               transfer_id, len(blocks))
-        self.blocks_received += len(blocks)
-        self._expire()
-        self._done[transfer_id] = (time.monotonic(), blocks)
-        waiter = self._waiters.get(transfer_id)
-        if waiter is not None:
-            waiter.set()
-        writer.write(struct.pack("!I", len(blocks)))
-        await writer.drain()
+                               incoming.transfer_id, incoming.blocks_received)
 
-    def _expire(self) -> None:
+    async def _collect(self, incoming: IncomingTransfer) -> None:
+        """The handler without one given: keep a finished transfer's blocks for `receive`."""
+        blocks: list[tuple[bytes, bytearray]] = []
+        with contextlib.suppress(KVTransferError):
+            async for batch in incoming:
+                blocks.extend(batch)
         cutoff = time.monotonic() - self.ttl
         for tid in [t for t, (at, _) in self._done.items() if at < cutoff]:
             del self._done[tid]
+        self._done[incoming.transfer_id] = (time.monotonic(), blocks)
+        waiter = self._waiters.get(incoming.transfer_id)
+        if waiter is not None:
+            waiter.set()
 
     async def receive(self, transfer_id: str, timeout: float = 60.0) -> list[tuple[bytes, bytearray]]:
         if transfer_id not in self._done:
@@ -159,33 +247,65 @@ class TCPKVTransfer(KVTransfer):
         if self._server is not None:
             self._server.close()
             self._server = None
+        for task in list(self._handlers):
+            task.cancel()
         self._done.clear()
 
     # ------------------------------------------------------------------ sender
 
-    async def send(self, address: str, transfer_id: str, blocks: Sequence[tuple[bytes, Any]],
-                   timeout: float = 60.0) -> int:
-        return await asyncio.wait_for(self._send(address, transfer_id, blocks), timeout)
-
-    async def _send(self, address: str, transfer_id: str, blocks: Sequence[tuple[bytes, Any]]) -> int:
+    async def open(self, address: str, transfer_id: str, timeout: float = 10.0) -> KVSendStream:
         host, _, port = address.rpartition(":")
         try:
-            reader, writer = await asyncio.open_connection(host, int(port))
-        except OSError as e:
-            raise KVTransferError(f"cannot reach the KV receiver at {address}: {e}") from e
+            reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
+        except (OSError, ValueError, TimeoutError) as e:
+            raise KVTransferError(f"cannot reach the KV receiver at {address}: {e!r}") from e
+        tid = transfer_id.encode()
+        writer.write(MAGIC + struct.pack("!H", len(tid)) + tid)
+        return _TCPSendStream(address, reader, writer)
+
+
+class _TCPSendStream(KVSendStream):
+    def __init__(self, address: str, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.address, self._reader, self._writer = address, reader, writer
+        self._queue: asyncio.Queue[list[Block] | None] = asyncio.Queue()
+        self._task = asyncio.get_running_loop().create_task(self._pump())
+        self.blocks_sent = 0
+
+    def send(self, blocks: Sequence[Block]) -> None:
+        if blocks and not self._task.done():
+            self._queue.put_nowait(list(blocks))
+
+    async def _pump(self) -> int:
+        writer = self._writer
         try:
-            tid = transfer_id.encode()
-            writer.write(MAGIC + struct.pack("!H", len(tid)) + tid + struct.pack("!I", len(blocks)))
-            for block_hash, payload in blocks:
-                data = as_bytes(payload)
-                writer.write(_BLOCK_HEADER.pack(block_hash, checksum(data), len(data)))
-                writer.write(data)
-                await writer.drain()  # block by block: the socket buffer bounds what is in flight
-            (accepted,) = struct.unpack("!I", await reader.readexactly(4))
+            while (blocks := await self._queue.get()) is not None:
+                data = [as_bytes(p) for _, p in blocks]
+                digests = await asyncio.to_thread(lambda d=data: [checksum(x) for x in d])
+                for (block_hash, _), payload, digest in zip(blocks, data, digests, strict=True):
+                    writer.write(_BLOCK + _BLOCK_HEADER.pack(block_hash, digest, len(payload)))
+                    writer.write(payload)
+                    await writer.drain()  # block by block: the socket buffer bounds what is in flight
+                    self.blocks_sent += 1
+            writer.write(_END + struct.pack("!I", self.blocks_sent))
+            await writer.drain()
+            (accepted,) = struct.unpack("!I", await self._reader.readexactly(4))
             return accepted
         except (ConnectionError, asyncio.IncompleteReadError) as e:
-            raise KVTransferError(f"KV transfer to {address} broke off: {e!r}") from e
+            raise KVTransferError(f"KV transfer to {self.address} broke off: {e!r}") from e
         finally:
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
+
+    async def finish(self, timeout: float = 60.0) -> int:
+        self._queue.put_nowait(None)
+        try:
+            return await asyncio.wait_for(asyncio.shield(self._task), timeout)
+        except TimeoutError:
+            await self.abort()
+            raise
+
+    async def abort(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, KVTransferError):
+            await self._task

@@ -1,18 +1,23 @@
 """A prefill or decode worker: the ordinary server plus `/internal/*` endpoints for the router.
 
-    router ── POST /internal/prefill ──▶ prefill worker: run the prompt to its first token (max_tokens 1);
-                                         NDJSON answer: the first output at once, then (after exporting the
-                                         prompt's full KV blocks and shipping them to the decode worker's
-                                         KV receiver, `KVTransfer`) how many blocks arrived
-    router ── POST /internal/decode  ──▶ decode worker: claim the shipped blocks, import them into the prefix
-                                         cache, continue the request after its first token; NDJSON stream
-                                         of outputs (text and logprobs include the first token)
+    router ── POST /internal/prefill ──▶ prefill worker: opens a KV stream to the decode worker's receiver
+                                         (`KVTransfer.open`), runs the prompt to its first token (max_tokens
+                                         1, `stream_kv`): each chunk's completed blocks are sent by a
+                                         background task while the next chunk computes. NDJSON answer: the
+                                         first output at once (with whether the stream is up), then, once the
+                                         last blocks went out, how many the receiver verified
+    decode worker's KV receiver: imports each arriving batch into its engine at once, held (referenced)
+                                         under the transfer id; a transfer that breaks off drops its hold
+    router ── POST /internal/decode  ──▶ decode worker: waits until the transfer has ended (most blocks are
+                                         imported by then), continues the request after its first token,
+                                         releases the hold once the request runs; NDJSON stream of outputs
     router ── GET  /internal/load    ──▶ either: queued prefill seconds (cost model), running requests, KV
-                                         tokens / usage / capacity, KV receiver address, what names blocks
+                                         tokens / usage / capacity, KV receiver address, what names blocks,
+                                         transfer counters
     worker ── POST router/internal/register (heartbeat thread, with --router-url): join by URL
 
 The engine is reached only through the `EngineClient` surface (its engine may run in another process):
-`facts`, `stats()`, `generate`, and `call("export_kv_blocks" | "import_kv_blocks", ...)`.
+`facts`, `stats()`, `generate(stream_kv=...)`, and `call("import_kv_blocks" | "release_kv_blocks", ...)`.
 """
 
 from __future__ import annotations
@@ -23,27 +28,49 @@ import json
 import logging
 import os
 import threading
+import time
 from typing import Any
 
 import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
-from deepinfer.cluster.transfer import KVTransfer, KVTransferError, TCPKVTransfer
+from deepinfer.cluster.transfer import (
+    IncomingTransfer,
+    KVSendStream,
+    KVTransfer,
+    KVTransferError,
+    TCPKVTransfer,
+)
 from deepinfer.cluster.wire import logprobs_from_json, output_to_json, params_from_json
 from deepinfer.config import ClusterConfig, ServerConfig
 from deepinfer.engine.cost_model import TERMS, CostModel
-from deepinfer.engine.engine_client import EngineClient
+from deepinfer.engine.engine_client import EngineClient, EngineDeadError
 from deepinfer.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
 
-RECEIVE_TIMEOUT = 30.0  # the router calls decode only after the prefill's send was acknowledged
+RECEIVE_TIMEOUT = 30.0  # how long a decode waits for the end of a transfer the prefill worker started
+OPEN_TIMEOUT = 5.0
+FINISH_TIMEOUT = 60.0
 ENGINE_CALL_TIMEOUT = 60.0
+HOLD_TTL = 120.0  # a transfer no decode request claimed by then is dropped, its blocks released
+
+
+@dataclasses.dataclass
+class Arrival:
+    """One incoming transfer on a decode worker."""
+
+    imported: int = 0  # blocks the engine holds for it
+    before_decode: int = 0  # ... of which imported before the decode request arrived
+    ok: bool | None = None  # None while it runs; False: it broke off (what arrived stays usable)
+    claimed: bool = False
+    short: bool = False  # an import came back short: later blocks would leave a gap in the chain
+    done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
 class WorkerState:
-    """What one worker process knows about itself beyond the engine: role, KV receiver, in-flight prefills."""
+    """What one worker process knows about itself beyond the engine: role, KV receiver, transfers."""
 
     def __init__(self, engine: EngineClient, cluster: ClusterConfig, server: ServerConfig,
                  transfer: KVTransfer | None = None) -> None:
@@ -53,14 +80,17 @@ class WorkerState:
         self._transfer_address: str | None = None
         self._start_lock = asyncio.Lock()
         self.pending_prefill_seconds: dict[str, float] = {}
-        self.blocks_sent = 0
-        self.transfer_failures = 0
+        self.arrivals: dict[str, Arrival] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self.counters = dict.fromkeys(("blocks_sent", "blocks_sent_before_first_token", "transfer_failures",
+                                       "transfers_received", "transfers_broken", "blocks_imported",
+                                       "blocks_imported_before_decode"), 0)
 
     async def transfer_address(self) -> str:
         """The KV receiver's address (started on first use: the server's event loop runs by then)."""
         async with self._start_lock:
             if self._transfer_address is None:
-                self._transfer_address = await self.transfer.start()
+                self._transfer_address = await self.transfer.start(self._receive)
         return self._transfer_address
 
     def load(self, kv_address: str | None) -> dict[str, Any]:
@@ -76,10 +106,87 @@ class WorkerState:
             "kv_capacity_tokens": int(s["kv_blocks_total"]) * block_size,
             "max_num_seqs": facts["max_num_seqs"], "max_model_len": eng.max_model_len,
             "block_size": block_size, "model_identity": facts["model_identity"], "kv_layout": facts["kv_layout"],
-            "cost_coefficients": cost_coefficients(s),
-            "kv_transfer": kv_address, "blocks_sent": self.blocks_sent, "transfer_failures": self.transfer_failures,
+            "cost_coefficients": cost_coefficients(s), "kv_transfer": kv_address, **self.counters,
+            "transfers_pending": sum(not a.done.is_set() for a in self.arrivals.values()), "kv_blocks_held": int(s.get("kv_blocks_held_for_imports", 0)),
             "stats": s,
         }
+
+    def background(self, coro) -> asyncio.Task:
+        """Run `coro` on its own, past the HTTP exchange that started it (kept referenced until done)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    # ------------------------------------------------------------------ prefill side
+
+    async def open_stream(self, target: str | None, transfer_id: str | None) -> KVSendStream | None:
+        if not target or not transfer_id:
+            return None
+        try:
+            return await self.transfer.open(target, transfer_id, OPEN_TIMEOUT)
+        except KVTransferError as e:  # the decode worker recomputes the prompt: slow beats failed
+            self.counters["transfer_failures"] += 1
+            logger.warning("cannot open a KV stream to %s: %r", target, e)
+            return None
+
+    async def finish_stream(self, stream: KVSendStream) -> int:
+        try:
+            sent = await stream.finish(FINISH_TIMEOUT)
+        except (KVTransferError, TimeoutError) as e:
+            self.counters["transfer_failures"] += 1
+            logger.warning("KV stream failed: %r", e)
+            return 0
+        self.counters["blocks_sent"] += sent
+        return sent
+
+    # ------------------------------------------------------------------ decode side
+
+    def arrival(self, transfer_id: str) -> Arrival:
+        a = self.arrivals.get(transfer_id)
+        if a is None:
+            a = self.arrivals[transfer_id] = Arrival()
+            asyncio.get_running_loop().call_later(HOLD_TTL, self._expire, transfer_id, a)
+        return a
+
+    def _expire(self, transfer_id: str, a: Arrival) -> None:
+        if self.arrivals.get(transfer_id) is a and not a.claimed:
+            del self.arrivals[transfer_id]
+            self.background(self.release(transfer_id))
+
+    async def release(self, transfer_id: str) -> None:
+        """Drop the engine's hold on a transfer's blocks (they stay cached until evicted)."""
+        try:
+            await asyncio.wait_for(self.engine.call("release_kv_blocks", transfer_id), ENGINE_CALL_TIMEOUT)
+        except (EngineDeadError, TimeoutError) as e:
+            logger.warning("releasing the KV blocks of transfer %s failed: %r", transfer_id, e)
+
+    async def _receive(self, incoming: IncomingTransfer) -> None:
+        """Import an incoming transfer batch by batch, as it arrives (the `KVTransfer` handler)."""
+        tid = incoming.transfer_id
+        a = self.arrival(tid)
+        self.counters["transfers_received"] += 1
+        try:
+            async for batch in incoming:
+                if a.short:
+                    continue
+                n = await asyncio.wait_for(self.engine.call("import_kv_blocks", batch, tid), ENGINE_CALL_TIMEOUT)
+                a.imported += n
+                self.counters["blocks_imported"] += n
+                if not a.claimed:
+                    a.before_decode += n
+                    self.counters["blocks_imported_before_decode"] += n
+                a.short = n < len(batch)
+            a.ok = True
+        except (KVTransferError, TimeoutError, EngineDeadError) as e:
+            # a prefill worker that died mid-stream: free what arrived (a request retried elsewhere never
+            # comes here; one that does finds the blocks cached while they last and recomputes the rest)
+            a.ok = False
+            self.counters["transfers_broken"] += 1
+            logger.warning("KV transfer %s broke off after %d blocks: %r", tid, a.imported, e)
+            await self.release(tid)
+        finally:
+            a.done.set()
 
 
 def cost_coefficients(stats: dict[str, float]) -> list[float]:
@@ -119,41 +226,41 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
         params = body["params"]
         rid = body["request_id"]
         first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        one_token = params.max_tokens is not None and params.max_tokens <= 1
         state.pending_prefill_seconds[rid] = CostModel(cost_coefficients(engine.stats())).prefill_seconds(
             len(prompt_ids))
+        stream = None if one_token else await state.open_stream(body.get("kv_target"), body.get("transfer_id"))
         final = None
         try:
             async for out in engine.generate(prompt_ids, first_params, request_id=f"{rid}-prefill",
                                              cache_salt=body.get("cache_salt"),
-                                             retention_class=body.get("retention_class")):
+                                             retention_class=body.get("retention_class"),
+                                             stream_kv=stream is not None):
+                if out.kv_blocks and stream is not None:
+                    stream.send(out.kv_blocks)  # a background task writes them while the next chunk computes
                 final = out
+        except BaseException:
+            if stream is not None:
+                state.background(stream.abort())
+            raise
         finally:
             state.pending_prefill_seconds.pop(rid, None)
+        sent_early = stream.blocks_sent if stream is not None else 0
+        state.counters["blocks_sent_before_first_token"] += sent_early
+        if final is None or final.outputs[0].finish_reason == "stop":
+            if stream is not None:  # nothing will continue this request: the receiver drops what it got
+                state.background(stream.abort())
+            stream = None
         if final is None:
             raise APIError(503, "the prefill produced no output", type="server_error")
-        target = body.get("kv_target")
-        done = final.outputs[0].finish_reason == "stop" or (params.max_tokens is not None and params.max_tokens <= 1)
-
-        async def ship() -> int:
-            if not target or done:
-                return 0
-            blocks = await asyncio.wait_for(engine.call("export_kv_blocks", prompt_ids, body.get("cache_salt")),
-                                            ENGINE_CALL_TIMEOUT)
-            try:
-                sent = await state.transfer.send(target, body["transfer_id"], blocks)
-            except (KVTransferError, TimeoutError) as e:
-                # the decode worker recomputes the prompt; a slow answer beats a failed request
-                state.transfer_failures += 1
-                logger.warning("KV transfer for %s failed: %r", rid, e)
-                return 0
-            state.blocks_sent += sent
-            return sent
+        # the rest of the stream ends on its own, even if the router stops reading this answer
+        finishing = state.background(state.finish_stream(stream)) if stream is not None else None
+        first = {"output": output_to_json(final), "kv_stream": stream is not None,
+                 "blocks_sent_before_first_token": sent_early}
 
         async def lines():
-            # the first token goes out at once (the router streams it to the client) and the KV ships
-            # after it: the transfer overlaps the router's work instead of delaying the first token
-            yield json.dumps({"output": output_to_json(final)}) + "\n"
-            yield json.dumps({"blocks_sent": await ship()}) + "\n"
+            yield json.dumps(first) + "\n"
+            yield json.dumps({"blocks_sent": await asyncio.shield(finishing) if finishing else 0}) + "\n"
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
 
@@ -161,27 +268,39 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
     async def decode(raw: Request):
         body = await _read(raw, "request_id", "prompt_token_ids", "params", "output_prefix")
         params = body["params"]
-        blocks: list = []
-        if body.get("transfer_id"):
+        tid = body.get("transfer_id")
+        arrival: Arrival | None = None
+        waited = 0.0
+        if tid:
             await state.transfer_address()
+            arrival = state.arrival(tid)
+            arrival.claimed = True
+            t0 = time.monotonic()
             try:
-                blocks = await state.transfer.receive(body["transfer_id"], RECEIVE_TIMEOUT)
+                await asyncio.wait_for(arrival.done.wait(), RECEIVE_TIMEOUT)
             except TimeoutError:
-                logger.warning("KV for %s did not arrive; recomputing its prompt", body["request_id"])
-        imported = (await asyncio.wait_for(engine.call("import_kv_blocks", blocks), ENGINE_CALL_TIMEOUT)
-                    if blocks else 0)
-        gen = engine.generate(list(body["prompt_token_ids"]), params, request_id=body["request_id"],
-                              cache_salt=body.get("cache_salt"), retention_class=body.get("retention_class"),
-                              output_prefix=list(body["output_prefix"]),
-                              prefix_logprobs=logprobs_from_json(body.get("prefix_logprobs")))
-        try:  # the first output before the 200, so engine-side rejections still get their status
-            first = await gen.__anext__()
-        except StopAsyncIteration:
-            first = None
+                logger.warning("the KV stream of %s did not end in time; recomputing the rest", body["request_id"])
+            waited = time.monotonic() - t0
+        try:
+            gen = engine.generate(list(body["prompt_token_ids"]), params, request_id=body["request_id"],
+                                  cache_salt=body.get("cache_salt"), retention_class=body.get("retention_class"),
+                                  output_prefix=list(body["output_prefix"]),
+                                  prefix_logprobs=logprobs_from_json(body.get("prefix_logprobs")))
+            try:  # the first output before the 200, so engine-side rejections still get their status
+                first = await gen.__anext__()
+            except StopAsyncIteration:
+                first = None
+        finally:
+            if tid:  # the request holds its own references to the blocks by now (or never will)
+                state.arrivals.pop(tid, None)
+                await state.release(tid)
+        imported = {"imported_blocks": arrival.imported if arrival else 0,
+                    "imported_before_decode": arrival.before_decode if arrival else 0,
+                    "transfer_wait_seconds": waited}
 
         async def lines():
             try:
-                yield json.dumps({"imported_blocks": imported}) + "\n"
+                yield json.dumps(imported) + "\n"
                 if first is None or first.finished:
                     if first is not None:
                         yield json.dumps(output_to_json(first)) + "\n"

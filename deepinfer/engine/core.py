@@ -200,6 +200,8 @@ class EngineCore:
             self.idle_gap_last = gap
             self.num_idle_gaps += 1
         self.cost_model.observe(StepWork.from_output(plan), result.seconds)
+        for item in plan.scheduled:  # their KV is now written: what a KV exporter may read
+            item.request.num_kv_done_tokens = item.start + item.num_new_tokens
         advanced = self.scheduler.update(plan, result.sampled)
         self.num_steps += 1
         # a gap counts only between steps that follow each other while work is pending

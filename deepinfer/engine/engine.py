@@ -22,7 +22,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.core import CoreOutput, EngineCore, InFlightStep
 from deepinfer.engine.engine_client import validate_model_params, validate_prompt_ids
 from deepinfer.engine.grammar import GrammarCache, wait_for_any
-from deepinfer.engine.kv_exchange import export_blocks, import_blocks
+from deepinfer.engine.kv_exchange import export_blocks, export_computed, import_blocks, release_blocks
 from deepinfer.engine.kv_manager import TIERS
 from deepinfer.engine.kv_tiers import tier_stats
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
@@ -90,6 +90,8 @@ class LLMEngine:
         self.overlap = mode == "on" or (mode == "auto" and self.core.runner.device.type == "cuda")
         self._inflight: InFlightStep | None = None
         self.grammars = GrammarCache(self._grammar_backend)
+        self._kv_streams: dict[str, list] = {}  # stream_kv requests: id -> [Request, blocks exported]
+        self._kv_holds: dict[str, list[int]] = {}  # import_kv_blocks(hold_key=...) -> device blocks held
 
     def _grammar_backend(self) -> GrammarBackend:
         return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
@@ -133,12 +135,14 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
                     retention_class: str | None = None, output_prefix: list[int] | None = None,
-                    prefix_logprobs: list[dict[int, Logprob]] | None = None) -> str:
+                    prefix_logprobs: list[dict[int, Logprob]] | None = None, stream_kv: bool = False) -> str:
         """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized. `retention_class`
         (default: the configured default class) says how long the KV store keeps its blocks.
         `output_prefix`: tokens already generated elsewhere (a prefill worker's first token, with their
         `prefix_logprobs` if the request wants logprobs); the request continues after them as if it had
-        sampled them itself (n == 1 only)."""
+        sampled them itself (n == 1 only). `stream_kv` (n == 1 only): after every step that completed more
+        of the prompt's full blocks, the request's output carries them (`RequestOutput.kv_blocks`), with
+        or without a new token: a prefill worker ships them while the rest of the prompt computes."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._parents:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -147,8 +151,8 @@ class LLMEngine:
         self.validate_params(params)
         retention_class = self.core.check_retention(retention_class)
         output_prefix = list(output_prefix or [])
-        if output_prefix and params.n != 1:
-            raise ValueError("output_prefix needs n == 1")
+        if (output_prefix or stream_kv) and params.n != 1:
+            raise ValueError("output_prefix and stream_kv need n == 1")
         if output_prefix and params.logprobs is not None and len(prefix_logprobs or ()) != len(output_prefix):
             raise ValueError("a request with logprobs needs prefix_logprobs for every output_prefix token")
         if len(prompt_ids) + len(output_prefix) >= self.max_model_len:
@@ -177,10 +181,13 @@ class LLMEngine:
         for child in children:
             self._child_parent[child.req.request_id] = parent
             self.core.add_request(child.req)
+        if stream_kv:
+            self._kv_streams[request_id] = [children[0].req, 0]
         return request_id
 
     def abort_request(self, request_id: str) -> None:
         parent = self._parents.pop(request_id, None)
+        self._kv_streams.pop(request_id, None)
         if parent is None:
             return
         for child in parent.children:
@@ -195,14 +202,24 @@ class LLMEngine:
         from the first block (see `kv_exchange.export_blocks`)."""
         return export_blocks(self.core, token_ids, cache_salt)
 
-    def import_kv_blocks(self, blocks: list[tuple[bytes, Any]]) -> int:
+    def import_kv_blocks(self, blocks: list[tuple[bytes, Any]], hold_key: str | None = None) -> int:
         """Put named KV blocks where this engine's prefix cache finds them (see `kv_exchange.import_blocks`);
-        a request added afterwards hits them. Returns how many are held."""
+        a request added afterwards hits them. Returns how many are held. `hold_key`: keep a reference on
+        them under that key until `release_kv_blocks(hold_key)` (blocks arriving in several batches)."""
         if self._inflight is not None:
             # with host work overlapped a step may still be running: a block it frees can still receive
             # its in-flight token, so let it finish before writing free blocks (as `EngineCore.launch` does)
             self._inflight.future.result()
-        return import_blocks(self.core, blocks)
+        hold = self._kv_holds.setdefault(hold_key, []) if hold_key is not None else None
+        return import_blocks(self.core, blocks, hold)
+
+    def release_kv_blocks(self, hold_key: str) -> int:
+        """Drop the references `import_kv_blocks(..., hold_key)` took (the blocks stay cached until
+        evicted); returns how many. Unknown keys release nothing."""
+        hold = self._kv_holds.pop(hold_key, [])
+        n = len(hold)
+        release_blocks(self.core, hold)
+        return n
 
     def flush_kv_store(self, timeout: float | None = None) -> bool:
         """Wait until the KV blocks queued for the persistent store are written; False on timeout."""
@@ -231,6 +248,7 @@ class LLMEngine:
             # load signals for a cluster router: queued prefill compute (cost model) and KV held
             "prefill_queued_seconds": self._queued_prefill_seconds(),
             "kv_tokens": sum(r.num_tokens for r in sched.running),
+            "kv_blocks_held_for_imports": sum(len(h) for h in self._kv_holds.values()),
             "step_idle_gap_seconds_total": self.core.idle_gap_seconds,
             "step_idle_gap_last_seconds": self.core.idle_gap_last,
             "step_idle_gaps": self.core.num_idle_gaps,
@@ -272,7 +290,29 @@ class LLMEngine:
         outputs += [CoreOutput(r, None, None) for r in core.scheduler.take_failed()]
         if not outputs and self._inflight is None:
             self._wait_for_grammars()
-        return self._process(outputs)
+        results = self._process(outputs)
+        return self._attach_kv(results) if self._kv_streams else results
+
+    def _attach_kv(self, results: list[RequestOutput]) -> list[RequestOutput]:
+        """Give every `stream_kv` request whose finished steps completed more prompt blocks an output
+        carrying them (its token output of this step, else a snapshot without a new token)."""
+        by_id = {out.request_id: out for out in results}
+        for rid, entry in list(self._kv_streams.items()):
+            req, sent = entry
+            blocks = export_computed(self.core, req, sent)
+            if blocks:
+                entry[1] = sent + len(blocks)
+                out = by_id.get(rid)
+                parent = self._parents.get(rid)
+                if out is None and parent is not None:
+                    out = by_id[rid] = self._snapshot(parent)
+                    results.append(out)
+                if out is not None:
+                    # plain bytes: they may cross a process pipe, where tensors would go through shared memory
+                    out.kv_blocks = [(h, p.numpy().tobytes() if hasattr(p, "numpy") else bytes(p)) for h, p in blocks]
+            if req.finished:
+                del self._kv_streams[rid]
+        return results
 
     def _wait_for_grammars(self) -> None:
         """Nothing ran: if requests wait only for their grammars, sleep until one compiles (briefly:

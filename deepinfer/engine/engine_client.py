@@ -26,7 +26,7 @@ from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
 
 # LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
-ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks"})
+ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks"})
 
 
 class EngineDeadError(RuntimeError):
@@ -154,9 +154,9 @@ class EngineClient(ABC):
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        prompt: str | None = None, cache_salt: str | None = None,
                        retention_class: str | None = None, output_prefix: list[int] | None = None,
-                       prefix_logprobs: list | None = None) -> AsyncIterator[RequestOutput]:
-        """`output_prefix` / `prefix_logprobs`: tokens another worker already generated for this request
-        (see `LLMEngine.add_request`)."""
+                       prefix_logprobs: list | None = None, stream_kv: bool = False) -> AsyncIterator[RequestOutput]:
+        """`output_prefix` / `prefix_logprobs`: tokens another worker already generated for this request;
+        `stream_kv`: outputs carry the prompt's KV blocks as they are computed (see `LLMEngine.add_request`)."""
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
         retention_class = self.check_retention(retention_class)
@@ -168,7 +168,7 @@ class EngineClient(ABC):
         self._submit({"prompt": prompt if prompt is not None else list(prompt_token_ids), "params": params,
                       "request_id": request_id, "cache_salt": cache_salt, "prompt_token_ids": list(prompt_token_ids),
                       "retention_class": retention_class, "output_prefix": output_prefix,
-                      "prefix_logprobs": prefix_logprobs})
+                      "prefix_logprobs": prefix_logprobs, "stream_kv": stream_kv})
         finished = False
         try:
             while True:

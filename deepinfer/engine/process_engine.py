@@ -18,6 +18,7 @@ KV store writes) or when the server process disappears (its command pipe closes)
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import itertools
 import logging
 import multiprocessing
@@ -76,6 +77,7 @@ class OutputDelta:
     num_cached_tokens: int
     num_cached_tokens_by_tier: dict[str, int]
     metrics: dict = field(default_factory=dict)
+    kv_blocks: list | None = None  # RequestOutput.kv_blocks: never accumulated, passed through as is
 
 
 # ---------------------------------------------------------------- server side
@@ -220,6 +222,8 @@ class ProcessEngine(EngineClient):
             metrics=d.metrics)
         if not d.finished:
             self._assembled[d.request_id] = out
+        if d.kv_blocks:
+            out = dataclasses.replace(out, kv_blocks=d.kv_blocks)  # not kept in `_assembled`
         if d.finished or not self._wanted(d.request_id):  # re-checked: abort() may have run meanwhile
             self._assembled.pop(d.request_id, None)
         return out
@@ -248,7 +252,8 @@ class _DeltaEncoder:
         if out.finished:
             self._sent.pop(out.request_id, None)
         return OutputDelta(out.request_id, out.prompt if first else None, out.prompt_token_ids if first else None,
-                           deltas, out.finished, out.num_cached_tokens, out.num_cached_tokens_by_tier, out.metrics)
+                           deltas, out.finished, out.num_cached_tokens, out.num_cached_tokens_by_tier, out.metrics,
+                           out.kv_blocks)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)

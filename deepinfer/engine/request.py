@@ -60,6 +60,9 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.status = RequestStatus.WAITING
         self.num_computed_tokens = 0
+        # tokens whose KV a *finished* step wrote (num_computed_tokens runs ahead while a step launched
+        # ahead is still running); a preemption lowers num_computed_tokens below it again
+        self.num_kv_done_tokens = 0
         # sampled by a launched step but not yet appended (the engine may schedule the next step first)
         self.num_pending_tokens = 0
         self.num_cached_tokens = -1  # prompt tokens served from the prefix cache; set at first schedule
