@@ -148,6 +148,10 @@ class KVStoreConfig:
     kv_retention: str = _f(
         "agent=72h,chat=7d", "Retention classes and how long their KV blocks are kept (units s, m, h, d).")
     default_retention_class: str = _f("chat", "Retention class of requests that do not name one.")
+    kv_store_prefetch: bool = _f(
+        True, "Read a waiting request's store hits on a background thread (I/O and checksums off the engine "
+        "thread) and admit it once they are staged in host memory; other requests keep running meanwhile. "
+        "Off: they are read on the engine thread when the request is admitted, stalling the step.")
 
     def __post_init__(self) -> None:
         from deepinfer.kvstore.format import RetentionPolicy
