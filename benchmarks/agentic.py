@@ -12,10 +12,10 @@ recomputed, with it the evicted blocks are loaded from the store. ``--configs`` 
     A session's next turn arrives ``--gap-min``..``--gap-max`` s (uniform) after its previous turn finished;
     session starts are staggered by ``--stagger`` s. Arrival times therefore depend on the run (closed
     loop per session); the prompts' token ids do not, except for the model's own (greedy) outputs.
-    ``--agentic-preset`` picks the defaults of those flags and of ``--host-cache-memory`` (any flag given
+    ``--agentic-preset`` picks the defaults of those flags and of ``--host-blocks`` (any flag given
     overrides its preset value; see PRESETS): ``long`` (default) = long resent histories with short
     appends, as agent traffic is (a large system prompt with tool definitions, then tool outputs of about
-    a hundred tokens; histories reach ~3.3k tokens) and a 64 MiB host tier; ``short`` = the first
+    a hundred tokens; histories reach ~3.3k tokens) and a 160-block host tier; ``short`` = the first
     configuration (histories reach ~1k tokens, no host tier).
 (b) mooncake: the Mooncake conversation trace, lengths divided by ``--scale`` (a 512-token hash block
     becomes 512/scale tokens, generated from random.Random(hash_id) so equal hash ids give equal
@@ -42,7 +42,7 @@ Usage::
 
     HF_HUB_OFFLINE=1 python benchmarks/agentic.py --json benchmarks/results/agentic.json
     python benchmarks/agentic.py --workloads agentic --agentic-preset short   # the first configuration
-    python benchmarks/agentic.py --quick          # smoke: a few sessions and trace requests
+    python benchmarks/agentic.py --quick          # smoke: a few sessions and trace requests, a 128-block pool
 """
 
 from __future__ import annotations
@@ -62,8 +62,11 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import torch  # noqa: E402
+
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.engine.engine import LLMEngine  # noqa: E402
+from deepinfer.engine.runner import resolve_dtype  # noqa: E402
 from deepinfer.engine.sampling_params import SamplingParams  # noqa: E402
 
 TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
@@ -110,19 +113,21 @@ def ideal_hits(reqs: list[Req], with_output: bool) -> int:
     return hits
 
 
-PRESETS = {
-    "long": dict(sessions=10, turns=8, system_len=2048, task_len=256, tool_len=96, output_len=24,
-                 host_cache_memory="64MiB"),
-    "short": dict(sessions=12, turns=5, system_len=256, task_len=96, tool_len=160, output_len=12,
-                  host_cache_memory="0"),
-}
+PRESETS = {"long": dict(sessions=10, turns=8, system_len=2048, task_len=256, tool_len=96, output_len=24, host_blocks=160),
+           "short": dict(sessions=12, turns=5, system_len=256, task_len=96, tool_len=160, output_len=12, host_blocks=0)}
 CONFIGS = ("store_off", "store_on", "store_on_sync")
 
 
+def block_token_bytes(dtype: str) -> int:
+    """SmolLM2-135M KV bytes per token (layers x KV heads x head dim x (K, V)) in the dtype `dtype` resolves to."""
+    return 30 * 3 * 64 * 2 * resolve_dtype(dtype, torch.device("cpu")).itemsize
+
+
 def make_engine(args: argparse.Namespace, store: Path | None, prefetch: bool = True) -> LLMEngine:
-    per_token = 30 * 3 * 64 * 2 * 2  # SmolLM2-135M bf16: layers x kv heads x head dim x (k, v) x bytes
-    kwargs = dict(model=args.model, dtype=args.dtype, kv_cache_memory=str(args.device_blocks * BLOCK * per_token),
-                  host_cache_memory=args.host_cache_memory, kv_store=str(store) if store else "none",
+    block = BLOCK * block_token_bytes(args.dtype)
+    host = args.host_cache_memory or str(args.host_blocks * block)
+    kwargs = dict(model=args.model, dtype=args.dtype, kv_cache_memory=str(args.device_blocks * block),
+                  host_cache_memory=host, kv_store=str(store) if store else "none",
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
                   profile_cost_model=False, kv_store_prefetch=prefetch)
     engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
@@ -254,11 +259,11 @@ def breakdown(reqs: list[Req]) -> dict[str, dict[str, float]]:
     out = {}
     for key, rs in groups.items():
         if rs:
-            out[key] = {"n": len(rs), "ttft_ms": 1000 * statistics.fmean(r.first - r.added for r in rs),
-                        "wait_ms": 1000 * statistics.fmean(r.scheduled - r.added for r in rs),
-                        "run_ms": 1000 * statistics.fmean(r.first - r.scheduled for r in rs),
-                        "new_tokens": statistics.fmean(len(r.prompt) - r.cached for r in rs),
-                        "cached_tokens": statistics.fmean(r.cached for r in rs)}
+            mean = statistics.fmean
+            out[key] = {"n": len(rs), "ttft_ms": 1000 * mean(r.first - r.added for r in rs),
+                        "wait_ms": 1000 * mean(r.scheduled - r.added for r in rs),
+                        "run_ms": 1000 * mean(r.first - r.scheduled for r in rs),
+                        "new_tokens": mean(len(r.prompt) - r.cached for r in rs), "cached_tokens": mean(r.cached for r in rs)}
     return out
 
 
@@ -285,15 +290,12 @@ def measure(workload: str, config: str, args: argparse.Namespace) -> dict[str, f
         "ideal_hit_pct": 100 * ideal_hits(reqs, workload == "agentic") / prompt_tokens,
         "hit_pct": 100 * sum(r.cached for r in reqs) / prompt_tokens,
         **{f"hit_{t}_pct": 100 * n / prompt_tokens for t, n in tiers.items()},
-        "ttft_mean_ms": 1000 * statistics.fmean(ttft), "ttft_p50_ms": 1000 * _pct(ttft, 50),
-        "ttft_p99_ms": 1000 * _pct(ttft, 99),
+        "ttft_mean_ms": 1000 * statistics.fmean(ttft), "ttft_p50_ms": 1000 * _pct(ttft, 50), "ttft_p99_ms": 1000 * _pct(ttft, 99),
         "output_tok_per_s": sum(len(r.output) for r in reqs) / wall,
         "prefill_tok_per_s": (prompt_tokens - sum(r.cached for r in reqs)) / wall,
-        "wall_s": wall, "preemptions": stats["num_preemptions"],
-        "store_written_blocks": stats.get("kv_store_written_blocks", 0),
+        "wall_s": wall, "preemptions": stats["num_preemptions"], "store_written_blocks": stats.get("kv_store_written_blocks", 0),
         "tier_stats": {k: v for k, v in stats.items() if k.startswith("kv_") and isinstance(v, int | float)},
-    }
-    res["breakdown"] = breakdown(reqs)
+        "breakdown": breakdown(reqs)}
     slow = sorted(reqs, key=lambda r: r.added - r.first)[:3]
     res["slowest"] = [(r.rid, len(r.prompt), r.cached, round(1000 * (r.first - r.added))) for r in slow]
     print(f"  {workload} {config}: {res['requests']} req, hit {res['hit_pct']:.1f}% "
@@ -323,9 +325,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="HF directory or .gguf (default: the built-in SmolLM2 GGUF)")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--device-blocks", type=int, default=320,
-                   help="device KV pool in 16-token blocks (sized for SmolLM2-135M bf16, 23,040 B/token)")
-    p.add_argument("--host-cache-memory", default=None, help="host tier (default: the agentic preset's)")
+    p.add_argument("--device-blocks", type=int, default=320, help="device KV pool in 16-token blocks")
+    p.add_argument("--host-blocks", type=int, default=None, help="host tier in blocks (default: the preset's)")
+    p.add_argument("--host-cache-memory", default=None, help="host tier in bytes; overrides --host-blocks")
     p.add_argument("--store-dir", default=None, help="parent of the temporary store directory (default: $TMPDIR)")
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--max-num-seqs", type=int, default=32)
@@ -333,7 +335,7 @@ def main() -> None:
     p.add_argument("--configs", default="store_off,store_on",
                    help=f"comma-separated, of {', '.join(CONFIGS)} (the first two are compared)")
     p.add_argument("--agentic-preset", choices=sorted(PRESETS), default="long",
-                   help="defaults of the (a) workload flags left unset and of --host-cache-memory")
+                   help="defaults of the (a) workload flags left unset and of --host-blocks")
     p.add_argument("--seed", type=int, default=0)
     for name in ("sessions", "turns", "system_len", "task_len", "tool_len", "output_len"):  # (a), see PRESETS
         p.add_argument("--" + name.replace("_", "-"), type=int, default=None)
@@ -351,7 +353,7 @@ def main() -> None:
     p.add_argument("--conv-fraction", type=float, default=0.04)
     p.add_argument("--trace-minutes", type=float, default=20.0)
     p.add_argument("--trace-max-output", type=int, default=16)
-    p.add_argument("--quick", action="store_true", help="smoke run: 4 sessions x 3 turns, 20 trace requests, a 128-block pool")
+    p.add_argument("--quick", action="store_true", help="smoke run: 4 sessions x 3 turns, 20 trace requests")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args()
     for name, value in PRESETS[args.agentic_preset].items():
@@ -376,7 +378,7 @@ def main() -> None:
               f"{args.conv_fraction:g} of the conversations of the first {args.trace_minutes:g} min")
     time_scale = args.time_scale if args.time_scale is not None else (2.0 if args.trace_sample == "head" else 1 / 15)
     print(f"\ndevice pool {args.device_blocks} blocks ({args.device_blocks * BLOCK} tokens), host tier "
-          f"{args.host_cache_memory}; agentic ({args.agentic_preset}): {args.sessions} sessions x {args.turns} "
+          f"{args.host_cache_memory or f'{args.host_blocks} blocks'}; KV {block_token_bytes(args.dtype)} B/token; agentic ({args.agentic_preset}): {args.sessions} sessions x {args.turns} "
           f"turns, system {args.system_len} + task {args.task_len}, tool {args.tool_len} +-25%, output "
           f"{args.output_len}, gaps {args.gap_min:g}-{args.gap_max:g} s; mooncake: {sample}, lengths / "
           f"{args.scale}, arrival times x {time_scale:.3g}")
@@ -386,8 +388,7 @@ def main() -> None:
         for label, key, fmt in ROWS:
             ratio = on[key] / off[key] if off[key] else float("nan")
             print(f"{label:30s}" + "".join(f"{fmt.format(r[key]):>14s}" for r in res.values()) + f"{ratio:8.2f}")
-        print(f"{'gap to ideal (points)':30s}" + "".join(f"{r['ideal_hit_pct'] - r['hit_pct']:14.1f}"
-                                                          for r in res.values()))
+        print(f"{'gap to ideal (points)':30s}" + "".join(f"{r['ideal_hit_pct'] - r['hit_pct']:14.1f}" for r in res.values()))
         for cfg, r in res.items():
             if cfg != "store_off":
                 print(f"TTFT off/{cfg} (x better): mean {off['ttft_mean_ms'] / r['ttft_mean_ms']:.2f}, p50 "

@@ -13,8 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from deepinfer import SamplingParams
+from deepinfer.kvstore.blocks import gather_block, scatter_block, scatter_blocks
 from tests.test_kv_tiers import BS, _flip_first_block, _llm, _prompt, _reference, _run, _segments
 from tests.test_models_vs_hf import _assert_all_free
 
@@ -180,3 +182,21 @@ def test_failing_store_read_is_a_miss(tiny_models, tmp_path):
         assert out.outputs[0].token_ids == _reference(model, cached)
         assert llm.engine.stats()["kv_prefetch_errors"] == 1
         _assert_all_free(llm)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batched_scatter_matches_block_by_block(dtype):
+    def caches():
+        return [(torch.zeros(6, 4, 2, 8, dtype=dtype), torch.zeros(6, 4, 2, 8, dtype=dtype)) for _ in range(3)]
+
+    src = [(torch.randn(6, 4, 2, 8).to(dtype), torch.randn(6, 4, 2, 8).to(dtype)) for _ in range(3)]
+    payloads = [gather_block(src, 1), bytes(gather_block(src, 4).numpy()), memoryview(gather_block(src, 2).numpy())]
+    one, many = caches(), caches()
+    for block, payload in zip([5, 0, 3], payloads, strict=True):
+        scatter_block(one, block, payload)
+    scatter_blocks(many, [5, 0, 3], payloads)
+    for (k1, v1), (k2, v2) in zip(one, many, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+    assert torch.equal(many[2][1][5], src[2][1][1]) and not many[0][0][1].any()
+    with pytest.raises(ValueError):
+        scatter_blocks(many, [1], [payloads[0][:-2]])

@@ -157,11 +157,12 @@ class StorePrefetcher:
         return [j.future for j in self._jobs.values() if not j.done and j.future is not None and not j.future.done()]
 
     def close(self) -> None:
-        """Drop every staging and stop the thread (waits for a read in progress)."""
+        """Drop every staging and stop the thread; a read in progress is not waited for (a stuck
+        filesystem must not hang shutdown) and its result is dropped."""
         self._closed = True
         for request_id in list(self._jobs):
             self.release(request_id)
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
     def stats(self) -> dict[str, float]:
         return {**self.counters, "staged_bytes": self._staged_bytes, "in_flight": len(self._jobs)}

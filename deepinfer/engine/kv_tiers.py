@@ -37,7 +37,8 @@ from typing import Any
 from deepinfer.config import KVStoreConfig, parse_memory
 from deepinfer.engine.kv_prefetch import Staged, StorePrefetcher
 from deepinfer.kvstore import HostKVCache, KVBlockStore, KVLayout, RetentionPolicy, TieredKVStore
-from deepinfer.kvstore.blocks import KVCaches, gather_block, layout_of, scatter_block
+from deepinfer.kvstore.blocks import KVCaches, gather_block, layout_of, scatter_blocks
+from deepinfer.kvstore.host import payload_nbytes
 from deepinfer.kvstore.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,7 @@ class KVTiers:
                  prefetch: bool = True) -> None:
         self.tiers = tiers
         self.kv_caches = kv_caches
+        self.block_nbytes = layout_of(kv_caches).block_nbytes
         self.writer = writer
         self.prefetcher = StorePrefetcher(tiers.store, tiers.host) if prefetch and tiers.store is not None else None
         # a store write covers whole segments when it can: runs are cut at multiples of this
@@ -152,14 +154,19 @@ class KVTiers:
         except Exception:  # noqa: BLE001
             self._failed("load")
             return 0, 0
-        n = 0
-        for block, payload in zip(blocks, payloads, strict=False):
-            try:
-                scatter_block(self.kv_caches, block, payload)
-            except Exception:  # noqa: BLE001 - e.g. a payload of another size: stop, recompute the rest
-                self._failed("scatter")
-                break
+        # a payload of another size ends the run: it and what follows are recomputed
+        n, bn = 0, self.block_nbytes
+        while n < min(len(blocks), len(payloads)) and payload_nbytes(payloads[n]) == bn:
             n += 1
+        if n < min(len(blocks), len(payloads)):
+            self.errors += 1
+            logger.error("KV tiers: a payload of %d bytes, not %d; recomputing from there",
+                         payload_nbytes(payloads[n]), bn)
+        try:
+            scatter_blocks(self.kv_caches, blocks[:n], payloads[:n])
+        except Exception:  # noqa: BLE001
+            self._failed("scatter")
+            n = 0
         if tiers is not None:
             from_host = tiers[:n].count("host")
             counters["loaded_host_blocks"] += from_host
