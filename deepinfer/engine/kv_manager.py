@@ -13,9 +13,9 @@ the device: a lookup extends the device match through host memory and the store.
 request whose match reaches into the store is first prefetched (`kv_prefetch.py`): the lookup
 starts the background read and reports `PrefixHit.prefetching` until its blocks are staged in
 host memory, then reports them as memory hits. Admission gives the tier hits fresh device blocks
-and records them as the request's pending load (`load_pending`, run before its first step); an evicted cached block is copied to the host
-tier; newly computed blocks are written to the store, in segment-aligned runs while the
-request runs and the rest when it leaves the device.
+and records them as the request's pending load (`load_pending`, run before its first step); an
+evicted cached block is copied to the host tier; newly computed blocks are written to the store,
+in segment-aligned runs while the request runs and the rest when it leaves the device.
 """
 
 from __future__ import annotations
