@@ -84,6 +84,22 @@ def test_slow_store_read_does_not_stall_other_requests(prefetch, tiny_models, tm
         _assert_all_free(llm)
 
 
+@pytest.mark.parametrize("wait_ms", [0, 5000])
+def test_a_read_done_within_the_wait_is_admitted_in_the_same_step(wait_ms, tiny_models, tmp_path):
+    model, cached = tiny_models["llama"], _prompt(30, 120)
+    _stored(model, tmp_path, cached)
+    with _llm(model, tmp_path, kv_store_prefetch_wait_ms=wait_ms) as llm:
+        engine = llm.engine
+        _add(engine, "r", cached)
+        engine.step()
+        running = [r.request_id for r in engine.core.scheduler.running]
+        # waited for: the read finished long before 5 s, the request ran in that step; not waited for: next step
+        assert running == (["r"] if wait_ms else [])
+        times = _drive(engine)
+        assert len(times["r"]) == 8 and engine.stats()["kv_prefetch_store_blocks"] == 7
+        _assert_all_free(llm)
+
+
 def test_output_identical_with_and_without_prefetch(tiny_models, tmp_path):
     model = tiny_models["qwen3"]
     full, shared, fresh = _prompt(22, 300), _prompt(22, 300)[:150] + _prompt(23, 60), _prompt(24, 90)

@@ -207,20 +207,27 @@ class KVCacheManager:
         prefetcher = self.tiers.prefetcher
         staged = prefetcher.staged(req.request_id) if prefetcher is not None else None
         if isinstance(staged, dict):
-            hit.staged = staged
-            num, hit.num_store = self.tiers.memory_prefix(req.block_hashes[:limit], start, staged)
-            hit.num_host = num - hit.num_store
-            return hit
+            return self._staged_hit(req, hit, start, limit, staged)
         memo = req.tier_lookup
         if memo is None or memo[:2] != (start, limit):
             memo = req.tier_lookup = (start, limit, *self.tiers.lookup(req.block_hashes[:limit], start))
         hit.num_host, hit.num_store = memo[2], memo[3]
         if prefetcher is not None and hit.num_store:
             # not admitted with blocks still on disk: read them off this thread first (a refused start,
-            # staging memory full, is retried at the next lookup)
-            if staged is None:
-                prefetcher.start(req.request_id, req.block_hashes, start, hit.num_host, hit.num_store)
+            # staging memory full, is retried at the next lookup); a fast read may be staged at once
+            if staged is None and prefetcher.start(req.request_id, req.block_hashes, start, hit.num_host,
+                                                   hit.num_store):
+                staged = prefetcher.staged(req.request_id)
+            if isinstance(staged, dict):
+                return self._staged_hit(req, hit, start, limit, staged)
             hit.prefetching = True
+        return hit
+
+    def _staged_hit(self, req: Request, hit: PrefixHit, start: int, limit: int, staged: Staged) -> PrefixHit:
+        """`hit` continued from `start` by what is in host memory: staged by a prefetch or in the host tier."""
+        hit.staged = staged
+        num, hit.num_store = self.tiers.memory_prefix(req.block_hashes[:limit], start, staged)
+        hit.num_host = num - hit.num_store
         return hit
 
     def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None,

@@ -15,7 +15,12 @@ pool or the host tier):
   meanwhile cannot break the chain) and queues the read of its store hits. Nothing is allocated on the
   device while it runs: the request holds no device blocks until it is admitted.
 - `staged` is `PENDING` while the read runs, then the staged payloads by block hash (host refs and
-  verified store blocks), None for a request with no prefetch.
+  verified store blocks), None for a request with no prefetch. A request is admitted at the first
+  step boundary after its read is done, so a read that overlaps a step delays that request by the
+  rest of the step. To keep that price off fast reads, `staged` may block for reads started since
+  `begin_step`, for at most `admit_wait_s` per step in total (the engine stalls that long at worst,
+  once per step, however slow the store); a read still running then goes on in the background and
+  later steps never wait for it.
 - A read that raises, returns fewer blocks than the lookup promised (corrupt, truncated, expired or
   evicted meanwhile) or takes longer than `timeout_s` stages only what verified before it (possibly
   nothing): the rest is a miss and is recomputed. Unverified bytes are never staged.
@@ -31,6 +36,7 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Final
 
@@ -57,11 +63,13 @@ class StorePrefetcher:
     """Reads requests' store hits on one background thread and stages them (with their host hits)."""
 
     def __init__(self, store: KVBlockStore, host: HostKVCache | None, max_staged_bytes: int = 512 * 2**20,
-                 timeout_s: float = 10.0) -> None:
+                 timeout_s: float = 10.0, admit_wait_s: float = 0.05) -> None:
         self.store = store
         self.host = host
         self.max_staged_bytes = max_staged_bytes
         self.timeout_s = timeout_s
+        self.admit_wait_s = admit_wait_s
+        self._step_started = float("inf")  # reads started since then may be waited for (until + admit_wait_s)
         self._jobs: dict[str, _Job] = {}
         self._staged_bytes = 0
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-kv-prefetch")
@@ -76,6 +84,10 @@ class StorePrefetcher:
     def __contains__(self, request_id: str) -> bool:
         """Whether `request_id` has a prefetch (running or staged)."""
         return request_id in self._jobs
+
+    def begin_step(self) -> None:
+        """A step is being scheduled: reads started from now on may be waited for (see `staged`)."""
+        self._step_started = time.monotonic()
 
     def start(self, request_id: str, hashes: Sequence[bytes], first: int, num_host: int, num_store: int) -> bool:
         """Stage chain positions first .. first+num_host-1 from the host tier and queue the read of the
@@ -116,6 +128,9 @@ class StorePrefetcher:
         if job is None:
             return None
         if not job.done and job.future is not None:  # a job without a store read is done at start
+            wait_s = self._step_started + self.admit_wait_s - time.monotonic()
+            if job.started >= self._step_started and wait_s > 0:
+                wait_futures([job.future], timeout=wait_s)
             if not job.future.done():
                 if time.monotonic() - job.started < self.timeout_s:
                     return PENDING

@@ -48,12 +48,13 @@ class KVTiers:
     """Host tier and persistent store wired to one engine's paged KV cache."""
 
     def __init__(self, tiers: TieredKVStore, kv_caches: KVCaches, writer: StoreWriter | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, prefetch_wait_s: float = 0.05) -> None:
         self.tiers = tiers
         self.kv_caches = kv_caches
         self.block_nbytes = layout_of(kv_caches).block_nbytes
         self.writer = writer
-        self.prefetcher = StorePrefetcher(tiers.store, tiers.host) if prefetch and tiers.store is not None else None
+        self.prefetcher = (StorePrefetcher(tiers.store, tiers.host, admit_wait_s=prefetch_wait_s)
+                           if prefetch and tiers.store is not None else None)
         # a store write covers whole segments when it can: runs are cut at multiples of this
         self.group_blocks = tiers.store.segment_blocks if tiers.store is not None else 1
         self.errors = 0
@@ -75,7 +76,8 @@ class KVTiers:
         writer = StoreWriter(store.put) if store is not None else None
         logger.info("KV tiers: host %s, store %s", f"{host_bytes / 2**20:.0f} MiB" if host is not None else "off",
                     store.root if store is not None else "off")
-        return cls(TieredKVStore(host, store), kv_caches, writer, config.kv_store_prefetch)
+        return cls(TieredKVStore(host, store), kv_caches, writer, config.kv_store_prefetch,
+                   config.kv_store_prefetch_wait_ms / 1000)
 
     @property
     def host(self) -> HostKVCache | None:

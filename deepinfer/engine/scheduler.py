@@ -183,6 +183,7 @@ class Scheduler:
         prefetcher = self.kv.tiers.prefetcher if self.kv.tiers is not None else None
         if prefetcher is None:
             return
+        prefetcher.begin_step()
         for req in self.waiting:
             if req.request_id not in prefetcher and req.ready_to_schedule():
                 self.kv.lookup_prefix(req)
