@@ -90,10 +90,11 @@ def test_a_read_done_within_the_wait_is_admitted_in_the_same_step(wait_ms, tiny_
     _stored(model, tmp_path, cached)
     with _llm(model, tmp_path, kv_store_prefetch_wait_ms=wait_ms) as llm:
         engine = llm.engine
+        _fault_reads(llm, lambda: time.sleep(0.3))  # longer than scheduling the step takes
         _add(engine, "r", cached)
         engine.step()
         running = [r.request_id for r in engine.core.scheduler.running]
-        # waited for: the read finished long before 5 s, the request ran in that step; not waited for: next step
+        # waited for: the read finished well within 5 s, the request ran in that step; not waited for: next step
         assert running == (["r"] if wait_ms else [])
         times = _drive(engine)
         assert len(times["r"]) == 8 and engine.stats()["kv_prefetch_store_blocks"] == 7

@@ -207,7 +207,12 @@ class KVCacheManager:
         prefetcher = self.tiers.prefetcher
         staged = prefetcher.staged(req.request_id) if prefetcher is not None else None
         if isinstance(staged, dict):
-            return self._staged_hit(req, hit, start, limit, staged)
+            if start >= prefetcher.first_position(req.request_id):
+                return self._staged_hit(req, hit, start, limit, staged)
+            # device blocks before the staged chain were evicted meanwhile: stage again from here (each
+            # retry starts lower, so this ends), rather than recompute what the store still holds
+            prefetcher.release(req.request_id)
+            staged = None
         memo = req.tier_lookup
         if memo is None or memo[:2] != (start, limit):
             memo = req.tier_lookup = (start, limit, *self.tiers.lookup(req.block_hashes[:limit], start))

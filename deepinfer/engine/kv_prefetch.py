@@ -53,6 +53,7 @@ Staged = dict[bytes, tuple[Any, str]]
 class _Job:
     started: float
     nbytes: int
+    first: int  # chain position the staging starts at (the device prefix's end when it started)
     store_hashes: tuple[bytes, ...]  # of the blocks read from the store, in chain order
     staged: Staged = field(default_factory=dict)
     future: Future[tuple[list[Any], float]] | None = None
@@ -100,7 +101,7 @@ class StorePrefetcher:
             self.counters["refused"] += 1
             return False
         store_first = first + num_host
-        job = _Job(time.monotonic(), nbytes, tuple(hashes[store_first:store_first + num_store]))
+        job = _Job(time.monotonic(), nbytes, first, tuple(hashes[store_first:store_first + num_store]))
         for p in range(first, store_first):
             payload = self.host.get(hashes[p]) if self.host is not None else None
             if payload is None:  # evicted since the lookup: the chain stops here, a store read would be wasted
@@ -117,6 +118,11 @@ class StorePrefetcher:
         self._staged_bytes += nbytes
         self.counters["requests"] += 1
         return True
+
+    def first_position(self, request_id: str) -> int | None:
+        """The chain position `request_id`'s staging starts at, None without a prefetch."""
+        job = self._jobs.get(request_id)
+        return job.first if job is not None else None
 
     def _read(self, hashes: tuple[bytes, ...], start: int, count: int) -> tuple[list[Any], float]:
         t = time.perf_counter()
