@@ -148,6 +148,14 @@ class KVStoreConfig:
     kv_retention: str = _f(
         "agent=72h,chat=7d", "Retention classes and how long their KV blocks are kept (units s, m, h, d).")
     default_retention_class: str = _f("chat", "Retention class of requests that do not name one.")
+    kv_store_prefetch: bool = _f(
+        True, "Read a waiting request's store hits on a background thread (I/O and checksums off the engine "
+        "thread) and admit it once they are staged in host memory; other requests keep running meanwhile. "
+        "Off: they are read on the engine thread when the request is admitted, stalling the step.")
+    kv_store_prefetch_wait_ms: float = _f(
+        50.0, "With the prefetch on: how long a step may wait, in total, for the store reads started at its "
+        "scheduling, so that a fast read admits its request in this step rather than the next one; a "
+        "slower read goes on in the background. 0 = never wait.")
 
     def __post_init__(self) -> None:
         from deepinfer.kvstore.format import RetentionPolicy
@@ -155,6 +163,8 @@ class KVStoreConfig:
         RetentionPolicy.parse(self.kv_retention, self.default_retention_class)  # raises ValueError if bad
         for name in ("host_cache_memory", "kv_store_max_bytes"):
             parse_memory(getattr(self, name), 1)
+        if self.kv_store_prefetch_wait_ms < 0:
+            raise ValueError(f"kv_store_prefetch_wait_ms must be >= 0, got {self.kv_store_prefetch_wait_ms}")
         if not self.kv_store.strip():
             raise ValueError("kv_store must be a directory, auto or none")
 

@@ -229,6 +229,7 @@ class _RecordingTiers:
     """Stands in for KVTiers: no host tier, a store in groups of 4 blocks, writes recorded."""
 
     host = None
+    prefetcher = None
     group_blocks = 4
 
     def __init__(self) -> None:

@@ -16,12 +16,14 @@ import dataclasses
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import CoreOutput, EngineCore, InFlightStep
 from deepinfer.engine.engine_client import validate_model_params, validate_prompt_ids
-from deepinfer.engine.grammar import GrammarCache, wait_for_any
+from deepinfer.engine.grammar import GrammarCache
 from deepinfer.engine.kv_exchange import export_blocks, export_computed, import_blocks, release_blocks
 from deepinfer.engine.kv_manager import TIERS
 from deepinfer.engine.kv_tiers import tier_stats
@@ -289,7 +291,7 @@ class LLMEngine:
         # requests the scheduler ended without a token (a grammar that failed to compile)
         outputs += [CoreOutput(r, None, None) for r in core.scheduler.take_failed()]
         if not outputs and self._inflight is None:
-            self._wait_for_grammars()
+            self._wait_idle()
         results = self._process(outputs)
         return self._attach_kv(results) if self._kv_streams else results
 
@@ -314,12 +316,19 @@ class LLMEngine:
                 del self._kv_streams[rid]
         return results
 
-    def _wait_for_grammars(self) -> None:
-        """Nothing ran: if requests wait only for their grammars, sleep until one compiles (briefly:
-        new requests may arrive meanwhile) instead of spinning."""
-        pending = [r.grammar for r in self.core.scheduler.waiting if r.grammar is not None and not r.grammar.poll()]
-        if pending and not self.core.scheduler.running:
-            wait_for_any(pending, timeout=0.05)
+    def _wait_idle(self) -> None:
+        """Nothing ran: if requests wait only for their grammars or their KV store reads, sleep until one
+        is ready (briefly: new requests may arrive meanwhile) instead of spinning, which would also keep
+        the GIL from the prefetch thread."""
+        if self.core.scheduler.running:
+            return
+        pending = [r.grammar.future for r in self.core.scheduler.waiting
+                   if r.grammar is not None and not r.grammar.poll()]
+        prefetcher = self.core.tiers.prefetcher if self.core.tiers is not None else None
+        if prefetcher is not None:
+            pending += prefetcher.in_flight()
+        if pending:
+            wait_futures(pending, timeout=0.05, return_when=FIRST_COMPLETED)
 
     def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
         changed: dict[str, _Parent] = {}

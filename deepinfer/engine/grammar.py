@@ -16,7 +16,6 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from deepinfer.engine.structured import GrammarBackend, GrammarMatcher, StructuredOutputParams
@@ -120,10 +119,3 @@ class GrammarCache:
     def __len__(self) -> int:
         return len(self._entries)
 
-
-def wait_for_any(grammars: list[RequestGrammar], timeout: float) -> None:
-    """Block until one of these grammars finishes compiling, or `timeout` seconds (an engine with
-    nothing else to run waits here rather than spinning)."""
-    pending = [g.future for g in grammars if not g.future.done()]
-    if pending:
-        wait_futures(pending, timeout=timeout, return_when="FIRST_COMPLETED")

@@ -9,11 +9,13 @@ Allocation takes blocks from the LRU head; freeing appends to the tail (a reques
 blocks first, so the shared prefix outlives its tails). All operations are O(1) per block.
 
 With KV tiers attached (`attach_tiers`, see `kv_tiers.py`) the prefix cache continues below
-the device: a lookup extends the device match through host memory and the store; admission
-gives the tier hits fresh device blocks and records them as the request's pending load
-(`load_pending`, run before its first step); an evicted cached block is copied to the host
-tier; newly computed blocks are written to the store, in segment-aligned runs while the
-request runs and the rest when it leaves the device.
+the device: a lookup extends the device match through host memory and the store. A waiting
+request whose match reaches into the store is first prefetched (`kv_prefetch.py`): the lookup
+starts the background read and reports `PrefixHit.prefetching` until its blocks are staged in
+host memory, then reports them as memory hits. Admission gives the tier hits fresh device blocks
+and records them as the request's pending load (`load_pending`, run before its first step); an
+evicted cached block is copied to the host tier; newly computed blocks are written to the store,
+in segment-aligned runs while the request runs and the rest when it leaves the device.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from deepinfer.engine.block_hash import extend_block_hashes, root_hash
 from deepinfer.engine.request import PendingLoad, Request
 
 if TYPE_CHECKING:
+    from deepinfer.engine.kv_prefetch import Staged
     from deepinfer.engine.kv_tiers import KVTiers
 
 TIERS = ("device", "host", "store")
@@ -122,6 +125,9 @@ class PrefixHit:
     blocks: list[int] = field(default_factory=list)
     num_host: int = 0
     num_store: int = 0
+    # the store part is still being read in the background: the request is not ready to admit
+    prefetching: bool = False
+    staged: Staged | None = None  # the prefetch's payloads, once done (num_store of them from the store)
 
     @property
     def num_load(self) -> int:
@@ -188,7 +194,9 @@ class KVCacheManager:
     def lookup_prefix(self, req: Request) -> PrefixHit:
         """The device prefix, continued through the tiers. The tier answer is kept on the request while
         the device part and the request's length stay the same: a waiting request is looked up every
-        step, and a store lookup reads files. A stale answer only costs a recompute (loads verify)."""
+        step, and a store lookup reads files. A stale answer only costs a recompute (loads verify).
+        With a prefetcher, store hits start a background read and the hit says `prefetching` until
+        they are staged; then they are memory hits, and whatever the read did not stage is a miss."""
         hit = PrefixHit(self.find_cached_prefix(req))
         if self.tiers is None:
             return hit
@@ -196,10 +204,35 @@ class KVCacheManager:
         start = len(hit.blocks)
         if start >= limit:
             return hit
+        prefetcher = self.tiers.prefetcher
+        staged = prefetcher.staged(req.request_id) if prefetcher is not None else None
+        if isinstance(staged, dict):
+            if start >= prefetcher.first_position(req.request_id):
+                return self._staged_hit(req, hit, start, limit, staged)
+            # device blocks before the staged chain were evicted meanwhile: stage again from here (each
+            # retry starts lower, so this ends), rather than recompute what the store still holds
+            prefetcher.release(req.request_id)
+            staged = None
         memo = req.tier_lookup
         if memo is None or memo[:2] != (start, limit):
             memo = req.tier_lookup = (start, limit, *self.tiers.lookup(req.block_hashes[:limit], start))
         hit.num_host, hit.num_store = memo[2], memo[3]
+        if prefetcher is not None and hit.num_store:
+            # not admitted with blocks still on disk: read them off this thread first (a refused start,
+            # staging memory full, is retried at the next lookup); a fast read may be staged at once
+            if staged is None and prefetcher.start(req.request_id, req.block_hashes, start, hit.num_host,
+                                                   hit.num_store):
+                staged = prefetcher.staged(req.request_id)
+            if isinstance(staged, dict):
+                return self._staged_hit(req, hit, start, limit, staged)
+            hit.prefetching = True
+        return hit
+
+    def _staged_hit(self, req: Request, hit: PrefixHit, start: int, limit: int, staged: Staged) -> PrefixHit:
+        """`hit` continued from `start` by what is in host memory: staged by a prefetch or in the host tier."""
+        hit.staged = staged
+        num, hit.num_store = self.tiers.memory_prefix(req.block_hashes[:limit], start, staged)
+        hit.num_host = num - hit.num_store
         return hit
 
     def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None,
@@ -240,8 +273,9 @@ class KVCacheManager:
             # tier hits are counted once loaded: a counter must not go back down
             self.prefix_hits += req.num_cached_device
             self.tier_hits["device"] += req.num_cached_device
-        req.pending_load = PendingLoad(len(hit.blocks), hit.num_load, first) if hit.num_load else None
+        req.pending_load = PendingLoad(len(hit.blocks), hit.num_load, first, hit.staged) if hit.num_load else None
         req.tier_lookup = None
+        self._release_prefetch(req)  # the staged payloads, if any, now live on in pending_load
 
     def load_pending(self, req: Request) -> int:
         """Bring `req`'s pending tier hits into its device blocks (call before the step that first reads
@@ -253,7 +287,7 @@ class KVCacheManager:
             return 0
         table = self.block_tables[req.request_id]
         first, count = pending.first_block, pending.num_blocks
-        from_host, from_store = self.tiers.load(req.block_hashes, table[first:first + count], first)
+        from_host, from_store = self.tiers.load(req.block_hashes, table[first:first + count], first, pending.staged)
         loaded = from_host + from_store
         for i in range(first, first + loaded):
             self.pool.register(table[i], req.block_hashes[i])
@@ -304,10 +338,17 @@ class KVCacheManager:
             if i is not None:
                 run_start = prev = i
 
+    def _release_prefetch(self, req: Request) -> None:
+        if self.tiers is not None and self.tiers.prefetcher is not None:
+            self.tiers.prefetcher.release(req.request_id)
+
     def free(self, req: Request) -> None:
+        """Release everything `req` holds: its blocks (written to the store first), a pending load, a
+        prefetch (also for a request that was never admitted)."""
         table = self.block_tables.pop(req.request_id, None)
         self._num_registered.pop(req.request_id, None)
         req.pending_load = None
+        self._release_prefetch(req)
         if table:
             # the blocks still hold their KV until reallocated: copy the rest out for the store first
             self._write(req, table, len(table))

@@ -9,13 +9,19 @@ Owns building the tiers from `KVStoreConfig`, and the three moves the KV manager
 Write-through, not spill-on-evict: a computed block goes to the store at once
 (in segment-aligned runs, see `KVCacheManager`), so other workers and a
 restarted engine can use it, and nothing is lost when the process dies. The
-host tier then caches what the device pool dropped (plus store hits, which
-`TieredKVStore.load` promotes), so it duplicates little of the device. The two
+host tier then caches what the device pool dropped (plus, without the prefetcher,
+store hits, which `TieredKVStore.load` promotes), so it duplicates little of the device. The two
 moves are split because `TieredKVStore.offload` does both at the same moment,
 synchronously.
 
-Loads are synchronous on the engine thread, between scheduling a step and
-preparing its inputs (overlapping them with the previous step is future work).
+Loads of store hits are split in two (`StorePrefetcher`, on by default): while the request waits,
+the prefetch thread reads and verifies its store objects into host memory (the scheduler runs other
+requests meanwhile); once they are staged it is admitted, and `load` copies the staged and host-tier
+payloads into its device blocks on the engine thread -- a memcpy, no I/O. With the prefetcher off,
+`load` reads the store itself, synchronously, between scheduling a step and preparing its inputs.
+Staged store blocks are not promoted into the host tier: they go to the device, and the host tier
+gets them when the device pool evicts them (`evicted`).
+
 Anything unexpected from a tier (an exception, a payload of the wrong size) is
 logged and treated as a miss: the request recomputes, nothing unverified is
 served, and no storage failure reaches the caller.
@@ -26,10 +32,13 @@ from __future__ import annotations
 import logging
 import shutil
 from collections.abc import Sequence
+from typing import Any
 
 from deepinfer.config import KVStoreConfig, parse_memory
+from deepinfer.engine.kv_prefetch import Staged, StorePrefetcher
 from deepinfer.kvstore import HostKVCache, KVBlockStore, KVLayout, RetentionPolicy, TieredKVStore
-from deepinfer.kvstore.blocks import KVCaches, gather_block, layout_of, scatter_block
+from deepinfer.kvstore.blocks import KVCaches, gather_block, layout_of, scatter_blocks
+from deepinfer.kvstore.host import payload_nbytes
 from deepinfer.kvstore.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
@@ -38,10 +47,14 @@ logger = logging.getLogger(__name__)
 class KVTiers:
     """Host tier and persistent store wired to one engine's paged KV cache."""
 
-    def __init__(self, tiers: TieredKVStore, kv_caches: KVCaches, writer: StoreWriter | None = None) -> None:
+    def __init__(self, tiers: TieredKVStore, kv_caches: KVCaches, writer: StoreWriter | None = None,
+                 prefetch: bool = True, prefetch_wait_s: float = 0.05) -> None:
         self.tiers = tiers
         self.kv_caches = kv_caches
+        self.block_nbytes = layout_of(kv_caches).block_nbytes
         self.writer = writer
+        self.prefetcher = (StorePrefetcher(tiers.store, tiers.host, admit_wait_s=prefetch_wait_s)
+                           if prefetch and tiers.store is not None else None)
         # a store write covers whole segments when it can: runs are cut at multiples of this
         self.group_blocks = tiers.store.segment_blocks if tiers.store is not None else 1
         self.errors = 0
@@ -63,7 +76,8 @@ class KVTiers:
         writer = StoreWriter(store.put) if store is not None else None
         logger.info("KV tiers: host %s, store %s", f"{host_bytes / 2**20:.0f} MiB" if host is not None else "off",
                     store.root if store is not None else "off")
-        return cls(TieredKVStore(host, store), kv_caches, writer)
+        return cls(TieredKVStore(host, store), kv_caches, writer, config.kv_store_prefetch,
+                   config.kv_store_prefetch_wait_ms / 1000)
 
     @property
     def host(self) -> HostKVCache | None:
@@ -113,26 +127,71 @@ class KVTiers:
         # the chain up to the run's end: the store names groups by their first hash
         self.writer.submit(tuple(hashes[:start + len(blocks)]), payloads, retention_class, start)
 
-    def load(self, hashes: Sequence[bytes], blocks: Sequence[int], start: int) -> tuple[int, int]:
+    def memory_prefix(self, hashes: Sequence[bytes], start: int, staged: Staged) -> tuple[int, int]:
+        """(blocks, of which staged from the store): consecutive chain positions from `start` held in
+        `staged` or the host tier -- what `load` can copy without I/O. Changes no recency."""
+        host = self.tiers.host
+        n = from_store = 0
+        for h in hashes[start:]:
+            got = staged.get(h)
+            if got is None and (host is None or h not in host):
+                break
+            n += 1
+            from_store += got is not None and got[1] == "store"
+        return n, from_store
+
+    def load(self, hashes: Sequence[bytes], blocks: Sequence[int], start: int,
+             staged: Staged | None = None) -> tuple[int, int]:
         """Fill device `blocks` with chain positions start .. from the tiers, in order, stopping at the
-        first block that does not come back verified. Returns (from host, from store)."""
+        first block that does not come back verified. With `staged` (a prefetch), from it and the host
+        tier only; else from the host tier, then the store (read here). Returns (from host, from store)."""
         counters = self.tiers.counters
         host_before, store_before = counters["loaded_host_blocks"], counters["loaded_store_blocks"]
         try:
-            payloads = self.tiers.load(hashes, start, len(blocks))
+            if staged is None:
+                payloads = self.tiers.load(hashes, start, len(blocks))
+                tiers = None
+            else:
+                payloads, tiers = self._from_memory(hashes, start, len(blocks), staged)
         except Exception:  # noqa: BLE001
             self._failed("load")
             return 0, 0
-        n = 0
-        for block, payload in zip(blocks, payloads, strict=False):
-            try:
-                scatter_block(self.kv_caches, block, payload)
-            except Exception:  # noqa: BLE001 - e.g. a payload of another size: stop, recompute the rest
-                self._failed("scatter")
-                break
+        # a payload of another size ends the run: it and what follows are recomputed
+        n, bn = 0, self.block_nbytes
+        while n < min(len(blocks), len(payloads)) and payload_nbytes(payloads[n]) == bn:
             n += 1
+        if n < min(len(blocks), len(payloads)):
+            self.errors += 1
+            logger.error("KV tiers: a payload of %d bytes, not %d; recomputing from there",
+                         payload_nbytes(payloads[n]), bn)
+        try:
+            scatter_blocks(self.kv_caches, blocks[:n], payloads[:n])
+        except Exception:  # noqa: BLE001
+            self._failed("scatter")
+            n = 0
+        if tiers is not None:
+            from_host = tiers[:n].count("host")
+            counters["loaded_host_blocks"] += from_host
+            counters["loaded_store_blocks"] += n - from_host
+            return from_host, n - from_host
         from_host = min(n, counters["loaded_host_blocks"] - host_before)
         return from_host, min(n - from_host, counters["loaded_store_blocks"] - store_before)
+
+    def _from_memory(self, hashes: Sequence[bytes], start: int, count: int,
+                     staged: Staged) -> tuple[list[Any], list[str]]:
+        """Payloads (and their tiers) of consecutive positions from `start` in `staged` or the host tier."""
+        host = self.tiers.host
+        payloads, tiers = [], []
+        for h in hashes[start:start + count]:
+            got = staged.get(h)
+            if got is None:
+                payload = host.get(h) if host is not None else None
+                if payload is None:
+                    break
+                got = (payload, "host")
+            payloads.append(got[0])
+            tiers.append(got[1])
+        return payloads, tiers
 
     # ------------------------------------------------------------------ lifecycle and stats
 
@@ -144,6 +203,8 @@ class KVTiers:
         if self._closed:
             return
         self._closed = True
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         if self.writer is not None:
             self.writer.close()
         if self.tiers.store is not None:
@@ -163,6 +224,10 @@ class KVTiers:
         if store is not None:
             for key in _STORE_KEYS:
                 out[f"kv_store_{key}"] = store[key]
+        if self.prefetcher is not None:
+            p = self.prefetcher.stats()
+            for key in _PREFETCH_KEYS:
+                out[f"kv_prefetch_{key}"] = p[key]
         if self.writer is not None:
             w = self.writer.stats()
             out.update(kv_store_dropped_queue_blocks=w["dropped_blocks"], kv_store_pending_bytes=w["pending_bytes"])
@@ -171,9 +236,12 @@ class KVTiers:
 
 _STORE_KEYS = ("written_blocks", "get_blocks", "corrupt", "expired", "read_errors", "write_errors",
                "dropped_capacity", "evicted")
+_PREFETCH_KEYS = ("requests", "store_blocks", "short_reads", "errors", "timeouts", "refused", "read_seconds",
+                  "staged_bytes", "in_flight")
 STAT_KEYS = ("kv_tier_errors", "kv_host_offloaded_blocks", "kv_loaded_host_blocks", "kv_loaded_store_blocks",
              "kv_host_bytes", "kv_host_max_bytes", "kv_host_blocks", "kv_host_evictions",
-             *(f"kv_store_{k}" for k in _STORE_KEYS), "kv_store_dropped_queue_blocks", "kv_store_pending_bytes")
+             *(f"kv_store_{k}" for k in _STORE_KEYS), "kv_store_dropped_queue_blocks", "kv_store_pending_bytes",
+             *(f"kv_prefetch_{k}" for k in _PREFETCH_KEYS))
 
 
 def tier_stats(tiers: KVTiers | None) -> dict[str, float]:

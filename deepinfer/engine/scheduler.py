@@ -10,7 +10,10 @@ to the front of the queue and is recomputed later from its tokens, so nothing de
 is dropped; no waiting request is admitted in a step that preempted.
 
 A waiting request starts after its cached prefix: device blocks, then blocks the KV tiers (host
-memory, store) hold, which count as computed; the engine loads them before the step runs.
+memory, store) hold, which count as computed; the engine loads them before the step runs. One whose
+prefix reaches into the store waits (skipped, not blocking the queue) while those blocks are read in
+the background (`kv_prefetch.py`); every step starts the reads of all waiting requests, so a request
+deep in the queue is staged by the time its turn comes.
 
 Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
 whose grammar failed is finished with `Request.error` and reported through `take_failed`. `update`
@@ -112,6 +115,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         self._fail_bad_grammars()
+        self._start_prefetches()
         out = SchedulerOutput()
         policy = self.policy
         policy.begin_step()
@@ -152,6 +156,8 @@ class Scheduler:
                     continue
                 # device blocks, then host / store hits: those get fresh blocks, loaded before the step runs
                 hit = self.kv.lookup_prefix(req)
+                if hit.prefetching:
+                    continue  # its store hits are being read off the engine thread; the others go ahead
                 start = hit.num_blocks * self.kv.block_size
                 remaining = req.num_tokens - start
                 n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
@@ -170,6 +176,17 @@ class Scheduler:
         out.scheduled.extend(ones)
         out.scheduled.extend(s for s in prefill_chunks if s.num_new_tokens != 1)
         return out
+
+    def _start_prefetches(self) -> None:
+        """Look up every waiting request that can run, which starts the background read of its store
+        hits (the admission loop may stop before the queue's end; the lookups are memoised)."""
+        prefetcher = self.kv.tiers.prefetcher if self.kv.tiers is not None else None
+        if prefetcher is None:
+            return
+        prefetcher.begin_step()
+        for req in self.waiting:
+            if req.request_id not in prefetcher and req.ready_to_schedule():
+                self.kv.lookup_prefix(req)
 
     def _allocate_running(self, req: Request, n: int, out: SchedulerOutput, scheduled_ids: set[str]) -> bool:
         """Blocks for `n` more tokens of a running request, preempting the newest unscheduled running
@@ -293,5 +310,6 @@ class Scheduler:
             self.kv.free(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.kv.free(req)  # it holds no blocks, but maybe a prefetch
         req.status = status
         del self.requests[req.request_id]

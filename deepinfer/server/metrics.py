@@ -113,6 +113,15 @@ def _kv_tier_metrics(s: dict, gauge: Callable[[str, str, float], GaugeMetricFami
     yield counter("kv_store_capacity_dropped_writes", "Store writes dropped because they could not fit even "
                   "after eviction.", s["kv_store_dropped_capacity"])
     yield counter("kv_tier_errors", "Unexpected KV tier failures handled as misses.", s["kv_tier_errors"])
+    yield counter("kv_prefetch_requests", "Requests whose store hits were read ahead on the prefetch thread.",
+                  s["kv_prefetch_requests"])
+    yield counter("kv_prefetch_read_seconds", "Time the prefetch thread spent reading and verifying store hits.",
+                  s["kv_prefetch_read_seconds"])
+    yield counter("kv_prefetch_misses", "Prefetches that staged less than the lookup found (corrupt, expired, "
+                  "failed or timed-out reads), recomputed instead.",
+                  s["kv_prefetch_short_reads"] + s["kv_prefetch_errors"] + s["kv_prefetch_timeouts"])
+    yield gauge("kv_prefetch_staged_bytes", "Bytes of KV staged in host memory for requests not yet admitted.",
+                s["kv_prefetch_staged_bytes"])
 
 
 class ServerMetrics:
