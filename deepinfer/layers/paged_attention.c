@@ -50,6 +50,28 @@ static inline void exp_shifted(float *s, int n, float mx, float *sum) {
     *sum += total;
 }
 
+/* a (sequence, kv head) task's state: its G query rows (scaled) as float32, empty outputs; `row` is
+ * the first query head's index in [B * H] */
+static inline void start_task(const void *q, float (*qf)[MAX_D], float (*acc)[MAX_D], float *m, float *l, int64_t row,
+                              int G, int D, float scale, int bf16) {
+    for (int g = 0; g < G; g++) {
+        for (int d = 0; d < D; d++) qf[g][d] = load1(q, (row + g) * D + d, bf16) * scale;
+        memset(acc[g], 0, sizeof(float) * D);
+        m[g] = -INFINITY;
+        l[g] = 0.f;
+    }
+}
+
+/* normalise and store the task's G output rows (and their log-sum-exp when asked) */
+static inline void finish_task(void *out, float *lse, float (*acc)[MAX_D], const float *m, const float *l, int64_t row,
+                               int G, int D, int bf16) {
+    for (int g = 0; g < G; g++) {
+        const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
+        if (lse) lse[row + g] = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
+        for (int d = 0; d < D; d++) store1(out, (row + g) * D + d, acc[g][d] * inv, bf16);
+    }
+}
+
 static int decode_attention_avx2(const void *q, void *out, const void *k_cache, const void *v_cache,
                                  const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
                                  int B, int H, int KVH, int D, int block_size, float scale, int dtype,
@@ -61,13 +83,7 @@ static int decode_attention_avx2(const void *q, void *out, const void *k_cache, 
         for (int h = 0; h < KVH; h++) {
             float qf[MAX_GROUP][MAX_D], acc[MAX_GROUP][MAX_D], m[MAX_GROUP], l[MAX_GROUP];
             float s[MAX_GROUP][MAX_BS], corr[MAX_GROUP];
-            for (int g = 0; g < G; g++) {
-                const int64_t base = ((int64_t)b * H + h * G + g) * D;
-                for (int d = 0; d < D; d++) qf[g][d] = load1(q, base + d, bf16) * scale;
-                for (int d = 0; d < D; d++) acc[g][d] = 0.f;
-                m[g] = -INFINITY;
-                l[g] = 0.f;
-            }
+            start_task(q, qf, acc, m, l, (int64_t)b * H + h * G, G, D, scale, bf16);
             const int64_t ctx = context_lens[b];
             const int64_t *table = block_tables + (int64_t)b * max_blocks;
             for (int64_t start = skip; start < ctx; start += block_size) {
@@ -125,12 +141,7 @@ static int decode_attention_avx2(const void *q, void *out, const void *k_cache, 
                     }
                 }
             }
-            for (int g = 0; g < G; g++) {
-                const int64_t base = ((int64_t)b * H + h * G + g) * D;
-                const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-                if (lse) lse[(int64_t)b * H + h * G + g] = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
-                for (int d = 0; d < D; d++) store1(out, base + d, acc[g][d] * inv, bf16);
-            }
+            finish_task(out, lse, acc, m, l, (int64_t)b * H + h * G, G, D, bf16);
         }
     }
     return 0;
@@ -277,13 +288,7 @@ static int decode_attention_avx512(const void *q, void *out, const void *k_cache
         float acc[MAX_GROUP][MAX_D] __attribute__((aligned(64)));
         float s[MAX_GROUP][MAX_BS] __attribute__((aligned(64)));
         float m[MAX_GROUP], l[MAX_GROUP], corr[MAX_GROUP];
-        for (int g = 0; g < G; g++) {
-            const int64_t base = ((int64_t)b * H + h * G + g) * D;
-            for (int d = 0; d < D; d++) qf[g][d] = load1(q, base + d, bf16) * scale;
-            memset(acc[g], 0, sizeof(float) * D);
-            m[g] = -INFINITY;
-            l[g] = 0.f;
-        }
+        start_task(q, qf, acc, m, l, (int64_t)b * H + h * G, G, D, scale, bf16);
         const int64_t ctx = context_lens[b];
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
         for (int64_t ahead = skip; ahead < ctx && ahead < skip + PREFETCH_BLOCKS * block_size; ahead += block_size)
@@ -317,12 +322,7 @@ static int decode_attention_avx512(const void *q, void *out, const void *k_cache
                 }
             }
         }
-        for (int g = 0; g < G; g++) {
-            const int64_t base = ((int64_t)b * H + h * G + g) * D;
-            const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-            if (lse) lse[(int64_t)b * H + h * G + g] = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
-            for (int d = 0; d < D; d++) store1(out, base + d, acc[g][d] * inv, bf16);
-        }
+        finish_task(out, lse, acc, m, l, (int64_t)b * H + h * G, G, D, bf16);
     }
     return 0;
 }
