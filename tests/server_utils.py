@@ -63,3 +63,21 @@ def metric(base: str, name: str) -> float:
     if not found:
         raise KeyError(name)
     return total
+
+
+def cluster_workers(base: str) -> list[dict]:
+    """The router's worker list (url, role, alive, ...)."""
+    return httpx.get(f"{base}/internal/workers", timeout=10).json()["workers"]
+
+
+@contextmanager
+def running_cluster(*args: str, log: Path | None = None, timeout: float = 300.0, workers_timeout: float = 120.0):
+    """`running_server(*args)` for a `--prefill-workers/--decode-workers` cluster, yielded once every
+    worker is alive (/health needs only one per pool; cluster tests want all of them)."""
+    with running_server(*args, log=log, timeout=timeout) as base:
+        deadline = time.monotonic() + workers_timeout
+        while not all(w["alive"] for w in cluster_workers(base)):
+            if time.monotonic() > deadline:
+                raise TimeoutError("cluster workers did not all come up")
+            time.sleep(0.3)
+        yield base

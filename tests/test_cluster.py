@@ -15,7 +15,8 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import metric, running_server
+from tests.server_utils import cluster_workers as _workers
+from tests.server_utils import metric, running_cluster, running_server
 
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--no-profile-cost-model", "--max-model-len", "1024")
 MODEL = "llama"
@@ -25,10 +26,6 @@ PROMPTS = [
     "Tell me a story about a cat who learns to fly over the mountains.",
     "List the first ten prime numbers, then explain why each of them is prime in one short sentence. " * 3,
 ]
-
-
-def _workers(base: str) -> list[dict]:
-    return httpx.get(f"{base}/internal/workers", timeout=10).json()["workers"]
 
 
 @pytest.fixture(scope="module")
@@ -41,12 +38,8 @@ def unified(tiny_models, tmp_path_factory):
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
     log = tmp_path_factory.mktemp("cluster") / "cluster.log"
-    with running_server("--model", str(tiny_models[MODEL]), *FLAGS, "--prefill-workers", "2", "--decode-workers",
-                        "2", "--health-interval", "2", "--token-timeout", "30", log=log, timeout=300) as base:
-        deadline = time.monotonic() + 120
-        while not all(w["alive"] for w in _workers(base)):  # /health needs one per pool; the tests want all
-            assert time.monotonic() < deadline, "workers did not all come up"
-            time.sleep(0.3)
+    with running_cluster("--model", str(tiny_models[MODEL]), *FLAGS, "--prefill-workers", "2", "--decode-workers",
+                         "2", "--health-interval", "2", "--token-timeout", "30", log=log) as base:
         yield base
 
 

@@ -20,7 +20,8 @@ import openai
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from tests.server_utils import running_server
+from tests.server_utils import cluster_workers as _workers
+from tests.server_utils import running_cluster
 
 CHUNK = 8
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--no-profile-cost-model", "--max-model-len", "1024",
@@ -34,10 +35,6 @@ def _prompt(seed: int, n: int) -> list[int]:
     return [rng.randrange(100, 49000) for _ in range(n)]
 
 
-def _workers(base: str) -> list[dict]:
-    return httpx.get(f"{base}/internal/workers", timeout=10).json()["workers"]
-
-
 def _load(url: str) -> dict:
     return httpx.get(f"{url}/internal/load", timeout=10).json()
 
@@ -45,12 +42,8 @@ def _load(url: str) -> dict:
 @pytest.fixture(scope="module")
 def cluster(tiny_models, tmp_path_factory):
     log = tmp_path_factory.mktemp("stream") / "cluster.log"
-    with running_server("--model", str(tiny_models[MODEL]), *FLAGS, "--prefill-workers", "2", "--decode-workers",
-                        "1", "--health-interval", "2", "--token-timeout", "60", log=log, timeout=300) as base:
-        deadline = time.monotonic() + 120
-        while not all(w["alive"] for w in _workers(base)):
-            assert time.monotonic() < deadline, "workers did not all come up"
-            time.sleep(0.3)
+    with running_cluster("--model", str(tiny_models[MODEL]), *FLAGS, "--prefill-workers", "2", "--decode-workers",
+                         "1", "--health-interval", "2", "--token-timeout", "60", log=log) as base:
         yield base
 
 
