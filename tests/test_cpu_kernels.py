@@ -1,4 +1,5 @@
-"""The C kernels (paged decode attention, fused norm / rotary / SiLU, argmax) against torch references."""
+"""The C kernels (paged decode attention, fused norm / rotary / SiLU, argmax, categorical sampling) against torch
+references."""
 
 from __future__ import annotations
 
@@ -96,6 +97,52 @@ def test_silu_and_mul_matches_reference(dtype):
     gu = (torch.randn(7, 96, generator=gen) * 30).to(dtype)  # large magnitudes exercise exp's clamping
     gate, up = gu.split(48, dim=-1)
     torch.testing.assert_close(silu_and_mul(gu), F.silu(gate) * up, atol=TOL[dtype], rtol=TOL[dtype])
+
+
+@pytest.mark.parametrize("vocab", [37, 1003])
+@pytest.mark.parametrize("from_logits", [True, False])
+def test_sample_rows_follows_the_distribution(vocab, from_logits):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(vocab, generator=gen) * 2
+    logits[::5] = float("-inf")  # banned tokens: never drawn
+    temperature = 0.7
+    probs = torch.softmax(logits / temperature, dim=-1)
+    draws = 20000
+    x = (logits if from_logits else probs * 3.0).unsqueeze(0).expand(draws, vocab).contiguous()
+    u = torch.rand(draws, dtype=torch.float64, generator=gen)
+    inv_temp = torch.full((draws,), 1 / temperature) if from_logits else None
+    picked = cpu_kernels.sample_rows(x, list(range(draws)), u, inv_temp)
+    freq = torch.bincount(picked, minlength=vocab).double() / draws
+    assert freq[::5].sum() == 0
+    sigma = (probs.double() * (1 - probs.double()) / draws).sqrt()
+    assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-4).all()
+    # inverse CDF: the same uniforms pick the same tokens as torch's cumsum + searchsorted
+    reference = cpu_kernels._sample_rows_torch(x, list(range(draws)), u, inv_temp)
+    assert (picked == reference).double().mean() > 0.999
+
+
+def test_sample_rows_on_a_full_vocabulary_matches_torch_inverse_cdf():
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(64, 49152, generator=gen) * 4
+    x[:, 1000:2000] = float("-inf")
+    u = torch.rand(64, dtype=torch.float64, generator=gen)
+    inv_temp = torch.rand(64, generator=gen) + 0.5
+    rows = list(range(0, 64, 2))
+    picked = cpu_kernels.sample_rows(x, rows, u[::2], inv_temp[::2])
+    assert not ((picked >= 1000) & (picked < 2000)).any()
+    reference = cpu_kernels._sample_rows_torch(x, rows, u[::2], inv_temp[::2])
+    assert (picked == reference).sum() >= 31
+
+
+def test_sample_rows_edges_of_the_uniform_interval_and_listed_rows_only():
+    x = torch.full((3, 20), float("-inf"))
+    x[:, 3] = 0.0
+    x[:, 17] = 0.0
+    x[1] = float("-inf")  # nothing allowed: falls back to the largest value's index
+    u = torch.tensor([0.0, 0.5, 1 - 2 ** -53], dtype=torch.float64)
+    picked = cpu_kernels.sample_rows(x, [0, 1, 2], u, torch.ones(3))
+    assert picked.tolist() == [3, 0, 17]
+    assert cpu_kernels.sample_rows(x, [2], u[2:], torch.ones(1)).tolist() == [17]
 
 
 def test_argmax_rows_matches_torch_including_ties():

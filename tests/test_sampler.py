@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from deepinfer.engine import sampler as sampler_module
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_params import SamplingParams
@@ -47,6 +48,62 @@ def test_top_p_keeps_the_nucleus_and_min_p_filters():
     assert seen == {0, 1}  # 0.15 < 0.5 * 0.5
     seen = {s(logits, [_req(SamplingParams(temperature=1, top_k=3))]).token_ids[0] for _ in range(300)}
     assert seen == {0, 1, 2}
+
+
+def _nucleus_by_full_sort(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """The reference: sort every row, keep rank < k and mass-before < top_p (the first always)."""
+    out = torch.zeros_like(probs)
+    for i in range(probs.shape[0]):
+        sorted_p, order = probs[i].sort(descending=True)
+        k = top_k[i] if top_k[i] > 0 else probs.shape[1]
+        keep = ((torch.arange(len(sorted_p)) < k) & (sorted_p.cumsum(0) - sorted_p < top_p[i] * probs[i].sum()))
+        keep[0] = True
+        out[i, order[keep]] = sorted_p[keep]
+    return out
+
+
+def test_top_k_top_p_from_candidates_equals_a_full_sort():
+    gen = torch.Generator().manual_seed(5)
+    vocab = 3000
+    # peaked rows (nucleus inside the 256 candidates) and flat rows (nucleus far wider), mixed
+    scale = torch.tensor([8.0, 0.05, 4.0, 0.01, 8.0, 0.05]).unsqueeze(1)
+    probs = torch.softmax(torch.randn(6, vocab, generator=gen) * scale, dim=-1)
+    top_k = [0, 0, 50, 0, 1000, 700]
+    top_p = [0.9, 0.95, 1.0, 0.5, 0.99, 1.0]
+    for rows in ([0, 2, 4], [0, 1, 2, 3, 4, 5]):  # nuclei within the candidates; some far wider
+        sub = probs[rows]
+        got = _dense(*sampler_module._top_k_top_p(sub, [top_k[i] for i in rows], [top_p[i] for i in rows]), vocab)
+        want = _nucleus_by_full_sort(sub, [top_k[i] for i in rows], [top_p[i] for i in rows])
+        assert torch.equal(got > 0, want > 0)
+        torch.testing.assert_close(got, want)
+    assert (want[1] > 0).sum() > sampler_module._TOP_CANDIDATES
+
+
+def _dense(weights: torch.Tensor, ids: torch.Tensor | None, vocab: int) -> torch.Tensor:
+    if ids is None:
+        return weights
+    return torch.zeros(weights.shape[0], vocab).scatter_(1, ids, weights)
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.8), dict(temperature=1.3, top_p=0.9),
+                                    dict(temperature=1.0, top_k=5, min_p=0.05)])
+def test_random_rows_follow_the_filtered_distribution(params):
+    gen = torch.Generator().manual_seed(11)
+    logits = torch.randn(1, 40, generator=gen) * 2
+    sp = SamplingParams(**params)
+    probs = torch.softmax(logits / sp.temperature, dim=-1)
+    probs = _dense(*sampler_module.Sampler._filter(probs, [_req(sp)]), 40)[0]
+    probs = probs / probs.sum()
+    batch = 4000
+    sampler = Sampler(seed=2)
+    counts = torch.zeros(40, dtype=torch.float64)
+    for _ in range(5):
+        tokens = sampler(logits.expand(batch, 40), [_req(sp)] * batch).token_ids
+        counts += torch.bincount(torch.tensor(tokens), minlength=40).double()
+    freq = counts / counts.sum()
+    sigma = (probs.double() * (1 - probs.double()) / counts.sum()).sqrt()
+    assert ((freq - probs.double()).abs() <= 5 * sigma + 1e-4).all()
+    assert freq[probs == 0].sum() == 0
 
 
 def test_penalties():

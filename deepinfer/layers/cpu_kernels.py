@@ -2,7 +2,7 @@
 
 Sources: `gguf_gemm.c` (matmuls from GGUF quantized blocks), `paged_attention.c` (decode
 attention reading the paged KV cache in place) and `elementwise.c` (fused residual + RMSNorm,
-rotary, SiLU-and-multiply, row argmax, grammar token masks), and `decode_layer.c` (a whole decoder layer for a few
+rotary, SiLU-and-multiply, row argmax, categorical sampling, grammar token masks), and `decode_layer.c` (a whole decoder layer for a few
 decoding sequences, composed of the others). They are built into one shared
 library with `-march=native`, so the cache key holds the sources, the flags and the CPU's
 model and feature flags: a cache directory moved to another machine rebuilds. ctypes
@@ -92,6 +92,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.rotary_qk.argtypes = [vp, ctypes.c_int64, i, vp, ctypes.c_int64, i, i, i, vp, vp, i]
     lib.silu_mul.argtypes = [vp, vp, i, i, i]
     lib.argmax_rows.argtypes = [vp, i, i, vp]
+    lib.sample_rows.argtypes = [vp, i, vp, i, i, vp, vp, i, vp]
     lib.apply_token_bitmask.argtypes = [vp, i, vp, i, vp, i, i]
     lib.decode_layer.argtypes = [vp, vp, vp, i, i, vp, vp, vp, vp, i, vp, vp, vp, i]
     lib.decode_layer.restype = i
@@ -141,3 +142,42 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.long)
     lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr())
     return out
+
+
+def sample_rows(x: torch.Tensor, rows: list[int], uniforms: torch.Tensor,
+                inv_temperature: torch.Tensor | None = None) -> torch.Tensor:
+    """One token per listed row of a 2-D float32 tensor, drawn by inverse CDF with the row's uniform
+    in [0, 1) (`uniforms`, float64, one per listed row).
+
+    With `inv_temperature` (float32, one per listed row) `x` holds logits and the distribution is
+    softmax(x * inv_temperature); without it `x` holds unnormalised probabilities. Tokens of weight
+    0 (-inf logits, zero probabilities) are never drawn. One uniform per row, rather than noise over
+    the whole vocabulary, is what makes this cheap: torch's exponential_ over 32 x 49152 took 39 ms
+    on a 2-core Xeon, the kernel about 1 ms for the whole draw."""
+    if not rows:
+        return torch.empty(0, dtype=torch.long)
+    lib = load_library()
+    if lib is None or x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
+        return _sample_rows_torch(x, rows, uniforms, inv_temperature)
+    index = torch.tensor(rows, dtype=torch.long)
+    u = uniforms.to(torch.float64).contiguous()
+    temp = None if inv_temperature is None else inv_temperature.to(torch.float32).contiguous()
+    out = torch.empty(len(rows), dtype=torch.long)
+    lib.sample_rows(x.data_ptr(), x.stride(0), index.data_ptr(), len(rows), x.shape[1],
+                    None if temp is None else temp.data_ptr(), u.data_ptr(), int(temp is not None), out.data_ptr())
+    return out
+
+
+def _sample_rows_torch(x: torch.Tensor, rows: list[int], uniforms: torch.Tensor,
+                       inv_temperature: torch.Tensor | None) -> torch.Tensor:
+    sub = x[rows].float()
+    if inv_temperature is not None:
+        weights = torch.softmax(sub * inv_temperature.float().unsqueeze(1), dim=-1)
+    else:
+        weights = sub.clamp_min(0.0).nan_to_num(0.0)
+    cdf = weights.double().cumsum(dim=-1)
+    target = uniforms.double().unsqueeze(1) * cdf[:, -1:]
+    picked = torch.searchsorted(cdf, target, right=True).squeeze(1)
+    # rounding can put the target at the very end; a zero-weight row falls back to its largest value
+    picked = torch.minimum(picked, (weights > 0).int().cumsum(-1).argmax(-1))
+    return torch.where(cdf[:, -1] > 0, picked, sub.argmax(dim=-1))

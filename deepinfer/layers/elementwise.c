@@ -101,6 +101,71 @@ void argmax_rows(const float *x, int M, int N, int64_t *out) {
     }
 }
 
+/* Row weights for sample_rows, 8 at a time: exp((x - max) * inv_temp) from logits, or x itself
+   from unnormalised probabilities. A weight whose exponent is under -87 (e^-87 ~ 1.6e-38), or a
+   -inf, NaN or non-positive probability, is exactly 0, so a banned token can never be drawn. */
+static inline __m256 sample_weights8(__m256 x, __m256 max, __m256 inv_temp, int from_logits) {
+    if (!from_logits) return _mm256_and_ps(x, _mm256_cmp_ps(x, _mm256_setzero_ps(), _CMP_GT_OQ));
+    const __m256 a = _mm256_mul_ps(_mm256_sub_ps(x, max), inv_temp);
+    return _mm256_and_ps(exp8(a), _mm256_cmp_ps(a, _mm256_set1_ps(-87.f), _CMP_GE_OQ));
+}
+
+/* Inverse-CDF draws from categorical rows: for each listed row, the first token where the running
+   sum of the weights (see sample_weights8) passes u[r] * their total. Both passes add the same
+   8-wide chunk sums in the same order, so the running sum reaches the total exactly and the
+   target (u < 1) is always passed. x: [*, ld] float32; N % 8 == 0 is not required (the tail is
+   padded with zero weights). A row whose weights are all 0 gets its largest value's index. */
+void sample_rows(const float *x, int ld, const int64_t *rows, int nrows, int N, const float *inv_temp,
+                 const double *u, int from_logits, int64_t *out) {
+#pragma omp parallel for schedule(static)
+    for (int r = 0; r < nrows; r++) {
+        const float *row = x + rows[r] * (int64_t)ld;
+        int best = 0;
+        for (int n = 1; n < N; n++)
+            if (row[n] > row[best]) best = n;
+        const __m256 vmax = _mm256_set1_ps(row[best]), vtemp = _mm256_set1_ps(inv_temp ? inv_temp[r] : 1.f);
+        float tail[8];
+        const int full = N / 8 * 8;
+        double total = 0.0;
+        for (int n = 0; n < N; n += 8) {
+            const float *src = row + n;
+            if (n >= full) {
+                for (int k = 0; k < 8; k++) tail[k] = n + k < N ? row[n + k] : -INFINITY;
+                src = tail;
+            }
+            total += hsum8(sample_weights8(_mm256_loadu_ps(src), vmax, vtemp, from_logits));
+        }
+        out[r] = best;
+        if (!(total > 0.0)) continue;
+        const double target = u[r] * total;
+        double running = 0.0;
+        for (int n = 0; n < N; n += 8) {
+            const float *src = row + n;
+            if (n >= full) {
+                for (int k = 0; k < 8; k++) tail[k] = n + k < N ? row[n + k] : -INFINITY;
+                src = tail;
+            }
+            const __m256 w = sample_weights8(_mm256_loadu_ps(src), vmax, vtemp, from_logits);
+            const float chunk = hsum8(w);
+            if (running + chunk > target) {
+                float ws[8];
+                _mm256_storeu_ps(ws, w);
+                double within = running;
+                int pick = -1;
+                for (int k = 0; k < 8 && n + k < N; k++) {
+                    if (ws[k] <= 0.f) continue;
+                    pick = n + k;  /* the chunk's last positive weight when rounding never passes target */
+                    within += ws[k];
+                    if (within > target) break;
+                }
+                if (pick >= 0) out[r] = pick;
+                break;
+            }
+            running += chunk;
+        }
+    }
+}
+
 /* Grammar token masks: for each listed row, logits[row][t] = -inf where bit t of the row's bitmask
    (32 tokens per int32 word, low bit first, as xgrammar packs it) is 0. A fully-allowed word is
    skipped, a fully-forbidden one filled; tokens past `vocab` are left alone. */
