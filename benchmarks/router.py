@@ -167,6 +167,9 @@ def run_policy(policy: str, args, prefill: list[str], decode: list[str], store: 
         "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p50": pct(gaps, 0.5), "itl_p99": pct(gaps, 0.99),
         "prefill_imbalance": imbalance([w["prefill_seconds_routed"] for w in ws if w["role"] == "prefill"]),
         "decode_imbalance": imbalance([float(w["decode_tokens_routed"]) for w in ws if w["role"] == "decode"]),
+        # every request: (arrival s, prompt tokens, TTFT s or None), for reading what the tail is made of
+        "requests": [(round(q.at, 3), len(q.prompt), None if r.ttft is None else round(r.ttft, 3))
+                     for q, r in zip(reqs, results, strict=True)],
     }
 
 
@@ -213,7 +216,7 @@ def main() -> int:
             for pol in policies:
                 row = run_policy(pol, args, prefill, decode, store, reqs, salt=f"{pol}-{rep}-{os.getpid()}")
                 rows[pol].append(row)
-                print(json.dumps(row), flush=True)
+                print(json.dumps({k: v for k, v in row.items() if k != "requests"}), flush=True)
     finally:
         stop_workers(procs)
     keys = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "prefill_imbalance", "decode_imbalance")

@@ -16,6 +16,7 @@ from deepinfer.cluster.policies import (
     make_policy,
 )
 from deepinfer.cluster.pool import Worker, WorkerPool
+from deepinfer.cluster.worker import queued_prefill_seconds
 from deepinfer.config import RouterConfig
 from deepinfer.engine.cost_model import CostModel
 
@@ -89,16 +90,43 @@ def test_policies_refuse_an_empty_pool_and_unknown_names():
 
 
 def test_worker_view_adds_what_the_router_sent_since_the_last_report():
+    now = time.monotonic()
     w = Worker("http://a", "prefill", load={"queued_prefill_seconds": 0.2, "num_running": 1, "kv_tokens": 100,
                                              "max_num_seqs": 8, "kv_capacity_tokens": 1000,
-                                             "cost_coefficients": list(CostModel().coef)})
-    assert w.view().queued_prefill_seconds == 0.2
-    w.inflight_prefill_seconds.update(a=0.3, b=0.4)  # a burst the report has not seen yet
+                                             "cost_coefficients": list(CostModel().coef)}, report_at=now)
+    assert w.queued_prefill_seconds(now) == pytest.approx(0.2)
+    w.inflight_prefill.update(old=(now - 1.0, 5.0))  # sent before the report: the report counts it already
+    w.inflight_prefill.update(a=(now + 0.01, 0.3), b=(now + 0.02, 0.4))  # a burst the report has not seen yet
     w.inflight_decode_tokens.update(a=300, b=400, c=50)
+    assert w.queued_prefill_seconds(now + 0.05) == pytest.approx(0.15 + 0.7)
+    # the report counts down as the worker works; what was sent since does not
+    assert w.queued_prefill_seconds(now + 1.0) == pytest.approx(0.7)
     v = w.view()
-    assert v.queued_prefill_seconds == pytest.approx(0.7)
-    assert (v.num_running, v.kv_tokens, v.num_waiting) == (3, 750, 2)
+    assert v.queued_prefill_seconds == pytest.approx(0.7, abs=0.2)
+    assert (v.num_running, v.kv_tokens, v.num_waiting) == (3, 750, 3)
     assert v.cost_model is not None and list(v.cost_model.coef) == list(CostModel().coef)
+
+
+def test_a_long_prompt_nearly_done_does_not_keep_its_worker_looking_busy():
+    """The router sent A a 3 s prompt 2.5 s ago and B two short ones just now; A's report (0.5 s left) is
+    fresh: the next long prompt goes to A, which will be free first."""
+    now = time.monotonic()
+    a = Worker("http://a", "prefill", load={"queued_prefill_seconds": 0.5}, report_at=now)
+    a.inflight_prefill["long"] = (now - 2.5, 3.0)
+    b = Worker("http://b", "prefill", load={"queued_prefill_seconds": 0.0}, report_at=now)
+    b.inflight_prefill.update(s1=(now, 0.4), s2=(now, 0.4))
+    route = RouteInfo(num_prompt_tokens=1500)
+    assert DeepInferPolicy().pick_prefill([a.view(), b.view()], route).url == "http://a"
+
+
+def test_a_worker_counts_its_queue_down_from_the_engine_snapshot():
+    t = 100.0
+    stats = {"prefill_queued_seconds": 4.0, "prefill_queued_at": t}  # taken as a 4 s prefill step started
+    pending = {"long": (t - 0.5, 4.0), "late": (t + 1.0, 0.3)}  # the first is in the snapshot, the second not
+    assert queued_prefill_seconds(stats, {"long": pending["long"]}, t) == pytest.approx(4.0)
+    assert queued_prefill_seconds(stats, pending, t + 1.5) == pytest.approx(2.5 + 0.3)
+    assert queued_prefill_seconds(stats, pending, t + 3.0) == pytest.approx(1.0 + 0.3)
+    assert queued_prefill_seconds(stats, pending, t + 9.0) == pytest.approx(0.3)
 
 
 def test_pool_rotation_tracks_liveness():

@@ -68,9 +68,9 @@ def test_top_k_top_p_from_candidates_equals_a_full_sort():
     # peaked rows (nucleus inside the 256 candidates) and flat rows (nucleus far wider), mixed
     scale = torch.tensor([8.0, 0.05, 4.0, 0.01, 8.0, 0.05]).unsqueeze(1)
     probs = torch.softmax(torch.randn(6, vocab, generator=gen) * scale, dim=-1)
-    top_k = [0, 0, 50, 0, 1000, 700]
-    top_p = [0.9, 0.95, 1.0, 0.5, 0.99, 1.0]
-    for rows in ([0, 2, 4], [0, 1, 2, 3, 4, 5]):  # nuclei within the candidates; some far wider
+    top_k = [0, 0, 50, 0, 1000, 0]
+    top_p = [0.9, 0.95, 1.0, 0.5, 0.99, 1.0]  # the last row: no top-k / top-p (min-p only) keeps everything
+    for rows in ([0, 2, 4], [0, 1, 2, 3, 4, 5], [0, 5]):  # nuclei within the candidates; some far wider
         sub = probs[rows]
         got = _dense(*sampler_module._top_k_top_p(sub, [top_k[i] for i in rows], [top_p[i] for i in rows]), vocab)
         want = _nucleus_by_full_sort(sub, [top_k[i] for i in rows], [top_p[i] for i in rows])

@@ -59,6 +59,22 @@ def test_chat_streaming_with_usage_matches_non_streaming(client):
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_continuous_usage_stats_put_running_usage_on_every_chunk(client):
+    """vLLM's `stream_options.continuous_usage_stats` (guidellm asks for it): every chunk carries the usage so far."""
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=Q, max_tokens=8, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    final = chunks[-1].usage
+    assert chunks[-1].choices == [] and final.completion_tokens == 8
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert counts == sorted(counts) and counts[-1] == 8 and counts[0] <= 1
+    assert all(c.usage.prompt_tokens == final.prompt_tokens for c in chunks[:-1])
+    texts = list(client.completions.create(
+        model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    assert [c.usage.completion_tokens for c in texts[:-1]][-1] == 5 == texts[-1].usage.completion_tokens
+
+
 def test_n_two(client):
     r = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=12, temperature=1.0, n=2, seed=3)
     assert sorted(c.index for c in r.choices) == [0, 1]

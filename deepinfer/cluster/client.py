@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import time
 import uuid
 from collections import defaultdict
 from collections.abc import AsyncIterator
@@ -91,7 +92,7 @@ class ClusterEngineClient:
         return min(lens) if lens else self._default_max_model_len
 
     def num_waiting(self) -> int:
-        return sum(len(w.inflight_prefill_seconds) for w in self.pool.workers.values())
+        return sum(len(w.inflight_prefill) for w in self.pool.workers.values())
 
     def check_admission(self, num_requests: int = 1) -> None:
         if not self.healthy:
@@ -115,7 +116,7 @@ class ClusterEngineClient:
         live = [w for w in self.pool.workers.values() if w.alive and w.load.get("stats")]
         for w in live:
             for k, v in w.load["stats"].items():
-                if isinstance(v, int | float):
+                if isinstance(v, int | float) and not k.endswith("_at"):  # timestamps do not add up
                     out[k] += v
         for k in list(out):
             if k == "kv_usage" or k.startswith(("cost_", "step_time")):
@@ -198,7 +199,7 @@ class ClusterEngineClient:
             tried.add(pw.url)
             transfer_id = uuid.uuid4().hex
             estimate = estimated_prefill_seconds(pw.view(), route)
-            pw.inflight_prefill_seconds[base["request_id"]] = estimate
+            pw.inflight_prefill[base["request_id"]] = (time.monotonic(), estimate)
             pw.requests_routed += 1
             pw.prefill_seconds_routed += estimate
             r: httpx.Response | None = None
@@ -233,7 +234,7 @@ class ClusterEngineClient:
                 if attempt + 1 < self.config.max_prefill_attempts:
                     self.num_prefill_retries += 1
             finally:
-                pw.inflight_prefill_seconds.pop(base["request_id"], None)
+                pw.inflight_prefill.pop(base["request_id"], None)
                 if not picked:
                     dw.inflight_decode_tokens.pop(base["request_id"], None)
         raise WorkerError(last_error)

@@ -4,7 +4,8 @@
                                                          ok  ─▶ load report, last_seen, back in rotation
                                                          err ─▶ failures; out of rotation (dead) at once
     rotation(role): live workers, each as a `WorkerView` = its last report merged with the requests this
-    router sent it since (a report lags; without the merge a burst would all go to one worker)
+    router sent it since (a report lags; without the merge a burst would all go to one worker); queued
+    prefill seconds also count down from the report at one second per second
 
 A worker leaves rotation when a poll fails, when a request to it fails at the connection
 level (`mark_failed`), or when it has not been heard from for `worker_timeout` seconds;
@@ -35,9 +36,10 @@ class Worker:
     load: dict[str, Any] = field(default_factory=dict)
     alive: bool = False
     last_seen: float = 0.0
+    report_at: float = 0.0  # when the poll that brought `load` was sent (monotonic)
     failures: int = 0
-    # requests this router has in flight on the worker
-    inflight_prefill_seconds: dict[str, float] = field(default_factory=dict)
+    # requests this router has in flight on the worker; prefill: request id -> (sent at, estimated seconds)
+    inflight_prefill: dict[str, tuple[float, float]] = field(default_factory=dict)
     inflight_decode_tokens: dict[str, int] = field(default_factory=dict)
     requests_routed: int = 0
     prefill_seconds_routed: float = 0.0  # estimated prefill compute of the requests sent to it
@@ -57,12 +59,22 @@ class Worker:
                 return None
         return self._cost
 
+    def queued_prefill_seconds(self, now: float | None = None) -> float:
+        """The worker's last report of its queued prefill compute, less the time since (it works its
+        queue off at about a second per second), plus what this router sent it after that report.
+        Neither half alone will do: the report lags a burst by up to a poll interval, and the router's
+        own estimates never see a long prompt's progress, so they would keep a worker that is nearly
+        through one looking busy for the whole prompt."""
+        now = time.monotonic() if now is None else now
+        reported = max(0.0, float(self.load.get("queued_prefill_seconds", 0.0)) - (now - self.report_at))
+        return reported + sum(est for at, est in self.inflight_prefill.values() if at >= self.report_at)
+
     def view(self) -> WorkerView:
         load = self.load
-        queued = max(float(load.get("queued_prefill_seconds", 0.0)), sum(self.inflight_prefill_seconds.values()))
+        queued = self.queued_prefill_seconds()
         running = max(int(load.get("num_running", 0)), len(self.inflight_decode_tokens))
         kv_tokens = max(int(load.get("kv_tokens", 0)), sum(self.inflight_decode_tokens.values()))
-        waiting = max(int(load.get("num_waiting", 0)), len(self.inflight_prefill_seconds))
+        waiting = max(int(load.get("num_waiting", 0)), len(self.inflight_prefill))
         return WorkerView(self.url, queued, waiting, running, kv_tokens, int(load.get("max_num_seqs", 1)),
                           int(load.get("kv_capacity_tokens", 1)), self.cost_model())
 
@@ -107,6 +119,7 @@ class WorkerPool:
         await asyncio.gather(*(self._poll(w) for w in list(self.workers.values())))
 
     async def _poll(self, w: Worker) -> None:
+        sent_at = time.monotonic()
         try:
             r = await self._client.get(f"{w.url}/internal/load")
             r.raise_for_status()
@@ -122,7 +135,7 @@ class WorkerPool:
             return
         if not w.alive:
             logger.info("worker %s (%s) in rotation", w.url, w.role)
-        w.load, w.alive, w.last_seen = load, True, time.monotonic()
+        w.load, w.alive, w.last_seen, w.report_at = load, True, time.monotonic(), sent_at
 
     async def run(self) -> None:
         while True:

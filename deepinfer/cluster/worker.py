@@ -69,6 +69,17 @@ class Arrival:
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
 
 
+def queued_prefill_seconds(stats: dict[str, float], pending: dict[str, tuple[float, float]], now: float) -> float:
+    """Prefill compute queued on a worker at `now`. The engine's estimate (`stats`) is from the end of its
+    last step, which is seconds old in the middle of a long prefill step: count it down since then (a
+    second of work per second), and add the prompts received after it (`pending`: request id ->
+    (received at, estimated seconds)) at their full estimate. Without the countdown a worker nearly
+    through a long prompt reports the whole prompt queued until its step ends."""
+    taken = float(stats.get("prefill_queued_at", now))
+    snapshot = max(0.0, float(stats.get("prefill_queued_seconds", 0.0)) - (now - taken))
+    return snapshot + sum(est for at, est in pending.values() if at > taken)
+
+
 class WorkerState:
     """What one worker process knows about itself beyond the engine: role, KV receiver, transfers."""
 
@@ -79,7 +90,7 @@ class WorkerState:
         self.transfer = transfer or TCPKVTransfer(server.host, cluster.kv_transfer_port, cluster.advertise_host)
         self._transfer_address: str | None = None
         self._start_lock = asyncio.Lock()
-        self.pending_prefill_seconds: dict[str, float] = {}
+        self.pending_prefill: dict[str, tuple[float, float]] = {}  # request id -> (received at, estimated s)
         self.arrivals: dict[str, Arrival] = {}
         self._tasks: set[asyncio.Task] = set()
         self.counters = dict.fromkeys(("blocks_sent", "blocks_sent_before_first_token", "transfer_failures",
@@ -98,7 +109,7 @@ class WorkerState:
         facts = eng.facts
         s = eng.stats()
         block_size = facts["block_size"]
-        queued = max(float(s.get("prefill_queued_seconds", 0.0)), sum(self.pending_prefill_seconds.values()))
+        queued = queued_prefill_seconds(s, self.pending_prefill, time.monotonic())
         return {
             "role": self.role, "pid": os.getpid(), "healthy": eng.healthy, "queued_prefill_seconds": queued,
             "num_running": int(s["num_running"]), "num_waiting": eng.num_waiting(),
@@ -227,8 +238,8 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
         rid = body["request_id"]
         first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         one_token = params.max_tokens is not None and params.max_tokens <= 1
-        state.pending_prefill_seconds[rid] = CostModel(cost_coefficients(engine.stats())).prefill_seconds(
-            len(prompt_ids))
+        state.pending_prefill[rid] = (time.monotonic(),
+                                      CostModel(cost_coefficients(engine.stats())).prefill_seconds(len(prompt_ids)))
         stream = None if one_token else await state.open_stream(body.get("kv_target"), body.get("transfer_id"))
         final = None
         try:
@@ -244,7 +255,7 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                 state.background(stream.abort())
             raise
         finally:
-            state.pending_prefill_seconds.pop(rid, None)
+            state.pending_prefill.pop(rid, None)
         sent_early = stream.blocks_sent if stream is not None else 0
         state.counters["blocks_sent_before_first_token"] += sent_early
         if final is None or final.outputs[0].finish_reason == "stop":

@@ -249,6 +249,7 @@ class LLMEngine:
             "num_preemptions": sched.num_preemptions,
             # load signals for a cluster router: queued prefill compute (cost model) and KV held
             "prefill_queued_seconds": self._queued_prefill_seconds(),
+            "prefill_queued_at": time.monotonic(),  # system-wide clock: a worker process ages the snapshot
             "kv_tokens": sum(r.num_tokens for r in sched.running),
             "kv_blocks_held_for_imports": sum(len(h) for h in self._kv_holds.values()),
             "step_idle_gap_seconds_total": self.core.idle_gap_seconds,

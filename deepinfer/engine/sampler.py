@@ -212,9 +212,14 @@ def _top_k_top_p(probs: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     kept = _keep(sorted_p, mass, k, p * total)
     if width == n or decided.all():
         return kept, order
-    # some nuclei are wider: sort just those rows, and give every row the whole vocabulary
+    # some rows keep more: give every row the whole vocabulary; rows with neither top-k nor top-p (min-p
+    # only, in a batch with filtered rows) keep everything; sort just the rows whose nucleus is wider
     out = torch.zeros_like(probs).scatter_(1, order, kept)
-    wide = (~decided).nonzero().flatten()
+    keep_all = ((k >= n) & (p >= 1.0)).squeeze(1) & ~decided
+    out[keep_all] = probs[keep_all]
+    wide = (~decided & ~keep_all).nonzero().flatten()
+    if len(wide) == 0:
+        return out, None
     sorted_p, order = probs[wide].sort(dim=-1, descending=True)
     out[wide] = torch.zeros_like(sorted_p).scatter_(
         1, order, _keep(sorted_p, sorted_p.cumsum(dim=-1), k[wide], p[wide] * total[wide]))

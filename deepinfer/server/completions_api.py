@@ -22,8 +22,10 @@ from deepinfer.server.serving import (
     final_output_or_disconnect,
     merge,
     retention_class,
+    running_usage,
     sampling_params,
     sse,
+    stream_usage,
     stream_with_metrics,
     usage,
 )
@@ -100,7 +102,7 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
 
 async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str, created: int, prompts, gens):
     tokenizer = ctx.engine.tokenizer
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous_usage = stream_usage(req.stream_options)
     states: dict[int, ChoiceState] = {}
     finals: dict[int, RequestOutput] = {}
     base = {"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name}
@@ -125,7 +127,7 @@ async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str,
                     body = {**base, "choices": [{"index": index, "text": text_out, "logprobs": lp,
                                                  "finish_reason": fin, "stop_reason": c.stop_reason if fin else None}]}
                     if include_usage:
-                        body["usage"] = None
+                        body["usage"] = running_usage(out) if continuous_usage else None
                     yield sse(body)
                     st.sent_text, st.sent_tokens = len(text), len(c.token_ids)
                 st.finished = st.finished or fin is not None

@@ -31,8 +31,10 @@ from deepinfer.server.serving import (
     final_output_or_disconnect,
     first_or_error,
     retention_class,
+    running_usage,
     sampling_params,
     sse,
+    stream_usage,
     stream_with_metrics,
     usage,
 )
@@ -187,17 +189,17 @@ def _event_deltas(events: list, st: ChoiceState, plan: ToolPlan) -> list[dict]:
 async def _chat_sse(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan, rid: str, created: int,
                     first: RequestOutput | None, gen, top_n: int) -> AsyncIterator[str]:
     tokenizer = ctx.engine.tokenizer
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
+    include_usage, continuous_usage = stream_usage(req.stream_options)
     states = [ChoiceState() for _ in range(req.n)]
     base = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+    last: RequestOutput | None = None
 
     def chunk(choice: dict) -> str:
         body = {**base, "choices": [choice]}
         if include_usage:
-            body["usage"] = None
+            body["usage"] = running_usage(last) if continuous_usage else None
         return sse(body)
 
-    last: RequestOutput | None = None
     try:
         async for out in chain(first, gen):
             last = out

@@ -22,7 +22,7 @@ from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
 from deepinfer.recipe.output import RecipeOptions
 from deepinfer.server.metrics import ServerMetrics
-from deepinfer.server.protocol import APIError, SamplingFields
+from deepinfer.server.protocol import APIError, SamplingFields, StreamOptions
 
 
 @dataclass
@@ -112,6 +112,20 @@ def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
         "prompt_tokens_details": {"cached_tokens": cached},
         "prompt_cache_hit_tokens": cached, "prompt_cache_miss_tokens": prompt_tokens - cached,
     }
+
+
+def running_usage(out: RequestOutput | None) -> dict | None:
+    """One request's usage so far, for the chunks of a stream with `stream_options.continuous_usage_stats`
+    (vLLM's extension, which load generators such as guidellm ask for)."""
+    if out is None:
+        return None
+    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+
+
+def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
+    """(a final usage chunk, usage on every chunk): `continuous_usage_stats` counts only with `include_usage`."""
+    include = bool(options and options.include_usage)
+    return include, include and bool(options.continuous_usage_stats)
 
 
 # ---------------------------------------------------------------- engine stream helpers
