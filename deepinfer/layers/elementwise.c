@@ -110,11 +110,18 @@ static inline __m256 sample_weights8(__m256 x, __m256 max, __m256 inv_temp, int 
     return _mm256_and_ps(exp8(a), _mm256_cmp_ps(a, _mm256_set1_ps(-87.f), _CMP_GE_OQ));
 }
 
+/* row[n .. n+8), padded with -inf (weight 0) past N */
+static inline __m256 load_row8(const float *row, int n, int N) {
+    if (n + 8 <= N) return _mm256_loadu_ps(row + n);
+    float tail[8];
+    for (int k = 0; k < 8; k++) tail[k] = n + k < N ? row[n + k] : -INFINITY;
+    return _mm256_loadu_ps(tail);
+}
+
 /* Inverse-CDF draws from categorical rows: for each listed row, the first token where the running
    sum of the weights (see sample_weights8) passes u[r] * their total. Both passes add the same
    8-wide chunk sums in the same order, so the running sum reaches the total exactly and the
-   target (u < 1) is always passed. x: [*, ld] float32; N % 8 == 0 is not required (the tail is
-   padded with zero weights). A row whose weights are all 0 gets its largest value's index. */
+   target (u < 1) is always passed. x: [*, ld] float32; N need not be a multiple of 8. A row whose weights are all 0 gets its largest value's index. */
 void sample_rows(const float *x, int ld, const int64_t *rows, int nrows, int N, const float *inv_temp,
                  const double *u, int from_logits, int64_t *out) {
 #pragma omp parallel for schedule(static)
@@ -124,28 +131,15 @@ void sample_rows(const float *x, int ld, const int64_t *rows, int nrows, int N, 
         for (int n = 1; n < N; n++)
             if (row[n] > row[best]) best = n;
         const __m256 vmax = _mm256_set1_ps(row[best]), vtemp = _mm256_set1_ps(inv_temp ? inv_temp[r] : 1.f);
-        float tail[8];
-        const int full = N / 8 * 8;
         double total = 0.0;
-        for (int n = 0; n < N; n += 8) {
-            const float *src = row + n;
-            if (n >= full) {
-                for (int k = 0; k < 8; k++) tail[k] = n + k < N ? row[n + k] : -INFINITY;
-                src = tail;
-            }
-            total += hsum8(sample_weights8(_mm256_loadu_ps(src), vmax, vtemp, from_logits));
-        }
+        for (int n = 0; n < N; n += 8)
+            total += hsum8(sample_weights8(load_row8(row, n, N), vmax, vtemp, from_logits));
         out[r] = best;
         if (!(total > 0.0)) continue;
         const double target = u[r] * total;
         double running = 0.0;
         for (int n = 0; n < N; n += 8) {
-            const float *src = row + n;
-            if (n >= full) {
-                for (int k = 0; k < 8; k++) tail[k] = n + k < N ? row[n + k] : -INFINITY;
-                src = tail;
-            }
-            const __m256 w = sample_weights8(_mm256_loadu_ps(src), vmax, vtemp, from_logits);
+            const __m256 w = sample_weights8(load_row8(row, n, N), vmax, vtemp, from_logits);
             const float chunk = hsum8(w);
             if (running + chunk > target) {
                 float ws[8];
