@@ -101,6 +101,16 @@ def estimated_prefill_seconds(worker: WorkerView, req: RouteInfo) -> float:
             + STORE_LOAD_SECONDS_PER_TOKEN * req.num_cached_tokens)
 
 
+def queued_since(reported: float, reported_at: float, sent: dict[str, tuple[float, float]], now: float) -> float:
+    """Prefill seconds queued at `now`, from an estimate `reported` at `reported_at` and the requests `sent`
+    (id -> (sent at, estimated seconds)): the estimate counts down a second per second (the worker
+    works it off), and what was sent at or after `reported_at` is not in it, so it counts in full.
+    Used by a worker (its engine's last-step estimate ages during a long step) and by the router (a
+    worker's report ages between polls)."""
+    return (max(0.0, reported - (now - reported_at))
+            + sum(est for at, est in sent.values() if at >= reported_at))
+
+
 class DeepInferPolicy(RoutingPolicy):
     name = "deepinfer"
 

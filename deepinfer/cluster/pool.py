@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from deepinfer.cluster.policies import WorkerView
+from deepinfer.cluster.policies import WorkerView, queued_since
 from deepinfer.engine.cost_model import CostModel
 
 logger = logging.getLogger(__name__)
@@ -66,8 +66,8 @@ class Worker:
         own estimates never see a long prompt's progress, so they would keep a worker that is nearly
         through one looking busy for the whole prompt."""
         now = time.monotonic() if now is None else now
-        reported = max(0.0, float(self.load.get("queued_prefill_seconds", 0.0)) - (now - self.report_at))
-        return reported + sum(est for at, est in self.inflight_prefill.values() if at >= self.report_at)
+        return queued_since(float(self.load.get("queued_prefill_seconds", 0.0)), self.report_at, self.inflight_prefill,
+                            now)
 
     def view(self) -> WorkerView:
         load = self.load

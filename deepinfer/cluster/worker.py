@@ -35,6 +35,7 @@ import httpx
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from deepinfer.cluster.policies import queued_since
 from deepinfer.cluster.transfer import (
     IncomingTransfer,
     KVSendStream,
@@ -75,9 +76,8 @@ def queued_prefill_seconds(stats: dict[str, float], pending: dict[str, tuple[flo
     second of work per second), and add the prompts received after it (`pending`: request id ->
     (received at, estimated seconds)) at their full estimate. Without the countdown a worker nearly
     through a long prompt reports the whole prompt queued until its step ends."""
-    taken = float(stats.get("prefill_queued_at", now))
-    snapshot = max(0.0, float(stats.get("prefill_queued_seconds", 0.0)) - (now - taken))
-    return snapshot + sum(est for at, est in pending.values() if at > taken)
+    return queued_since(float(stats.get("prefill_queued_seconds", 0.0)), float(stats.get("prefill_queued_at", now)),
+                        pending, now)
 
 
 class WorkerState:
