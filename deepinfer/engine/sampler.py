@@ -6,8 +6,8 @@ column vectors. Random rows sample by inverse CDF with one uniform per row: a se
 draws its uniform from its own generator, unseeded rows share one draw, so neighbours in the
 batch never change a seeded request's tokens. Rows without top-k / top-p / min-p are drawn
 straight from their logits by one C kernel; filtered rows get their probabilities filtered
-first; top-k / top-p work on the 256 most likely tokens when those hold every row's nucleus. Logprobs come from the raw model
-distribution, before any processing. Structured-output rows get their grammar's token bitmask
+first; top-k / top-p work on the 256 most likely tokens when those hold every row's nucleus.
+Logprobs come from the raw model distribution, before any processing. Structured-output rows get their grammar's token bitmask
 (filled for all of them in one batched call, applied in one call) after the logit bias, so a bias
 can never re-allow a token the grammar forbids.
 """

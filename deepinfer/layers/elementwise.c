@@ -88,17 +88,20 @@ void silu_mul(const void *gu, void *out, int M, int I, int dtype) {
     }
 }
 
+
+/* index of the largest value of a row (the first one on ties) */
+static inline int row_argmax(const float *row, int N) {
+    int best = 0;
+    float bv = row[0];
+    for (int n = 1; n < N; n++)
+        if (row[n] > bv) { bv = row[n]; best = n; }
+    return best;
+}
+
 /* index of the largest value of each row of a float32 [M, N] matrix (first one on ties) */
 void argmax_rows(const float *x, int M, int N, int64_t *out) {
 #pragma omp parallel for schedule(static)
-    for (int m = 0; m < M; m++) {
-        const float *row = x + (int64_t)m * N;
-        int best = 0;
-        float bv = row[0];
-        for (int n = 1; n < N; n++)
-            if (row[n] > bv) { bv = row[n]; best = n; }
-        out[m] = best;
-    }
+    for (int m = 0; m < M; m++) out[m] = row_argmax(x + (int64_t)m * N, N);
 }
 
 /* Row weights for sample_rows, 8 at a time: exp((x - max) * inv_temp) from logits, or x itself
@@ -127,9 +130,7 @@ void sample_rows(const float *x, int ld, const int64_t *rows, int nrows, int N, 
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < nrows; r++) {
         const float *row = x + rows[r] * (int64_t)ld;
-        int best = 0;
-        for (int n = 1; n < N; n++)
-            if (row[n] > row[best]) best = n;
+        const int best = row_argmax(row, N);
         const __m256 vmax = _mm256_set1_ps(row[best]), vtemp = _mm256_set1_ps(inv_temp ? inv_temp[r] : 1.f);
         double total = 0.0;
         for (int n = 0; n < N; n += 8)
