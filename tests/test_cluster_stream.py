@@ -121,7 +121,9 @@ def test_prefill_worker_killed_mid_stream_is_retried_and_the_partial_transfer_dr
     while victim is None:  # some blocks have landed on the decode worker: the stream is under way
         assert time.monotonic() < deadline and t.is_alive(), "the prefill finished before it could be killed"
         if _load(decoder)["blocks_imported"] - before["blocks_imported"] >= 4:
-            victim = next((w for w in prefills if _load(w["url"])["queued_prefill_seconds"] > 0), None)
+            # the worker computing the prompt: its queued-seconds estimate counts down and can reach 0
+            # before the prompt is done, so the running sequence is what identifies it
+            victim = next((w for w in prefills if _load(w["url"])["num_running"] > 0), None)
         time.sleep(0.01)
     os.kill(victim["load"]["pid"], signal.SIGKILL)
     t.join(timeout=120)
