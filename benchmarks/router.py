@@ -5,7 +5,10 @@ directory), then, for each policy in turn (interleaved over --repeats rounds), a
 `deepinfer router` process with that policy, and replays the same skewed workload through
 it with streaming /v1/completions requests:
 
-- `skewed`: many short prompts with a few huge ones among them (Poisson arrivals);
+- `skewed`: many short prompts with a few huge ones among them (Poisson arrivals; one in ten is
+  huge: `--huge-placement periodic` makes it every tenth request, which round-robin over an even
+  number of workers sends to one worker every time; `random` draws each request huge with
+  probability 0.1, so huge prompts sometimes arrive close together, as in real traffic);
 - `sessions`: multi-turn sessions whose turns share a long prefix (each turn = the previous
   prompt + a new suffix), interleaved with short one-off prompts.
 
@@ -54,8 +57,9 @@ class Result:
 
 
 def workload(kind: str, n: int, rate: float, seed: int, vocab: int, huge: int, small: int,
-             max_tokens: int) -> list[Req]:
+             max_tokens: int, huge_placement: str = "periodic") -> list[Req]:
     rng = random.Random(seed)
+    place = random.Random(seed + 1)  # its own stream, so `periodic` draws the same workload as it always did
 
     def ids(k: int) -> list[int]:
         return [rng.randrange(100, vocab) for _ in range(k)]
@@ -64,7 +68,8 @@ def workload(kind: str, n: int, rate: float, seed: int, vocab: int, huge: int, s
     if kind == "skewed":
         for i in range(n):
             t += rng.expovariate(rate)
-            size = huge if i % 10 == 3 else rng.randint(small // 2, small)
+            is_huge = i % 10 == 3 if huge_placement == "periodic" else place.random() < 0.1
+            size = huge if is_huge else rng.randint(small // 2, small)
             out.append(Req(t, ids(size), max_tokens))
         return out
     sessions = [ids(huge) for _ in range(max(1, n // 8))]  # each session's history grows turn by turn
@@ -181,6 +186,8 @@ def main() -> int:
     p.add_argument("--rate", type=float, default=4.0, help="Mean arrivals per second.")
     p.add_argument("--huge", type=int, default=1500, help="Tokens of a huge prompt (sessions: of a shared prefix).")
     p.add_argument("--small", type=int, default=64, help="Tokens of a small prompt (at most).")
+    p.add_argument("--huge-placement", default="periodic", choices=["periodic", "random"],
+                   help="skewed: every tenth request huge, or each one with probability 0.1.")
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--prefill-workers", type=int, default=2)
     p.add_argument("--decode-workers", type=int, default=2)
@@ -211,7 +218,8 @@ def main() -> int:
         from deepinfer.weights import resolve_model
 
         vocab = AutoConfig.from_pretrained(str(resolve_model(args.model).directory)).vocab_size
-        reqs = workload(args.workload, args.requests, args.rate, 0, vocab, args.huge, args.small, args.max_tokens)
+        reqs = workload(args.workload, args.requests, args.rate, 0, vocab, args.huge, args.small, args.max_tokens,
+                        args.huge_placement)
         for rep in range(args.repeats):
             for pol in policies:
                 row = run_policy(pol, args, prefill, decode, store, reqs, salt=f"{pol}-{rep}-{os.getpid()}")
@@ -222,7 +230,7 @@ def main() -> int:
     keys = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "prefill_imbalance", "decode_imbalance")
     med = {pol: {k: statistics.median(r[k] for r in rows[pol]) for k in keys} for pol in policies}
     print(f"\nworkload={args.workload} requests={args.requests} rate={args.rate}/s huge={args.huge} "
-          f"small<={args.small} max_tokens={args.max_tokens} P={args.prefill_workers} D={args.decode_workers} "
+          f"small<={args.small} placement={args.huge_placement} max_tokens={args.max_tokens} P={args.prefill_workers} D={args.decode_workers} "
           f"repeats={args.repeats} pin_workers={args.pin_workers} (medians; errors: {sum(r['errors'] for rs in rows.values() for r in rs)})")
     print("| policy | TTFT p50 s | TTFT p99 s | ITL p50 ms | ITL p99 ms | prefill imbalance | decode imbalance |")
     print("| --- | --- | --- | --- | --- | --- | --- |")

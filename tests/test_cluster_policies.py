@@ -99,8 +99,8 @@ def test_worker_view_adds_what_the_router_sent_since_the_last_report():
     w.inflight_prefill.update(a=(now + 0.01, 0.3), b=(now + 0.02, 0.4))  # a burst the report has not seen yet
     w.inflight_decode_tokens.update(a=300, b=400, c=50)
     assert w.queued_prefill_seconds(now + 0.05) == pytest.approx(0.15 + 0.7)
-    # the report counts down as the worker works; what was sent since does not
-    assert w.queued_prefill_seconds(now + 1.0) == pytest.approx(0.7)
+    # the report counts down as the worker works (to a tenth of it: late, not done); what was sent since does not
+    assert w.queued_prefill_seconds(now + 1.0) == pytest.approx(0.02 + 0.7)
     v = w.view()
     assert v.queued_prefill_seconds == pytest.approx(0.7, abs=0.2)
     assert (v.num_running, v.kv_tokens, v.num_waiting) == (3, 750, 3)
@@ -126,7 +126,21 @@ def test_a_worker_counts_its_queue_down_from_the_engine_snapshot():
     assert queued_prefill_seconds(stats, {"long": pending["long"]}, t) == pytest.approx(4.0)
     assert queued_prefill_seconds(stats, pending, t + 1.5) == pytest.approx(2.5 + 0.3)
     assert queued_prefill_seconds(stats, pending, t + 3.0) == pytest.approx(1.0 + 0.3)
-    assert queued_prefill_seconds(stats, pending, t + 9.0) == pytest.approx(0.3)
+    assert queued_prefill_seconds(stats, pending, t + 9.0) == pytest.approx(0.4 + 0.3)  # late: a tenth stays
+    assert queued_prefill_seconds({"prefill_queued_seconds": 0.0, "prefill_queued_at": t}, {}, t + 9.0) == 0.0
+
+
+def test_a_worker_past_its_estimate_is_still_busy():
+    """A's 4 s prompt has run 6 s (it shares its core): its report is spent, but until a new one comes it
+    is still computing. A short prompt goes to the idle B, not to A on a tie (or on A's faster model)."""
+    t = time.monotonic()
+    a = Worker("http://a", "prefill", load={"queued_prefill_seconds": queued_prefill_seconds(
+        {"prefill_queued_seconds": 4.0, "prefill_queued_at": t - 6.0}, {}, t)}, report_at=t)
+    b = Worker("http://b", "prefill", load={"queued_prefill_seconds": 0.0}, report_at=t)
+    fast = CostModel(tuple(0.5 * c for c in CostModel().coef))
+    a.load["cost_coefficients"] = list(fast.coef)
+    assert a.queued_prefill_seconds(t + 0.3) > 0.0
+    assert DeepInferPolicy().pick_prefill([a.view(), b.view()], RouteInfo(num_prompt_tokens=40)).url == "http://b"
 
 
 def test_pool_rotation_tracks_liveness():

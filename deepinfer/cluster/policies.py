@@ -101,13 +101,22 @@ def estimated_prefill_seconds(worker: WorkerView, req: RouteInfo) -> float:
             + STORE_LOAD_SECONDS_PER_TOKEN * req.num_cached_tokens)
 
 
+# what is left of a report once the clock has run past it, as a fraction of the report
+LATE_WORK_FRACTION = 0.1
+
+
 def queued_since(reported: float, reported_at: float, sent: dict[str, tuple[float, float]], now: float) -> float:
     """Prefill seconds queued at `now`, from an estimate `reported` at `reported_at` and the requests `sent`
     (id -> (sent at, estimated seconds)): the estimate counts down a second per second (the worker
     works it off), and what was sent at or after `reported_at` is not in it, so it counts in full.
     Used by a worker (its engine's last-step estimate ages during a long step) and by the router (a
-    worker's report ages between polls)."""
-    return (max(0.0, reported - (now - reported_at))
+    worker's report ages between polls).
+
+    The countdown stops at `LATE_WORK_FRACTION` of the report, not at 0: until a newer report says
+    otherwise, work past its estimate is late, not done (a prompt prefilled next to other processes
+    can take twice its estimate), and a worker still computing must never tie with an idle one -- a
+    tie sent every short prompt arriving in that window behind the long one."""
+    return (max(LATE_WORK_FRACTION * reported, reported - (now - reported_at))
             + sum(est for at, est in sent.values() if at >= reported_at))
 
 
