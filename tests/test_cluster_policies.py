@@ -55,6 +55,23 @@ def test_deepinfer_prefill_picks_the_earliest_estimated_finish():
     assert p.pick_prefill(ws, RouteInfo(8)).url == "w0"
 
 
+def test_deepinfer_prefill_ties_within_the_models_error_go_to_the_worker_given_least_so_far():
+    """Two idle workers whose fitted models differ by 2%: the huge prompt goes to the one that has had less
+    prefill work, not always to the 2%-faster one; a worker 20% later is not a tie."""
+    p = DeepInferPolicy()
+    huge = RouteInfo(1500)
+    fast = CostModel(tuple(0.98 * c for c in CostModel().coef))
+    ws = [WorkerView("w0", cost_model=fast, routed_prefill_seconds=30.0),
+          WorkerView("w1", cost_model=CostModel(), routed_prefill_seconds=12.0)]
+    assert p.prefill_finish(ws[0], huge) < p.prefill_finish(ws[1], huge)
+    assert p.pick_prefill(ws, huge).url == "w1"
+    ws[1].queued_prefill_seconds = 0.2 * p.prefill_finish(ws[1], huge)  # busy: w1 would finish 20% later
+    assert p.pick_prefill(ws, huge).url == "w0"
+    ws[1].queued_prefill_seconds = 0.0
+    ws[1].routed_prefill_seconds = 31.0
+    assert p.pick_prefill(ws, huge).url == "w0"  # now w0 has had less
+
+
 def test_deepinfer_prefill_counts_store_hits_as_cheap_not_free():
     from deepinfer.cluster.policies import STORE_LOAD_SECONDS_PER_TOKEN
 
@@ -101,7 +118,9 @@ def test_worker_view_adds_what_the_router_sent_since_the_last_report():
     assert w.queued_prefill_seconds(now + 0.05) == pytest.approx(0.15 + 0.7)
     # the report counts down as the worker works (to a tenth of it: late, not done); what was sent since does not
     assert w.queued_prefill_seconds(now + 1.0) == pytest.approx(0.02 + 0.7)
+    w.prefill_seconds_routed = 7.5
     v = w.view()
+    assert v.routed_prefill_seconds == 7.5
     assert v.queued_prefill_seconds == pytest.approx(0.7, abs=0.2)
     assert (v.num_running, v.kv_tokens, v.num_waiting) == (3, 750, 3)
     assert v.cost_model is not None and list(v.cost_model.coef) == list(CostModel().coef)

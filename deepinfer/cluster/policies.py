@@ -11,7 +11,11 @@ has sent it since) and the request's `RouteInfo`, and picks one worker per pool:
   there, so no cache affinity; a store hit is cheaper than compute, not free); decode = lowest `w_run * running / max_num_seqs +
   w_kv * kv_tokens / kv_capacity_tokens` (scheduling pressure and memory pressure).
 
-Ties go to the worker listed first. Policies are pure apart from the round-robin cursor.
+Ties go to the worker listed first, except in `deepinfer`'s prefill pick: finishes within
+`FINISH_TIE_TOLERANCE` of the earliest are a tie there (the workers' online-fitted cost models differ
+by a few percent on identical workers), which goes to the worker given the least prefill work so
+far, so idle workers share the work instead of one taking all of it. Policies are pure apart from
+the round-robin cursor.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ class WorkerView:
     max_num_seqs: int = 1
     kv_capacity_tokens: int = 1
     cost_model: CostModel | None = None
+    routed_prefill_seconds: float = 0.0  # estimated prefill compute sent to it so far
 
 
 @dataclass
@@ -120,6 +125,10 @@ def queued_since(reported: float, reported_at: float, sent: dict[str, tuple[floa
             + sum(est for at, est in sent.values() if at >= reported_at))
 
 
+# prefill finishes this close (relative) to the earliest are a tie: below the cost model's own error
+FINISH_TIE_TOLERANCE = 0.05
+
+
 class DeepInferPolicy(RoutingPolicy):
     name = "deepinfer"
 
@@ -138,7 +147,10 @@ class DeepInferPolicy(RoutingPolicy):
 
     def pick_prefill(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
         _check(workers)
-        return min(workers, key=lambda w: self.prefill_finish(w, req))
+        finish = [self.prefill_finish(w, req) for w in workers]
+        cutoff = min(finish) * (1.0 + FINISH_TIE_TOLERANCE)
+        return min((w for w, f in zip(workers, finish, strict=True) if f <= cutoff),
+                   key=lambda w: w.routed_prefill_seconds)
 
     def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
         _check(workers)

@@ -265,7 +265,7 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
     def prefill_view(i: int, now: float) -> WorkerView:
         w = pre[i]
         return WorkerView(f"prefill-{i}", max(w.busy_until - now, 0.0) + w.queued_estimate, len(w.queue),
-                          int(w.busy), 0, 1, 1, model)
+                          int(w.busy), 0, 1, 1, model, w.busy_seconds + w.queued_estimate)
 
     def decode_view(i: int) -> WorkerView:
         w = dec[i]
