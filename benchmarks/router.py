@@ -84,6 +84,28 @@ def workload(kind: str, n: int, rate: float, seed: int, vocab: int, huge: int, s
     return out
 
 
+def _match_routes(reqs: list[Req], routes: list[dict]) -> list[dict | None]:
+    """The router's first routing decision for each request: the router logs them in the order it routes,
+    which is arrival order except for near-simultaneous arrivals, so each request takes the first
+    unclaimed decision for a prompt of its length (a swap among equal lengths changes nothing read here)."""
+    firsts = [r for r in routes if r["attempt"] == 0]
+    taken = [False] * len(firsts)
+    out: list[dict | None] = []
+    for q in reqs:  # in arrival order
+        j = next((j for j, r in enumerate(firsts) if not taken[j] and r["prompt_tokens"] == len(q.prompt)), None)
+        if j is not None:
+            taken[j] = True
+        out.append(None if j is None else firsts[j])
+    return out
+
+
+def _placement(route: dict | None) -> tuple:
+    if route is None:
+        return (None, None, None)
+    return (route["prefill"].rsplit(":", 1)[1], round(route["prefill_queued_seconds"], 3),
+            route["decode"].rsplit(":", 1)[1])
+
+
 async def one(client: httpx.AsyncClient, base: str, req: Req, salt: str, t0: float) -> Result:
     await asyncio.sleep(max(0.0, t0 + req.at - time.monotonic()))
     res = Result()
@@ -160,6 +182,7 @@ def run_policy(policy: str, args, prefill: list[str], decode: list[str], store: 
 
         results = asyncio.run(drive())
         state = httpx.get(f"{base}/internal/workers", timeout=10).json()
+        routes = _match_routes(reqs, httpx.get(f"{base}/internal/routes", timeout=10).json()["routes"])
     finally:
         router.terminate()
         router.wait(timeout=30)
@@ -172,9 +195,10 @@ def run_policy(policy: str, args, prefill: list[str], decode: list[str], store: 
         "ttft_p50": pct(ttft, 0.5), "ttft_p99": pct(ttft, 0.99), "itl_p50": pct(gaps, 0.5), "itl_p99": pct(gaps, 0.99),
         "prefill_imbalance": imbalance([w["prefill_seconds_routed"] for w in ws if w["role"] == "prefill"]),
         "decode_imbalance": imbalance([float(w["decode_tokens_routed"]) for w in ws if w["role"] == "decode"]),
-        # every request: (arrival s, prompt tokens, TTFT s or None), for reading what the tail is made of
-        "requests": [(round(q.at, 3), len(q.prompt), None if r.ttft is None else round(r.ttft, 3))
-                     for q, r in zip(reqs, results, strict=True)],
+        # every request: (arrival s, prompt tokens, TTFT s or None, prefill worker, its queued seconds as the
+        # router saw them, decode worker), for reading what the tail is made of
+        "requests": [(round(q.at, 3), len(q.prompt), None if r.ttft is None else round(r.ttft, 3),
+                      *_placement(route)) for q, r, route in zip(reqs, results, routes, strict=True)],
     }
 
 

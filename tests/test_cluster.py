@@ -142,6 +142,17 @@ def test_metrics_have_per_worker_and_per_pool_signals(client, cluster):
     assert metric(cluster, "deepinfer:generation_tokens_total") > 0  # the server's own metrics still work
 
 
+def test_the_router_keeps_its_latest_routing_decisions(client, cluster):
+    before = len(httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"])
+    _chat(client, PROMPTS[2], 2)
+    routes = httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"]
+    assert len(routes) == before + 1
+    last = routes[-1]
+    roles = {w["url"]: w["role"] for w in _workers(cluster)}
+    assert roles[last["prefill"]] == "prefill" and roles[last["decode"]] == "decode"
+    assert last["prompt_tokens"] > 0 and last["prefill_estimate_seconds"] > 0 and last["attempt"] == 0
+
+
 def test_internal_endpoints_reject_bad_input(cluster):
     worker = next(w["url"] for w in _workers(cluster) if w["role"] == "prefill")
     for path, body in (("prefill", {"request_id": "x"}), ("decode", {"request_id": "x", "prompt_token_ids": [1]}),

@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -76,6 +76,8 @@ class ClusterEngineClient:
         # no connection cap: every open decode stream holds one, and a capped pool would queue new requests
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(config.prefill_timeout, connect=5.0),
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+        # the latest routing decisions, newest last (GET /internal/routes): why a request went where it went
+        self.recent_routes: deque[dict[str, Any]] = deque(maxlen=1000)
         self.num_prefill_retries = 0
         self.num_decode_retries = 0
         self.num_failed = 0
@@ -198,7 +200,13 @@ class ClusterEngineClient:
             picked = False
             tried.add(pw.url)
             transfer_id = uuid.uuid4().hex
-            estimate = estimated_prefill_seconds(pw.view(), route)
+            pview = pw.view()
+            estimate = estimated_prefill_seconds(pview, route)
+            self.recent_routes.append({
+                "request_id": base["request_id"], "at": time.time(), "attempt": attempt,
+                "prompt_tokens": route.num_prompt_tokens, "cached_tokens": route.num_cached_tokens,
+                "prefill": pw.url, "prefill_queued_seconds": pview.queued_prefill_seconds,
+                "prefill_estimate_seconds": estimate, "decode": dw.url})
             pw.inflight_prefill[base["request_id"]] = (time.monotonic(), estimate)
             pw.requests_routed += 1
             pw.prefill_seconds_routed += estimate

@@ -100,6 +100,11 @@ def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str 
             "prefill_retries": client.num_prefill_retries, "decode_retries": client.num_decode_retries,
             "failed_requests": client.num_failed}
 
+    @app.get("/internal/routes")
+    async def routes() -> dict[str, Any]:
+        """The latest routing decisions (at most 1000), oldest first."""
+        return {"routes": list(client.recent_routes)}
+
     return app
 
 
