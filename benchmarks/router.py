@@ -27,6 +27,7 @@ import asyncio
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -251,6 +252,7 @@ def main() -> int:
                 print(json.dumps({k: v for k, v in row.items() if k != "requests"}), flush=True)
     finally:
         stop_workers(procs)
+        shutil.rmtree(store, ignore_errors=True)  # every run's KV (each policy writes its own): gigabytes
     keys = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "prefill_imbalance", "decode_imbalance")
     med = {pol: {k: statistics.median(r[k] for r in rows[pol]) for k in keys} for pol in policies}
     print(f"\nworkload={args.workload} requests={args.requests} rate={args.rate}/s huge={args.huge} "
