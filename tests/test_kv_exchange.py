@@ -198,6 +198,29 @@ def test_stats_report_queued_prefill_seconds_and_kv_tokens(tiny_models):
         assert engine.stats()["prefill_queued_seconds"] == 0.0 and engine.stats()["kv_tokens"] == 0
 
 
+def test_queued_prefill_seconds_count_the_chunk_in_flight(tiny_models):
+    """With host work overlapped, `step()` returns with the next step already launched, whose tokens
+    the scheduler counts as computed: the prefill chunk in it must still count as queued work."""
+    with LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False,
+             kv_store="none", overlap_host_work="on", max_num_batched_tokens=64, scheduler="tokens") as llm:
+        engine = llm.engine
+        cost = engine.core.cost_model
+        engine.add_request(_prompt(3, 300), SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True))
+        seen = 0
+        while engine.has_unfinished():
+            engine.step()
+            inflight = engine._inflight
+            req = next(iter(engine.core.scheduler.running), None)
+            if inflight is None or req is None or not any(i.num_new_tokens > 1 for i in inflight.plan.scheduled):
+                continue
+            start = next(i.start for i in inflight.plan.scheduled if i.num_new_tokens > 1)
+            assert req.num_computed_tokens > start  # the scheduler already counts the chunk as computed
+            want = cost.prefill_seconds(300, start)
+            assert engine.stats()["prefill_queued_seconds"] == pytest.approx(want, rel=1e-6)
+            seen += 1
+        assert seen >= 3  # 300 tokens in 64-token chunks: several steps had a prefill chunk in flight
+
+
 def test_router_store_lookup_names_blocks_like_the_engine(tiny_models, tmp_path):
     """The router's estimate of a prompt's cached part (a lookup in the shared store) must agree with
     what a worker writes there: same chain hashes from the worker's reported model identity and layout."""

@@ -260,12 +260,21 @@ class LLMEngine:
 
     def _queued_prefill_seconds(self) -> float:
         """Predicted compute of the prompt tokens not yet computed (waiting and partly prefilled requests),
-        each prefilled alone in one step: one vectorized sum, as it runs after every step."""
+        each prefilled alone in one step: one vectorized sum, as it runs after every step. A step in
+        flight (`overlap_host_work`) counts its tokens as computed from its launch; its prefill chunks are
+        still to run, so a request in it counts from where that chunk starts (else a prompt prefilled
+        in one long step would be reported as done for the whole step)."""
         from deepinfer.engine.cost_model import step_features
 
         sched, cost = self.core.scheduler, self.core.cost_model
-        chunks = [(r.num_tokens - r.num_computed_tokens, r.num_computed_tokens)
-                  for r in (*sched.waiting, *sched.running) if r.num_computed_tokens < r.num_tokens - 1]
+        running_from = {} if self._inflight is None else {
+            item.request.request_id: item.start for item in self._inflight.plan.scheduled if item.num_new_tokens > 1}
+        chunks = []
+        for r in (*sched.waiting, *sched.running):
+            done = running_from.get(r.request_id, r.num_computed_tokens)
+            total = r.num_tokens - r.num_pending_tokens  # a pending token is the next decode, not prompt
+            if done < total - 1:
+                chunks.append((total - done, done))
         if not chunks:
             return 0.0
         overhead = cost.coefficients["overhead"]
