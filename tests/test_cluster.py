@@ -211,9 +211,10 @@ def _stream_outcome(c: openai.OpenAI, prompt: str, max_tokens: int, progress: li
 
 def test_prefill_worker_dying_before_the_first_token_is_retried_elsewhere(client, cluster):
     # polls are 2 s apart: right after the kill the router still counts the worker in rotation, and with
-    # both prefill workers idle the policy picks the first listed -- the dead one -- so the request must move
+    # both prefill workers idle the policy picks the one given the least prefill work so far (the first
+    # listed of equals) -- the dead one -- so the request must move
     before = httpx.get(f"{cluster}/internal/workers", timeout=10).json()["prefill_retries"]
-    victim = next(w for w in _workers(cluster) if w["role"] == "prefill")
+    victim = min((w for w in _workers(cluster) if w["role"] == "prefill"), key=lambda w: w["prefill_seconds_routed"])
     os.kill(victim["load"]["pid"], signal.SIGKILL)
     r = _chat(client, PROMPTS[1], 6)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6

@@ -162,6 +162,31 @@ def test_a_worker_past_its_estimate_is_still_busy():
     assert DeepInferPolicy().pick_prefill([a.view(), b.view()], RouteInfo(num_prompt_tokens=40)).url == "http://b"
 
 
+def test_a_snapshot_that_missed_a_received_prompt_does_not_hide_it():
+    """The engine's snapshot is stamped after the prompt arrived but was taken before the engine read it
+    (queued 0), and stays the latest for the prompt's whole step: the worker's own record counts it down."""
+    t = 100.0
+    stats = {"prefill_queued_seconds": 0.0, "prefill_queued_at": t + 0.01}
+    pending = {"huge": (t, 5.0)}
+    assert queued_prefill_seconds(stats, pending, t + 2.0) == pytest.approx(3.0)
+    assert queued_prefill_seconds(stats, pending, t + 9.0) == pytest.approx(0.5)  # late, not done
+    assert queued_prefill_seconds(stats, {}, t + 2.0) == 0.0
+
+
+def test_the_router_counts_a_request_its_worker_had_not_seen_when_it_reported():
+    """The router sent a 5 s prompt, then a poll overtook it: the report (0 s, stamped after the send)
+    does not list it, so the router still counts it; once a report lists it, the report's number rules."""
+    now = time.monotonic()
+    w = Worker("http://a", "prefill", load={"queued_prefill_seconds": 0.0, "prefill_request_ids": []},
+               report_at=now)
+    w.inflight_prefill["huge"] = (now - 0.05, 5.0)
+    assert w.queued_prefill_seconds(now + 0.1) == pytest.approx(5.0)
+    w.load = {"queued_prefill_seconds": 4.0, "prefill_request_ids": ["huge"]}
+    assert w.queued_prefill_seconds(now + 0.1) == pytest.approx(3.9)
+    w.load = {"queued_prefill_seconds": 0.0}  # a worker that lists nothing: the send time decides
+    assert w.queued_prefill_seconds(now + 0.1) == 0.0
+
+
 def test_pool_rotation_tracks_liveness():
     pool = WorkerPool(interval=0.1, worker_timeout=5.0)
     a = pool.add("http://a/", "prefill")

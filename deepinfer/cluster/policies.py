@@ -21,7 +21,7 @@ the round-robin cursor.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 
 from deepinfer.engine.cost_model import CostModel
@@ -110,7 +110,8 @@ def estimated_prefill_seconds(worker: WorkerView, req: RouteInfo) -> float:
 LATE_WORK_FRACTION = 0.1
 
 
-def queued_since(reported: float, reported_at: float, sent: dict[str, tuple[float, float]], now: float) -> float:
+def queued_since(reported: float, reported_at: float, sent: dict[str, tuple[float, float]], now: float,
+                 acknowledged: Container[str] | None = None) -> float:
     """Prefill seconds queued at `now`, from an estimate `reported` at `reported_at` and the requests `sent`
     (id -> (sent at, estimated seconds)): the estimate counts down a second per second (the worker
     works it off), and what was sent at or after `reported_at` is not in it, so it counts in full.
@@ -120,9 +121,14 @@ def queued_since(reported: float, reported_at: float, sent: dict[str, tuple[floa
     The countdown stops at `LATE_WORK_FRACTION` of the report, not at 0: until a newer report says
     otherwise, work past its estimate is late, not done (a prompt prefilled next to other processes
     can take twice its estimate), and a worker still computing must never tie with an idle one -- a
-    tie sent every short prompt arriving in that window behind the long one."""
+    tie sent every short prompt arriving in that window behind the long one.
+
+    `acknowledged`: the ids the report says it covers (None: all sent before it). A request sent before
+    the report but not among them had not reached the worker when it answered (a poll can overtake a
+    request): it counts in full."""
     return (max(LATE_WORK_FRACTION * reported, reported - (now - reported_at))
-            + sum(est for at, est in sent.values() if at >= reported_at))
+            + sum(est for rid, (at, est) in sent.items()
+                  if at >= reported_at or (acknowledged is not None and rid not in acknowledged)))
 
 
 # prefill finishes this close (relative) to the earliest are a tie: below the cost model's own error

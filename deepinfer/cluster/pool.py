@@ -66,8 +66,10 @@ class Worker:
         own estimates never see a long prompt's progress, so they would keep a worker that is nearly
         through one looking busy for the whole prompt."""
         now = time.monotonic() if now is None else now
+        ids = self.load.get("prefill_request_ids")
+        acknowledged = None if ids is None else frozenset(ids)
         return queued_since(float(self.load.get("queued_prefill_seconds", 0.0)), self.report_at, self.inflight_prefill,
-                            now)
+                            now, acknowledged)
 
     def view(self) -> WorkerView:
         load = self.load

@@ -75,9 +75,17 @@ def queued_prefill_seconds(stats: dict[str, float], pending: dict[str, tuple[flo
     last step, which is seconds old in the middle of a long prefill step: count it down since then (a
     second of work per second), and add the prompts received after it (`pending`: request id ->
     (received at, estimated seconds)) at their full estimate. Without the countdown a worker nearly
-    through a long prompt reports the whole prompt queued until its step ends."""
-    return queued_since(float(stats.get("prefill_queued_seconds", 0.0)), float(stats.get("prefill_queued_at", now)),
-                        pending, now)
+    through a long prompt reports the whole prompt queued until its step ends.
+
+    A snapshot taken after a prompt was received may still predate the engine reading it (it arrives
+    through a pipe) and then stays the latest for the whole of that prompt's step: the prompts received
+    before the snapshot, each counted down since its arrival, are therefore a floor under it."""
+    stamp = float(stats.get("prefill_queued_at", now))
+    engine_view = queued_since(float(stats.get("prefill_queued_seconds", 0.0)), stamp, pending, now)
+    older = {rid: v for rid, v in pending.items() if v[0] < stamp}
+    own_view = sum(queued_since(est, at, {}, now) for at, est in older.values()) + sum(
+        est for at, est in pending.values() if at >= stamp)
+    return max(engine_view, own_view)
 
 
 class WorkerState:
@@ -112,6 +120,7 @@ class WorkerState:
         queued = queued_prefill_seconds(s, self.pending_prefill, time.monotonic())
         return {
             "role": self.role, "pid": os.getpid(), "healthy": eng.healthy, "queued_prefill_seconds": queued,
+            "prefill_request_ids": list(self.pending_prefill),  # what `queued_prefill_seconds` covers
             "num_running": int(s["num_running"]), "num_waiting": eng.num_waiting(),
             "kv_tokens": int(s.get("kv_tokens", 0)), "kv_usage": float(s["kv_usage"]),
             "kv_capacity_tokens": int(s["kv_blocks_total"]) * block_size,
