@@ -82,9 +82,7 @@ def queued_prefill_seconds(stats: dict[str, float], pending: dict[str, tuple[flo
     before the snapshot, each counted down since its arrival, are therefore a floor under it."""
     stamp = float(stats.get("prefill_queued_at", now))
     engine_view = queued_since(float(stats.get("prefill_queued_seconds", 0.0)), stamp, pending, now)
-    older = {rid: v for rid, v in pending.items() if v[0] < stamp}
-    own_view = sum(queued_since(est, at, {}, now) for at, est in older.values()) + sum(
-        est for at, est in pending.values() if at >= stamp)
+    own_view = sum(est if at >= stamp else queued_since(est, at, {}, now) for at, est in pending.values())
     return max(engine_view, own_view)
 
 
