@@ -306,6 +306,9 @@ class RouterConfig:
         choices=list(POLICIES))
     decode_running_weight: float = _f(1.0, "deepinfer policy: weight of running requests / max_num_seqs.")
     decode_kv_weight: float = _f(1.0, "deepinfer policy: weight of KV tokens / KV capacity.")
+    decode_locality_margin: float = _f(
+        0.05, "deepinfer policy: decode scores within this of the lowest are a tie, which goes to a decode worker "
+        "co-located with the request's prefill worker (same host and, where pinned, shared CPUs); 0: exact ties only.")
     health_interval: float = _f(0.5, "Seconds between load/health polls of each worker.")
     worker_timeout: float = _f(
         5.0, "A worker that has not answered a poll or heartbeat for this many seconds leaves rotation.")
@@ -318,6 +321,8 @@ class RouterConfig:
             raise ValueError(f"routing_policy must be one of {', '.join(POLICIES)}, got {self.routing_policy!r}")
         if self.decode_running_weight < 0 or self.decode_kv_weight < 0:
             raise ValueError("decode weights must be >= 0")
+        if self.decode_locality_margin < 0:
+            raise ValueError("decode_locality_margin must be >= 0")
         for name in ("health_interval", "worker_timeout", "prefill_timeout", "token_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")

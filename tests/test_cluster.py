@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 
@@ -151,6 +152,10 @@ def test_the_router_keeps_its_latest_routing_decisions(client, cluster):
     roles = {w["url"]: w["role"] for w in _workers(cluster)}
     assert roles[last["prefill"]] == "prefill" and roles[last["decode"]] == "decode"
     assert last["prompt_tokens"] > 0 and last["prefill_estimate_seconds"] > 0 and last["attempt"] == 0
+    # where each worker runs, for the decode pick's locality rule (unpinned: the CPUs this process may use)
+    for w in _workers(cluster):
+        assert w["view"]["host"] == socket.gethostname()
+        assert list(w["view"]["cpus"]) == sorted(os.sched_getaffinity(0))
 
 
 def test_internal_endpoints_reject_bad_input(cluster):
@@ -250,6 +255,21 @@ def test_decode_worker_dying_mid_stream_loses_no_request(client, cluster):
         r = _chat(client, prompt, 6)
         assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
     assert not next(w for w in _workers(cluster) if w["url"] == victim["url"])["alive"]
+
+
+def test_pinned_workers_decode_next_to_their_prefill_worker(tiny_models, tmp_path):
+    """`--pin-workers` deals the workers over the CPUs (prefill workers first). On an idle cluster the decode
+    scores tie, and the deepinfer policy gives the tie to the decode worker sharing the prefill worker's CPUs."""
+    with running_cluster("--model", str(tiny_models[MODEL]), *FLAGS, "--prefill-workers", "2", "--decode-workers",
+                         "2", "--pin-workers", "--health-interval", "0.5", log=tmp_path / "cluster.log") as base:
+        c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        for prompt in PROMPTS * 2:
+            _chat(c, prompt, 2)
+        routes = httpx.get(f"{base}/internal/routes", timeout=10).json()["routes"]
+        cpus = {w["url"]: set(w["view"]["cpus"]) for w in _workers(base)}
+    assert len(routes) == 2 * len(PROMPTS)
+    assert len({r["prefill"] for r in routes}) == 2  # the idle prefill workers share the work
+    assert all(cpus[r["prefill"]] & cpus[r["decode"]] for r in routes), routes
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ from deepinfer.cluster.policies import (
     RoundRobin,
     RouteInfo,
     WorkerView,
+    co_located,
     estimated_prefill_seconds,
     make_policy,
 )
@@ -94,6 +95,33 @@ def test_deepinfer_decode_weighs_running_and_kv_by_capacity():
     assert DeepInferPolicy().decode_score(big[1]) == pytest.approx(DeepInferPolicy().decode_score(big[0]) / 2)
 
 
+def test_co_located_means_same_host_and_a_shared_cpu():
+    core0 = WorkerView("p", host="h", cpus=(0,))
+    assert co_located(core0, WorkerView("d", host="h", cpus=(0, 1)))
+    assert not co_located(core0, WorkerView("d", host="h", cpus=(1,)))  # pinned to another core
+    assert co_located(core0, WorkerView("d", host="h"))  # no CPU set reported: the host decides
+    assert not co_located(core0, WorkerView("d", host="other", cpus=(0,)))
+    assert not co_located(WorkerView("p"), WorkerView("d"))  # unknown hosts are never co-located
+
+
+def test_deepinfer_decode_near_ties_go_to_the_prefill_workers_neighbour():
+    """A huge prompt prefilled on core 0 must not have the decode work of the prompts routed away from it
+    land on core 0 as well: its own decode goes next to it (its KV then keeps later prompts off that
+    decode worker), provided the decode scores are within the margin."""
+    prefill = WorkerView("p0", host="h", cpus=(0,))
+    # d0 on core 1 scores a little lower than d1 on core 0
+    ws = _views(host=["h", "h"], cpus=[(1,), (0,)], num_running=[1, 2], max_num_seqs=[256, 256],
+                kv_tokens=[50, 120], kv_capacity_tokens=[10_000, 10_000])
+    policy = DeepInferPolicy()
+    assert policy.decode_score(ws[0]) < policy.decode_score(ws[1]) < policy.decode_score(ws[0]) + 0.05
+    assert policy.pick_decode(ws, RouteInfo(1500), prefill).url == "w1"
+    assert policy.pick_decode(ws, RouteInfo(1500)).url == "w0"  # no prefill worker (a retry): the score
+    assert DeepInferPolicy(locality_margin=0.0).pick_decode(ws, RouteInfo(1500), prefill).url == "w0"
+    # beyond the margin the score wins: d1 holds another huge prompt's KV
+    ws[1].kv_tokens = 1620
+    assert policy.pick_decode(ws, RouteInfo(1500), prefill).url == "w0"
+
+
 def test_policies_refuse_an_empty_pool_and_unknown_names():
     for p in (RoundRobin(), LeastRequests(), DeepInferPolicy()):
         with pytest.raises(ValueError):
@@ -102,6 +130,10 @@ def test_policies_refuse_an_empty_pool_and_unknown_names():
         make_policy("random")
     with pytest.raises(ValueError):
         DeepInferPolicy(-1.0, 1.0)
+    with pytest.raises(ValueError):
+        DeepInferPolicy(locality_margin=-0.1)
+    with pytest.raises(ValueError):
+        RouterConfig(decode_locality_margin=-1.0)
     with pytest.raises(ValueError):
         RouterConfig(routing_policy="fastest")
 
@@ -124,6 +156,9 @@ def test_worker_view_adds_what_the_router_sent_since_the_last_report():
     assert v.queued_prefill_seconds == pytest.approx(0.7, abs=0.2)
     assert (v.num_running, v.kv_tokens, v.num_waiting) == (3, 750, 3)
     assert v.cost_model is not None and list(v.cost_model.coef) == list(CostModel().coef)
+    assert (v.host, v.cpus) == ("", ())  # the report names neither
+    w.load.update(host="box", cpus=[2, 3])
+    assert (w.view().host, w.view().cpus) == ("box", (2, 3))
 
 
 def test_a_long_prompt_nearly_done_does_not_keep_its_worker_looking_busy():

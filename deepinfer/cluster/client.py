@@ -32,7 +32,7 @@ from typing import Any
 
 import httpx
 
-from deepinfer.cluster.policies import RouteInfo, RoutingPolicy, estimated_prefill_seconds
+from deepinfer.cluster.policies import RouteInfo, RoutingPolicy, WorkerView, estimated_prefill_seconds
 from deepinfer.cluster.pool import Worker, WorkerPool
 from deepinfer.cluster.wire import logprobs_to_json, output_from_json, params_to_json
 from deepinfer.config import RouterConfig
@@ -192,15 +192,15 @@ class ClusterEngineClient:
             decodes = self.pool.rotation("decode")
             if not prefills or not decodes:
                 break
-            pw = self._pick(prefills, route, prefill=True)
-            dw = self._pick(decodes, route, prefill=False)
+            pw = self._pick_prefill(prefills, route)
+            pview = pw.view()
+            dw = self._pick_decode(decodes, route, pview)
             # counted against the decode worker from the pick on: requests still in prefill must not be
             # invisible to the next pick, or every arrival in that window herds onto one worker
             dw.inflight_decode_tokens[base["request_id"]] = route.num_prompt_tokens + 1
             picked = False
             tried.add(pw.url)
             transfer_id = uuid.uuid4().hex
-            pview = pw.view()
             estimate = estimated_prefill_seconds(pview, route)
             self.recent_routes.append({
                 "request_id": base["request_id"], "at": time.time(), "attempt": attempt,
@@ -247,9 +247,12 @@ class ClusterEngineClient:
                     dw.inflight_decode_tokens.pop(base["request_id"], None)
         raise WorkerError(last_error)
 
-    def _pick(self, workers: list[Worker], route: RouteInfo, prefill: bool) -> Worker:
-        views = [w.view() for w in workers]
-        chosen = (self.policy.pick_prefill if prefill else self.policy.pick_decode)(views, route)
+    def _pick_prefill(self, workers: list[Worker], route: RouteInfo) -> Worker:
+        chosen = self.policy.pick_prefill([w.view() for w in workers], route)
+        return next(w for w in workers if w.url == chosen.url)
+
+    def _pick_decode(self, workers: list[Worker], route: RouteInfo, prefill: WorkerView | None) -> Worker:
+        chosen = self.policy.pick_decode([w.view() for w in workers], route, prefill)
         return next(w for w in workers if w.url == chosen.url)
 
     # ------------------------------------------------------------------ decode
@@ -275,7 +278,7 @@ class ClusterEngineClient:
                 if not others:
                     raise WorkerError(f"decode worker {dw.url} failed and no other is available: {e!r}") from e
                 self.num_decode_retries += 1
-                dw = self._pick(others, route, prefill=False)
+                dw = self._pick_decode(others, route, None)
                 tried.add(dw.url)
                 body = {**body, "transfer_id": ""}  # the KV went to the dead worker: recompute the prompt
 

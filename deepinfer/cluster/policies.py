@@ -9,9 +9,11 @@ has sent it since) and the request's `RouteInfo`, and picks one worker per pool:
   this prompt's uncached compute under that worker's cost model (fitted online to the worker's
   observed step times) plus the time to load its cached part from the shared store (prefixes live
   there, so no cache affinity; a store hit is cheaper than compute, not free); decode = lowest `w_run * running / max_num_seqs +
-  w_kv * kv_tokens / kv_capacity_tokens` (scheduling pressure and memory pressure).
+  w_kv * kv_tokens / kv_capacity_tokens` (scheduling pressure and memory pressure), where scores within
+  `locality_margin` of the lowest are a tie that goes to a decode worker co-located with the request's
+  prefill worker (`co_located`).
 
-Ties go to the worker listed first, except in `deepinfer`'s prefill pick: finishes within
+Ties go to the worker listed first, except in `deepinfer`'s picks (decode: see above); prefill: finishes within
 `FINISH_TIE_TOLERANCE` of the earliest are a tie there (the workers' online-fitted cost models differ
 by a few percent on identical workers), which goes to the worker given the least prefill work so
 far, so idle workers share the work instead of one taking all of it. Policies are pure apart from
@@ -38,6 +40,18 @@ class WorkerView:
     kv_capacity_tokens: int = 1
     cost_model: CostModel | None = None
     routed_prefill_seconds: float = 0.0  # estimated prefill compute sent to it so far
+    host: str = ""  # the machine it runs on ("": unknown)
+    cpus: tuple[int, ...] = ()  # the CPUs it may run on ((): unknown)
+
+
+def co_located(a: WorkerView, b: WorkerView) -> bool:
+    """Whether two workers share hardware: the same host and, where both report CPU sets, a CPU in
+    common. A request whose decode worker is co-located with its prefill worker moves its KV inside
+    the machine; and the decode work of requests routed away from a busy prefill worker stays off that
+    worker's CPUs (workers pinned two to a core on a small machine)."""
+    if not a.host or a.host != b.host:
+        return False
+    return not a.cpus or not b.cpus or not set(a.cpus).isdisjoint(b.cpus)
 
 
 @dataclass
@@ -54,7 +68,9 @@ class RoutingPolicy(ABC):
     def pick_prefill(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView: ...
 
     @abstractmethod
-    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView: ...
+    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo,
+                    prefill: WorkerView | None = None) -> WorkerView:
+        """`prefill`: the worker prefilling this request (None: already prefilled, e.g. a retry)."""
 
 
 def _check(workers: Sequence[WorkerView]) -> None:
@@ -77,7 +93,8 @@ class RoundRobin(RoutingPolicy):
     def pick_prefill(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
         return self._pick("prefill", workers)
 
-    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
+    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo,
+                    prefill: WorkerView | None = None) -> WorkerView:
         return self._pick("decode", workers)
 
 
@@ -88,7 +105,8 @@ class LeastRequests(RoutingPolicy):
         _check(workers)
         return min(workers, key=lambda w: w.num_waiting + w.num_running)
 
-    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
+    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo,
+                    prefill: WorkerView | None = None) -> WorkerView:
         _check(workers)
         return min(workers, key=lambda w: w.num_running)
 
@@ -138,11 +156,14 @@ FINISH_TIE_TOLERANCE = 0.05
 class DeepInferPolicy(RoutingPolicy):
     name = "deepinfer"
 
-    def __init__(self, running_weight: float = 1.0, kv_weight: float = 1.0) -> None:
+    def __init__(self, running_weight: float = 1.0, kv_weight: float = 1.0, locality_margin: float = 0.05) -> None:
         if running_weight < 0 or kv_weight < 0:
             raise ValueError("decode weights must be >= 0")
+        if locality_margin < 0:
+            raise ValueError("the decode locality margin must be >= 0")
         self.running_weight = running_weight
         self.kv_weight = kv_weight
+        self.locality_margin = locality_margin
 
     def prefill_finish(self, worker: WorkerView, req: RouteInfo) -> float:
         return worker.queued_prefill_seconds + estimated_prefill_seconds(worker, req)
@@ -158,16 +179,22 @@ class DeepInferPolicy(RoutingPolicy):
         return min((w for w, f in zip(workers, finish, strict=True) if f <= cutoff),
                    key=lambda w: w.routed_prefill_seconds)
 
-    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo) -> WorkerView:
+    def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo,
+                    prefill: WorkerView | None = None) -> WorkerView:
         _check(workers)
-        return min(workers, key=self.decode_score)
+        scores = [self.decode_score(w) for w in workers]
+        cutoff = min(scores) + self.locality_margin
+        # among the near-best: co-located with the prefill worker first, then the lowest score
+        return min((pair for pair in zip(workers, scores, strict=True) if pair[1] <= cutoff),
+                   key=lambda pair: (prefill is None or not co_located(pair[0], prefill), pair[1]))[0]
 
 
-def make_policy(name: str, running_weight: float = 1.0, kv_weight: float = 1.0) -> RoutingPolicy:
+def make_policy(name: str, running_weight: float = 1.0, kv_weight: float = 1.0,
+                locality_margin: float = 0.05) -> RoutingPolicy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_requests":
         return LeastRequests()
     if name == "deepinfer":
-        return DeepInferPolicy(running_weight, kv_weight)
+        return DeepInferPolicy(running_weight, kv_weight, locality_margin)
     raise ValueError(f"unknown routing policy {name!r}")

@@ -78,7 +78,8 @@ class Worker:
         kv_tokens = max(int(load.get("kv_tokens", 0)), sum(self.inflight_decode_tokens.values()))
         waiting = max(int(load.get("num_waiting", 0)), len(self.inflight_prefill))
         return WorkerView(self.url, queued, waiting, running, kv_tokens, int(load.get("max_num_seqs", 1)),
-                          int(load.get("kv_capacity_tokens", 1)), self.cost_model(), self.prefill_seconds_routed)
+                          int(load.get("kv_capacity_tokens", 1)), self.cost_model(), self.prefill_seconds_routed,
+                          str(load.get("host", "")), tuple(load.get("cpus", ())))
 
 
 class WorkerPool:

@@ -123,7 +123,8 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
         pool.add(url, "prefill")
     for url in router.decode:
         pool.add(url, "decode")
-    policy = make_policy(router.routing_policy, router.decode_running_weight, router.decode_kv_weight)
+    policy = make_policy(router.routing_policy, router.decode_running_weight, router.decode_kv_weight,
+                         router.decode_locality_margin)
     retention = RetentionPolicy.parse(kvstore.kv_retention, kvstore.default_retention_class)
     default_len = model.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 4096
     store: Path | None = kvstore.store_path()

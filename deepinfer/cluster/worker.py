@@ -27,6 +27,7 @@ import dataclasses
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from typing import Any
@@ -86,6 +87,11 @@ def queued_prefill_seconds(stats: dict[str, float], pending: dict[str, tuple[flo
     return max(engine_view, own_view)
 
 
+def _cpus() -> list[int]:
+    """The CPUs this process may run on ([]: the platform does not say)."""
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
 class WorkerState:
     """What one worker process knows about itself beyond the engine: role, KV receiver, transfers."""
 
@@ -117,7 +123,8 @@ class WorkerState:
         block_size = facts["block_size"]
         queued = queued_prefill_seconds(s, self.pending_prefill, time.monotonic())
         return {
-            "role": self.role, "pid": os.getpid(), "healthy": eng.healthy, "queued_prefill_seconds": queued,
+"role": self.role, "pid": os.getpid(), "host": socket.gethostname(),
+            "cpus": _cpus(), "healthy": eng.healthy, "queued_prefill_seconds": queued,
             "prefill_request_ids": list(self.pending_prefill),  # what `queued_prefill_seconds` covers
             "num_running": int(s["num_running"]), "num_waiting": eng.num_waiting(),
             "kv_tokens": int(s.get("kv_tokens", 0)), "kv_usage": float(s["kv_usage"]),
