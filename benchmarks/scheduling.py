@@ -18,6 +18,7 @@ Usage::
 
     HF_HUB_OFFLINE=1 python benchmarks/scheduling.py                 # default model, default sizes
     python benchmarks/scheduling.py --streams 2 --stream-tokens 8 --bursts 1 --long-len 256   # smoke
+    python benchmarks/scheduling.py --runs compute@inf,compute --short-delay 0   # the first-token stretch
 """
 
 from __future__ import annotations
@@ -67,9 +68,13 @@ def make_workload(args: argparse.Namespace, vocab: int) -> list[Arrival]:
 
 
 def run(policy: str, args: argparse.Namespace) -> dict[str, float]:
-    kwargs = dict(model=args.model, scheduler=policy, max_num_batched_tokens=args.max_num_batched_tokens,
+    """`policy`: tokens, compute, or compute@X (compute with --first-token-stretch X)."""
+    scheduler, _, stretch = policy.partition("@")
+    kwargs = dict(model=args.model, scheduler=scheduler, max_num_batched_tokens=args.max_num_batched_tokens,
                   max_num_seqs=args.max_num_seqs, kv_cache_memory=args.kv_cache_memory, dtype=args.dtype,
                   enable_prefix_caching=False)
+    if stretch:
+        kwargs["first_token_stretch"] = float(stretch)
     if args.step_time_budget_ms is not None:
         kwargs["step_time_budget_ms"] = args.step_time_budget_ms
     engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
@@ -160,15 +165,21 @@ def main() -> None:
     p.add_argument("--short-delay", type=float, default=0.2)
     p.add_argument("--burst-tokens", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--runs", default="tokens,compute",
+                   help="Runs, the first one the reference of the ratios: tokens, compute, or compute@X "
+                        "(--first-token-stretch X, e.g. compute@inf for the step-time budget alone).")
     p.add_argument("--json", default=None, help="also write the results to this file")
     args = p.parse_args()
 
-    results = {policy: run(policy, args) for policy in ("tokens", "compute")}
-    t, c = results["tokens"], results["compute"]
-    print(f"\n{'metric':32s} {'tokens':>12s} {'compute':>12s} {'compute/tokens':>15s}")
+    names = args.runs.split(",")
+    results = {name: run(name, args) for name in names}
+    ref = results[names[0]]
+    print(f"\n{'metric':32s} " + " ".join(f"{n:>14s}" for n in names) + " " +
+          " ".join(f"{n + '/' + names[0]:>22s}" for n in names[1:]))
     for label, key in ROWS:
-        ratio = c[key] / t[key] if t[key] else float("nan")
-        print(f"{label:32s} {t[key]:12.3f} {c[key]:12.3f} {ratio:15.2f}")
+        ratios = [results[n][key] / ref[key] if ref[key] else float("nan") for n in names[1:]]
+        print(f"{label:32s} " + " ".join(f"{results[n][key]:14.3f}" for n in names) + " " +
+              " ".join(f"{r:22.2f}" for r in ratios))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

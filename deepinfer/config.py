@@ -99,6 +99,13 @@ class SchedulerConfig:
         "compute scheduler: a prompt whose first token has waited longer than this is served before every "
         "bucket (oldest first), so short prompts cannot starve a long one.",
     )
+    first_token_stretch: float = _f(
+        2.0,
+        "compute scheduler: once a step completes a prompt (its first token comes out of the step), later "
+        "prefill chunks may stretch the step to at most this many times its predicted time so far, so a long "
+        "prompt admitted with a short one does not hold the short one's first token for its whole prefill "
+        "(prompts of similar size still share steps). inf = the time budget alone.",
+    )
     profile_cost_model: bool = _f(
         True,
         "Calibrate the step-time cost model at start-up with a few synthetic steps (~1-2 s on the default "
@@ -124,6 +131,8 @@ class SchedulerConfig:
             raise ValueError(f"step_time_budget_ms must be positive, got {self.step_time_budget_ms}")
         if self.overlap_host_work not in ("auto", "on", "off"):
             raise ValueError(f"overlap_host_work must be auto, on or off, got {self.overlap_host_work!r}")
+        if not self.first_token_stretch >= 1:
+            raise ValueError(f"first_token_stretch must be >= 1, got {self.first_token_stretch}")
         if self.bucket_aging_ms < 0:
             raise ValueError(f"bucket_aging_ms must be >= 0, got {self.bucket_aging_ms}")
 

@@ -219,6 +219,48 @@ def test_short_prompts_behind_a_long_one_are_served_before_it_finishes():
     assert min(short_first_t.values()) >= long_done_t  # strict FIFO: they wait for the whole prefill
 
 
+@pytest.mark.parametrize("long_first", [False, True])
+def test_a_long_prompt_does_not_hold_the_first_token_of_a_short_one_in_its_step(long_first):
+    """A short and a long prompt waiting together (in either arrival order): under the time budget alone
+    both fit one step, and the short one's first token would wait for the long one's whole prefill. The
+    short one goes first (a tiny prompt), and the long one takes a chunk that at most doubles the step
+    and finishes in the next."""
+    def first_steps(stretch: float) -> tuple[dict[str, int], float]:
+        s = _compute()
+        s.policy.time_budget_s = 0.5  # room for both in one step (the long one is not tiny: over 0.125 s)
+        s.policy.first_token_stretch = stretch
+        for r in ([_req("long", 1500), _req("short", 40)] if long_first else [_req("short", 40), _req("long", 1500)]):
+            s.add(r)
+        done: dict[str, int] = {}
+        first_step_seconds = 0.0
+        for step in range(1, 10):
+            out = _step(s)
+            if step == 1:
+                first_step_seconds = s.cost_model.predict(StepWork.from_output(out))
+            for x in out.scheduled:
+                if x.start + x.num_new_tokens == x.request.num_prompt_tokens:
+                    done.setdefault(x.request.request_id, step)
+            if len(done) == 2:
+                return done, first_step_seconds
+        raise AssertionError("did not finish")
+
+    alone = CostModel(coefficients=COEFS).predict(StepWork(((40, 0),)))
+    done, seconds = first_steps(2.0)
+    assert done == {"short": 1, "long": 2} and seconds <= 2 * alone + 1e-12
+    done, seconds = first_steps(float("inf"))  # the time budget alone: the short one waits for the long one
+    assert done == {"short": 1, "long": 1} and seconds > 10 * alone
+
+
+def test_prompts_of_similar_size_still_share_a_step():
+    s = _compute()
+    s.policy.time_budget_s = 10.0
+    for i in range(8):
+        s.add(_req(f"r{i}", 120 + 10 * i))
+    out = _step(s)
+    assert len(out.scheduled) == 8
+    assert all(x.start + x.num_new_tokens == x.request.num_prompt_tokens for x in out.scheduled)
+
+
 def test_aging_keeps_a_stream_of_short_prompts_from_starving_a_long_one():
     def run(aging_s: float) -> int | None:
         clock = FakeClock()
@@ -250,9 +292,9 @@ def test_compute_order_preempted_then_aged_then_buckets_fifo():
     reqs[-1].status = reqs[-1].status.PREEMPTED
     order = policy.prefill_order([], reqs, lambda r: 0)
     assert [r.request_id for r in order] == ["pre", "aged-long", "short-a", "short-b", "mid", "long-old"]
-    assert [policy.bucket(n, 0) for n in (20, 600, 3000)] == [0, 1, 2]
+    assert [policy.bucket(n, 0) for n in (20, 100, 600, 3000)] == [0, 1, 2, 3]
     # a cached prefix makes a long prompt cheap to serve: it is bucketed by what is left to compute
-    assert policy.bucket(3000, 2990) == 0
+    assert policy.bucket(3000, 2990) <= 1
 
 
 def test_fifo_within_a_bucket_and_max_num_seqs_under_compute():

@@ -3,10 +3,10 @@
 The Scheduler owns the mechanics (KV blocks, preemption, `max_num_seqs`, the token budget) and
 asks its policy, every step:
 
-    begin_step()                                   a new step, nothing in it yet
-    add_work(new_tokens, context, prefill)         the scheduler put this in the step (decodes too)
-    prefill_order(running_prefills, waiting, ...)  which prefill work to consider, best first
-    chunk_size(req, start, remaining, token_budget)  how many of req's tokens to run now
+    begin_step()                                       a new step, nothing in it yet
+    add_work(new_tokens, context, prefill, completes)  the scheduler put this in the step (decodes too)
+    prefill_order(running_prefills, waiting, ...)      which prefill work to consider, best first
+    chunk_size(req, start, remaining, token_budget)    how many of req's tokens to run now
 
 `tokens` (TokenBudgetPolicy): running prefills, then waiting requests FIFO; each piece gets all the
 token budget has left (classic chunked prefill).
@@ -18,7 +18,11 @@ get fewer tokens. Prefill work (running and waiting alike) is served by bucket o
 remaining prefill time, short first, FIFO within a bucket; preempted requests come first, and any
 request whose first token has waited longer than `aging_s` comes before every bucket (oldest
 first), so a stream of short prompts cannot starve a long one. The first prefill chunk of a step
-always gets at least `min_chunk` tokens, even when the decodes alone fill the budget.
+always gets at least `min_chunk` tokens, even when the decodes alone fill the budget. Once a step
+completes a prompt (its first token comes out of the step), later chunks may stretch the step to at
+most `first_token_stretch` times its predicted time so far: a long prompt that arrived with a short
+one takes a small chunk now and the rest next step, instead of holding the short one's first token
+for its whole prefill (prompts of similar size still batch: each at most doubles the step).
 """
 
 from __future__ import annotations
@@ -39,9 +43,12 @@ from deepinfer.engine.request import Request, RequestStatus
 # the chunks that would overrun it: late chunks of long prompts (attention grows with context) and
 # steps already full of decodes.
 AUTO_BUDGET_MIN_DECODE_STEPS = 4.0
-# Bucket upper bounds, in step-time budgets of predicted remaining prefill time: short prompts fit in
-# one step, medium ones in a few; the rest are long.
-BUCKET_BOUNDS = (1.0, 8.0)
+# Bucket upper bounds, in step-time budgets of predicted remaining prefill time: tiny prompts take at
+# most a quarter of a step, short ones fit in one, medium ones in a few; the rest are long. Tiny comes
+# apart from short because the auto budget fits a whole `max_num_batched_tokens` prompt: in one bucket, a
+# 40-token prompt that arrived just after a 1500-token one would wait for it (with `first_token_stretch`,
+# the tiny one goes first and the long one takes the next step).
+BUCKET_BOUNDS = (0.25, 1.0, 8.0)
 
 
 class PrefillPolicy(ABC):
@@ -50,9 +57,11 @@ class PrefillPolicy(ABC):
     def begin_step(self) -> None:  # noqa: B027 - optional hook
         """A new step starts: nothing is scheduled in it yet."""
 
-    def add_work(self, new_tokens: int, context: int, prefill: bool = False) -> None:  # noqa: B027
+    def add_work(self, new_tokens: int, context: int, prefill: bool = False,  # noqa: B027
+                 completes: bool = False) -> None:
         """The scheduler placed `new_tokens` tokens after `context` computed ones in this step;
-        `prefill` tells chunks chosen by `chunk_size` from decodes."""
+        `prefill` tells chunks chosen by `chunk_size` from decodes; `completes`: the chunk ends its
+        request's prefill (the step samples the request's next token)."""
 
     def prefill_order(self, running: list[Request], waiting: Iterable[Request],
                       start_of: Callable[[Request], int]) -> list[Request]:
@@ -78,27 +87,34 @@ class ComputeBudgetPolicy(PrefillPolicy):
     """Prefill chunks sized to fit a step-time budget; bucketed, aged FIFO order (see module doc)."""
 
     def __init__(self, cost_model: CostModel, time_budget_s: float, min_chunk: int = 16, aging_s: float = 2.0,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 first_token_stretch: float = 2.0) -> None:
         if time_budget_s <= 0:
             raise ValueError(f"the step time budget must be positive, got {time_budget_s}")
+        if first_token_stretch < 1:
+            raise ValueError(f"first_token_stretch must be >= 1, got {first_token_stretch}")
         self.cost_model = cost_model
         self.time_budget_s = time_budget_s
         self.min_chunk = min_chunk
         self.aging_s = aging_s
         self.clock = clock  # tests drive aging with a fake clock
+        self.first_token_stretch = first_token_stretch
         self._used = empty_step()
         self._prefilled = False
+        self._answers = False  # a prompt in this step gets its first token
 
     def begin_step(self) -> None:
         self._used = empty_step()
         self._prefilled = False
+        self._answers = False
 
-    def add_work(self, new_tokens: int, context: int, prefill: bool = False) -> None:
+    def add_work(self, new_tokens: int, context: int, prefill: bool = False, completes: bool = False) -> None:
         add_chunk(self._used, new_tokens, context)
         self._prefilled |= prefill
+        self._answers |= prefill and completes
 
     def bucket(self, num_tokens: int, start: int) -> int:
-        """0 short / 1 medium / 2 long, by predicted time to prefill tokens [start, num_tokens)."""
+        """0 tiny / 1 short / 2 medium / 3 long, by predicted time to prefill tokens [start, num_tokens)."""
         seconds = self.cost_model.prefill_seconds(num_tokens, start)
         for i, bound in enumerate(BUCKET_BOUNDS):
             if seconds <= bound * self.time_budget_s:
@@ -122,7 +138,10 @@ class ComputeBudgetPolicy(PrefillPolicy):
 
     def chunk_size(self, req: Request, start: int, remaining: int, token_budget: int) -> int:
         limit = min(remaining, token_budget)
-        n = self.cost_model.largest_chunk(self._used, start, self.time_budget_s, limit)
+        budget_s = self.time_budget_s
+        if self._answers:
+            budget_s = min(budget_s, self.first_token_stretch * self.cost_model.predict_features(self._used))
+        n = self.cost_model.largest_chunk(self._used, start, budget_s, limit)
         if not self._prefilled:  # progress guarantee: the step's first prefill chunk is never starved
             n = max(n, min(self.min_chunk, limit))
         return n
@@ -141,4 +160,4 @@ def make_policy(config: SchedulerConfig, cost_model: CostModel, time_budget_s: f
     if config.scheduler == "tokens":
         return TokenBudgetPolicy()
     return ComputeBudgetPolicy(cost_model, time_budget_s, min_chunk=block_size,
-                               aging_s=config.bucket_aging_ms / 1000)
+                               aging_s=config.bucket_aging_ms / 1000, first_token_stretch=config.first_token_stretch)

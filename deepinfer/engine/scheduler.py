@@ -169,7 +169,7 @@ class Scheduler:
                 self._admit(req, start, hit)
             prefill_chunks.append(ScheduledRequest(req, n, start))
             scheduled_ids.add(req.request_id)
-            policy.add_work(n, start, prefill=True)
+            policy.add_work(n, start, prefill=True, completes=start + n == req.num_tokens)
             budget -= n
         # single-token work (decodes, 1-token prompt tails) first, then multi-token chunks
         ones = [s for s in prefill_chunks if s.num_new_tokens == 1]
