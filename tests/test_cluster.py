@@ -6,6 +6,7 @@ hanging or silently lost. The fault tests run last: they kill workers of the mod
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -16,6 +17,8 @@ import httpx
 import openai
 import pytest
 
+from deepinfer.cluster.policies import DeepInferPolicy, RouteInfo, WorkerView
+from deepinfer.engine.cost_model import CostModel
 from tests.server_utils import cluster_workers as _workers
 from tests.server_utils import metric, running_cluster, running_server
 
@@ -158,6 +161,36 @@ def test_the_router_keeps_its_latest_routing_decisions(client, cluster):
         assert list(w["view"]["cpus"]) == sorted(os.sched_getaffinity(0))
 
 
+def test_a_prompt_arriving_while_its_prefix_is_in_prefill_is_routed_knowing_it(client, cluster):
+    """Two turns of one conversation sent at once (a long shared history): the one routed second sees that
+    the other's prefill, not yet in the store, will have computed their shared blocks on its worker."""
+    seen = []
+    for attempt in range(5):
+        history = f"Conversation {attempt}. " + PROMPTS[2] * 4
+        start = threading.Barrier(2)
+
+        def send(turn: str, history: str = history, start: threading.Barrier = start) -> None:
+            start.wait()
+            _chat(client, history + turn, 2)
+
+        threads = [threading.Thread(target=send, args=(t,)) for t in (" First question?", " Second question?")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+        first, second = httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"][-2:]
+        assert first["inflight_prefix_tokens"] == {}  # the first one routed had nothing to share
+        seen.append(second["inflight_prefix_tokens"])
+        if seen[-1]:
+            break
+    # on the first one's worker only; the history is ~280 tokens: many whole 16-token blocks
+    assert list(seen[-1]) == [first["prefill"]] and seen[-1][first["prefill"]] >= 128, seen
+    # which the estimate there counts as cached: the second prompt's compute there is a fraction of a cold one
+    cold = second["prefill_finishes"][second["prefill"]] if second["prefill"] != first["prefill"] else None
+    there = second["prefill_finishes"][first["prefill"]] - first["prefill_estimate_seconds"]
+    assert there < 0.5 * (cold if cold is not None else first["prefill_estimate_seconds"])
+
+
 def test_internal_endpoints_reject_bad_input(cluster):
     worker = next(w["url"] for w in _workers(cluster) if w["role"] == "prefill")
     for path, body in (("prefill", {"request_id": "x"}), ("decode", {"request_id": "x", "prompt_token_ids": [1]}),
@@ -214,17 +247,39 @@ def _stream_outcome(c: openai.OpenAI, prompt: str, max_tokens: int, progress: li
         return "error"
 
 
+def _next_prefill_pick(cluster: str, route: dict) -> dict:
+    """The prefill worker the router's policy picks next for a prompt routed like `route` (an earlier
+    routing decision for the same prompt), from the views the router reports, once no prefill worker
+    has work queued (a stale report of queued work would count)."""
+    deadline = time.monotonic() + 15
+    while True:
+        workers = [w for w in _workers(cluster) if w["role"] == "prefill"]
+        if all(w["view"]["queued_prefill_seconds"] == 0 for w in workers) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    fields = {f.name for f in dataclasses.fields(WorkerView)} - {"cost_model"}
+    views = [WorkerView(**{k: v for k, v in w["view"].items() if k in fields},
+                        cost_model=CostModel(w["load"]["cost_coefficients"]) if w["load"].get("cost_coefficients")
+                        else None) for w in workers]
+    # the store may have the prompt's blocks by now: a pick that depends on it cannot be predicted
+    picks = {DeepInferPolicy().pick_prefill(views, RouteInfo(route["prompt_tokens"], cached)).url
+             for cached in (route["cached_tokens"], (route["prompt_tokens"] - 1) // 16 * 16)}
+    assert len(picks) == 1, picks
+    return next(w for w in workers if w["url"] in picks)
+
+
 def test_prefill_worker_dying_before_the_first_token_is_retried_elsewhere(client, cluster):
-    # polls are 2 s apart: right after the kill the router still counts the worker in rotation, and with
-    # both prefill workers idle the policy picks the one given the least prefill work so far (the first
-    # listed of equals) -- the dead one -- so the request must move
+    # polls are 2 s apart: right after the kill the router still counts the worker in rotation, and kill
+    # the worker the policy picks next, so the request must move
+    _chat(client, PROMPTS[1], 1)
     before = httpx.get(f"{cluster}/internal/workers", timeout=10).json()["prefill_retries"]
-    victim = min((w for w in _workers(cluster) if w["role"] == "prefill"), key=lambda w: w["prefill_seconds_routed"])
+    victim = _next_prefill_pick(cluster, httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"][-1])
     os.kill(victim["load"]["pid"], signal.SIGKILL)
     r = _chat(client, PROMPTS[1], 6)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
     state = httpx.get(f"{cluster}/internal/workers", timeout=10).json()
-    assert state["prefill_retries"] == before + 1
+    route = httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"][-1]
+    assert state["prefill_retries"] == before + 1, f"victim {victim['url']}: {route}"
     assert not next(w for w in state["workers"] if w["url"] == victim["url"])["alive"]
 
 

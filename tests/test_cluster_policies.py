@@ -14,6 +14,7 @@ from deepinfer.cluster.policies import (
     WorkerView,
     co_located,
     estimated_prefill_seconds,
+    leading_run,
     make_policy,
 )
 from deepinfer.cluster.pool import Worker, WorkerPool
@@ -54,6 +55,34 @@ def test_deepinfer_prefill_picks_the_earliest_estimated_finish():
     assert t0 > t1 and p.pick_prefill(ws, long_prompt).url == "w1"
     # a short prompt costs little anywhere: the shorter queue wins
     assert p.pick_prefill(ws, RouteInfo(8)).url == "w0"
+
+
+def test_a_prefix_in_prefill_on_a_worker_counts_as_cached_there():
+    """The next turn of a conversation arrives while the previous turn is still being prefilled on w0 (the
+    store does not have it yet): queueing behind it on w0 and computing only the new turn finishes
+    before recomputing the whole history on the idle w1."""
+    p = DeepInferPolicy()
+    cost = CostModel()
+    previous = cost.prefill_seconds(1232)
+    ws = [WorkerView("w0", queued_prefill_seconds=0.8 * previous), WorkerView("w1")]
+    turn = RouteInfo(1264, inflight_prefix_tokens={"w0": 1232})
+    assert turn.cached_on(ws[0]) == 1232 and turn.cached_on(ws[1]) == 0
+    assert estimated_prefill_seconds(ws[0], turn) < estimated_prefill_seconds(ws[1], turn) / 5
+    assert p.pick_prefill(ws, turn).url == "w0"
+    assert p.pick_prefill(ws, RouteInfo(1264)).url == "w1"  # without it: the idle worker
+    # just started there: about the same finish either way, a tie, which goes where it costs least
+    full, suffix = estimated_prefill_seconds(ws[1], turn), estimated_prefill_seconds(ws[0], turn)
+    ws[0].queued_prefill_seconds, ws[0].routed_prefill_seconds = full - suffix / 2, 50.0
+    assert p.prefill_finish(ws[1], turn) <= p.prefill_finish(ws[0], turn) <= 1.05 * p.prefill_finish(ws[1], turn)
+    assert p.pick_prefill(ws, turn).url == "w0"
+    # the store's hits count everywhere, the in-flight prefix only where it is computed
+    assert RouteInfo(1264, 640, inflight_prefix_tokens={"w0": 1232}).cached_on(ws[1]) == 640
+
+
+def test_leading_run_matches_a_chained_prefix():
+    assert leading_run([b"a", b"b", b"c"], {b"a", b"b", b"x"}) == 2
+    assert leading_run([b"a", b"b"], {b"b"}) == 0  # a later block alone is not a prefix
+    assert leading_run([], {b"a"}) == 0
 
 
 def test_deepinfer_prefill_ties_within_the_models_error_go_to_the_worker_given_least_so_far():

@@ -241,12 +241,19 @@ def test_router_store_lookup_names_blocks_like_the_engine(tiny_models, tmp_path)
         lay = layout_of(core.runner.kv_caches)
         load = {"model_identity": core.files.identity,
                 "kv_layout": [lay.dtype, lay.block_size, lay.num_layers, lay.num_kv_heads, lay.head_dim]}
-    client = ClusterEngineClient(WorkerPool(), DeepInferPolicy(), None, 50000, RetentionPolicy(), RouterConfig(),
-                                 1024, store)
-    assert client._store_lookup(load, prompt, None) == 64  # 4 full blocks of 70 tokens
-    assert client._store_lookup(load, prompt + [5] * 40, None) == 64  # a longer prompt: its stored prefix
-    assert client._store_lookup(load, prompt, "tenant-b") == 0  # another salt names other blocks
-    assert client._store_lookup(load, [7] + prompt[1:], None) == 0
+    pool = WorkerPool()
+    worker = pool.add("http://127.0.0.1:1", "prefill")
+    worker.load, worker.alive = load, True  # the report the router hashes by
+    client = ClusterEngineClient(pool, DeepInferPolicy(), None, 50000, RetentionPolicy(), RouterConfig(), 1024, store)
+
+    def stored(prompt_ids: list[int], salt: str | None = None) -> int:
+        hashes, block_size = client._block_hashes(prompt_ids, salt)
+        return client._store_lookup(load, hashes) * block_size
+
+    assert stored(prompt) == 64  # 4 full blocks of 70 tokens
+    assert stored(prompt + [5] * 40) == 64  # a longer prompt: its stored prefix
+    assert stored(prompt, "tenant-b") == 0  # another salt names other blocks
+    assert stored([7] + prompt[1:]) == 0
 
 
 def test_continued_request_keeps_penalties_and_stop_rules(tiny_models):

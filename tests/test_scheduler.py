@@ -251,6 +251,22 @@ def test_a_long_prompt_does_not_hold_the_first_token_of_a_short_one_in_its_step(
     assert done == {"short": 1, "long": 1} and seconds > 10 * alone
 
 
+@pytest.mark.parametrize("scheduler", ["tokens", "compute"])
+def test_a_prompt_waits_for_its_prefix_being_computed_instead_of_computing_it_twice(scheduler):
+    s = _compute() if scheduler == "compute" else _make(num_blocks=64, block_size=16, budget=2048, max_len=512)
+    shared = _req("first", 64).prompt_token_ids
+    first, twin, other = (Request("first", shared, SamplingParams(max_tokens=1, ignore_eos=True)),
+                          Request("twin", shared + [9, 9], SamplingParams(max_tokens=1, ignore_eos=True)),
+                          _req("other", 40))
+    for r in (first, twin, other):
+        s.add(r)
+    out = _step(s)
+    assert sorted((x.request.request_id, x.num_new_tokens) for x in out.scheduled) == [("first", 64), ("other", 40)]
+    out = _step(s)  # first's 4 blocks are cached now: the twin computes only what it adds
+    assert [(x.request.request_id, x.start, x.num_new_tokens) for x in out.scheduled] == [("twin", 64, 2)]
+    _assert_no_leak(s)
+
+
 def test_prompts_of_similar_size_still_share_a_step():
     s = _compute()
     s.policy.time_budget_s = 10.0

@@ -68,6 +68,19 @@ def test_concurrent_requests_miss_what_is_still_being_prefilled():
     np.testing.assert_allclose(np.diff(one.ttft), MODEL.prefill_seconds(1024, 1024, 2048))
 
 
+def test_deepinfer_queues_a_request_behind_its_prefix_in_prefill():
+    """Two workers; the second request shares the first one's blocks and arrives while the first is being
+    prefilled: deepinfer queues it behind the first (same finish, half the compute) where the others
+    start it on the idle worker and recompute the shared block."""
+    first = MODEL.prefill_seconds(1024, 0, 2048)
+    reqs = [req(0.0, 1024, 1, (1, 2)), req(0.01 * first, 1030, 1, (1, 2, 3))]
+    di = simulate(reqs, "deepinfer", cfg(prefill_workers=2), MODEL)
+    assert di.hit_rate == pytest.approx(1024 / 2054)
+    assert di.ttft[1] == pytest.approx(first - 0.01 * first + MODEL.prefill_seconds(1030, 1024, 2048))
+    assert sorted(di.prefill_busy)[0] == 0.0  # the second worker stayed free
+    assert simulate(reqs, "least_requests", cfg(prefill_workers=2), MODEL).hit_rate == 0.0
+
+
 def test_store_lru_and_prefix_only():
     store = BlockStore(capacity_blocks=2)
     store.write([1, 2])

@@ -24,7 +24,7 @@ import json
 import logging
 import time
 import uuid
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from pathlib import Path
@@ -32,7 +32,13 @@ from typing import Any
 
 import httpx
 
-from deepinfer.cluster.policies import RouteInfo, RoutingPolicy, WorkerView, estimated_prefill_seconds
+from deepinfer.cluster.policies import (
+    RouteInfo,
+    RoutingPolicy,
+    WorkerView,
+    estimated_prefill_seconds,
+    leading_run,
+)
 from deepinfer.cluster.pool import Worker, WorkerPool
 from deepinfer.cluster.wire import logprobs_to_json, output_from_json, params_to_json
 from deepinfer.config import RouterConfig
@@ -78,6 +84,9 @@ class ClusterEngineClient:
                                          limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
         # the latest routing decisions, newest last (GET /internal/routes): why a request went where it went
         self.recent_routes: deque[dict[str, Any]] = deque(maxlen=1000)
+        # per prefill worker, the block hashes of the prompts this router has in prefill there (a prompt
+        # sharing their prefix finds it in that worker's cache once they are done)
+        self._prefilling: defaultdict[str, Counter[bytes]] = defaultdict(Counter)
         self.num_prefill_retries = 0
         self.num_decode_retries = 0
         self.num_failed = 0
@@ -139,14 +148,16 @@ class ClusterEngineClient:
         if bad is not None or not prompt_token_ids:
             raise ValueError("the prompt is empty" if bad is None else f"prompt token id {bad} is out of range")
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
-        route = RouteInfo(len(prompt_token_ids), await self._store_hits(prompt_token_ids, cache_salt),
-                          params.max_tokens if params.max_tokens is not None else self.max_model_len)
+        hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt)
+        route = RouteInfo(len(prompt_token_ids), await self._store_hits(hashes, block_size),
+                          params.max_tokens if params.max_tokens is not None else self.max_model_len,
+                          self._inflight_prefixes(hashes, block_size))
         base = {"request_id": rid, "prompt_token_ids": prompt_token_ids, "params": params_to_json(params),
                 "cache_salt": cache_salt, "retention_class": retention_class}
         shipment: _Shipment | None = None
         decoder: Worker | None = None
         try:
-            first, decoder, shipment = await self._prefill(base, route)
+            first, decoder, shipment = await self._prefill(base, route, hashes)
             first.request_id = rid
             if first.finished and (first.outputs[0].finish_reason == "stop" or route.max_tokens <= 1):
                 yield first
@@ -184,7 +195,8 @@ class ClusterEngineClient:
 
     # ------------------------------------------------------------------ prefill
 
-    async def _prefill(self, base: dict, route: RouteInfo) -> tuple[RequestOutput, Worker, _Shipment]:
+    async def _prefill(self, base: dict, route: RouteInfo,
+                       hashes: list[bytes]) -> tuple[RequestOutput, Worker, _Shipment]:
         tried: set[str] = set()
         last_error = "no prefill worker is available"
         for attempt in range(self.config.max_prefill_attempts):
@@ -192,8 +204,9 @@ class ClusterEngineClient:
             decodes = self.pool.rotation("decode")
             if not prefills or not decodes:
                 break
-            pw = self._pick_prefill(prefills, route)
-            pview = pw.view()
+            views = [w.view() for w in prefills]
+            pw = self._pick_prefill(prefills, views, route)
+            pview = next(v for v in views if v.url == pw.url)
             dw = self._pick_decode(decodes, route, pview)
             # counted against the decode worker from the pick on: requests still in prefill must not be
             # invisible to the next pick, or every arrival in that window herds onto one worker
@@ -205,9 +218,14 @@ class ClusterEngineClient:
             self.recent_routes.append({
                 "request_id": base["request_id"], "at": time.time(), "attempt": attempt,
                 "prompt_tokens": route.num_prompt_tokens, "cached_tokens": route.num_cached_tokens,
+                "inflight_prefix_tokens": dict(route.inflight_prefix_tokens),
                 "prefill": pw.url, "prefill_queued_seconds": pview.queued_prefill_seconds,
-                "prefill_estimate_seconds": estimate, "decode": dw.url})
+                "prefill_estimate_seconds": estimate, "decode": dw.url,
+                # every candidate as the policy saw it: queued seconds + this prompt's estimate there
+                "prefill_finishes": {v.url: v.queued_prefill_seconds + estimated_prefill_seconds(v, route)
+                                     for v in views}})
             pw.inflight_prefill[base["request_id"]] = (time.monotonic(), estimate)
+            self._prefilling[pw.url].update(hashes)
             pw.requests_routed += 1
             pw.prefill_seconds_routed += estimate
             r: httpx.Response | None = None
@@ -243,12 +261,14 @@ class ClusterEngineClient:
                     self.num_prefill_retries += 1
             finally:
                 pw.inflight_prefill.pop(base["request_id"], None)
+                self._prefilling[pw.url].subtract(hashes)
+                self._prefilling[pw.url] += Counter()  # drops the zero counts
                 if not picked:
                     dw.inflight_decode_tokens.pop(base["request_id"], None)
         raise WorkerError(last_error)
 
-    def _pick_prefill(self, workers: list[Worker], route: RouteInfo) -> Worker:
-        chosen = self.policy.pick_prefill([w.view() for w in workers], route)
+    def _pick_prefill(self, workers: list[Worker], views: list[WorkerView], route: RouteInfo) -> Worker:
+        chosen = self.policy.pick_prefill(views, route)
         return next(w for w in workers if w.url == chosen.url)
 
     def _pick_decode(self, workers: list[Worker], route: RouteInfo, prefill: WorkerView | None) -> Worker:
@@ -320,30 +340,45 @@ class ClusterEngineClient:
 
     # ------------------------------------------------------------------ store lookup
 
-    async def _store_hits(self, prompt_ids: list[int], cache_salt: str | None) -> int:
-        """Prompt tokens the shared KV store holds (what no prefill worker has to compute); 0 without one."""
-        if self.store_path is None:
-            return 0
+    def _block_hashes(self, prompt_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], int]:
+        """The hashes of the prompt's full blocks a worker could take from a cache (the last token is
+        always computed), as the workers' engines hash them, and the block size; ([], 1) before any
+        worker has reported its KV layout."""
+        from deepinfer.kvstore import KVLayout
+
         load = self.pool.any_load()
         if not load.get("kv_layout"):
+            return [], 1
+        layout = KVLayout(*load["kv_layout"])
+        hashes: list[bytes] = []
+        extend_block_hashes(hashes, prompt_ids, layout.block_size,
+                            root_hash(load["model_identity"], layout.key, cache_salt))
+        return hashes[:(len(prompt_ids) - 1) // layout.block_size], layout.block_size
+
+    def _inflight_prefixes(self, hashes: list[bytes], block_size: int) -> dict[str, int]:
+        """Per prefill worker, the leading prompt tokens that prompts this router has in prefill there share
+        with this one."""
+        runs = {url: leading_run(hashes, blocks) for url, blocks in self._prefilling.items()}
+        return {url: n * block_size for url, n in runs.items() if n}
+
+    async def _store_hits(self, hashes: list[bytes], block_size: int) -> int:
+        """Prompt tokens the shared KV store holds (what no prefill worker has to compute); 0 without one."""
+        if self.store_path is None or not hashes:
             return 0
         try:
-            return await asyncio.to_thread(self._store_lookup, load, prompt_ids, cache_salt)
+            return await asyncio.to_thread(self._store_lookup, self.pool.any_load(), hashes) * block_size
         except Exception:  # noqa: BLE001 - routing falls back to "nothing cached"
             logger.exception("KV store lookup failed")
             return 0
 
-    def _store_lookup(self, load: dict, prompt_ids: list[int], cache_salt: str | None) -> int:
+    def _store_lookup(self, load: dict, hashes: list[bytes]) -> int:
+        """Blocks of `hashes` the store holds, from the first."""
         from deepinfer.kvstore import KVBlockStore, KVLayout
 
         layout = KVLayout(*load["kv_layout"])
         if self._store is None or self._store.layout != layout:
             self._store = KVBlockStore(self.store_path, load["model_identity"], layout, 1 << 60, self.retention)
-        hashes: list[bytes] = []
-        extend_block_hashes(hashes, prompt_ids, layout.block_size,
-                            root_hash(load["model_identity"], layout.key, cache_salt))
-        limit = (len(prompt_ids) - 1) // layout.block_size
-        return self._store.contains_prefix(hashes[:limit]) * layout.block_size
+        return self._store.contains_prefix(hashes)
 
     async def close(self) -> None:
         await self._client.aclose()

@@ -8,23 +8,25 @@ has sent it since) and the request's `RouteInfo`, and picks one worker per pool:
 - `deepinfer`: prefill = earliest estimated finish, i.e. the worker's queued prefill seconds plus
   this prompt's uncached compute under that worker's cost model (fitted online to the worker's
   observed step times) plus the time to load its cached part from the shared store (prefixes live
-  there, so no cache affinity; a store hit is cheaper than compute, not free); decode = lowest `w_run * running / max_num_seqs +
+  there, so no cache affinity; a store hit is cheaper than compute, not free), where a prefix still
+  being prefilled on a worker (not in the store yet) counts as cached on that worker; decode = lowest `w_run * running / max_num_seqs +
   w_kv * kv_tokens / kv_capacity_tokens` (scheduling pressure and memory pressure), where scores within
   `locality_margin` of the lowest are a tie that goes to a decode worker co-located with the request's
   prefill worker (`co_located`).
 
 Ties go to the worker listed first, except in `deepinfer`'s picks (decode: see above); prefill: finishes within
 `FINISH_TIE_TOLERANCE` of the earliest are a tie there (the workers' online-fitted cost models differ
-by a few percent on identical workers), which goes to the worker given the least prefill work so
-far, so idle workers share the work instead of one taking all of it. Policies are pure apart from
+by a few percent on identical workers), which goes to the worker where the prompt has the most
+cached (a prefix in prefill there: the same finish for less compute), then to the worker given the
+least prefill work so far, so idle workers share the work instead of one taking all of it. Policies are pure apart from
 the round-robin cursor.
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from collections.abc import Container, Hashable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from deepinfer.engine.cost_model import CostModel
 
@@ -44,6 +46,15 @@ class WorkerView:
     cpus: tuple[int, ...] = ()  # the CPUs it may run on ((): unknown)
 
 
+def leading_run(hashes: Sequence[Hashable], blocks: Container[Hashable]) -> int:
+    """How many of `hashes`, from the first, are in `blocks` (block hashes are chained: a prefix is shared
+    exactly as far as they match)."""
+    n = 0
+    while n < len(hashes) and hashes[n] in blocks:
+        n += 1
+    return n
+
+
 def co_located(a: WorkerView, b: WorkerView) -> bool:
     """Whether two workers share hardware: the same host and, where both report CPU sets, a CPU in
     common. A request whose decode worker is co-located with its prefill worker moves its KV inside
@@ -59,6 +70,13 @@ class RouteInfo:
     num_prompt_tokens: int
     num_cached_tokens: int = 0  # found in the shared store (or 0 without a store lookup)
     max_tokens: int = 1
+    # worker url -> leading prompt tokens that a prompt in prefill there now shares with this one: they
+    # will be in that worker's cache by the time this prompt's turn comes (not yet in the store)
+    inflight_prefix_tokens: Mapping[str, int] = field(default_factory=dict)
+
+    def cached_on(self, worker: WorkerView) -> int:
+        """Prompt tokens `worker` will not have to compute."""
+        return max(self.num_cached_tokens, self.inflight_prefix_tokens.get(worker.url, 0))
 
 
 class RoutingPolicy(ABC):
@@ -118,9 +136,10 @@ STORE_LOAD_SECONDS_PER_TOKEN = 1e-5
 
 def estimated_prefill_seconds(worker: WorkerView, req: RouteInfo) -> float:
     """This request's prefill on `worker`: its uncached compute (the worker's own cost model, else the
-    default one) plus loading its store hits."""
+    default one) plus loading its store hits. A prefix that a prompt in prefill on `worker` shares with
+    it counts as cached there (the request queues behind that prompt and finds its blocks)."""
     model = worker.cost_model or CostModel()
-    return (model.prefill_seconds(req.num_prompt_tokens, req.num_cached_tokens)
+    return (model.prefill_seconds(req.num_prompt_tokens, req.cached_on(worker))
             + STORE_LOAD_SECONDS_PER_TOKEN * req.num_cached_tokens)
 
 
@@ -149,8 +168,12 @@ def queued_since(reported: float, reported_at: float, sent: dict[str, tuple[floa
                   if at >= reported_at or (acknowledged is not None and rid not in acknowledged)))
 
 
-# prefill finishes this close (relative) to the earliest are a tie: below the cost model's own error
-FINISH_TIE_TOLERANCE = 0.05
+# prefill finishes this close (relative) to the earliest are a tie: within the cost model's own error (its
+# median step-time error is 4-8% on a 2-core CPU, benchmarks/scheduling.py). At 5%, a worker a few tenths of
+# a second into a short prompt lost every huge one to an idle worker, and the idle one was the worker the
+# huge ones had gone to before (it got no short ones: they went to the worker given less): one worker took
+# 10 of 12 huge prompts (benchmarks/BENCHMARKS.md, session 7)
+FINISH_TIE_TOLERANCE = 0.10
 
 
 class DeepInferPolicy(RoutingPolicy):
@@ -176,8 +199,9 @@ class DeepInferPolicy(RoutingPolicy):
         _check(workers)
         finish = [self.prefill_finish(w, req) for w in workers]
         cutoff = min(finish) * (1.0 + FINISH_TIE_TOLERANCE)
+        # among near-ties: where the prompt costs least (its prefix is in prefill there), then the least work
         return min((w for w, f in zip(workers, finish, strict=True) if f <= cutoff),
-                   key=lambda w: w.routed_prefill_seconds)
+                   key=lambda w: (-req.cached_on(w), w.routed_prefill_seconds))
 
     def pick_decode(self, workers: Sequence[WorkerView], req: RouteInfo,
                     prefill: WorkerView | None = None) -> WorkerView:

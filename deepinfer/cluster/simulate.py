@@ -28,14 +28,14 @@ import heapq
 import itertools
 import json
 import math
-from collections import OrderedDict, deque
+from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from deepinfer.cluster.policies import RouteInfo, WorkerView, make_policy
+from deepinfer.cluster.policies import RouteInfo, WorkerView, leading_run, make_policy
 from deepinfer.config import _f
 from deepinfer.engine.cost_model import DEFAULT_COEFFICIENTS, TERMS, CostModel
 
@@ -144,13 +144,10 @@ class BlockStore:
 
     def cached_blocks(self, hash_ids: Sequence[int], touch: bool = False) -> int:
         """Length of the leading run of `hash_ids` in the store (a prefix cache matches only prefixes)."""
-        n = 0
-        for h in hash_ids:
-            if h not in self._blocks:
-                break
-            if touch:
+        n = leading_run(hash_ids, self._blocks)
+        if touch:
+            for h in hash_ids[:n]:
                 self._blocks.move_to_end(h)
-            n += 1
         return n
 
     def write(self, hash_ids: Sequence[int]) -> None:
@@ -201,6 +198,7 @@ class _Prefill:
     busy_until: float = 0.0
     busy: bool = False
     busy_seconds: float = 0.0
+    inflight_blocks: Counter = field(default_factory=Counter)  # hash ids of the prompts queued or running
 
 
 @dataclass
@@ -319,15 +317,21 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
         now, _, kind, wi, idx = heapq.heappop(events)
         if kind == _ARRIVE:
             r = requests[idx]
+            # a prefix queued or running on a worker counts as cached there (FIFO: it is written first), as
+            # the router counts the prompts it has in prefill
+            inflight = {f"prefill-{i}": cached_tokens(leading_run(r.hash_ids, w.inflight_blocks), r.input_length,
+                                                      cfg.block_tokens) for i, w in enumerate(pre)}
             route = RouteInfo(r.input_length, cached_tokens(store.cached_blocks(r.hash_ids), r.input_length,
-                                                            cfg.block_tokens), max(r.output_length, 1))
+                                                            cfg.block_tokens), max(r.output_length, 1), inflight)
             views = [prefill_view(i, now) for i in range(len(pre))]
-            p = int(policy.pick_prefill(views, route).url.rsplit("-", 1)[1])
+            chosen = policy.pick_prefill(views, route)
+            p = int(chosen.url.rsplit("-", 1)[1])
             if cfg.decode_pick == "arrival":
                 decode_of[idx] = pick_decode(route)
                 dec[decode_of[idx]].assigned += 1
                 dec[decode_of[idx]].assigned_tokens += r.input_length + 1
-            estimate = model.prefill_seconds(r.input_length, route.num_cached_tokens, cfg.max_chunk_tokens)
+            estimate = model.prefill_seconds(r.input_length, route.cached_on(chosen), cfg.max_chunk_tokens)
+            pre[p].inflight_blocks.update(r.hash_ids)
             pre[p].queue.append((idx, estimate))
             pre[p].queued_estimate += estimate
             if not pre[p].busy:
@@ -335,6 +339,8 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
         elif kind == _PREFILL_DONE:
             r = requests[idx]
             store.write(r.hash_ids)
+            pre[wi].inflight_blocks.subtract(r.hash_ids)
+            pre[wi].inflight_blocks += Counter()
             first_token[idx] = now
             pre[wi].busy = False
             if pre[wi].queue:

@@ -133,6 +133,7 @@ class Scheduler:
                 policy.add_work(1, req.num_computed_tokens)
                 budget -= 1
         admitting = not out.preempted
+        computing = self._blocks_in_prefill(prefills)
         for req in policy.prefill_order(prefills, self.waiting, self._estimated_start):
             if budget == 0:
                 break
@@ -158,6 +159,9 @@ class Scheduler:
                 hit = self.kv.lookup_prefix(req)
                 if hit.prefetching:
                     continue  # its store hits are being read off the engine thread; the others go ahead
+                if computing and hit.num_blocks < (req.num_tokens - 1) // self.kv.block_size and \
+                        req.block_hashes[hit.num_blocks] in computing:
+                    continue  # a prompt in prefill is computing its next blocks: they are cached once done
                 start = hit.num_blocks * self.kv.block_size
                 remaining = req.num_tokens - start
                 n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
@@ -167,6 +171,7 @@ class Scheduler:
                     admitting = False  # FIFO: the head waits for room rather than being overtaken
                     continue
                 self._admit(req, start, hit)
+                computing.update(req.block_hashes[hit.num_blocks:])
             prefill_chunks.append(ScheduledRequest(req, n, start))
             scheduled_ids.add(req.request_id)
             policy.add_work(n, start, prefill=True, completes=start + n == req.num_tokens)
@@ -176,6 +181,14 @@ class Scheduler:
         out.scheduled.extend(ones)
         out.scheduled.extend(s for s in prefill_chunks if s.num_new_tokens != 1)
         return out
+
+    def _blocks_in_prefill(self, prefills: list[Request]) -> set[bytes]:
+        """Hashes of the full prompt blocks that running prefills have yet to compute. A waiting prompt whose
+        next block is among them waits: admitted now it would compute the same blocks a second time."""
+        if not self.kv.enable_prefix_caching:
+            return set()
+        size = self.kv.block_size
+        return {h for r in prefills for h in r.block_hashes[r.num_computed_tokens // size:]}
 
     def _start_prefetches(self) -> None:
         """Look up every waiting request that can run, which starts the background read of its store
