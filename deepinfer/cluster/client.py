@@ -38,6 +38,7 @@ from deepinfer.cluster.policies import (
     WorkerView,
     estimated_prefill_seconds,
     leading_run,
+    prefill_finish,
 )
 from deepinfer.cluster.pool import Worker, WorkerPool
 from deepinfer.cluster.wire import logprobs_to_json, output_from_json, params_to_json
@@ -205,8 +206,8 @@ class ClusterEngineClient:
             if not prefills or not decodes:
                 break
             views = [w.view() for w in prefills]
-            pw = self._pick_prefill(prefills, views, route)
-            pview = next(v for v in views if v.url == pw.url)
+            pview = self.policy.pick_prefill(views, route)
+            pw = _by_url(prefills, pview.url)
             dw = self._pick_decode(decodes, route, pview)
             # counted against the decode worker from the pick on: requests still in prefill must not be
             # invisible to the next pick, or every arrival in that window herds onto one worker
@@ -222,8 +223,7 @@ class ClusterEngineClient:
                 "prefill": pw.url, "prefill_queued_seconds": pview.queued_prefill_seconds,
                 "prefill_estimate_seconds": estimate, "decode": dw.url,
                 # every candidate as the policy saw it: queued seconds + this prompt's estimate there
-                "prefill_finishes": {v.url: v.queued_prefill_seconds + estimated_prefill_seconds(v, route)
-                                     for v in views}})
+                "prefill_finishes": {v.url: prefill_finish(v, route) for v in views}})
             pw.inflight_prefill[base["request_id"]] = (time.monotonic(), estimate)
             self._prefilling[pw.url].update(hashes)
             pw.requests_routed += 1
@@ -261,19 +261,13 @@ class ClusterEngineClient:
                     self.num_prefill_retries += 1
             finally:
                 pw.inflight_prefill.pop(base["request_id"], None)
-                self._prefilling[pw.url].subtract(hashes)
-                self._prefilling[pw.url] += Counter()  # drops the zero counts
+                self._prefilling[pw.url] -= Counter(hashes)  # (drops the counts that reach zero)
                 if not picked:
                     dw.inflight_decode_tokens.pop(base["request_id"], None)
         raise WorkerError(last_error)
 
-    def _pick_prefill(self, workers: list[Worker], views: list[WorkerView], route: RouteInfo) -> Worker:
-        chosen = self.policy.pick_prefill(views, route)
-        return next(w for w in workers if w.url == chosen.url)
-
     def _pick_decode(self, workers: list[Worker], route: RouteInfo, prefill: WorkerView | None) -> Worker:
-        chosen = self.policy.pick_decode([w.view() for w in workers], route, prefill)
-        return next(w for w in workers if w.url == chosen.url)
+        return _by_url(workers, self.policy.pick_decode([w.view() for w in workers], route, prefill).url)
 
     # ------------------------------------------------------------------ decode
 
@@ -382,6 +376,10 @@ class ClusterEngineClient:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _by_url(workers: list[Worker], url: str) -> Worker:
+    return next(w for w in workers if w.url == url)
 
 
 async def _next_line(lines: AsyncIterator[str]) -> dict | None:

@@ -143,6 +143,11 @@ def estimated_prefill_seconds(worker: WorkerView, req: RouteInfo) -> float:
             + STORE_LOAD_SECONDS_PER_TOKEN * req.num_cached_tokens)
 
 
+def prefill_finish(worker: WorkerView, req: RouteInfo) -> float:
+    """When `worker` would finish this prefill: its queued seconds plus this request's estimate there."""
+    return worker.queued_prefill_seconds + estimated_prefill_seconds(worker, req)
+
+
 # what is left of a report once the clock has run past it, as a fraction of the report
 LATE_WORK_FRACTION = 0.1
 
@@ -189,7 +194,7 @@ class DeepInferPolicy(RoutingPolicy):
         self.locality_margin = locality_margin
 
     def prefill_finish(self, worker: WorkerView, req: RouteInfo) -> float:
-        return worker.queued_prefill_seconds + estimated_prefill_seconds(worker, req)
+        return prefill_finish(worker, req)
 
     def decode_score(self, worker: WorkerView) -> float:
         return (self.running_weight * worker.num_running / max(worker.max_num_seqs, 1)

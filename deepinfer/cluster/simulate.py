@@ -339,8 +339,7 @@ def simulate(requests: Sequence[TraceRequest], policy_name: str, cfg: SimConfig,
         elif kind == _PREFILL_DONE:
             r = requests[idx]
             store.write(r.hash_ids)
-            pre[wi].inflight_blocks.subtract(r.hash_ids)
-            pre[wi].inflight_blocks += Counter()
+            pre[wi].inflight_blocks -= Counter(r.hash_ids)
             first_token[idx] = now
             pre[wi].busy = False
             if pre[wi].queue:

@@ -133,7 +133,7 @@ class Scheduler:
                 policy.add_work(1, req.num_computed_tokens)
                 budget -= 1
         admitting = not out.preempted
-        computing = self._blocks_in_prefill(prefills)
+        computing = self._blocks_in_prefill(prefills) if self.waiting else set()  # only waiting prompts ask
         for req in policy.prefill_order(prefills, self.waiting, self._estimated_start):
             if budget == 0:
                 break
