@@ -250,11 +250,16 @@ def _stream_outcome(c: openai.OpenAI, prompt: str, max_tokens: int, progress: li
 def _next_prefill_pick(cluster: str, route: dict) -> dict:
     """The prefill worker the router's policy picks next for a prompt routed like `route` (an earlier
     routing decision for the same prompt), from the views the router reports, once no prefill worker
-    has work queued (a stale report of queued work would count)."""
-    deadline = time.monotonic() + 15
+    has work queued (a stale report of queued work would count) and each has been polled since this call
+    began (a poll landing between this prediction and the request would bring the cost models the
+    earlier request refitted)."""
+    start = time.monotonic()
+    deadline = start + 15
     while True:
         workers = [w for w in _workers(cluster) if w["role"] == "prefill"]
-        if all(w["view"]["queued_prefill_seconds"] == 0 for w in workers) or time.monotonic() > deadline:
+        fresh = all(w["seen_seconds_ago"] is not None and w["seen_seconds_ago"] < time.monotonic() - start
+                    for w in workers)
+        if fresh and all(w["view"]["queued_prefill_seconds"] == 0 for w in workers) or time.monotonic() > deadline:
             break
         time.sleep(0.2)
     fields = {f.name for f in dataclasses.fields(WorkerView)} - {"cost_model"}
