@@ -316,7 +316,7 @@ class RouterConfig:
     decode_running_weight: float = _f(1.0, "deepinfer policy: weight of running requests / max_num_seqs.")
     decode_kv_weight: float = _f(1.0, "deepinfer policy: weight of KV tokens / KV capacity.")
     decode_locality_margin: float = _f(
-        0.05, "deepinfer policy: decode scores within this of the lowest are a tie, which goes to a decode worker "
+        0.2, "deepinfer policy: decode scores within this of the lowest are a tie, which goes to a decode worker "
         "co-located with the request's prefill worker (same host and, where pinned, shared CPUs); 0: exact ties only.")
     health_interval: float = _f(0.5, "Seconds between load/health polls of each worker.")
     worker_timeout: float = _f(

@@ -330,6 +330,11 @@ def test_pinned_workers_decode_next_to_their_prefill_worker(tiny_models, tmp_pat
     assert len(routes) == 2 * len(PROMPTS)
     assert len({r["prefill"] for r in routes}) == 2  # the idle prefill workers share the work
     assert all(cpus[r["prefill"]] & cpus[r["decode"]] for r in routes), routes
+    # every decode candidate is logged as the pick saw it, and the pick was within the margin of the best
+    for r in routes:
+        assert set(r["decode_loads"]) == set(cpus) - {r["prefill"] for r in routes}
+        scores = {url: d["score"] for url, d in r["decode_loads"].items()}
+        assert scores[r["decode"]] <= min(scores.values()) + 0.2
 
 
 @pytest.mark.slow

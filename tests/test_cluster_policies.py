@@ -146,9 +146,21 @@ def test_deepinfer_decode_near_ties_go_to_the_prefill_workers_neighbour():
     assert policy.pick_decode(ws, RouteInfo(1500), prefill).url == "w1"
     assert policy.pick_decode(ws, RouteInfo(1500)).url == "w0"  # no prefill worker (a retry): the score
     assert DeepInferPolicy(locality_margin=0.0).pick_decode(ws, RouteInfo(1500), prefill).url == "w0"
-    # beyond the margin the score wins: d1 holds another huge prompt's KV
-    ws[1].kv_tokens = 1620
+    # beyond the margin the score wins: d1 holds two other huge prompts' KV
+    ws[1].kv_tokens = 3100
     assert policy.pick_decode(ws, RouteInfo(1500), prefill).url == "w0"
+
+
+def test_one_huge_prompt_still_decoding_next_to_the_prefill_worker_does_not_break_locality():
+    """The previous huge prompt (prefilled on core 0, decoding on core 0) is finishing its last tokens when
+    the next huge one is prefilled on core 0: the next one's decode must still go to core 0. Sent to core 1
+    instead, its KV there sends the short prompts' decode to core 0, next to every later huge prefill
+    (session 7's s7c round 0, with a 0.05 margin)."""
+    prefill = WorkerView("p0", host="h", cpus=(0,))
+    ws = _views(host=["h", "h"], cpus=[(1,), (0,)], num_running=[0, 1], max_num_seqs=[128, 128],
+                kv_tokens=[0, 1510], kv_capacity_tokens=[11_648, 11_648])
+    assert DeepInferPolicy().pick_decode(ws, RouteInfo(1500), prefill).url == "w1"
+    assert DeepInferPolicy(locality_margin=0.05).pick_decode(ws, RouteInfo(1500), prefill).url == "w0"
 
 
 def test_policies_refuse_an_empty_pool_and_unknown_names():

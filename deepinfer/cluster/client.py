@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 
 from deepinfer.cluster.policies import (
+    DeepInferPolicy,
     RouteInfo,
     RoutingPolicy,
     WorkerView,
@@ -208,7 +209,8 @@ class ClusterEngineClient:
             views = [w.view() for w in prefills]
             pview = self.policy.pick_prefill(views, route)
             pw = _by_url(prefills, pview.url)
-            dw = self._pick_decode(decodes, route, pview)
+            dviews = [w.view() for w in decodes]
+            dw = _by_url(decodes, self.policy.pick_decode(dviews, route, pview).url)
             # counted against the decode worker from the pick on: requests still in prefill must not be
             # invisible to the next pick, or every arrival in that window herds onto one worker
             dw.inflight_decode_tokens[base["request_id"]] = route.num_prompt_tokens + 1
@@ -223,7 +225,8 @@ class ClusterEngineClient:
                 "prefill": pw.url, "prefill_queued_seconds": pview.queued_prefill_seconds,
                 "prefill_estimate_seconds": estimate, "decode": dw.url,
                 # every candidate as the policy saw it: queued seconds + this prompt's estimate there
-                "prefill_finishes": {v.url: prefill_finish(v, route) for v in views}})
+                "prefill_finishes": {v.url: prefill_finish(v, route) for v in views},
+                "decode_loads": {v.url: _decode_load(v, self.policy) for v in dviews}})
             pw.inflight_prefill[base["request_id"]] = (time.monotonic(), estimate)
             self._prefilling[pw.url].update(hashes)
             pw.requests_routed += 1
@@ -376,6 +379,14 @@ class ClusterEngineClient:
 
     async def close(self) -> None:
         await self._client.aclose()
+
+
+def _decode_load(view: WorkerView, policy: RoutingPolicy) -> dict[str, float]:
+    """A decode candidate as the pick saw it, for /internal/routes (its score where the policy has one)."""
+    load: dict[str, float] = {"running": view.num_running, "kv_tokens": view.kv_tokens}
+    if isinstance(policy, DeepInferPolicy):
+        load["score"] = policy.decode_score(view)
+    return load
 
 
 def _by_url(workers: list[Worker], url: str) -> Worker:

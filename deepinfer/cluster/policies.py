@@ -180,11 +180,19 @@ def queued_since(reported: float, reported_at: float, sent: dict[str, tuple[floa
 # 10 of 12 huge prompts (benchmarks/BENCHMARKS.md, session 7)
 FINISH_TIE_TOLERANCE = 0.10
 
+# decode scores this close (absolute) to the lowest are a tie that locality decides. It must exceed one long
+# request's share of a worker's KV: at 0.05, a 1500-token prompt (0.13 of a 512 MiB cache) still decoding on
+# the worker next to the prefill worker sent the next huge prompt's decode to the other core, and from then
+# on every huge prompt's decode ran off its core and the short prompts' decode ran on it (benchmarks/
+# BENCHMARKS.md, session 8)
+DECODE_LOCALITY_MARGIN = 0.2
+
 
 class DeepInferPolicy(RoutingPolicy):
     name = "deepinfer"
 
-    def __init__(self, running_weight: float = 1.0, kv_weight: float = 1.0, locality_margin: float = 0.05) -> None:
+    def __init__(self, running_weight: float = 1.0, kv_weight: float = 1.0,
+                 locality_margin: float = DECODE_LOCALITY_MARGIN) -> None:
         if running_weight < 0 or kv_weight < 0:
             raise ValueError("decode weights must be >= 0")
         if locality_margin < 0:
@@ -219,7 +227,7 @@ class DeepInferPolicy(RoutingPolicy):
 
 
 def make_policy(name: str, running_weight: float = 1.0, kv_weight: float = 1.0,
-                locality_margin: float = 0.05) -> RoutingPolicy:
+                locality_margin: float = DECODE_LOCALITY_MARGIN) -> RoutingPolicy:
     if name == "round_robin":
         return RoundRobin()
     if name == "least_requests":
