@@ -102,9 +102,14 @@ def _match_routes(reqs: list[Req], routes: list[dict]) -> list[dict | None]:
 
 def _placement(route: dict | None) -> tuple:
     if route is None:
-        return (None, None, None)
-    return (route["prefill"].rsplit(":", 1)[1], round(route["prefill_queued_seconds"], 3),
-            route["decode"].rsplit(":", 1)[1])
+        return (None, None, None, None, None)
+    return (_port(route["prefill"]), round(route["prefill_queued_seconds"], 3), _port(route["decode"]),
+            {_port(u): round(f, 3) for u, f in route.get("prefill_finishes", {}).items()},
+            {_port(u): round(d.get("score", 0.0), 4) for u, d in route.get("decode_loads", {}).items()})
+
+
+def _port(url: str) -> str:
+    return url.rsplit(":", 1)[1]
 
 
 async def one(client: httpx.AsyncClient, base: str, req: Req, salt: str, t0: float) -> Result:
@@ -197,7 +202,8 @@ def run_policy(policy: str, args, prefill: list[str], decode: list[str], store: 
         "prefill_imbalance": imbalance([w["prefill_seconds_routed"] for w in ws if w["role"] == "prefill"]),
         "decode_imbalance": imbalance([float(w["decode_tokens_routed"]) for w in ws if w["role"] == "decode"]),
         # every request: (arrival s, prompt tokens, TTFT s or None, prefill worker, its queued seconds as the
-        # router saw them, decode worker), for reading what the tail is made of
+        # router saw them, decode worker, every prefill candidate's estimated finish, every decode candidate's
+        # score (deepinfer)), for reading what the tail is made of
         "requests": [(round(q.at, 3), len(q.prompt), None if r.ttft is None else round(r.ttft, 3),
                       *_placement(route)) for q, r, route in zip(reqs, results, routes, strict=True)],
     }

@@ -18,7 +18,7 @@ import openai
 import pytest
 
 from deepinfer.cluster.policies import DeepInferPolicy, RouteInfo, WorkerView
-from deepinfer.engine.cost_model import CostModel
+from deepinfer.cluster.pool import Worker, peer_cost_models
 from tests.server_utils import cluster_workers as _workers
 from tests.server_utils import metric, running_cluster, running_server
 
@@ -263,9 +263,9 @@ def _next_prefill_pick(cluster: str, route: dict) -> dict:
             break
         time.sleep(0.2)
     fields = {f.name for f in dataclasses.fields(WorkerView)} - {"cost_model"}
-    views = [WorkerView(**{k: v for k, v in w["view"].items() if k in fields},
-                        cost_model=CostModel(w["load"]["cost_coefficients"]) if w["load"].get("cost_coefficients")
-                        else None) for w in workers]
+    models = peer_cost_models([Worker(w["url"], "prefill", load=w["load"]) for w in workers])  # as the router
+    views = [WorkerView(**{k: v for k, v in w["view"].items() if k in fields}, cost_model=models[w["url"]])
+             for w in workers]
     # the store may have the prompt's blocks by now: a pick that depends on it cannot be predicted
     picks = {DeepInferPolicy().pick_prefill(views, RouteInfo(route["prompt_tokens"], cached)).url
              for cached in (route["cached_tokens"], (route["prompt_tokens"] - 1) // 16 * 16)}

@@ -17,7 +17,7 @@ from deepinfer.cluster.policies import (
     leading_run,
     make_policy,
 )
-from deepinfer.cluster.pool import Worker, WorkerPool
+from deepinfer.cluster.pool import Worker, WorkerPool, peer_cost_models
 from deepinfer.cluster.worker import queued_prefill_seconds
 from deepinfer.config import RouterConfig
 from deepinfer.engine.cost_model import CostModel
@@ -286,3 +286,41 @@ def test_sampling_params_survive_the_wire():
     p = SamplingParams(temperature=0, max_tokens=7, stop=["x"], logit_bias={5: 2.5, 17: -100.0},
                        structured_output=StructuredOutputParams(json_schema={"type": "object"}))
     assert params_from_json(json.loads(json.dumps(params_to_json(p)))) == p
+
+
+def _reporting(url: str, coef, hardware: str | None, queued: float = 0.0, routed: float = 0.0) -> Worker:
+    load = {"queued_prefill_seconds": queued, "cost_coefficients": list(coef)}
+    if hardware is not None:
+        load["hardware"] = hardware
+    w = Worker(url, "prefill", load=load, report_at=time.monotonic())
+    w.prefill_seconds_routed = routed
+    return w
+
+
+def test_peers_on_the_same_hardware_share_one_cost_model():
+    base = CostModel().coef
+    slow = [2 * c for c in base]
+    a, b = _reporting("http://a", base, "cpu x1"), _reporting("http://b", slow, "cpu x1")
+    c, d = _reporting("http://c", slow, "gpu"), _reporting("http://d", base, None)
+    models = peer_cost_models([a, b, c, d])
+    assert models["http://a"] is models["http://b"]
+    assert list(models["http://a"].coef) == pytest.approx([1.5 * x for x in base])
+    assert list(models["http://c"].coef) == pytest.approx(slow)  # other hardware: its own
+    assert list(models["http://d"].coef) == pytest.approx(list(base))  # names none: its own
+    assert peer_cost_models([Worker("http://e", "prefill")]) == {"http://e": None}  # no report yet
+    views = WorkerPool.views([a, b])
+    assert views[0].cost_model.prefill_seconds(1500) == views[1].cost_model.prefill_seconds(1500)
+
+
+def test_a_huge_prompt_is_shared_by_peers_whose_own_fits_differ():
+    """A took the earlier huge prompts, so its own fit knows them and predicts them 15% faster than B's
+    start-up guess; B is a short prompt into its queue. By their own fits A always finishes first and takes
+    every huge prompt; as peers they tie, and B, sent less so far, takes this one."""
+    base = CostModel().coef
+    a = _reporting("http://a", base, "cpu x1", routed=30.0)
+    b = _reporting("http://b", [1.15 * x for x in base], "cpu x1", queued=0.1, routed=5.0)
+    huge = RouteInfo(1500)
+    assert DeepInferPolicy().pick_prefill([a.view(), b.view()], huge).url == "http://a"
+    assert DeepInferPolicy().pick_prefill(WorkerPool.views([a, b]), huge).url == "http://b"
+    b.load["queued_prefill_seconds"] = 3.0  # really busy: the earliest finish still wins
+    assert DeepInferPolicy().pick_prefill(WorkerPool.views([a, b]), huge).url == "http://a"

@@ -206,7 +206,7 @@ class ClusterEngineClient:
             decodes = self.pool.rotation("decode")
             if not prefills or not decodes:
                 break
-            views = [w.view() for w in prefills]
+            views = self.pool.views(prefills)
             pview = self.policy.pick_prefill(views, route)
             pw = _by_url(prefills, pview.url)
             dviews = [w.view() for w in decodes]

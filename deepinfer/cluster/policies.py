@@ -6,17 +6,17 @@ has sent it since) and the request's `RouteInfo`, and picks one worker per pool:
 - `round_robin`: in turn, ignoring load.
 - `least_requests`: fewest requests in flight (prefill: queued + running; decode: running).
 - `deepinfer`: prefill = earliest estimated finish, i.e. the worker's queued prefill seconds plus
-  this prompt's uncached compute under that worker's cost model (fitted online to the worker's
-  observed step times) plus the time to load its cached part from the shared store (prefixes live
-  there, so no cache affinity; a store hit is cheaper than compute, not free), where a prefix still
-  being prefilled on a worker (not in the store yet) counts as cached on that worker; decode = lowest `w_run * running / max_num_seqs +
-  w_kv * kv_tokens / kv_capacity_tokens` (scheduling pressure and memory pressure), where scores within
-  `locality_margin` of the lowest are a tie that goes to a decode worker co-located with the request's
-  prefill worker (`co_located`).
+  this prompt's uncached compute under that worker's cost model (fitted online to observed step
+  times; the router gives peers on the same hardware one model, `pool.peer_cost_models`) plus the
+  time to load its cached part from the shared store (prefixes live there, so no cache affinity; a
+  store hit is cheaper than compute, not free), where a prefix still being prefilled on a worker
+  (not in the store yet) counts as cached on that worker; decode = lowest
+  `w_run * running / max_num_seqs + w_kv * kv_tokens / kv_capacity_tokens` (scheduling pressure and
+  memory pressure), where scores within `locality_margin` of the lowest are a tie that goes to a
+  decode worker co-located with the request's prefill worker (`co_located`).
 
 Ties go to the worker listed first, except in `deepinfer`'s picks (decode: see above); prefill: finishes within
-`FINISH_TIE_TOLERANCE` of the earliest are a tie there (the workers' online-fitted cost models differ
-by a few percent on identical workers), which goes to the worker where the prompt has the most
+`FINISH_TIE_TOLERANCE` of the earliest are a tie there (within the cost model's own error), which goes to the worker where the prompt has the most
 cached (a prefix in prefill there: the same finish for less compute), then to the worker given the
 least prefill work so far, so idle workers share the work instead of one taking all of it. Policies are pure apart from
 the round-robin cursor.

@@ -5,7 +5,8 @@
                                                          err ─▶ failures; out of rotation (dead) at once
     rotation(role): live workers, each as a `WorkerView` = its last report merged with the requests this
     router sent it since (a report lags; without the merge a burst would all go to one worker); queued
-    prefill seconds also count down from the report at one second per second
+    prefill seconds also count down from the report at one second per second; `views` gives workers on the
+    same hardware one cost model (`peer_cost_models`)
 
 A worker leaves rotation when a poll fails, when a request to it fails at the connection
 level (`mark_failed`), or when it has not been heard from for `worker_timeout` seconds;
@@ -18,10 +19,13 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections import defaultdict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import numpy as np
 
 from deepinfer.cluster.policies import WorkerView, queued_since
 from deepinfer.engine.cost_model import CostModel
@@ -71,15 +75,42 @@ class Worker:
         return queued_since(float(self.load.get("queued_prefill_seconds", 0.0)), self.report_at, self.inflight_prefill,
                             now, acknowledged)
 
-    def view(self) -> WorkerView:
+    def view(self, cost_model: CostModel | None = None) -> WorkerView:
+        """What a policy sees of this worker; `cost_model`: the one to estimate its prefills with (default:
+        the worker's own, from its last report)."""
         load = self.load
         queued = self.queued_prefill_seconds()
         running = max(int(load.get("num_running", 0)), len(self.inflight_decode_tokens))
         kv_tokens = max(int(load.get("kv_tokens", 0)), sum(self.inflight_decode_tokens.values()))
         waiting = max(int(load.get("num_waiting", 0)), len(self.inflight_prefill))
         return WorkerView(self.url, queued, waiting, running, kv_tokens, int(load.get("max_num_seqs", 1)),
-                          int(load.get("kv_capacity_tokens", 1)), self.cost_model(), self.prefill_seconds_routed,
+                          int(load.get("kv_capacity_tokens", 1)), cost_model or self.cost_model(),
+                          self.prefill_seconds_routed,
                           str(load.get("host", "")), tuple(load.get("cpus", ())))
+
+
+def peer_cost_models(workers: Sequence[Worker]) -> dict[str, CostModel | None]:
+    """The cost model to estimate each worker's prefills with: the mean of the fitted coefficients of its
+    peers among `workers` (those reporting the same `hardware`; a worker that reports none is its own
+    only peer).
+
+    Why not each worker's own fit: a worker's model is fitted only to the steps it ran, so it knows the
+    prompt sizes it was sent. On identical workers, the one that took the first huge prompts learned them
+    well and the other kept its start-up guess, ~10% higher; the router then saw the first as faster for
+    every huge prompt, never a tie, and it took 11 of 12 (prefill imbalance 1.39, benchmarks/BENCHMARKS.md,
+    session 8). Peers get one estimate, so their queues decide; different hardware keeps its own."""
+    groups: dict[str, list[Worker]] = defaultdict(list)
+    for w in workers:
+        if w.cost_model() is not None:
+            groups[str(w.load.get("hardware") or w.url)].append(w)
+    out: dict[str, CostModel | None] = {w.url: None for w in workers}
+    for peers in groups.values():
+        if len(peers) == 1:
+            out[peers[0].url] = peers[0].cost_model()
+            continue
+        mean = CostModel(tuple(float(c) for c in np.mean([p.cost_model().coef for p in peers], axis=0)))
+        out.update({p.url: mean for p in peers})
+    return out
 
 
 class WorkerPool:
@@ -106,6 +137,12 @@ class WorkerPool:
         w = self.add(url, role)
         if not w.alive:
             self._changed.set()
+
+    @staticmethod
+    def views(workers: Sequence[Worker]) -> list[WorkerView]:
+        """The policy's views of `workers` (one pool), each with its peers' pooled cost model."""
+        models = peer_cost_models(workers)
+        return [w.view(models[w.url]) for w in workers]
 
     def rotation(self, role: str) -> list[Worker]:
         now = time.monotonic()

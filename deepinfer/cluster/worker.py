@@ -122,8 +122,12 @@ class WorkerState:
         s = eng.stats()
         block_size = facts["block_size"]
         queued = queued_prefill_seconds(s, self.pending_prefill, time.monotonic())
+        cpus = _cpus()
         return {
-            "role": self.role, "pid": os.getpid(), "host": socket.gethostname(), "cpus": _cpus(), "healthy": eng.healthy, "queued_prefill_seconds": queued,
+            "role": self.role, "pid": os.getpid(), "host": socket.gethostname(), "cpus": cpus,
+            # peers: the same hardware, dtype and CPU count (the router pools their cost models)
+            "hardware": f"{facts.get('hardware', '')} / {facts.get('dtype', '')} / {len(cpus)} cpus",
+            "healthy": eng.healthy, "queued_prefill_seconds": queued,
             "prefill_request_ids": list(self.pending_prefill),  # what `queued_prefill_seconds` covers
             "num_running": int(s["num_running"]), "num_waiting": eng.num_waiting(),
             "kv_tokens": int(s.get("kv_tokens", 0)), "kv_usage": float(s["kv_usage"]),

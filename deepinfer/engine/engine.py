@@ -15,10 +15,13 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import platform
 import time
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any
+
+import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import CoreOutput, EngineCore, InFlightStep
@@ -37,6 +40,19 @@ from deepinfer.recipe.detokenizer import IncrementalDetokenizer
 from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+
+def hardware_name(device: torch.device) -> str:
+    """What the engine computes on, by name (a GPU's model, else the CPU's): workers that report the same
+    name, dtype and CPU count are peers whose cost models a router may pool."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [line.split(":", 1)[1].strip() for line in f if line.startswith("model name")]
+    except OSError:
+        names = []
+    return names[0] if names else platform.processor() or platform.machine()
 
 
 class _Child:
@@ -115,6 +131,7 @@ class LLMEngine:
         tiers = core.tiers
         return {"model_name": core.config.model.served_model_name or core.files.name,
                 "dtype": str(core.runner.dtype), "device": str(core.runner.device),
+                "hardware": hardware_name(core.runner.device),
                 "num_blocks": core.runner.num_blocks, "block_size": core.config.cache.block_size,
                 "host_tier_bytes": tiers.host.max_bytes if tiers is not None and tiers.host is not None else None,
                 "store_root": str(tiers.store.root) if tiers is not None and tiers.store is not None else None,
