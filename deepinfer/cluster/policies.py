@@ -15,11 +15,11 @@ has sent it since) and the request's `RouteInfo`, and picks one worker per pool:
   memory pressure), where scores within `locality_margin` of the lowest are a tie that goes to a
   decode worker co-located with the request's prefill worker (`co_located`).
 
-Ties go to the worker listed first, except in `deepinfer`'s picks (decode: see above); prefill: finishes within
-`FINISH_TIE_TOLERANCE` of the earliest are a tie there (within the cost model's own error), which goes to the worker where the prompt has the most
-cached (a prefix in prefill there: the same finish for less compute), then to the worker given the
-least prefill work so far, so idle workers share the work instead of one taking all of it. Policies are pure apart from
-the round-robin cursor.
+Ties go to the worker listed first, except in `deepinfer`'s picks (decode: see above); prefill:
+finishes within `FINISH_TIE_TOLERANCE` of the earliest are a tie there (within the cost model's own
+error), which goes to the worker where the prompt has the most cached (a prefix in prefill there: the
+same finish for less compute), then to the worker given the least prefill work so far, so idle workers
+share the work instead of one taking all of it. Policies are pure apart from the round-robin cursor.
 """
 
 from __future__ import annotations

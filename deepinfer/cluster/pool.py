@@ -96,8 +96,8 @@ def peer_cost_models(workers: Sequence[Worker]) -> dict[str, CostModel | None]:
 
     Why not each worker's own fit: a worker's model is fitted only to the steps it ran, so it knows the
     prompt sizes it was sent. On identical workers, the one that took the first huge prompts learned them
-    well and the other kept its start-up guess, ~10% higher; the router then saw the first as faster for
-    every huge prompt, never a tie, and it took 11 of 12 (prefill imbalance 1.39, benchmarks/BENCHMARKS.md,
+    well and the other kept a higher start-up guess; the router then saw the first as faster for every
+    huge prompt by more than the finish tie, and it took 11 of 12 (prefill imbalance 1.39, benchmarks/BENCHMARKS.md,
     session 8). Peers get one estimate, so their queues decide; different hardware keeps its own."""
     groups: dict[str, list[Worker]] = defaultdict(list)
     for w in workers:
