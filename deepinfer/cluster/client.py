@@ -209,8 +209,7 @@ class ClusterEngineClient:
             views = self.pool.views(prefills)
             pview = self.policy.pick_prefill(views, route)
             pw = _by_url(prefills, pview.url)
-            dviews = [w.view() for w in decodes]
-            dw = _by_url(decodes, self.policy.pick_decode(dviews, route, pview).url)
+            dw, dviews = self._pick_decode(decodes, route, pview)
             # counted against the decode worker from the pick on: requests still in prefill must not be
             # invisible to the next pick, or every arrival in that window herds onto one worker
             dw.inflight_decode_tokens[base["request_id"]] = route.num_prompt_tokens + 1
@@ -269,8 +268,11 @@ class ClusterEngineClient:
                     dw.inflight_decode_tokens.pop(base["request_id"], None)
         raise WorkerError(last_error)
 
-    def _pick_decode(self, workers: list[Worker], route: RouteInfo, prefill: WorkerView | None) -> Worker:
-        return _by_url(workers, self.policy.pick_decode([w.view() for w in workers], route, prefill).url)
+    def _pick_decode(self, workers: list[Worker], route: RouteInfo,
+                     prefill: WorkerView | None) -> tuple[Worker, list[WorkerView]]:
+        """The decode worker for `route`, and the views of `workers` the policy chose from."""
+        views = [w.view() for w in workers]
+        return _by_url(workers, self.policy.pick_decode(views, route, prefill).url), views
 
     # ------------------------------------------------------------------ decode
 
@@ -295,7 +297,7 @@ class ClusterEngineClient:
                 if not others:
                     raise WorkerError(f"decode worker {dw.url} failed and no other is available: {e!r}") from e
                 self.num_decode_retries += 1
-                dw = self._pick_decode(others, route, None)
+                dw, _ = self._pick_decode(others, route, None)
                 tried.add(dw.url)
                 body = {**body, "transfer_id": ""}  # the KV went to the dead worker: recompute the prompt
 
