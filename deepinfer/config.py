@@ -42,9 +42,18 @@ class ModelConfig:
     gguf_kernels: str = _f(
         "auto",
         "For GGUF models on x86 CPUs: decode steps of up to 8 sequences multiply straight from the file's Q4_1 / "
-        "Q8_0 blocks (~5x fewer weight bytes than float32; same weight values). auto = on for GGUF files with "
-        "float32 on CPU; off = always the float32 weights.",
+        "Q8_0 blocks (~5x fewer weight bytes than float32), with the weight values the dense path uses (float32: "
+        "the file's; bfloat16: those rounded to bf16). auto = on for GGUF files with float32 or bfloat16 on CPU; "
+        "off = always the dense weights.",
         choices=["auto", "on", "off"],
+    )
+    deterministic: bool = _f(
+        False,
+        "Batch-invariant numerics: a request's greedy output does not depend on what else is batched with it, how "
+        "its prompt is chunked, or which tier its prefix came from. Every token runs through the row-invariant C "
+        "kernels (projections from GGUF blocks or dense weights, attention per token over the paged KV), so "
+        "prefill is slower (see benchmarks/BENCHMARKS.md). CPU only (x86-64 with AVX2 and gcc); projections need "
+        "an input width that is a multiple of 32.",
     )
     seed: int = _f(0, "Seed for requests that do not set their own.")
     num_threads: int | None = _f(None, "CPU threads for torch (default: torch's choice).")

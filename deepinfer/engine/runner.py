@@ -98,12 +98,17 @@ class ModelRunner:
         if model_config.num_threads:
             torch.set_num_threads(model_config.num_threads)
         self.block_size = cache_config.block_size
-        self.backend = TorchAttentionBackend(self.device)
+        self.deterministic = model_config.deterministic
+        if self.deterministic and (self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16)):
+            raise ValueError("deterministic mode runs on CPU in float32 or bfloat16")
+        self.backend = TorchAttentionBackend(self.device, row_invariant=self.deterministic)
         started = time.perf_counter()
         self.model = build_model(hf_config, self.backend, max_model_len, self.dtype, self.device)
         self.model.load_weights(files.iter_weights(self.dtype))
         self.model.eval()
         self.gguf_kernels = self._attach_gguf(model_config.gguf_kernels, files)
+        if self.deterministic:
+            self._make_row_invariant()
         packed = sum(m.pack() for m in self.model.modules() if isinstance(m, Linear))
         if packed:
             logger.info("packed %d projections for oneDNN", packed)
@@ -134,6 +139,19 @@ class ModelRunner:
         if attached and hasattr(self.model, "enable_fused_decode") and self.model.enable_fused_decode():
             logger.info("small decode steps run each decoder layer as one C call")
         return attached > 0
+
+    def _make_row_invariant(self) -> None:
+        """Deterministic mode: every projection through the row-invariant kernel, and (Llama layout)
+        every step through the whole-layer C path, which then takes any number of rows."""
+        for name, module in self.model.named_modules():
+            if isinstance(module, Linear):
+                try:
+                    module.make_row_invariant()
+                except ValueError as e:
+                    raise ValueError(f"deterministic mode cannot serve {name}: {e}") from None
+        if hasattr(self.model, "enable_fused_decode") and self.model.enable_fused_decode():
+            self.model.fused.row_invariant = True
+        logger.info("deterministic mode: row-invariant kernels for every step")
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -84,6 +84,7 @@ def load_library() -> ctypes.CDLL | None:
     vp, i = ctypes.c_void_p, ctypes.c_int
     lib.q4_1_gemm.argtypes = [vp, i, i, vp, vp, vp, vp, i, vp, i]
     lib.q8_0_gemm.argtypes = [vp, i, i, vp, vp, vp, i, vp, i]
+    lib.dense_gemm.argtypes = [vp, i, i, vp, vp, i, vp, i]
     lib.max_rows.restype = i
     lib.paged_decode_attention.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, ctypes.c_float, i,
                                            ctypes.c_int64, vp]

@@ -18,11 +18,14 @@
 #include <string.h>
 
 typedef struct {
-    int kind; /* 0 = Q4_1, 1 = Q8_0 */
+    int kind; /* 0 = Q4_1, 1 = Q8_0, 2 = dense (qs: [n, k] in the activations' dtype) */
     const void *qs;
     const float *d;
     const float *mn;
     int n, k;
+    /* NULL, or the same values dense (bf16 [n, k]): one pass per MAX_ROWS rows then skips the
+     * dequantizing, with bit-identical results (gguf_gemm.c sums both kinds in the same order) */
+    const void *dense;
 } qweight;
 
 typedef struct {
@@ -37,6 +40,8 @@ void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d
                void *y, int N, float *scratch, int dtype);
 void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d, void *y, int N, float *scratch,
                int dtype);
+void dense_gemm(const void *x_in, int M, int K, const void *w, void *y, int N, float *scratch, int dtype);
+int max_rows(void);
 void rms_norm(const void *x, void *residual, const void *w, void *out, int M, int N, float eps, int dtype);
 void rotary_qk(void *q, int64_t q_stride, int q_heads, void *k, int64_t k_stride, int k_heads, int T, int D,
                const void *cos, const void *sin, int dtype);
@@ -47,10 +52,14 @@ int paged_decode_attention(const void *q, void *out, const void *k_cache, const 
                            int64_t skip, float *lse);
 
 static void qgemm(const qweight *w, const void *x, int M, void *y, float *scratch, int dtype) {
-    if (w->kind == 0)
+    if (w->dense && M > max_rows())
+        dense_gemm(x, M, w->k, w->dense, y, w->n, scratch, dtype);
+    else if (w->kind == 0)
         q4_1_gemm(x, M, w->k, (const uint8_t *)w->qs, w->d, w->mn, y, w->n, scratch, dtype);
-    else
+    else if (w->kind == 1)
         q8_0_gemm(x, M, w->k, (const int8_t *)w->qs, w->d, y, w->n, scratch, dtype);
+    else
+        dense_gemm(x, M, w->k, w->qs, y, w->n, scratch, dtype);
 }
 
 /* work: M * (2 * hidden + qkv + 2 * q_size + 3 * inter) elements of the model dtype;

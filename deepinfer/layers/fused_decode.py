@@ -1,8 +1,9 @@
 """Whole decoder layers in one C call (`decode_layer.c`) for steps that only decode a few sequences.
 
-Used by Llama-layout models whose projections all multiply from GGUF blocks (no biases, no q/k
-norm): for such a step the torch path dispatches ~15 small ops per layer from Python, which costs
-more than the arithmetic. `FusedDecoder.run` replaces the layer loop; everything else (embedding,
+Used by Llama-layout models whose projections all multiply from GGUF blocks, or from their
+dense weights in deterministic mode (no biases, no q/k norm): for such a step the torch path
+dispatches ~15 small ops per layer from Python, which costs more than the arithmetic. In
+deterministic mode every step comes here, prefill tokens as decode rows. `FusedDecoder.run` replaces the layer loop; everything else (embedding,
 final norm, logits, sampling) stays in torch. The layer descriptions hold raw pointers to the
 weights and KV caches, so they are built once for a given cache list and rebuilt if it changes.
 """
@@ -15,12 +16,13 @@ from typing import Any
 import torch
 
 from deepinfer.layers import cpu_kernels
-from deepinfer.layers.gguf_kernels import QuantizedWeight, max_rows
+from deepinfer.layers.gguf_kernels import max_rows
+from deepinfer.layers.linear import Linear
 
 
 class _QWeight(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int), ("qs", ctypes.c_void_p), ("d", ctypes.c_void_p), ("mn", ctypes.c_void_p),
-                ("n", ctypes.c_int), ("k", ctypes.c_int)]
+                ("n", ctypes.c_int), ("k", ctypes.c_int), ("dense", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -32,9 +34,13 @@ class _Layer(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
-def _qweight(w: QuantizedWeight) -> _QWeight:
-    return _QWeight(0 if w.kind == "q4_1" else 1, w.qs.data_ptr(), w.d.data_ptr(),
-                    w.mn.data_ptr() if w.mn is not None else None, w.n, w.k)
+_KINDS = {"q4_1": 0, "q8_0": 1, "dense": 2}
+
+
+def _qweight(linear: Linear) -> _QWeight:
+    w, twin = linear.quantized, linear.dense_twin
+    return _QWeight(_KINDS[w.kind], w.qs.data_ptr(), w.d.data_ptr(), w.mn.data_ptr() if w.mn is not None else None,
+                    w.n, w.k, twin.qs.data_ptr() if twin is not None else None)
 
 
 class FusedDecoder:
@@ -46,6 +52,8 @@ class FusedDecoder:
         self.max_rows = max_rows()
         self._caches_key: tuple[int, ...] | None = None
         self._layers: list[_Layer] = []
+        # deterministic mode: every step arrives as decode rows (prefill tokens too), of any count
+        self.row_invariant = False
 
     def supported(self) -> bool:
         m = self.model
@@ -62,9 +70,11 @@ class FusedDecoder:
         return True
 
     def accepts(self, x: torch.Tensor, meta: Any) -> bool:
-        """A step of at most max_rows decodes on the C attention path, without a cascade prefix."""
+        """A step of at most max_rows decodes on the C attention path, without a cascade prefix (any
+        number of rows in row-invariant mode)."""
         return (not getattr(meta, "prefills", True) and getattr(meta, "decode_context_lens", None) is not None
-                and meta.shared_blocks is None and meta.num_decodes == x.shape[0] <= self.max_rows)
+                and meta.shared_blocks is None and meta.num_decodes == x.shape[0]
+                and (self.row_invariant or x.shape[0] <= self.max_rows))
 
     def _build(self, caches: list[Any]) -> None:
         m = self.model
@@ -73,8 +83,7 @@ class FusedDecoder:
         for layer, (k_cache, v_cache) in zip(m.layers, caches, strict=True):
             a, mlp = layer.self_attn, layer.mlp
             self._layers.append(_Layer(
-                _qweight(a.qkv_proj.quantized), _qweight(a.o_proj.quantized), _qweight(mlp.gate_up_proj.quantized),
-                _qweight(mlp.down_proj.quantized), layer.input_layernorm.weight.data_ptr(),
+                _qweight(a.qkv_proj), _qweight(a.o_proj), _qweight(mlp.gate_up_proj), _qweight(mlp.down_proj), layer.input_layernorm.weight.data_ptr(),
                 layer.post_attention_layernorm.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                 cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, mlp.intermediate, k_cache.shape[1],
                 layer.input_layernorm.eps, a.head_dim ** -0.5))

@@ -1,20 +1,23 @@
 /*
- * Matrix products straight from GGUF block-quantized weights, for a few activation rows.
+ * Matrix products straight from GGUF block-quantized weights.
  *
  * Decoding a handful of sequences on a CPU is limited by reading the weights from memory;
  * reading the GGUF blocks (Q4_1: 20 bytes per 32 weights, Q8_0: 34) instead of float32
- * (128 bytes) is what makes it fast. Each block is dequantized in registers and multiplied
- * in float32, so the weights are exactly the file's values.
+ * (128 bytes) is what makes it fast. Each block is dequantized in registers.
  *
- *   y[m, n] = sum_k x[m, k] * w[n, k]        x: [M, K] float32, y: [M, N] float32
+ *   y[m, n] = sum_k x[m, k] * w[n, k]        x: [M, K], y: [M, N], float32 or bfloat16 (dtype 0 / 1)
  *
  * Layouts (rows of w are output features, blocks of 32 run along k):
  *   Q4_1: qs [N, K/32, 16] uint8 (byte j: low nibble = q[j], high nibble = q[j+16]),
  *         d, mn [N, K/32] float32; w = d * q + mn
  *   Q8_0: qs [N, K] int8, d [N, K/32] float32; w = d * q
- * x and y are float32 or bfloat16 (dtype 0 / 1); bf16 rows are widened into `scratch` first.
+ * The effective weights are those of the model's dense copy in the same dtype, so a row's result
+ * does not depend on which path a batch size picks: float32 uses the file's exact values, bfloat16
+ * those values rounded to bfloat16. Rows are served MAX_ROWS at a time per pass over the weights.
  * Built together with paged_attention.c by deepinfer/layers/cpu_kernels.py.
  */
+#include <omp.h>
+
 #include "cpu_common.h"
 
 #define QK 32
@@ -40,22 +43,18 @@ static void block_sums(const float *x, int M, int K, float *out) {
         }
 }
 
-/* bf16 -> float32 rows (x is [M, K]); returns the float32 view to multiply with */
-static const float *widen(const void *x, int M, int K, int dtype, float *scratch) {
-    if (dtype == 0) return (const float *)x;
-    for (int64_t i = 0; i < (int64_t)M * K; i++) scratch[i] = load1(x, i, 1);
-    return scratch;
+/* bf16 -> float32 rows (x is [M, K]) */
+static inline void widen(const void *x, int M, int K, float *out) {
+    for (int64_t i = 0; i < (int64_t)M * K; i++) out[i] = load1(x, i, 1);
 }
 
-/* scratch: [M * K/32] floats, plus M * K in front of them for bf16 input */
-void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d, const float *mn,
-               void *y, int N, float *scratch, int dtype) {
+/* ---- float32 activations: the file's exact weight values ---------------------------------------- */
+
+/* rows [0, M) of one group (M <= MAX_ROWS); sums: the group's per-block sums of x */
+static void q4_1_rows_f32(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn,
+                          float *y, int N, const float *sums, int n0, int n1) {
     int nb = K / QK;
-    const float *x = widen(x_in, M, K, dtype, scratch);
-    if (dtype != 0) scratch += (int64_t)M * K;
-    block_sums(x, M, K, scratch);
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
+    for (int n = n0; n < n1; n++) {
         float off[MAX_ROWS];
         for (int m = 0; m < M; m++) off[m] = 0.f;
         const uint8_t *row = qs + (int64_t)n * nb * 16;
@@ -80,7 +79,7 @@ void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d
                 __m512 s1 = _mm512_fmadd_ps(wh1, _mm512_loadu_ps(xb + 48), _mm512_mul_ps(wl1, _mm512_loadu_ps(xb + 32)));
                 acc16[m] = _mm512_fmadd_ps(sc0, s0, acc16[m]);
                 acc16b[m] = _mm512_fmadd_ps(sc1, s1, acc16b[m]);
-                off[m] += mnn[b] * scratch[m * nb + b] + mnn[b + 1] * scratch[m * nb + b + 1];
+                off[m] += mnn[b] * sums[m * nb + b] + mnn[b + 1] * sums[m * nb + b + 1];
             }
         }
         for (; b < nb; b++) {
@@ -92,11 +91,11 @@ void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d
                 const float *xb = x + (int64_t)m * K + b * QK;
                 __m512 s = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(wl, _mm512_loadu_ps(xb)));
                 acc16[m] = _mm512_fmadd_ps(scale, s, acc16[m]);
-                off[m] += mnn[b] * scratch[m * nb + b];
+                off[m] += mnn[b] * sums[m * nb + b];
             }
         }
         for (int m = 0; m < M; m++)
-            store1(y, (int64_t)m * N + n, _mm512_reduce_add_ps(_mm512_add_ps(acc16[m], acc16b[m])) + off[m], dtype == 1);
+            y[(int64_t)m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc16[m], acc16b[m])) + off[m];
 #else
         __m256 acc[MAX_ROWS];
         for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
@@ -112,21 +111,18 @@ void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d
             for (int m = 0; m < M; m++) {
                 __m256 s = dot_block(w0, w1, w2, w3, x + (int64_t)m * K + b * QK);
                 acc[m] = _mm256_fmadd_ps(scale, s, acc[m]);
-                off[m] += mnn[b] * scratch[m * nb + b];
+                off[m] += mnn[b] * sums[m * nb + b];
             }
         }
-        for (int m = 0; m < M; m++) store1(y, (int64_t)m * N + n, hsum8(acc[m]) + off[m], dtype == 1);
+        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum8(acc[m]) + off[m];
 #endif
     }
 }
 
-/* scratch: [M * K] floats (used for bf16 input only) */
-void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d, void *y, int N, float *scratch,
-               int dtype) {
+static void q8_0_rows_f32(const float *x, int M, int K, const int8_t *qs, const float *d, float *y, int N, int n0,
+                          int n1) {
     int nb = K / QK;
-    const float *x = widen(x_in, M, K, dtype, scratch);
-#pragma omp parallel for schedule(static)
-    for (int n = 0; n < N; n++) {
+    for (int n = n0; n < n1; n++) {
         const int8_t *row = qs + (int64_t)n * K;
         const float *dn = d + (int64_t)n * nb;
 #ifdef __AVX512F__
@@ -142,7 +138,7 @@ void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d,
                 acc16[m] = _mm512_fmadd_ps(scale, s, acc16[m]);
             }
         }
-        for (int m = 0; m < M; m++) store1(y, (int64_t)m * N + n, _mm512_reduce_add_ps(acc16[m]), dtype == 1);
+        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = _mm512_reduce_add_ps(acc16[m]);
 #else
         __m256 acc[MAX_ROWS];
         for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
@@ -157,9 +153,174 @@ void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d,
             for (int m = 0; m < M; m++)
                 acc[m] = _mm256_fmadd_ps(scale, dot_block(w0, w1, w2, w3, x + (int64_t)m * K + b * QK), acc[m]);
         }
-        for (int m = 0; m < M; m++) store1(y, (int64_t)m * N + n, hsum8(acc[m]), dtype == 1);
+        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum8(acc[m]);
 #endif
     }
 }
 
+/* ---- bfloat16 activations: the weights rounded to bfloat16 -------------------------------------- *
+ * The dense path of a bf16 model multiplies the dequantized weights rounded to bf16 (oneDNN, larger
+ * batches), so these kernels use exactly those values too: w = bf16(d * q + mn) (d * q is exact in
+ * float32, so one rounding before the bf16 one, as in the dequantized checkpoint). Both paths then
+ * compute the same products in float32 and differ only in summation order.
+ *
+ * Weight kinds: 0 = Q4_1, 1 = Q8_0, 2 = dense float32 [N, K], 3 = dense bfloat16 [N, K] (the
+ * dense kinds serve --deterministic on models without GGUF blocks; their dtype is the activations'). */
+
+#ifdef __AVX512BF16__
+/* CPUs with AVX-512 BF16: a block's 32 weights converted to bf16 in one instruction (round to
+ * nearest even, as torch's .to(bfloat16)), bf16 pairs multiplied and summed into float32 lanes by
+ * vdpbf16ps, reading the bf16 activations as they are. */
+static inline __m512bh q4_1_block_pbh(const uint8_t *bytes, float d, float mn) {
+    const __m128i raw = _mm_loadu_si128((const __m128i *)bytes), nib = _mm_set1_epi8(0x0F);
+    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(mn);
+    const __m512 lo = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, nib))), mv);
+    const __m512 hi = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
+                                              _mm_and_si128(_mm_srli_epi16(raw, 4), nib))), mv);
+    return _mm512_cvtne2ps_pbh(hi, lo);  /* k 0..15 from lo, 16..31 from hi */
+}
+
+static inline __m512bh q8_0_block_pbh(const int8_t *bytes, float d) {
+    const __m512 dv = _mm512_set1_ps(d);
+    const __m512 lo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes))));
+    const __m512 hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                            _mm_loadu_si128((const __m128i *)(bytes + 16)))));
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+static inline __m512bh block_pbh(int kind, const void *qs, const float *d, const float *mn, int64_t n, int nb,
+                                 int b) {
+    const int64_t i = n * nb + b;
+    if (kind == 0) return q4_1_block_pbh((const uint8_t *)qs + i * 16, d[i], mn[i]);
+    if (kind == 1) return q8_0_block_pbh((const int8_t *)qs + i * QK, d[i]);
+    return (__m512bh)_mm512_loadu_si512((const uint16_t *)qs + i * QK);  /* kind 3 */
+}
+
+static void rows_bf16(const uint16_t *x, int M, int K, int kind, const void *qs, const float *d, const float *mn,
+                      uint16_t *y, int N, int n0, int n1) {
+    int nb = K / QK;
+    for (int n = n0; n < n1; n++) {
+        __m512 acc[MAX_ROWS], accb[MAX_ROWS];  /* even and odd blocks: two dependency chains */
+        for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
+        for (int b = 0; b < nb; b++) {
+            const __m512bh wb = block_pbh(kind, qs, d, mn, n, nb, b);
+            for (int m = 0; m < M; m++) {
+                const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + b * QK);
+                if (b & 1) accb[m] = _mm512_dpbf16_ps(accb[m], wb, xv);
+                else acc[m] = _mm512_dpbf16_ps(acc[m], wb, xv);
+            }
+        }
+        for (int m = 0; m < M; m++)
+            store1(y, (int64_t)m * N + n, _mm512_reduce_add_ps(_mm512_add_ps(acc[m], accb[m])), 1);
+    }
+}
+#endif
+
+/* the 32 weights of block b of row n as float32 lanes, in k order; GGUF kinds rounded to bf16 (they
+ * come here only for bf16 activations) */
+static inline void block_f32(int kind, const void *qs, const float *d, const float *mn, int64_t n, int nb, int b,
+                             __m256 w[4]) {
+    const int64_t i = n * nb + b;
+    if (kind == 2 || kind == 3) {
+        const char *p = (const char *)qs + i * QK * (kind == 2 ? 4 : 2);
+        for (int j = 0; j < 4; j++) w[j] = load8(p + j * 8 * (kind == 2 ? 4 : 2), kind == 3);
+        return;
+    }
+    __m256i q[4];
+    __m256 dv = _mm256_set1_ps(d[i]), mv = _mm256_setzero_ps();
+    if (kind == 0) {
+        __m128i raw = _mm_loadu_si128((const __m128i *)((const uint8_t *)qs + i * 16));
+        __m128i lo = _mm_and_si128(raw, _mm_set1_epi8(0x0F)), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), _mm_set1_epi8(0x0F));
+        q[0] = _mm256_cvtepu8_epi32(lo), q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+        q[2] = _mm256_cvtepu8_epi32(hi), q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+        mv = _mm256_set1_ps(mn[i]);
+    } else {
+        __m256i raw = _mm256_loadu_si256((const __m256i *)((const int8_t *)qs + i * QK));
+        __m128i q0 = _mm256_castsi256_si128(raw), q1 = _mm256_extracti128_si256(raw, 1);
+        q[0] = _mm256_cvtepi8_epi32(q0), q[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8));
+        q[2] = _mm256_cvtepi8_epi32(q1), q[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8));
+    }
+    /* d * q is exact in float32, so this is one rounding, like the dequantized checkpoint's d * q + mn */
+    for (int j = 0; j < 4; j++) w[j] = round8(_mm256_fmadd_ps(dv, _mm256_cvtepi32_ps(q[j]), mv), 1);
+}
+
+/* float32 lanes: xf are the activations as float32, y stored in the activations' dtype */
+static void rows_f32lanes(const float *xf, int M, int K, int kind, const void *qs, const float *d, const float *mn,
+                          void *y, int N, int out_bf16, int n0, int n1) {
+    int nb = K / QK;
+    for (int n = n0; n < n1; n++) {
+        __m256 acc[MAX_ROWS];
+        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
+        __m256 w[4];
+        for (int b = 0; b < nb; b++) {
+            block_f32(kind, qs, d, mn, n, nb, b, w);
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm256_add_ps(acc[m], dot_block(w[0], w[1], w[2], w[3], xf + (int64_t)m * K + b * QK));
+        }
+        for (int m = 0; m < M; m++) store1(y, (int64_t)m * N + n, hsum8(acc[m]), out_bf16);
+    }
+}
+
+/* ---- entry points: any number of rows, in groups of MAX_ROWS ------------------------------------ *
+ * Every row's result depends only on that row (its sums run in the same order whatever M is and
+ * whichever group it lands in), which is what --deterministic relies on. One parallel region per
+ * call: each thread takes a fixed slice of the output features and runs every row group over it
+ * (its slice of the weights stays in its cache; no barrier between groups, which matters when
+ * another process holds one of the cores).
+ * scratch: M * K floats for bf16 input (unused on CPUs with AVX-512 BF16), plus M * K/32 for Q4_1. */
+static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, const float *d, const float *mn,
+                      void *y, int N, float *scratch, int dtype) {
+    const int es = dtype == 1 ? 2 : 4;
+    int path = 0;  /* 0: float32 exact blocks, 1: float32 lanes, 2: native bf16 */
+    const float *xf = (const float *)x_in;
+#ifdef __AVX512BF16__
+    if (dtype == 1) path = 2;
+#endif
+    if (path == 0 && (dtype == 1 || kind >= 2)) {
+        path = 1;
+        if (dtype == 1) {
+            widen(x_in, M, K, scratch);
+            xf = scratch;
+        }
+    }
+    if (path == 0 && kind == 0) block_sums(xf, M, K, scratch);
+#pragma omp parallel
+    {
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int n0 = (int)((int64_t)N * t / nt), n1 = (int)((int64_t)N * (t + 1) / nt);
+        for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
+            const int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
+            char *yg = (char *)y + (int64_t)m0 * N * es;
+            if (path == 2) {
+#ifdef __AVX512BF16__
+                rows_bf16((const uint16_t *)x_in + (int64_t)m0 * K, rows, K, kind, qs, d, mn, (uint16_t *)yg, N, n0, n1);
+#endif
+            } else if (path == 1) {
+                rows_f32lanes(xf + (int64_t)m0 * K, rows, K, kind, qs, d, mn, yg, N, dtype == 1, n0, n1);
+            } else if (kind == 0) {
+                q4_1_rows_f32(xf + (int64_t)m0 * K, rows, K, (const uint8_t *)qs, d, mn, (float *)yg, N,
+                              scratch + (int64_t)m0 * (K / QK), n0, n1);
+            } else {
+                q8_0_rows_f32(xf + (int64_t)m0 * K, rows, K, (const int8_t *)qs, d, (float *)yg, N, n0, n1);
+            }
+        }
+    }
+}
+
+void q4_1_gemm(const void *x_in, int M, int K, const uint8_t *qs, const float *d, const float *mn,
+               void *y, int N, float *scratch, int dtype) {
+    qgemm_any(0, x_in, M, K, qs, d, mn, y, N, scratch, dtype);
+}
+
+void q8_0_gemm(const void *x_in, int M, int K, const int8_t *qs, const float *d, void *y, int N, float *scratch,
+               int dtype) {
+    qgemm_any(1, x_in, M, K, qs, d, NULL, y, N, scratch, dtype);
+}
+
+/* y = x w^T for a dense weight w [N, K] of the activations' dtype (K % 32 == 0), row by row as above */
+void dense_gemm(const void *x_in, int M, int K, const void *w, void *y, int N, float *scratch, int dtype) {
+    qgemm_any(dtype == 1 ? 3 : 2, x_in, M, K, w, NULL, NULL, y, N, scratch, dtype);
+}
+
+/* rows one call serves with a single pass over the weights (more rows loop over groups) */
 int max_rows(void) { return MAX_ROWS; }

@@ -3,10 +3,14 @@
 A step that decodes a few sequences is bound by reading weights from memory. Keeping the
 GGUF file's Q4_1 / Q8_0 blocks (5-6x fewer bytes than float32) and multiplying them with
 the AVX2 kernels in `gguf_gemm.c` makes those steps several times faster. Larger batches
-are compute-bound and keep using the float32 weights with the BLAS matmul.
+are compute-bound and keep using the dense weights with the BLAS matmul.
 
-The kernels take float32 or bfloat16 activations. They are built by `cpu_kernels`; where
-that is impossible (no gcc, no AVX2) everything runs on the float weights.
+The kernels take float32 or bfloat16 activations and multiply with the values the dense copy
+holds in that dtype (bf16: the dequantized weights rounded to bf16), so which path a batch
+size picks changes only the summation order. Each row's result depends on that row alone,
+for any number of rows: `--deterministic` runs every batch size through these kernels (dense
+weights too, as the `dense` kind). They are built by `cpu_kernels`; where that is impossible
+(no gcc, no AVX2) everything runs on the dense weights.
 """
 
 from __future__ import annotations
@@ -24,14 +28,23 @@ QK = 32
 
 @dataclass
 class QuantizedWeight:
-    """One [N, K] weight in GGUF blocks: `qs` packed quants, `d` scales, `mn` offsets (Q4_1 only)."""
+    """One [N, K] weight in GGUF blocks: `qs` packed quants, `d` scales, `mn` offsets (Q4_1 only);
+    or, kind "dense", `qs` is the float32 / bfloat16 weight itself (no scales)."""
 
-    kind: str  # "q4_1" | "q8_0"
+    kind: str  # "q4_1" | "q8_0" | "dense"
     qs: torch.Tensor
     d: torch.Tensor
     mn: torch.Tensor | None
     n: int
     k: int
+
+    @classmethod
+    def dense(cls, weight: torch.Tensor) -> QuantizedWeight:
+        """A dense [N, K] CPU weight (float32 or bfloat16, K a multiple of 32) for the row-invariant kernel."""
+        n, k = weight.shape
+        if k % QK or dtype_code(weight.dtype) is None or weight.device.type != "cpu":
+            raise ValueError(f"the row-invariant kernel needs a CPU float32/bfloat16 weight with K % {QK} == 0")
+        return cls("dense", weight.detach().contiguous(), torch.empty(0), None, n, k)
 
     @classmethod
     def concat(cls, parts: list[QuantizedWeight]) -> QuantizedWeight:
@@ -50,6 +63,8 @@ class QuantizedWeight:
 
     def dequantize(self) -> torch.Tensor:
         """Float32 [N, K] (used by tests to check the kernels and the layout)."""
+        if self.kind == "dense":
+            return self.qs.float()
         nb = self.k // QK
         if self.kind == "q4_1":
             q = self.qs.view(self.n, nb, 16)
@@ -58,7 +73,8 @@ class QuantizedWeight:
         return (self.qs.view(torch.int8).view(self.n, nb, QK).float() * self.d.unsqueeze(-1)).view(self.n, self.k)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [M, K] float32 or bfloat16 with M <= max_rows() -> [M, N] of x's dtype."""
+        """x: [M, K] float32 or bfloat16 -> [M, N] of x's dtype (one pass over the weights per
+        max_rows() rows). A dense weight must have x's dtype."""
         lib = load_library()
         x = x.contiguous()
         m, code = x.shape[0], dtype_code(x.dtype)
@@ -66,7 +82,11 @@ class QuantizedWeight:
         # bf16 rows are widened into the scratch first; Q4_1 also keeps per-block sums of x there
         widened = m * self.k if code == 1 else 0
         scratch = torch.empty(widened + (m * (self.k // QK) if self.kind == "q4_1" else 0) + 1, dtype=torch.float32)
-        if self.kind == "q4_1":
+        if self.kind == "dense":
+            if self.qs.dtype != x.dtype:
+                raise ValueError(f"dense weight is {self.qs.dtype}, activations {x.dtype}")
+            lib.dense_gemm(x.data_ptr(), m, self.k, self.qs.data_ptr(), y.data_ptr(), self.n, scratch.data_ptr(), code)
+        elif self.kind == "q4_1":
             lib.q4_1_gemm(x.data_ptr(), m, self.k, self.qs.data_ptr(), self.d.data_ptr(), self.mn.data_ptr(),
                           y.data_ptr(), self.n, scratch.data_ptr(), code)
         else:

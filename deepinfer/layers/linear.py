@@ -1,5 +1,7 @@
 """nn.Linear with two CPU fast paths: GGUF quantized blocks for a few rows (see gguf_kernels)
-and oneDNN's pre-packed bf16 / fp32 weights for larger batches."""
+and oneDNN's pre-packed bf16 / fp32 weights for larger batches; and a row-invariant mode
+(`--deterministic`) where every batch size goes through the block kernel, whose result for a
+row does not depend on the other rows."""
 
 from __future__ import annotations
 
@@ -27,6 +29,8 @@ class Linear(nn.Linear):
     quantized: QuantizedWeight | None = None
     _rows: int = 0
     _packed: torch.Tensor | None = None
+    row_invariant: bool = False
+    dense_twin: QuantizedWeight | None = None  # row-invariant bf16: the same values dense (see _bf16_twin)
 
     def attach(self, weight: QuantizedWeight) -> None:
         if (weight.n, weight.k) != tuple(self.weight.shape):
@@ -34,10 +38,32 @@ class Linear(nn.Linear):
         self.quantized = weight
         self._rows = max_rows()
 
+    def make_row_invariant(self) -> None:
+        """Serve every batch size with the block kernel (its dense kind where no GGUF blocks are
+        attached): each output row then depends on its input row alone, never on the batch.
+        ValueError where the kernel cannot take this weight."""
+        if self.quantized is None:
+            self.quantized = QuantizedWeight.dense(self.weight)
+        elif self.weight.dtype == torch.bfloat16:
+            self.dense_twin = self._bf16_twin(self.quantized)
+        self.row_invariant = True
+        self._packed = None
+
+    def _bf16_twin(self, q: QuantizedWeight) -> QuantizedWeight:
+        """The bf16 dense weight as the kernel's dense kind, for batches past max_rows(): the kernel
+        sums it in the same order as the blocks rounded to bf16, so the result is bit-identical and
+        the blocks are not dequantized once per max_rows() rows. The dense copy must hold exactly
+        those values (it does when both come from one GGUF file); a sample of rows is checked."""
+        rows = sorted({0, q.n // 3, q.n // 2, q.n - 1})
+        sample = QuantizedWeight(q.kind, q.qs[rows], q.d[rows], None if q.mn is None else q.mn[rows], len(rows), q.k)
+        if not torch.equal(sample.dequantize().to(torch.bfloat16), self.weight.detach()[rows]):
+            raise ValueError("the dense weight does not hold the GGUF blocks' values rounded to bf16")
+        return QuantizedWeight.dense(self.weight)
+
     def pack(self, batch_hint: int = 64) -> bool:
         """Pre-pack the weight for oneDNN (bf16 / fp32 on CPU only); call again after changing the weight."""
         self._packed = None
-        if not _can_pack(self.weight):
+        if not _can_pack(self.weight) or self.row_invariant:
             return False
         with torch.no_grad():
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
@@ -45,8 +71,10 @@ class Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized
-        if q is not None and x.dim() == 2 and x.shape[0] <= self._rows and x.device.type == "cpu" \
-                and x.dtype in (torch.float32, torch.bfloat16):
+        if q is not None and x.dim() == 2 and (self.row_invariant or x.shape[0] <= self._rows) \
+                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+            if self.dense_twin is not None and x.shape[0] > self._rows and x.dtype == torch.bfloat16:
+                q = self.dense_twin
             y = q.matmul(x)
             return y if self.bias is None else y + self.bias
         if self._packed is not None and x.dim() == 2 and x.dtype == self.weight.dtype:

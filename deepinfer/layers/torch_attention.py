@@ -6,6 +6,10 @@ padded [B, blocks * block_size] view and attended in a single SDPA call (grouped
 heads folded into the query dimension, so no K/V repeat). Prefill chunks: one SDPA call
 each over the chunk's gathered context, causal with the chunk's offset. Only blocks the
 batch references are read.
+
+Row-invariant mode (`--deterministic`): every new token, prefill or decode, is one row of the
+C decode kernel, attending to its own context in the same order whatever else is in the step,
+so a token's attention output never depends on chunking or batching.
 """
 
 from __future__ import annotations
@@ -45,19 +49,28 @@ def _kernel_supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool
 
 
 class TorchAttentionBackend(AttentionBackend):
-    def __init__(self, device: torch.device, use_cpu_kernel: bool = True) -> None:
-        """`use_cpu_kernel=False` keeps decodes on the gather + SDPA path (tests compare the two)."""
+    def __init__(self, device: torch.device, use_cpu_kernel: bool = True, row_invariant: bool = False) -> None:
+        """`use_cpu_kernel=False` keeps decodes on the gather + SDPA path (tests compare the two);
+        `row_invariant` runs every token as a decode row (ValueError where the C kernel is unavailable)."""
         self.device = device
         self.kernels = cpu_kernels.load_library() if device.type == "cpu" and use_cpu_kernel else None
+        self.row_invariant = row_invariant
+        if row_invariant and self.kernels is None:
+            raise ValueError("deterministic mode needs the C attention kernel (an x86-64 CPU with AVX2 and gcc)")
 
     def allocate_cache(self, num_layers, num_blocks, block_size, num_kv_heads, head_dim, dtype, device):
         if self.kernels is not None and not _kernel_supports(dtype, block_size, head_dim):
+            if self.row_invariant:
+                raise ValueError("deterministic mode needs float32/bfloat16, block_size <= 64 and a head_dim "
+                                 "that is a multiple of 8 (the C attention kernel's limits)")
             self.kernels = None
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         return [(torch.zeros(shape, dtype=dtype, device=device), torch.zeros(shape, dtype=dtype, device=device))
                 for _ in range(num_layers)]
 
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        if self.row_invariant:
+            return self._prepare_rows(batch)
         bs, dev = batch.block_size, self.device
         nd = batch.num_decodes
         decode_tables = decode_mask = decode_lens = shared = None
@@ -89,6 +102,19 @@ class TorchAttentionBackend(AttentionBackend):
             start += q
         return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, decode_lens, prefills,
                                       shared)
+
+    def _prepare_rows(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        """Every new token as a decode row: its sequence's block table, context up to its own position."""
+        bs = batch.block_size
+        max_blocks = (max(batch.context_lens) + bs - 1) // bs
+        tables, lens = [], []
+        for q, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True):
+            row = table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks]))  # padding is never read
+            tables.append(torch.tensor(row, dtype=torch.long).expand(q, -1))
+            lens.append(torch.arange(ctx - q + 1, ctx + 1, dtype=torch.long))
+        decode_tables = torch.cat(tables).contiguous()
+        return TorchAttentionMetadata(batch.slot_mapping, decode_tables.shape[0], decode_tables, None,
+                                      torch.cat(lens), [], None)
 
     def forward(self, q, k, v, cache, meta: TorchAttentionMetadata):
         k_cache, v_cache = cache
