@@ -46,10 +46,10 @@ class Tenant:
 def parse_key_spec(spec: str) -> tuple[str, str | None]:
     """`KEY` or `KEY=GROUP` -> (key, group or None)."""
     key, sep, group = spec.rpartition("=")
-    if not sep or not group or not key:
+    if not sep or not group:
         key, group = spec, ""
     if not key.strip():
-        raise ValueError("an --api-key is empty")
+        raise ValueError("an --api-key is empty" if not group else f"--api-key ={group} names no key")
     return key, group or None
 
 
