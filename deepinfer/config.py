@@ -266,12 +266,12 @@ class ServerConfig:
         Tenants(self.api_key)  # raises ValueError for an empty or repeated key
         if self.cluster_token is not None and not self.cluster_token.strip():
             raise ValueError("cluster_token must not be empty")
+        if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
+            raise ValueError("responses_store_size must be >= 0 and responses_store_ttl > 0")
 
     def resolved_cluster_token(self) -> str | None:
         """--cluster-token, else $DEEPINFER_CLUSTER_TOKEN, else None (no token: the cluster is open)."""
         return self.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "").strip() or None
-        if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
-            raise ValueError("responses_store_size must be >= 0 and responses_store_ttl > 0")
 
 
 ROLES = ("unified", "prefill", "decode")
