@@ -78,7 +78,7 @@ def test_api_keys_groups_and_config():
     assert len({a.cache_id, b.cache_id, c.cache_id}) == 3 and c == d and c.group == "team"
     assert tenants.match("b64key==") is not None and tenants.match("b64key") is None
     assert tenants.match(f"{KEY_C}=team") is None and tenants.match("") is None
-    assert KEY_A not in a.cache_id + a.label and cache_id(group=KEY_A) != cache_id(key=KEY_A)
+    assert KEY_A not in a.cache_id and cache_id(group=KEY_A) != cache_id(key=KEY_A)
     for bad in ([""], ["=team"], [KEY_A, KEY_A]):
         with pytest.raises(ValueError):
             Tenants(bad)
@@ -323,6 +323,7 @@ def test_cluster_keeps_tenants_apart_and_its_internals_need_the_token(tiny_model
             assert answer == b""
         after = load("decode")
         assert after["blocks_imported"] == imported and after["transfers_received"] == received
+        assert after["transfers_refused"] == 1
     finally:
         proc.terminate()
         try:

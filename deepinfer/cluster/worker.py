@@ -142,6 +142,7 @@ class WorkerState:
             "max_num_seqs": facts["max_num_seqs"], "max_model_len": eng.max_model_len,
             "block_size": block_size, "model_identity": facts["model_identity"], "kv_layout": facts["kv_layout"],
             "cost_coefficients": cost_coefficients(s), "kv_transfer": kv_address, **self.counters,
+            "transfers_refused": getattr(self.transfer, "refused", 0),  # peers without the cluster token
             "transfers_pending": sum(not a.done.is_set() for a in self.arrivals.values()), "kv_blocks_held": int(s.get("kv_blocks_held_for_imports", 0)),
             "stats": s,
         }

@@ -11,7 +11,7 @@ after the last `=` names the group when it is not empty, so keys ending in base6
 need no care; a key with `=` inside must be given with a group.
 
 The namespace id is a hash of the key (or of the group name): stable across restarts and processes
-(the persistent store keeps working), never the key itself; logs show only its first characters.
+(the persistent store keeps working), never the key itself.
 """
 
 from __future__ import annotations
@@ -36,11 +36,6 @@ def cache_id(key: str | None = None, group: str | None = None) -> str:
 class Tenant:
     cache_id: str  # what enters the block hashes
     group: str | None = None  # the cache group the key was given with, if any
-
-    @property
-    def label(self) -> str:
-        """How logs may name the tenant (never the key)."""
-        return f"group:{self.group}" if self.group else f"tenant:{self.cache_id[:8]}"
 
 
 def parse_key_spec(spec: str) -> tuple[str, str | None]:
