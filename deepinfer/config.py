@@ -16,9 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+CLUSTER_TOKEN_ENV = "DEEPINFER_CLUSTER_TOKEN"  # where cluster processes take the cluster token from
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help, **kw})
+
+def _f(default: Any, help: str, *, repr: bool = True, **kw: Any) -> Any:
+    return field(default=default, repr=repr, metadata={"help": help, **kw})
 
 
 @dataclass(frozen=True)
@@ -234,7 +236,19 @@ class ServerConfig:
 
     host: str = _f("127.0.0.1", "Address to listen on (0.0.0.0 for every interface).")
     port: int = _f(8000, "TCP port to listen on.")
-    api_key: str | None = _f(None, "Require `Authorization: Bearer KEY` (or `x-api-key`) on API routes.")
+    api_key: tuple[str, ...] = _f(
+        (), "Require `Authorization: Bearer KEY` (or `x-api-key`) on API routes. Repeat it for several keys: each "
+        "key is a tenant with a prefix cache of its own (the tenant enters every KV block's hash in every tier, "
+        "whatever cache_salt a request sends). KEY=GROUP puts a key in cache group GROUP: the keys of one "
+        "group share one cache (the text after the last `=` names the group, if not empty). Without any key: "
+        "one shared cache (cache_salt still separates requests that set it).", action="append", repr=False)
+    cluster_token: str | None = _f(
+        None, "Shared secret of a prefill/decode cluster: the router and workers require it on /internal/* and "
+        "on the KV transfer port (default: $DEEPINFER_CLUSTER_TOKEN; prefer the variable, argv shows in ps). "
+        "`serve --prefill-workers/--decode-workers` (also with --ray) generates one when none is given and hands "
+        "it to its workers in their environment. Workers and routers started by hand need the same one; with "
+        "none configured anywhere, internal endpoints and the transfer port are open as before (keep them off "
+        "networks clients reach).", repr=False)  # secrets: kept out of reprs and logs
     uvicorn_log_level: str = _f("warning", "uvicorn's log level (access logs show at info).")
     engine_process: bool = _f(True, "Run the engine loop in its own process (the HTTP layer then has a core "
                               "of Python to itself); --no-engine-process keeps it on a thread of the server.")
@@ -253,8 +267,20 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        keys = self.api_key
+        # one key as a plain string (the type before several keys existed) still works
+        object.__setattr__(self, "api_key", () if keys is None else (keys,) if isinstance(keys, str) else tuple(keys))
+        from deepinfer.server.tenants import Tenants
+
+        Tenants(self.api_key)  # raises ValueError for an empty or repeated key
+        if self.cluster_token is not None and not self.cluster_token.strip():
+            raise ValueError("cluster_token must not be empty")
         if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
             raise ValueError("responses_store_size must be >= 0 and responses_store_ttl > 0")
+
+    def resolved_cluster_token(self) -> str | None:
+        """--cluster-token, else $DEEPINFER_CLUSTER_TOKEN, else None (no token: the cluster is open)."""
+        return self.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "").strip() or None
 
 
 ROLES = ("unified", "prefill", "decode")
@@ -400,6 +426,9 @@ def add_config_arguments(parser: argparse.ArgumentParser, *config_classes: type)
             flag = "--" + f.name.replace("_", "-")
             tp, is_bool = _flag_type(f.type)
             default = f.default
+            if f.metadata.get("action") == "append":  # repeated flag -> tuple (argparse needs a list default)
+                group.add_argument(flag, dest=f.name, action="append", type=str, default=None, help=f.metadata["help"])
+                continue
             if "nargs" in f.metadata:
                 group.add_argument(flag, dest=f.name, nargs=f.metadata["nargs"], type=str, default=default,
                                    help=f.metadata["help"])
@@ -416,7 +445,7 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
     """Instantiate a config dataclass from the parsed flags that `add_config_arguments` added."""
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls) if hasattr(args, f.name)}
     for f in dataclasses.fields(cls):
-        if "nargs" in f.metadata and f.name in values:
+        if ("nargs" in f.metadata or f.metadata.get("action") == "append") and f.name in values:
             values[f.name] = tuple(values[f.name] or ())
     return cls(**values)
 

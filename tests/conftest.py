@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.server_utils import CLUSTER_TOKEN
+
 # Engines and servers this suite starts (subprocesses inherit it) resolve kv_store=auto to "no store":
 # a test must not read KV another run left in the user's cache directory, nor fill it. Tests of the
 # store pass a tmp_path. ($DEEPINFER_CACHE_DIR stays as it is: converted GGUF weights live there.)
 os.environ["DEEPINFER_KV_STORE"] = "none"
+# Clusters the suite starts share a known cluster token (local clusters would generate a random one), so
+# tests can call their /internal endpoints (`server_utils.INTERNAL`).
+os.environ["DEEPINFER_CLUSTER_TOKEN"] = CLUSTER_TOKEN
 
 TINY_ARCHS = {
     # GQA, tied embeddings, odd sizes

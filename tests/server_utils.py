@@ -12,6 +12,13 @@ from pathlib import Path
 
 import httpx
 
+from deepinfer.cluster.auth import CLUSTER_TOKEN_HEADER
+
+# the cluster token every server the suite starts gets ($DEEPINFER_CLUSTER_TOKEN, set by conftest.py), so
+# tests can call /internal/* on routers and workers
+CLUSTER_TOKEN = "deepinfer-test-cluster-token"
+INTERNAL = {CLUSTER_TOKEN_HEADER: CLUSTER_TOKEN}
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -67,7 +74,7 @@ def metric(base: str, name: str) -> float:
 
 def cluster_workers(base: str) -> list[dict]:
     """The router's worker list (url, role, alive, ...)."""
-    return httpx.get(f"{base}/internal/workers", timeout=10).json()["workers"]
+    return httpx.get(f"{base}/internal/workers", headers=INTERNAL, timeout=10).json()["workers"]
 
 
 @contextmanager

@@ -19,8 +19,8 @@ import pytest
 
 from deepinfer.cluster.policies import DeepInferPolicy, RouteInfo, WorkerView
 from deepinfer.cluster.pool import Worker, peer_cost_models
+from tests.server_utils import INTERNAL, metric, running_cluster, running_server
 from tests.server_utils import cluster_workers as _workers
-from tests.server_utils import metric, running_cluster, running_server
 
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--no-profile-cost-model", "--max-model-len", "1024")
 MODEL = "llama"
@@ -69,7 +69,7 @@ def test_chat_is_token_identical_to_unified(client, unified, cluster):
         assert got.usage.completion_tokens == ref.usage.completion_tokens == 12
         assert got.usage.prompt_tokens == ref.usage.prompt_tokens
     # the long prompts' KV went prefill -> decode worker and was used there (prefix hits on decode workers)
-    sent = sum(httpx.get(f"{w['url']}/internal/load", timeout=10).json()["blocks_sent"] for w in _workers(cluster)
+    sent = sum(httpx.get(f"{w['url']}/internal/load", headers=INTERNAL, timeout=10).json()["blocks_sent"] for w in _workers(cluster)
                if w["role"] == "prefill")
     assert sent > 0
     hits = sum(metric(w["url"], "deepinfer:prefix_cache_hits_total") for w in _workers(cluster)
@@ -147,9 +147,9 @@ def test_metrics_have_per_worker_and_per_pool_signals(client, cluster):
 
 
 def test_the_router_keeps_its_latest_routing_decisions(client, cluster):
-    before = len(httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"])
+    before = len(httpx.get(f"{cluster}/internal/routes", headers=INTERNAL, timeout=10).json()["routes"])
     _chat(client, PROMPTS[2], 2)
-    routes = httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"]
+    routes = httpx.get(f"{cluster}/internal/routes", headers=INTERNAL, timeout=10).json()["routes"]
     assert len(routes) == before + 1
     last = routes[-1]
     roles = {w["url"]: w["role"] for w in _workers(cluster)}
@@ -178,7 +178,7 @@ def test_a_prompt_arriving_while_its_prefix_is_in_prefill_is_routed_knowing_it(c
             t.start()
         for t in threads:
             t.join(timeout=120)
-        first, second = httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"][-2:]
+        first, second = httpx.get(f"{cluster}/internal/routes", headers=INTERNAL, timeout=10).json()["routes"][-2:]
         assert first["inflight_prefix_tokens"] == {}  # the first one routed had nothing to share
         seen.append(second["inflight_prefix_tokens"])
         if seen[-1]:
@@ -196,17 +196,17 @@ def test_internal_endpoints_reject_bad_input(cluster):
     for path, body in (("prefill", {"request_id": "x"}), ("decode", {"request_id": "x", "prompt_token_ids": [1]}),
                        ("prefill", {"request_id": "x", "prompt_token_ids": [1], "params": {"bogus": 1}}),
                        ("prefill", {"request_id": "x", "prompt_token_ids": [1], "params": {"temperature": -1}})):
-        r = httpx.post(f"{worker}/internal/{path}", json=body, timeout=10)
+        r = httpx.post(f"{worker}/internal/{path}", json=body, headers=INTERNAL, timeout=10)
         assert r.status_code == 400, r.text
         assert r.json()["error"]["message"]
-    r = httpx.post(f"{worker}/internal/prefill", content=b"{not json", timeout=10)
+    r = httpx.post(f"{worker}/internal/prefill", content=b"{not json", headers=INTERNAL, timeout=10)
     assert r.status_code == 400
 
 
 def test_register_rejects_bad_workers(cluster):
-    r = httpx.post(f"{cluster}/internal/register", json={"url": "ftp://x", "role": "prefill"}, timeout=10)
+    r = httpx.post(f"{cluster}/internal/register", json={"url": "ftp://x", "role": "prefill"}, headers=INTERNAL, timeout=10)
     assert r.status_code == 400
-    r = httpx.post(f"{cluster}/internal/register", json={"url": "http://127.0.0.1:1", "role": "boss"}, timeout=10)
+    r = httpx.post(f"{cluster}/internal/register", json={"url": "http://127.0.0.1:1", "role": "boss"}, headers=INTERNAL, timeout=10)
     assert r.status_code == 400
 
 
@@ -221,7 +221,7 @@ def test_client_disconnect_aborts_on_the_decode_worker(client, cluster):
     decoders = [w["url"] for w in _workers(cluster) if w["role"] == "decode"]
     deadline = time.monotonic() + 20
     while True:  # the router closed its stream to the worker, which aborted the request and freed its blocks
-        loads = [httpx.get(f"{u}/internal/load", timeout=10).json() for u in decoders]
+        loads = [httpx.get(f"{u}/internal/load", headers=INTERNAL, timeout=10).json() for u in decoders]
         if all(ld["num_running"] == 0 and ld["num_waiting"] == 0 and ld["kv_usage"] == 0 for ld in loads):
             break
         assert time.monotonic() < deadline, loads
@@ -277,13 +277,13 @@ def test_prefill_worker_dying_before_the_first_token_is_retried_elsewhere(client
     # polls are 2 s apart: right after the kill the router still counts the worker in rotation, and kill
     # the worker the policy picks next, so the request must move
     _chat(client, PROMPTS[1], 1)
-    before = httpx.get(f"{cluster}/internal/workers", timeout=10).json()["prefill_retries"]
-    victim = _next_prefill_pick(cluster, httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"][-1])
+    before = httpx.get(f"{cluster}/internal/workers", headers=INTERNAL, timeout=10).json()["prefill_retries"]
+    victim = _next_prefill_pick(cluster, httpx.get(f"{cluster}/internal/routes", headers=INTERNAL, timeout=10).json()["routes"][-1])
     os.kill(victim["load"]["pid"], signal.SIGKILL)
     r = _chat(client, PROMPTS[1], 6)
     assert r.choices[0].finish_reason == "length" and r.usage.completion_tokens == 6
-    state = httpx.get(f"{cluster}/internal/workers", timeout=10).json()
-    route = httpx.get(f"{cluster}/internal/routes", timeout=10).json()["routes"][-1]
+    state = httpx.get(f"{cluster}/internal/workers", headers=INTERNAL, timeout=10).json()
+    route = httpx.get(f"{cluster}/internal/routes", headers=INTERNAL, timeout=10).json()["routes"][-1]
     assert state["prefill_retries"] == before + 1, f"victim {victim['url']}: {route}"
     assert not next(w for w in state["workers"] if w["url"] == victim["url"])["alive"]
 
@@ -325,7 +325,7 @@ def test_pinned_workers_decode_next_to_their_prefill_worker(tiny_models, tmp_pat
         c = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
         for prompt in PROMPTS * 2:
             _chat(c, prompt, 2)
-        routes = httpx.get(f"{base}/internal/routes", timeout=10).json()["routes"]
+        routes = httpx.get(f"{base}/internal/routes", headers=INTERNAL, timeout=10).json()["routes"]
         cpus = {w["url"]: set(w["view"]["cpus"]) for w in _workers(base)}
     assert len(routes) == 2 * len(PROMPTS)
     assert len({r["prefill"] for r in routes}) == 2  # the idle prefill workers share the work

@@ -14,7 +14,7 @@ import psutil
 import pytest
 
 from deepinfer import LLM, SamplingParams
-from tests.server_utils import free_port, running_server
+from tests.server_utils import INTERNAL, free_port, running_server
 
 ray = pytest.importorskip("ray")
 
@@ -57,7 +57,7 @@ def test_serve_places_workers_on_ray_and_answers_like_one_engine(ray_head, tiny_
                                                        "ignore_eos": True}, timeout=120)
         assert r.status_code == 200
         assert r.json()["choices"][0]["text"] == ref.outputs[0].text
-        workers = httpx.get(f"{base}/internal/workers", timeout=10).json()["workers"]
+        workers = httpx.get(f"{base}/internal/workers", headers=INTERNAL, timeout=10).json()["workers"]
         assert sorted(w["role"] for w in workers) == ["decode", "prefill"] and all(w["alive"] for w in workers)
         pids = [w["load"]["pid"] for w in workers]
     # stopping the router stops the workers Ray placed

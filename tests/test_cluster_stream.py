@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from deepinfer import LLM, SamplingParams
+from tests.server_utils import INTERNAL, running_cluster
 from tests.server_utils import cluster_workers as _workers
-from tests.server_utils import running_cluster
 
 CHUNK = 8
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "64MiB", "--no-profile-cost-model", "--max-model-len", "1024",
@@ -36,7 +36,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _load(url: str) -> dict:
-    return httpx.get(f"{url}/internal/load", timeout=10).json()
+    return httpx.get(f"{url}/internal/load", headers=INTERNAL, timeout=10).json()
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_prefill_worker_killed_mid_stream_is_retried_and_the_partial_transfer_dr
     want = reference(prompt, 6)
     decoder = _decoder(cluster)
     before = _load(decoder)
-    retries = httpx.get(f"{cluster}/internal/workers", timeout=10).json()["prefill_retries"]
+    retries = httpx.get(f"{cluster}/internal/workers", headers=INTERNAL, timeout=10).json()["prefill_retries"]
     result: dict[str, object] = {}
 
     def run() -> None:
@@ -129,7 +129,7 @@ def test_prefill_worker_killed_mid_stream_is_retried_and_the_partial_transfer_dr
     t.join(timeout=120)
     assert not t.is_alive(), "the request hung"
     assert result.get("text") == want, result
-    state = httpx.get(f"{cluster}/internal/workers", timeout=10).json()
+    state = httpx.get(f"{cluster}/internal/workers", headers=INTERNAL, timeout=10).json()
     assert state["prefill_retries"] == retries + 1
     after = _settled(decoder)  # nothing held, nothing in use: the broken transfer's blocks were released
     assert after["transfers_broken"] == before["transfers_broken"] + 1

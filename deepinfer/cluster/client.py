@@ -15,6 +15,9 @@ The OpenAI handlers (`server/openai_api.py`) run unchanged on top of it. One req
            lost after                   ─▶ WorkerError, which the handlers turn into an error event / 503
 
 Every network wait has a timeout (`RouterConfig`): no request hangs on a dead or stuck worker.
+Every worker call carries the cluster token (`cluster/auth.py`), and the request's tenant (the prefix
+cache namespace of the client's API key) travels in the body: the workers name its blocks by it, and
+the router's own store lookup and in-prefill prefixes hash with it too.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from deepinfer.cluster.auth import token_headers
 from deepinfer.cluster.policies import (
     DeepInferPolicy,
     RouteInfo,
@@ -69,7 +73,7 @@ class _Retry(Exception):
 class ClusterEngineClient:
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, tokenizer, vocab_size: int,
                  retention: RetentionPolicy, config: RouterConfig, default_max_model_len: int,
-                 store_path: Path | None = None, eos_token_ids: Any = frozenset()) -> None:
+                 store_path: Path | None = None, eos_token_ids: Any = frozenset(), token: str | None = None) -> None:
         self.pool = pool
         self.policy = policy
         self.tokenizer = tokenizer
@@ -83,7 +87,8 @@ class ClusterEngineClient:
         self._store: Any = None
         # no connection cap: every open decode stream holds one, and a capped pool would queue new requests
         self._client = httpx.AsyncClient(timeout=httpx.Timeout(config.prefill_timeout, connect=5.0),
-                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
+                                         limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
+                                         headers=token_headers(token))
         # the latest routing decisions, newest last (GET /internal/routes): why a request went where it went
         self.recent_routes: deque[dict[str, Any]] = deque(maxlen=1000)
         # per prefill worker, the block hashes of the prompts this router has in prefill there (a prompt
@@ -139,10 +144,11 @@ class ClusterEngineClient:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        prompt: str | None = None, cache_salt: str | None = None,
-                       retention_class: str | None = None) -> AsyncIterator[RequestOutput]:
+                       retention_class: str | None = None,
+                       cache_tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         if params.n > 1:
             async for out in self._generate_n(prompt_token_ids, params, request_id, prompt, cache_salt,
-                                              retention_class):
+                                              retention_class, cache_tenant):
                 yield out
             return
         validate_model_params(params, self.vocab_size, self.tokenizer is not None)
@@ -150,12 +156,12 @@ class ClusterEngineClient:
         if bad is not None or not prompt_token_ids:
             raise ValueError("the prompt is empty" if bad is None else f"prompt token id {bad} is out of range")
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
-        hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt)
+        hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt, cache_tenant)
         route = RouteInfo(len(prompt_token_ids), await self._store_hits(hashes, block_size),
                           params.max_tokens if params.max_tokens is not None else self.max_model_len,
                           self._inflight_prefixes(hashes, block_size))
         base = {"request_id": rid, "prompt_token_ids": prompt_token_ids, "params": params_to_json(params),
-                "cache_salt": cache_salt, "retention_class": retention_class}
+                "cache_salt": cache_salt, "cache_tenant": cache_tenant, "retention_class": retention_class}
         shipment: _Shipment | None = None
         decoder: Worker | None = None
         try:
@@ -178,8 +184,8 @@ class ClusterEngineClient:
                 await shipment.close()
 
     async def _generate_n(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
-                          prompt: str | None, cache_salt: str | None,
-                          retention_class: str | None) -> AsyncIterator[RequestOutput]:
+                          prompt: str | None, cache_salt: str | None, retention_class: str | None,
+                          cache_tenant: str | None) -> AsyncIterator[RequestOutput]:
         """n > 1: n independent one-sequence requests (seeds seed, seed+1, ... as the engine gives its
         children), each routed on its own, merged into one output with n choices."""
         from deepinfer.server.serving import merge
@@ -187,7 +193,7 @@ class ClusterEngineClient:
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
         subs = [self.generate(prompt_token_ids, replace(params, n=1, seed=None if params.seed is None else
                                                         params.seed + i), f"{rid}-{i}", prompt, cache_salt,
-                              retention_class) for i in range(params.n)]
+                              retention_class, cache_tenant) for i in range(params.n)]
         latest: list[RequestOutput | None] = [None] * params.n
         async for i, out in merge(subs):
             latest[i] = out
@@ -339,10 +345,11 @@ class ClusterEngineClient:
 
     # ------------------------------------------------------------------ store lookup
 
-    def _block_hashes(self, prompt_ids: list[int], cache_salt: str | None) -> tuple[list[bytes], int]:
+    def _block_hashes(self, prompt_ids: list[int], cache_salt: str | None,
+                      cache_tenant: str | None = None) -> tuple[list[bytes], int]:
         """The hashes of the prompt's full blocks a worker could take from a cache (the last token is
-        always computed), as the workers' engines hash them, and the block size; ([], 1) before any
-        worker has reported its KV layout."""
+        always computed), as the workers' engines hash them for this tenant, and the block size; ([], 1)
+        before any worker has reported its KV layout."""
         from deepinfer.kvstore import KVLayout
 
         load = self.pool.any_load()
@@ -351,7 +358,7 @@ class ClusterEngineClient:
         layout = KVLayout(*load["kv_layout"])
         hashes: list[bytes] = []
         extend_block_hashes(hashes, prompt_ids, layout.block_size,
-                            root_hash(load["model_identity"], layout.key, cache_salt))
+                            root_hash(load["model_identity"], layout.key, cache_salt, cache_tenant))
         return hashes[:(len(prompt_ids) - 1) // layout.block_size], layout.block_size
 
     def _inflight_prefixes(self, hashes: list[bytes], block_size: int) -> dict[str, int]:

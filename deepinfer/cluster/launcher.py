@@ -6,7 +6,9 @@
 
 Workers are children: they get SIGTERM when the router stops, and (Linux) when this
 process dies without cleaning up. A worker that exits is logged; the router takes it
-out of rotation by itself.
+out of rotation by itself. Router and workers share a cluster token (--cluster-token,
+$DEEPINFER_CLUSTER_TOKEN, else a fresh random one), handed to the workers in their
+environment: argv would show it to every user of the machine (`ps`).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import subprocess
 import sys
 from typing import Any
 
-from deepinfer.config import ClusterConfig, EngineConfig, RouterConfig, ServerConfig
+from deepinfer.config import CLUSTER_TOKEN_ENV, ClusterConfig, EngineConfig, RouterConfig, ServerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ def config_flags(cfg: Any) -> list[str]:
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
             out.append(flag if value else "--no-" + f.name.replace("_", "-"))
+        elif isinstance(value, tuple) and f.metadata.get("action") == "append":
+            for v in value:
+                out += [flag, str(v)]
         elif isinstance(value, tuple):
             if value:
                 out += [flag, *map(str, value)]
@@ -73,8 +78,10 @@ def worker_cpu_sets(num_workers: int, threads_per_worker: int = 1) -> list[set[i
 
 
 def start_worker(role: str, engine: EngineConfig, port: int, log_level: str = "WARNING",
-                 extra: list[str] | None = None, cpus: set[int] | None = None) -> subprocess.Popen:
-    """A worker process; `cpus`: pin it (and the engine process it starts, which inherits it) to them."""
+                 extra: list[str] | None = None, cpus: set[int] | None = None,
+                 token: str | None = None) -> subprocess.Popen:
+    """A worker process; `cpus`: pin it (and the engine process it starts, which inherits it) to them;
+    `token`: the cluster token, passed in its environment."""
     cmd = [sys.executable, "-m", "deepinfer.cli", "--log-level", log_level, "serve", "--role", role,
            "--host", "127.0.0.1", "--port", str(port), *engine_flags(engine), *(extra or [])]
     linux = sys.platform.startswith("linux")
@@ -84,8 +91,10 @@ def start_worker(role: str, engine: EngineConfig, port: int, log_level: str = "W
         if cpus:
             os.sched_setaffinity(0, cpus)
 
-    return subprocess.Popen(cmd, env={**os.environ, "PYTHONUNBUFFERED": "1"},  # noqa: PLW1509
-                            preexec_fn=preexec if linux else None)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    if token:
+        env[CLUSTER_TOKEN_ENV] = token
+    return subprocess.Popen(cmd, env=env, preexec_fn=preexec if linux else None)  # noqa: PLW1509
 
 
 def stop_workers(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
@@ -103,22 +112,25 @@ def stop_workers(procs: list[subprocess.Popen], timeout: float = 15.0) -> None:
 def serve_local_cluster(engine: EngineConfig, server: ServerConfig, cluster: ClusterConfig,
                         router: RouterConfig, log_level: str = "WARNING") -> None:
     """Start the workers, then run the router here until interrupted; stop the workers on the way out."""
+    from deepinfer.cluster.auth import new_token
     from deepinfer.cluster.router import build_client, model_name_of, run_router
 
     def interrupted(*_: Any) -> None:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)  # `finally` below stops the workers on SIGTERM too
+    token = server.resolved_cluster_token() or new_token()
+    server = dataclasses.replace(server, cluster_token=token)
     prefill = [f"http://127.0.0.1:{free_port()}" for _ in range(cluster.prefill_workers)]
     decode = [f"http://127.0.0.1:{free_port()}" for _ in range(cluster.decode_workers)]
     roles = [(role, url) for role, urls in (("prefill", prefill), ("decode", decode)) for url in urls]
     cpu_sets = (worker_cpu_sets(len(roles), engine.model.num_threads or 1) if cluster.pin_workers
                 else [None] * len(roles))
-    procs = [start_worker(role, engine, int(url.rsplit(":", 1)[1]), log_level, cpus=cpus)
+    procs = [start_worker(role, engine, int(url.rsplit(":", 1)[1]), log_level, cpus=cpus, token=token)
              for (role, url), cpus in zip(roles, cpu_sets, strict=True)]
     try:
         router = dataclasses.replace(router, prefill=(*router.prefill, *prefill), decode=(*router.decode, *decode))
-        client = build_client(engine.model, engine.kvstore, router)
+        client = build_client(engine.model, engine.kvstore, router, token)
         name = model_name_of(engine.model)
         print(f"deepinfer: local cluster: router http://{server.host}:{server.port}/v1, prefill workers "
               f"{', '.join(prefill)}, decode workers {', '.join(decode)} ({router.routing_policy} policy)",

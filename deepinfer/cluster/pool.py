@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import numpy as np
 
+from deepinfer.cluster.auth import token_headers
 from deepinfer.cluster.policies import WorkerView, queued_since
 from deepinfer.engine.cost_model import CostModel
 
@@ -114,11 +115,12 @@ def peer_cost_models(workers: Sequence[Worker]) -> dict[str, CostModel | None]:
 
 
 class WorkerPool:
-    def __init__(self, interval: float = 0.5, worker_timeout: float = 5.0) -> None:
+    def __init__(self, interval: float = 0.5, worker_timeout: float = 5.0, token: str | None = None) -> None:
+        """`token`: the cluster token the polls carry (`cluster/auth.py`)."""
         self.workers: dict[str, Worker] = {}
         self.interval = interval
         self.worker_timeout = worker_timeout
-        self._client = httpx.AsyncClient(timeout=httpx.Timeout(min(worker_timeout, 10.0)))
+        self._client = httpx.AsyncClient(timeout=httpx.Timeout(min(worker_timeout, 10.0)), headers=token_headers(token))
         self._task: asyncio.Task | None = None
         self._changed = asyncio.Event()
 

@@ -27,7 +27,8 @@ logger = logging.getLogger(__name__)
 class WorkerActor:
     """Runs one `deepinfer serve --role ...` process on the node Ray placed this actor on."""
 
-    def __init__(self, role: str, engine_flags: list[str], log_level: str, package_root: str) -> None:
+    def __init__(self, role: str, engine_flags: list[str], log_level: str, package_root: str,
+                 token: str | None = None) -> None:
         import os
         import socket
         import subprocess
@@ -36,12 +37,15 @@ class WorkerActor:
         import ray
 
         from deepinfer.cluster.launcher import _die_with_parent, free_port
+        from deepinfer.config import CLUSTER_TOKEN_ENV
 
         self.ip = ray.util.get_node_ip_address()
         port = free_port("0.0.0.0")
         cmd = [sys.executable, "-m", "deepinfer.cli", "--log-level", log_level, "serve", "--role", role,
                "--host", "0.0.0.0", "--advertise-host", self.ip, "--port", str(port), *engine_flags]
         env = dict(os.environ)
+        if token:  # the environment, not argv: argv shows in `ps` on the node
+            env[CLUSTER_TOKEN_ENV] = token
         if os.path.isdir(os.path.join(package_root, "deepinfer")):  # the driver's checkout, where nodes share it
             env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
         self.proc = subprocess.Popen(cmd, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
@@ -61,7 +65,7 @@ class WorkerActor:
 
 
 def start_ray_workers(address: str, engine: EngineConfig, cluster: ClusterConfig,
-                      log_level: str) -> tuple[list[Any], list[str], list[str]]:
+                      log_level: str, token: str | None = None) -> tuple[list[Any], list[str], list[str]]:
     """Connect to the Ray cluster and place the worker actors; returns (actors, prefill URLs, decode URLs)."""
     try:
         import ray
@@ -79,7 +83,7 @@ def start_ray_workers(address: str, engine: EngineConfig, cluster: ClusterConfig
     import deepinfer
 
     root = str(Path(deepinfer.__file__).resolve().parent.parent)
-    actors = [actor_cls.remote(role, flags, log_level, root) for role in roles]
+    actors = [actor_cls.remote(role, flags, log_level, root, token) for role in roles]
     infos = ray.get([a.info.remote() for a in actors], timeout=300)
     prefill = [i["url"] for i, r in zip(infos, roles, strict=True) if r == "prefill"]
     decode = [i["url"] for i, r in zip(infos, roles, strict=True) if r == "decode"]
@@ -104,6 +108,7 @@ def serve_ray_cluster(engine: EngineConfig, server: ServerConfig, cluster: Clust
     import dataclasses
     import signal
 
+    from deepinfer.cluster.auth import new_token
     from deepinfer.cluster.router import build_client, model_name_of, run_router
 
     def interrupted(*_: Any) -> None:
@@ -111,10 +116,12 @@ def serve_ray_cluster(engine: EngineConfig, server: ServerConfig, cluster: Clust
 
     signal.signal(signal.SIGTERM, interrupted)
     started = time.monotonic()
-    actors, prefill, decode = start_ray_workers(cluster.ray, engine, cluster, log_level)
+    token = server.resolved_cluster_token() or new_token()
+    server = dataclasses.replace(server, cluster_token=token)
+    actors, prefill, decode = start_ray_workers(cluster.ray, engine, cluster, log_level, token)
     try:
         router = dataclasses.replace(router, prefill=(*router.prefill, *prefill), decode=(*router.decode, *decode))
-        client = build_client(engine.model, engine.kvstore, router)
+        client = build_client(engine.model, engine.kvstore, router, token)
         name = model_name_of(engine.model)
         print(f"deepinfer: Ray cluster {cluster.ray}: router http://{server.host}:{server.port}/v1, prefill "
               f"workers {', '.join(prefill)}, decode workers {', '.join(decode)} (placed in "

@@ -6,6 +6,10 @@ The app is the server's own (`server.app.build_app`) around a `ClusterEngineClie
 - /metrics: the server's metrics (engine stats summed over workers) and the scaling signals per
   worker and per pool: queued prefill seconds, running requests, KV tokens and usage, liveness.
 
+The /internal routes need the cluster token (`cluster/auth.py`), which the router also sends on every
+worker call; the public API authenticates clients by API key, and each key's tenant goes with its
+requests to the workers (`ClusterEngineClient`).
+
 The router loads only the tokenizer and config of the model (no weights).
 """
 
@@ -14,12 +18,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from prometheus_client.core import GaugeMetricFamily
 
+from deepinfer.cluster.auth import require_token
 from deepinfer.cluster.client import ClusterEngineClient
 from deepinfer.cluster.policies import make_policy
 from deepinfer.cluster.pool import WorkerPool
@@ -69,14 +75,17 @@ class ClusterCollector:
         yield from (up, queued, running, kv_tokens, kv_usage, pool_queued, pool_running, pool_usage, pool_live)
 
 
-def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str | Sequence[str] | None = None,
+                     cluster_token: str | None = None) -> FastAPI:
+    """`cluster_token`: what /internal/* requires (None: open, for clusters configured without one)."""
     from deepinfer.server.app import build_app
 
     app = build_app(client, model_name, api_key)  # type: ignore[arg-type]  # the EngineClient surface
     pool = client.pool
     app.state.ctx.metrics.registry.register(ClusterCollector(pool))
+    internal = APIRouter(prefix="/internal", dependencies=[Depends(require_token(cluster_token))])
 
-    @app.post("/internal/register")
+    @internal.post("/register")
     async def register(raw: Request):
         body = await raw.json()
         url, role = body.get("url"), body.get("role")
@@ -87,7 +96,7 @@ def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str 
         pool.heartbeat(url, role)
         return {"ok": True}
 
-    @app.get("/internal/workers")
+    @internal.get("/workers")
     async def workers() -> dict[str, Any]:
         now = time.monotonic()
         return {"workers": [{
@@ -100,16 +109,19 @@ def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str 
             "prefill_retries": client.num_prefill_retries, "decode_retries": client.num_decode_retries,
             "failed_requests": client.num_failed}
 
-    @app.get("/internal/routes")
+    @internal.get("/routes")
     async def routes() -> dict[str, Any]:
         """The latest routing decisions (at most 1000), oldest first."""
         return {"routes": list(client.recent_routes)}
 
+    app.include_router(internal)
     return app
 
 
-def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfig) -> ClusterEngineClient:
-    """Pool, policy and tokenizer of a router (the model's tokenizer and config only; no weights)."""
+def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfig,
+                 token: str | None = None) -> ClusterEngineClient:
+    """Pool, policy and tokenizer of a router (the model's tokenizer and config only; no weights); `token`:
+    the cluster token its worker calls carry."""
     from transformers import AutoConfig
 
     from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
@@ -118,7 +130,7 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
     files = resolve_model(model.model)
     hf_config = AutoConfig.from_pretrained(str(files.directory))
     tokenizer = load_tokenizer(files) if files.has_tokenizer() else None
-    pool = WorkerPool(router.health_interval, router.worker_timeout)
+    pool = WorkerPool(router.health_interval, router.worker_timeout, token)
     for url in router.prefill:
         pool.add(url, "prefill")
     for url in router.decode:
@@ -129,7 +141,7 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
     default_len = model.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 4096
     store: Path | None = kvstore.store_path()
     return ClusterEngineClient(pool, policy, tokenizer, hf_config.vocab_size, retention, router, default_len, store,
-                               eos_token_ids(tokenizer, hf_config, files.directory))
+                               eos_token_ids(tokenizer, hf_config, files.directory), token)
 
 
 def model_name_of(model: ModelConfig) -> str:
@@ -143,7 +155,7 @@ async def run_router(client: ClusterEngineClient, model_name: str, server: Serve
     """Serve the router until cancelled (the poll loop runs alongside)."""
     import uvicorn
 
-    app = build_router_app(client, model_name, server.api_key)
+    app = build_router_app(client, model_name, server.api_key, server.resolved_cluster_token())
     client.pool.start()
     if ready_timeout:
         await client.pool.wait_ready(ready_timeout)
@@ -157,7 +169,13 @@ async def run_router(client: ClusterEngineClient, model_name: str, server: Serve
 
 
 def serve_router(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfig, server: ServerConfig) -> None:
-    client = build_client(model, kvstore, router)
+    token = server.resolved_cluster_token()
+    if token is None and server.api_key:
+        # tenants are kept apart by what the router tells the workers: without a token, anyone who can
+        # reach a worker's /internal endpoints could claim any tenant
+        logger.warning("--api-key without a cluster token: workers' /internal endpoints and KV ports are open; "
+                       "set --cluster-token or $DEEPINFER_CLUSTER_TOKEN on the router and every worker")
+    client = build_client(model, kvstore, router, token)
     name = model_name_of(model)
     print(f"deepinfer: router for {name} at http://{server.host}:{server.port}/v1 ({router.routing_policy} "
           f"policy; {len(router.prefill)} prefill and {len(router.decode)} decode workers listed)", flush=True)

@@ -5,12 +5,19 @@ a stream: the sender opens it when the prefill starts, hands in blocks as chunks
 finishes it after the first token; the receiver sees the blocks as they land:
 
     prefill worker                                     decode worker (listening on its KV port)
-    open(addr, tid) ── connect, header ──────────────▶ accept ─▶ on_transfer(IncomingTransfer)
+    open(addr, tid) ── connect, MAGIC | nonce_s ─────▶ accept
+                    ◀── nonce_r | HMAC(token, receiver, nonce_s, nonce_r) ── (the sender checks it)
+                    ── tid | HMAC(token, sender, nonce_r, nonce_s, tid) ─▶ check ─▶ on_transfer(IncomingTransfer)
     stream.send(blocks)   (returns at once; a background task writes them)
         per block: B | hash | checksum | size | payload ─▶ verify checksum ─▶ `async for batch in incoming`
     stream.finish() ── E | blocks sent ──────────────▶ the iteration ends
                     ◀── ack: blocks verified ───────
     connection lost before E ────────────────────────▶ the iteration raises KVTransferError
+
+The handshake proves the cluster token both ways (`cluster/auth.py`) before any KV byte moves: a
+receiver closes the connection on a wrong proof without reading further, and a sender sends no block
+to a receiver that cannot prove the token. Fresh nonces on both sides: a recorded handshake replays
+nothing. Without a token (none configured) the HMAC key is empty and every peer passes, as before.
 
 A block whose checksum fails ends what the receiver keeps: it is always a prefix of the
 block chain, so whatever is missing is simply recomputed by the decode engine. Every wait
@@ -22,7 +29,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import hmac
 import logging
+import secrets
 import struct
 import time
 from abc import ABC, abstractmethod
@@ -31,7 +40,10 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-MAGIC = b"DIKV2\n"
+MAGIC = b"DIKV3\n"  # v3: the token handshake
+NONCE_SIZE = 16
+MAC_SIZE = 32  # HMAC-SHA256
+HANDSHAKE_TIMEOUT = 10.0  # a peer that does not complete the handshake by then is dropped
 HASH_SIZE = 16
 _BLOCK_HEADER = struct.Struct(f"!{HASH_SIZE}s16sQ")  # block hash, blake2b-128 of the payload, payload size
 _BLOCK, _END = b"B", b"E"
@@ -42,6 +54,13 @@ Block = tuple[bytes, Any]  # (chained block hash, payload: bytes-like or a uint8
 
 class KVTransferError(RuntimeError):
     pass
+
+
+def handshake_mac(token: str | None, role: bytes, *parts: bytes) -> bytes:
+    """HMAC-SHA256 over `role` and the length-prefixed `parts`, keyed by the cluster token (b"" without
+    one). `role` (b"receiver" / b"sender") keeps one side's proof from being replayed as the other's."""
+    msg = b"deepinfer-kv-transfer|" + role + b"".join(struct.pack("!H", len(p)) + p for p in parts)
+    return hmac.new((token or "").encode(), msg, hashlib.sha256).digest()
 
 
 def checksum(payload: bytes | memoryview) -> bytes:
@@ -149,9 +168,13 @@ class KVTransfer(ABC):
 
 
 class TCPKVTransfer(KVTransfer):
+    """`token`: the cluster token both ends must hold (None: none configured, every peer passes)."""
+
     def __init__(self, host: str = "127.0.0.1", port: int = 0, advertise_host: str | None = None,
-                 ttl: float = 120.0) -> None:
+                 ttl: float = 120.0, token: str | None = None) -> None:
         self.host, self.port = host, port
+        self._token = token
+        self.refused = 0  # connections closed in the handshake (wrong protocol or no token)
         self.advertise_host = advertise_host or (host if host not in ("0.0.0.0", "::", "") else "127.0.0.1")
         self.ttl = ttl
         self._server: asyncio.base_events.Server | None = None
@@ -174,11 +197,15 @@ class TCPKVTransfer(KVTransfer):
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         incoming: IncomingTransfer | None = None
         try:
+            try:
+                async with asyncio.timeout(min(HANDSHAKE_TIMEOUT, self.ttl)):
+                    transfer_id = await self._accept_handshake(reader, writer)
+            except (asyncio.IncompleteReadError, ConnectionError, TimeoutError, KVTransferError) as e:
+                self.refused += 1
+                logger.warning("KV transfer connection from %s refused: %r", writer.get_extra_info("peername"), e)
+                return
             async with asyncio.timeout(self.ttl):
-                if await reader.readexactly(len(MAGIC)) != MAGIC:
-                    raise KVTransferError("not a KV transfer")
-                (tid_len,) = struct.unpack("!H", await reader.readexactly(2))
-                incoming = IncomingTransfer((await reader.readexactly(tid_len)).decode())
+                incoming = IncomingTransfer(transfer_id)
                 task = asyncio.get_running_loop().create_task((self._on_transfer or self._collect)(incoming))
                 self._handlers.add(task)
                 task.add_done_callback(self._handlers.discard)
@@ -194,6 +221,25 @@ class TCPKVTransfer(KVTransfer):
             writer.close()
             with contextlib.suppress(ConnectionError, OSError):
                 await writer.wait_closed()
+
+    async def _accept_handshake(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> str:
+        """The receiver's half of the handshake; returns the transfer id, or raises before any block is
+        read (the caller closes the connection)."""
+        if await reader.readexactly(len(MAGIC)) != MAGIC:
+            raise KVTransferError("not a KV transfer (or another protocol version)")
+        theirs = await reader.readexactly(NONCE_SIZE)
+        ours = secrets.token_bytes(NONCE_SIZE)
+        writer.write(ours + handshake_mac(self._token, b"receiver", theirs, ours))
+        await writer.drain()
+        (tid_len,) = struct.unpack("!H", await reader.readexactly(2))
+        tid = await reader.readexactly(tid_len)
+        proof = await reader.readexactly(MAC_SIZE)
+        if not hmac.compare_digest(proof, handshake_mac(self._token, b"sender", ours, theirs, tid)):
+            raise KVTransferError("the peer did not prove the cluster token")
+        try:
+            return tid.decode("ascii")
+        except UnicodeDecodeError as e:
+            raise KVTransferError("the transfer id is not ASCII") from e
 
     async def _read_blocks(self, reader: asyncio.StreamReader, incoming: IncomingTransfer) -> int:
         """Read frames up to the end frame; hand on the verified prefix; return its length."""
@@ -255,12 +301,28 @@ class TCPKVTransfer(KVTransfer):
 
     async def open(self, address: str, transfer_id: str, timeout: float = 10.0) -> KVSendStream:
         host, _, port = address.rpartition(":")
+        deadline = time.monotonic() + timeout
         try:
             reader, writer = await asyncio.wait_for(asyncio.open_connection(host, int(port)), timeout)
         except (OSError, ValueError, TimeoutError) as e:
             raise KVTransferError(f"cannot reach the KV receiver at {address}: {e!r}") from e
-        tid = transfer_id.encode()
-        writer.write(MAGIC + struct.pack("!H", len(tid)) + tid)
+        try:
+            ours = secrets.token_bytes(NONCE_SIZE)
+            writer.write(MAGIC + ours)
+            reply = await asyncio.wait_for(reader.readexactly(NONCE_SIZE + MAC_SIZE),
+                                           max(0.0, deadline - time.monotonic()))
+            theirs, proof = reply[:NONCE_SIZE], reply[NONCE_SIZE:]
+            if not hmac.compare_digest(proof, handshake_mac(self._token, b"receiver", ours, theirs)):
+                raise KVTransferError(f"the KV receiver at {address} did not prove the cluster token")
+            tid = transfer_id.encode("ascii")
+            writer.write(struct.pack("!H", len(tid)) + tid + handshake_mac(self._token, b"sender", theirs, ours, tid))
+        except BaseException as e:
+            writer.close()
+            if isinstance(e, KVTransferError):
+                raise
+            if isinstance(e, OSError | TimeoutError | asyncio.IncompleteReadError | UnicodeEncodeError):
+                raise KVTransferError(f"KV transfer handshake with {address} failed: {e!r}") from e
+            raise
         return _TCPSendStream(address, reader, writer)
 
 

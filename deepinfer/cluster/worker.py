@@ -16,6 +16,10 @@
                                          transfer counters
     worker ── POST router/internal/register (heartbeat thread, with --router-url): join by URL
 
+Every /internal request needs the cluster token (`cluster/auth.py`), the KV port its handshake: so the
+tenant the router puts in a body (`cache_tenant`, the prefix cache namespace of the client's API key)
+is taken as given, and a client cannot name another tenant's blocks by talking to a worker.
+
 The engine is reached only through the `EngineClient` surface (its engine may run in another process):
 `facts`, `stats()`, `generate(stream_kv=...)`, and `call("import_kv_blocks" | "release_kv_blocks", ...)`.
 """
@@ -33,9 +37,10 @@ import time
 from typing import Any
 
 import httpx
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import StreamingResponse
 
+from deepinfer.cluster.auth import require_token, token_headers
 from deepinfer.cluster.policies import queued_since
 from deepinfer.cluster.transfer import (
     IncomingTransfer,
@@ -99,7 +104,9 @@ class WorkerState:
                  transfer: KVTransfer | None = None) -> None:
         self.engine = engine
         self.role = cluster.role
-        self.transfer = transfer or TCPKVTransfer(server.host, cluster.kv_transfer_port, cluster.advertise_host)
+        self.token = server.resolved_cluster_token()
+        self.transfer = transfer or TCPKVTransfer(server.host, cluster.kv_transfer_port, cluster.advertise_host,
+                                                  token=self.token)
         self._transfer_address: str | None = None
         self._start_lock = asyncio.Lock()
         self.pending_prefill: dict[str, tuple[float, float]] = {}  # request id -> (received at, estimated s)
@@ -135,6 +142,7 @@ class WorkerState:
             "max_num_seqs": facts["max_num_seqs"], "max_model_len": eng.max_model_len,
             "block_size": block_size, "model_identity": facts["model_identity"], "kv_layout": facts["kv_layout"],
             "cost_coefficients": cost_coefficients(s), "kv_transfer": kv_address, **self.counters,
+            "transfers_refused": getattr(self.transfer, "refused", 0),  # peers without the cluster token
             "transfers_pending": sum(not a.done.is_set() for a in self.arrivals.values()), "kv_blocks_held": int(s.get("kv_blocks_held_for_imports", 0)),
             "stats": s,
         }
@@ -236,12 +244,15 @@ async def _read(raw: Request, *required: str) -> dict[str, Any]:
         body["params"] = params_from_json(body["params"]) if "params" in body else None
     except (TypeError, ValueError) as e:
         raise APIError(400, f"invalid params: {e}", param="params") from e
+    for name in ("cache_salt", "cache_tenant"):
+        if body.get(name) is not None and not isinstance(body[name], str):
+            raise APIError(400, f"{name} must be a string", param=name)
     return body
 
 
 def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
     engine = state.engine
-    internal = APIRouter(prefix="/internal")
+    internal = APIRouter(prefix="/internal", dependencies=[Depends(require_token(state.token))])
 
     @internal.get("/load")
     async def load():
@@ -262,6 +273,7 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
         try:
             async for out in engine.generate(prompt_ids, first_params, request_id=f"{rid}-prefill",
                                              cache_salt=body.get("cache_salt"),
+                                             cache_tenant=body.get("cache_tenant"),
                                              retention_class=body.get("retention_class"),
                                              stream_kv=stream is not None):
                 if out.kv_blocks and stream is not None:
@@ -311,7 +323,8 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
             waited = time.monotonic() - t0
         try:
             gen = engine.generate(list(body["prompt_token_ids"]), params, request_id=body["request_id"],
-                                  cache_salt=body.get("cache_salt"), retention_class=body.get("retention_class"),
+                                  cache_salt=body.get("cache_salt"), cache_tenant=body.get("cache_tenant"),
+                                  retention_class=body.get("retention_class"),
                                   output_prefix=list(body["output_prefix"]),
                                   prefix_logprobs=logprobs_from_json(body.get("prefix_logprobs")))
             try:  # the first output before the 200, so engine-side rejections still get their status
@@ -346,16 +359,21 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
     app.include_router(internal)
 
 
-def start_heartbeat(router_url: str, worker_url: str, role: str, interval: float = 1.0) -> threading.Event:
+def start_heartbeat(router_url: str, worker_url: str, role: str, interval: float = 1.0,
+                    token: str | None = None) -> threading.Event:
     """Register with the router now and again every `interval` seconds (the router drops a worker it has
     not heard from); returns the event that stops it. A daemon thread: it dies with the process."""
     stop = threading.Event()
 
     def run() -> None:
-        with httpx.Client(timeout=5) as client:
+        with httpx.Client(timeout=5, headers=token_headers(token)) as client:
             while not stop.is_set():
                 try:
-                    client.post(f"{router_url.rstrip('/')}/internal/register", json={"url": worker_url, "role": role})
+                    r = client.post(f"{router_url.rstrip('/')}/internal/register",
+                                    json={"url": worker_url, "role": role})
+                    if r.status_code == 401:
+                        logger.warning("the router at %s refuses this worker: give both the same cluster token "
+                                       "(--cluster-token or $DEEPINFER_CLUSTER_TOKEN)", router_url)
                 except httpx.HTTPError as e:
                     logger.debug("heartbeat to %s failed: %r", router_url, e)
                 stop.wait(interval)
@@ -373,6 +391,6 @@ def worker_customizer(cluster: ClusterConfig, server: ServerConfig):
         add_worker_routes(app, state)
         if cluster.router_url:
             host = cluster.advertise_host or (server.host if server.host not in ("0.0.0.0", "::") else "127.0.0.1")
-            start_heartbeat(cluster.router_url, f"http://{host}:{server.port}", cluster.role)
+            start_heartbeat(cluster.router_url, f"http://{host}:{server.port}", cluster.role, token=state.token)
 
     return customize

@@ -1,8 +1,9 @@
 """Stable names for full KV blocks: h_i = H(h_{i-1}, tokens of block i), rooted in H(extra).
 
-`extra` covers what makes two identical token prefixes produce different KV: the
-model's identity, the KV layout (dtype, block size) and the request's cache salt
-(tenant isolation). BLAKE2b over bytes: the same prefix has the same name in every
+`extra` covers what makes two identical token prefixes produce different KV, or must
+keep them apart: the model's identity, the KV layout (dtype, block size), the tenant
+(the server derives it from the API key; a client cannot choose it) and the request's
+`cache_salt` (chosen by the client, within its tenant). BLAKE2b over bytes: the same prefix has the same name in every
 process and after a restart (never Python's randomized `hash()`). The device
 prefix cache, the persistent store, the router and KV transfer share this name.
 """
@@ -15,11 +16,19 @@ from array import array
 DIGEST_SIZE = 16
 
 
-def root_hash(model_identity: str, kv_layout: str, cache_salt: str | None = None) -> bytes:
-    """The chain's seed for one (model, KV layout, tenant)."""
+def root_hash(model_identity: str, kv_layout: str, cache_salt: str | None = None,
+              tenant: str | None = None) -> bytes:
+    """The chain's seed for one (model, KV layout, tenant, cache salt).
+
+    Tenant and salt are separate length-prefixed fields, so no salt a client sends can name another
+    tenant's blocks (nor the tenant-less namespace's). Without a tenant the seed is the one this
+    function always gave, so stores written before tenants existed stay valid."""
     salt = "" if cache_salt is None else cache_salt
-    return hashlib.blake2b(f"deepinfer-kv-v1|{model_identity}|{kv_layout}|{len(salt)}:{salt}".encode(),
-                           digest_size=DIGEST_SIZE).digest()
+    text = f"deepinfer-kv-v1|{model_identity}|{kv_layout}|{len(salt)}:{salt}"
+    if tenant is not None:
+        # the salt's length prefix ends it exactly, so this suffix cannot be spelled by a salt
+        text += f"|tenant|{len(tenant)}:{tenant}"
+    return hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE).digest()
 
 
 def hash_block(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:

@@ -154,14 +154,17 @@ class LLMEngine:
     def add_request(self, prompt: str | list[int], params: SamplingParams, request_id: str | None = None,
                     cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
                     retention_class: str | None = None, output_prefix: list[int] | None = None,
-                    prefix_logprobs: list[dict[int, Logprob]] | None = None, stream_kv: bool = False) -> str:
+                    prefix_logprobs: list[dict[int, Logprob]] | None = None, stream_kv: bool = False,
+                    cache_tenant: str | None = None) -> str:
         """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized. `retention_class`
         (default: the configured default class) says how long the KV store keeps its blocks.
         `output_prefix`: tokens already generated elsewhere (a prefill worker's first token, with their
         `prefix_logprobs` if the request wants logprobs); the request continues after them as if it had
         sampled them itself (n == 1 only). `stream_kv` (n == 1 only): after every step that completed more
         of the prompt's full blocks, the request's output carries them (`RequestOutput.kv_blocks`), with
-        or without a new token: a prefill worker ships them while the rest of the prompt computes."""
+        or without a new token: a prefill worker ships them while the rest of the prompt computes.
+        `cache_tenant`: the authenticated tenant's cache namespace (set by the server from the API key, never
+        by a client); its blocks are named apart from every other tenant's, whatever `cache_salt` says."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._parents:
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -187,7 +190,7 @@ class LLMEngine:
                 grammar = self.grammars.request_state(params.structured_output)
             req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, prompt_ids, child_params,
                           self.eos_token_ids, cache_salt, wait_for=first, retention_class=retention_class,
-                          grammar=grammar)
+                          grammar=grammar, cache_tenant=cache_tenant)
             first = first or req
             detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
                                            params.include_stop_str_in_output)
@@ -216,10 +219,11 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return bool(self._parents)
 
-    def export_kv_blocks(self, token_ids: list[int], cache_salt: str | None = None) -> list[tuple[bytes, Any]]:
+    def export_kv_blocks(self, token_ids: list[int], cache_salt: str | None = None,
+                         cache_tenant: str | None = None) -> list[tuple[bytes, Any]]:
         """(block hash, payload) of the full blocks of `token_ids` this engine still holds, in chain order
         from the first block (see `kv_exchange.export_blocks`)."""
-        return export_blocks(self.core, token_ids, cache_salt)
+        return export_blocks(self.core, token_ids, cache_salt, cache_tenant)
 
     def import_kv_blocks(self, blocks: list[tuple[bytes, Any]], hold_key: str | None = None) -> int:
         """Put named KV blocks where this engine's prefix cache finds them (see `kv_exchange.import_blocks`);

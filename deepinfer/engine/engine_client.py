@@ -154,9 +154,11 @@ class EngineClient(ABC):
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        prompt: str | None = None, cache_salt: str | None = None,
                        retention_class: str | None = None, output_prefix: list[int] | None = None,
-                       prefix_logprobs: list | None = None, stream_kv: bool = False) -> AsyncIterator[RequestOutput]:
+                       prefix_logprobs: list | None = None, stream_kv: bool = False,
+                       cache_tenant: str | None = None) -> AsyncIterator[RequestOutput]:
         """`output_prefix` / `prefix_logprobs`: tokens another worker already generated for this request;
-        `stream_kv`: outputs carry the prompt's KV blocks as they are computed (see `LLMEngine.add_request`)."""
+        `stream_kv`: outputs carry the prompt's KV blocks as they are computed; `cache_tenant`: the
+        authenticated tenant's cache namespace (see `LLMEngine.add_request`)."""
         self.validate_prompt(prompt_token_ids)
         self.validate_params(params)
         retention_class = self.check_retention(retention_class)
@@ -168,7 +170,7 @@ class EngineClient(ABC):
         self._submit({"prompt": prompt if prompt is not None else list(prompt_token_ids), "params": params,
                       "request_id": request_id, "cache_salt": cache_salt, "prompt_token_ids": list(prompt_token_ids),
                       "retention_class": retention_class, "output_prefix": output_prefix,
-                      "prefix_logprobs": prefix_logprobs, "stream_kv": stream_kv})
+                      "prefix_logprobs": prefix_logprobs, "stream_kv": stream_kv, "cache_tenant": cache_tenant})
         finished = False
         try:
             while True:

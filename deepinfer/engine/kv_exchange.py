@@ -31,18 +31,20 @@ if TYPE_CHECKING:
     from deepinfer.engine.request import Request
 
 
-def prompt_block_hashes(core: EngineCore, token_ids: Sequence[int], cache_salt: str | None) -> list[bytes]:
-    """The chained hashes of every full block of `token_ids` as this engine names them."""
+def prompt_block_hashes(core: EngineCore, token_ids: Sequence[int], cache_salt: str | None,
+                        cache_tenant: str | None = None) -> list[bytes]:
+    """The chained hashes of every full block of `token_ids` as this engine names them (for the tenant)."""
     kv = core.kv
     hashes: list[bytes] = []
-    extend_block_hashes(hashes, list(token_ids), kv.block_size, kv._root(cache_salt))
+    extend_block_hashes(hashes, list(token_ids), kv.block_size, kv._root(cache_salt, cache_tenant))
     return hashes
 
 
-def export_blocks(core: EngineCore, token_ids: Sequence[int], cache_salt: str | None) -> list[tuple[bytes, Any]]:
+def export_blocks(core: EngineCore, token_ids: Sequence[int], cache_salt: str | None,
+                  cache_tenant: str | None = None) -> list[tuple[bytes, Any]]:
     """(hash, payload) of the longest run of `token_ids`' full blocks still held on the device or in the
     host tier, from the first block on. Payloads are CPU uint8 tensors (`gather_block` layout)."""
-    return export_hashes(core, prompt_block_hashes(core, token_ids, cache_salt))
+    return export_hashes(core, prompt_block_hashes(core, token_ids, cache_salt, cache_tenant))
 
 
 def export_hashes(core: EngineCore, hashes: Sequence[bytes]) -> list[tuple[bytes, Any]]:

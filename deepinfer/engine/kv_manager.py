@@ -150,7 +150,7 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
-        self._roots: dict[str | None, bytes] = {}
+        self._roots: dict[tuple[str | None, str | None], bytes] = {}
         self.tiers: KVTiers | None = None
         # chain positions each request computed and registered first, not yet handed to the store
         self._unwritten: dict[str, list[int]] = {}
@@ -164,14 +164,15 @@ class KVCacheManager:
         self.tiers = tiers if self.enable_prefix_caching else None
         self.pool.on_evict = tiers.evicted if self.tiers is not None and tiers.host is not None else None
 
-    def _root(self, salt: str | None) -> bytes:
-        r = self._roots.get(salt)
+    def _root(self, salt: str | None, tenant: str | None = None) -> bytes:
+        r = self._roots.get((tenant, salt))
         if r is None:
-            r = self._roots[salt] = root_hash(self.model_identity, self.kv_layout, salt)
+            r = self._roots[(tenant, salt)] = root_hash(self.model_identity, self.kv_layout, salt, tenant)
         return r
 
     def update_hashes(self, req: Request) -> None:
-        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size, self._root(req.cache_salt))
+        extend_block_hashes(req.block_hashes, req.token_ids, self.block_size,
+                            self._root(req.cache_salt, req.cache_tenant))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

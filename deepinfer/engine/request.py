@@ -49,13 +49,14 @@ class Request:
                  eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None,
                  max_tokens: int | None = None, arrival_time: float | None = None,
                  wait_for: Request | None = None, retention_class: str | None = None,
-                 grammar: RequestGrammar | None = None) -> None:
+                 grammar: RequestGrammar | None = None, cache_tenant: str | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
         self.params = params
         self.eos_token_ids = eos_token_ids
         self.cache_salt = cache_salt
+        self.cache_tenant = cache_tenant  # the authenticated tenant's cache namespace (never client-chosen)
         self.retention_class = retention_class  # how long the store keeps its blocks; None: the default
         # limit on generated tokens; None: until EOS or the context is full
         self.max_tokens = params.max_tokens if max_tokens is None else max_tokens

@@ -45,6 +45,7 @@ from deepinfer.server.serving import (
     resolve_retention_class,
     sse_event,
     stream_with_metrics,
+    tenant_of,
     with_structured_output,
 )
 from deepinfer.server.tooling import ToolPlan, anthropic_plan, constrain, kept_calls, output_parser, render
@@ -114,7 +115,7 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     name, breakpoints = cache_retention(req)
     retention = resolve_retention_class(ctx, name, "cache_control", raw)
     mid = f"msg_{uuid.uuid4().hex}"
-    gen = stream_with_metrics(ctx, prompt_ids, params, None, retention=retention)
+    gen = stream_with_metrics(ctx, prompt_ids, params, None, retention=retention, cache_tenant=tenant_of(raw))
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_stream(output_parser(ctx, prompt_ids, plan, fmt is not None), req, plan, mid,

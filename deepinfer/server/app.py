@@ -8,9 +8,9 @@ status; bad input never yields a 500.
 
 from __future__ import annotations
 
-import hmac
 import logging
 import time
+from collections.abc import Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -39,6 +39,7 @@ from deepinfer.server.protocol_anthropic import CountTokensRequest, MessagesRequ
 from deepinfer.server.protocol_responses import ResponsesRequest
 from deepinfer.server.response_store import ResponseStore
 from deepinfer.server.responses_api import create_response, delete_response, stored_response
+from deepinfer.server.tenants import Tenants
 
 logger = logging.getLogger(__name__)
 
@@ -65,8 +66,10 @@ def recipe_options(tokenizer, architectures: list[str] | None, tool_parser: str 
     return RecipeOptions(tool_parser=tools, reasoning_parser=resolve_reasoning_parser(reasoning_parser, template))
 
 
-def build_app(engine: EngineClient, model_name: str, api_key: str | None = None, *,
+def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str] | None = None, *,
               recipe: RecipeOptions | None = None, responses: ResponseStore | None = None) -> FastAPI:
+    """`api_key`: one key or several (`KEY` or `KEY=GROUP` each, see `server/tenants.py`); each key is a
+    tenant whose requests get a prefix cache namespace of their own. None: no auth, one namespace."""
     app = FastAPI(title="deepinfer", version=__version__)
     metrics = ServerMetrics(engine.stats, model_name)
     if recipe is None:
@@ -76,14 +79,21 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
     app.state.ctx = ctx
     created = int(time.time())
 
+    tenants = Tenants((api_key,) if isinstance(api_key, str) else api_key or ())
+
     # a dependency, not middleware: Starlette's BaseHTTPMiddleware hides client disconnects from handlers
     async def authenticate(request: Request) -> None:
-        if api_key is None:
+        """The key's tenant goes on `request.state.cache_tenant` (the handlers pass it to the engine); a
+        client has no other way to set it."""
+        request.state.cache_tenant = None
+        if not tenants:
             return
         header = request.headers.get("authorization", "")
         token = header[7:] if header.lower().startswith("bearer ") else request.headers.get("x-api-key", "")
-        if not hmac.compare_digest(token.encode(), api_key.encode()):
+        tenant = tenants.match(token)
+        if tenant is None:
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
+        request.state.cache_tenant = tenant.cache_id
 
     api = APIRouter(dependencies=[Depends(authenticate)])
 

@@ -27,6 +27,7 @@ from deepinfer.server.serving import (
     sse,
     stream_usage,
     stream_with_metrics,
+    tenant_of,
     usage,
 )
 from deepinfer.server.structured_fields import grammar_field, precompile
@@ -74,8 +75,9 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     created = int(time.time())
     params = [sampling_params(req, mt, req.logprobs, engine) for mt in max_tokens]
     await precompile(engine, params[0], grammar_field(req))  # a bad grammar is a 400, also when streaming
+    tenant = tenant_of(raw)
     gens = [stream_with_metrics(ctx, ids, p, req.cache_salt, prompt=text, retention=retention,
-                                grammar_param=grammar_field(req))
+                                grammar_param=grammar_field(req), cache_tenant=tenant)
             for (text, ids), p in zip(prompts, params, strict=True)]
     if req.stream:
         return StreamingResponse(_completion_sse(ctx, req, rid, created, prompts, gens),

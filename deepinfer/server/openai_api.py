@@ -36,6 +36,7 @@ from deepinfer.server.serving import (
     sse,
     stream_usage,
     stream_with_metrics,
+    tenant_of,
     usage,
 )
 from deepinfer.server.structured_fields import grammar_field
@@ -132,7 +133,7 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     gen = stream_with_metrics(ctx, prompt_ids, params, req.cache_salt, retention=retention,
-                              grammar_param=grammar_param)
+                              grammar_param=grammar_param, cache_tenant=tenant_of(raw))
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_chat_sse(ctx, req, plan, rid, created, first, gen, top_n),

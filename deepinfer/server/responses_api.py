@@ -42,6 +42,7 @@ from deepinfer.server.serving import (
     resolve_retention_class,
     sse_event,
     stream_with_metrics,
+    tenant_of,
     with_structured_output,
 )
 from deepinfer.server.tooling import ToolPlan, constrain, kept_calls, openai_plan, output_parser, render
@@ -165,7 +166,8 @@ def output_items(parser: OutputParser, plan: ToolPlan) -> list[dict]:
 async def create_response(ctx: ServingContext, req: ResponsesRequest, store: ResponseStore, raw: Request):
     ctx.engine.check_admission()
     job = _Job(ctx, req, store, raw)
-    gen = stream_with_metrics(ctx, job.prompt_ids, job.params, None, retention=job.retention)
+    gen = stream_with_metrics(ctx, job.prompt_ids, job.params, None, retention=job.retention,
+                              cache_tenant=tenant_of(raw))
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_stream(job, first, gen), media_type="text/event-stream")

@@ -105,6 +105,11 @@ def resolve_retention_class(ctx: ServingContext, name: str | None, param: str, r
         raise APIError(400, str(e), param=param) from e
 
 
+def tenant_of(raw: Request) -> str | None:
+    """The prefix cache namespace of the API key that authenticated `raw` (None without keys)."""
+    return getattr(raw.state, "cache_tenant", None)
+
+
 def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
     return {
         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
@@ -133,16 +138,17 @@ def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
 
 async def stream_with_metrics(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams,
                               cache_salt: str | None, prompt: str | None = None,
-                              retention: str | None = None, grammar_param: str | None = None
-                              ) -> AsyncIterator[RequestOutput]:
+                              retention: str | None = None, grammar_param: str | None = None,
+                              cache_tenant: str | None = None) -> AsyncIterator[RequestOutput]:
     """The engine's stream for one request, observed by the metrics. A grammar is compiled (or found
-    cached) first, so an invalid one is a 400 naming `grammar_param` before anything is queued."""
+    cached) first, so an invalid one is a 400 naming `grammar_param` before anything is queued.
+    `cache_tenant`: `tenant_of(raw)`, the authenticated tenant's prefix cache namespace."""
     from deepinfer.server.structured_fields import precompile
 
     await precompile(ctx.engine, params, grammar_param)
     timer = ctx.metrics.timer()
     async for out in ctx.engine.generate(prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
-                                         retention_class=retention):
+                                         retention_class=retention, cache_tenant=cache_tenant):
         timer.observe(out)
         yield out
 
