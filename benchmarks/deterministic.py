@@ -31,7 +31,8 @@ QUESTIONS = [
 
 def _chat_ids(llm: LLM, text: str) -> list[int]:
     tok = llm.engine.tokenizer
-    return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+    return tok.encode(rendered, add_special_tokens=False)
 
 
 def _timed(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> tuple[float, int]:

@@ -3,8 +3,9 @@
 Default mode: the GGUF block kernels (small batches) multiply with the same weight values as the
 dense path (larger batches) in every dtype, so a batch size changes only the summation order.
 `--deterministic`: every token runs through row-invariant kernels, so one request's greedy tokens
-are the same whatever it is batched with, however its prompt is chunked, wherever its prefix came
-from (device cache, the persistent store after a restart) and through a 1P+1D cluster.
+are the same whatever it is batched with, however its prompt is chunked, with host work overlapped
+or not, wherever its prefix came from (device cache, the persistent store after a restart) and
+through a 1P+1D cluster.
 
 bf16 cases run only where the CPU multiplies bf16 natively (AVX-512 BF16 / AMX), the machines
 where bf16 is the default dtype; elsewhere bf16 is emulated (~8x slower) and not what users get.
@@ -131,8 +132,8 @@ def test_deterministic_greedy_ignores_batching_chunking_and_cache_tiers(dtype, p
     del llm
     gc.collect()
 
-    # computed fresh in small chunks, sharing every step with 32 other prompts
-    llm = _llm(dtype, enable_prefix_caching=False, max_num_batched_tokens=160)
+    # computed fresh in small chunks, sharing every step with 32 other prompts, host work overlapped
+    llm = _llm(dtype, enable_prefix_caching=False, max_num_batched_tokens=160, overlap_host_work="on")
     mixed = llm.generate(others[:16] + [long] + others[16:], GREEDY)
     assert mixed[16].num_cached_tokens == 0
     assert _tokens(mixed[16]) == _tokens(cold)
