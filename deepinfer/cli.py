@@ -75,7 +75,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     elif cluster.role != "unified":
         from deepinfer.cluster.worker import worker_customizer
 
-        serve(engine, server, customize=worker_customizer(cluster, server))
+        # its API answers only callers with the cluster token: clients go through the router's API keys
+        serve(engine, server, customize=worker_customizer(cluster, server), api_token=server.resolved_cluster_token())
     else:
         serve(engine, server)
     return 0

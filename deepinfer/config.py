@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 CLUSTER_TOKEN_ENV = "DEEPINFER_CLUSTER_TOKEN"  # where cluster processes take the cluster token from
+API_KEYS_ENV = "DEEPINFER_API_KEYS"  # API keys when no --api-key is given (argv shows in `ps`, the environment not)
 
 
 def _f(default: Any, help: str, *, repr: bool = True, **kw: Any) -> Any:
@@ -241,7 +242,9 @@ class ServerConfig:
         "key is a tenant with a prefix cache of its own (the tenant enters every KV block's hash in every tier, "
         "whatever cache_salt a request sends). KEY=GROUP puts a key in cache group GROUP: the keys of one "
         "group share one cache (the text after the last `=` names the group, if not empty). Without any key: "
-        "one shared cache (cache_salt still separates requests that set it).", action="append", repr=False)
+        "one shared cache (cache_salt still separates requests that set it). Default: $DEEPINFER_API_KEYS, "
+        "the same KEY or KEY=GROUP entries separated by commas or newlines (prefer it: argv shows in ps).",
+        action="append", repr=False)
     cluster_token: str | None = _f(
         None, "Shared secret of a prefill/decode cluster: the router and workers require it on /internal/* and "
         "on the KV transfer port (default: $DEEPINFER_CLUSTER_TOKEN; prefer the variable, argv shows in ps). "
@@ -269,7 +272,11 @@ class ServerConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         keys = self.api_key
         # one key as a plain string (the type before several keys existed) still works
-        object.__setattr__(self, "api_key", () if keys is None else (keys,) if isinstance(keys, str) else tuple(keys))
+        keys = () if keys is None else (keys,) if isinstance(keys, str) else tuple(keys)
+        if not keys:  # resolved here, once, so every consumer (server, router, launchers) sees the same keys
+            keys = tuple(k.strip() for k in os.environ.get(API_KEYS_ENV, "").replace("\n", ",").split(",")
+                         if k.strip())
+        object.__setattr__(self, "api_key", keys)
         from deepinfer.server.tenants import Tenants
 
         Tenants(self.api_key)  # raises ValueError for an empty or repeated key

@@ -2,13 +2,15 @@
 
 Two API keys are two tenants: the same long prompt sent by the second finds none of the first's KV,
 in any tier (device cache, persistent store after a restart, a 1P+1D cluster's router lookup and KV
-transfer), whatever `cache_salt` it sends; keys of one `KEY=GROUP` group share. Internal endpoints and
-the KV transfer port refuse peers without the cluster token. Real servers, workers, stores and sockets.
+transfer), whatever `cache_salt` it sends; keys of one `KEY=GROUP` group share. Stored responses are the
+tenant's own (another key gets the 404 of an unknown id). Internal endpoints, the KV transfer port and
+a worker's public API refuse peers without the cluster token. Real servers, workers, stores and sockets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import random
 import socket
@@ -31,7 +33,7 @@ from deepinfer.cluster.transfer import (
     TCPKVTransfer,
     handshake_mac,
 )
-from deepinfer.config import CLUSTER_TOKEN_ENV, ServerConfig, config_from_args
+from deepinfer.config import API_KEYS_ENV, CLUSTER_TOKEN_ENV, ServerConfig, config_from_args
 from deepinfer.engine.block_hash import root_hash
 from deepinfer.kvstore.space import scan
 from deepinfer.server.tenants import Tenants, cache_id
@@ -53,6 +55,32 @@ def _cached(base: str, key: str, prompt: list[int], **extra) -> int:
     r = client.completions.create(model="tiny", prompt=prompt, max_tokens=3, temperature=0,
                                   extra_body={"ignore_eos": True, **extra})
     return r.usage.prompt_tokens_details.cached_tokens
+
+
+def _responses_are_the_tenants_own(base: str) -> None:
+    """A's stored response: for B, GET, DELETE and previous_response_id answer exactly as for an unknown id
+    (nothing tells B it exists); A still reads and continues it afterwards."""
+    a = openai.OpenAI(base_url=f"{base}/v1", api_key=KEY_A, max_retries=0, timeout=120)
+    first = a.responses.create(model="tiny", input="hello", max_output_tokens=2)
+    unknown = "resp_" + "0" * 32
+
+    def as_b(method: str, rid: str) -> httpx.Response:
+        headers = {"authorization": f"Bearer {KEY_B}"}
+        if method == "POST":
+            return httpx.post(f"{base}/v1/responses", headers=headers, timeout=60, json={
+                "model": "tiny", "input": "more", "max_output_tokens": 2, "previous_response_id": rid})
+        return httpx.request(method, f"{base}/v1/responses/{rid}", headers=headers, timeout=60)
+
+    for method in ("GET", "DELETE", "POST"):
+        theirs, none = as_b(method, first.id), as_b(method, unknown)
+        assert theirs.status_code == none.status_code == 404, (method, theirs.text)
+        assert theirs.json() == json.loads(none.text.replace(unknown, first.id)), method
+    assert a.responses.retrieve(first.id).output == first.output  # B's DELETE left it in place
+    second = a.responses.create(model="tiny", input="more", max_output_tokens=2, previous_response_id=first.id)
+    assert second.previous_response_id == first.id
+    a.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        a.responses.retrieve(first.id)
 
 
 # ---------------------------------------------------------------- the scheme, in process
@@ -88,6 +116,22 @@ def test_api_keys_groups_and_config():
     args = build_parser().parse_args(["serve", "--api-key", KEY_A, "--api-key", f"{KEY_C}=team"])
     assert config_from_args(ServerConfig, args).api_key == (KEY_A, f"{KEY_C}=team")
     assert config_from_args(ServerConfig, build_parser().parse_args(["router"])).api_key == ()
+
+
+def test_api_keys_from_the_environment(monkeypatch, capsys):
+    from deepinfer.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    assert f"${API_KEYS_ENV}" in capsys.readouterr().out
+    monkeypatch.setenv(API_KEYS_ENV, f" {KEY_A}, {KEY_B}\n{KEY_C}=team\r\n\n")
+    serve = build_parser().parse_args(["serve"])
+    assert config_from_args(ServerConfig, serve).api_key == (KEY_A, KEY_B, f"{KEY_C}=team")
+    given = build_parser().parse_args(["router", "--api-key", KEY_D])
+    assert config_from_args(ServerConfig, given).api_key == (KEY_D,)  # --api-key wins over the variable
+    monkeypatch.setenv(API_KEYS_ENV, f"{KEY_A},{KEY_A}")
+    with pytest.raises(ValueError, match="twice"):
+        ServerConfig()
 
 
 def test_router_store_lookup_hashes_with_the_tenant(tiny_models, tmp_path):
@@ -181,12 +225,16 @@ def test_kv_transfer_handshake_needs_the_token():
 # ---------------------------------------------------------------- a real server, a real store
 
 
-def test_tenants_do_not_share_cached_prefixes_even_through_the_store(tiny_models, tmp_path):
+def test_tenants_do_not_share_cached_prefixes_even_through_the_store(tiny_models, tmp_path, monkeypatch):
+    """The first server takes its keys from $DEEPINFER_API_KEYS, the restarted one from --api-key: the
+    same tenants (the store's hits across the restart show it)."""
     store = tmp_path / "store"
     keys = ("--api-key", KEY_A, "--api-key", KEY_B, "--api-key", f"{KEY_C}=team", "--api-key", f"{KEY_D}=team")
-    args = ("--model", str(tiny_models["llama"]), *FLAGS, "--kv-store", str(store), *keys)
+    model = ("--model", str(tiny_models["llama"]), *FLAGS, "--kv-store", str(store))
     p, q, shared = _prompt(10), _prompt(11), _prompt(12)
-    with running_server(*args, log=tmp_path / "first.log") as base:
+    monkeypatch.setenv(API_KEYS_ENV, f"{KEY_A},{KEY_B}\n{KEY_C}=team\n{KEY_D}=team\n")  # the process inherits it
+    with running_server(*model, log=tmp_path / "first.log") as base:
+        monkeypatch.delenv(API_KEYS_ENV)
         assert _cached(base, KEY_A, p) == 0
         assert _cached(base, KEY_B, p) == 0  # A's blocks are on the device: not B's
         assert _cached(base, KEY_A, p) == 64  # ... and still A's
@@ -204,8 +252,9 @@ def test_tenants_do_not_share_cached_prefixes_even_through_the_store(tiny_models
             "model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "lorem ipsum " * 40}]})
         assert r.json()["usage"]["cache_read_input_tokens"] == 0
         assert httpx.post(f"{base}/v1/completions", json={"prompt": p}, timeout=30).status_code == 401
+        _responses_are_the_tenants_own(base)
     # a restart: only the store remembers, and it keeps the tenants apart as well
-    with running_server(*args, log=tmp_path / "second.log") as base:
+    with running_server(*model, *keys, log=tmp_path / "second.log") as base:
         assert _cached(base, KEY_B, q) == 0  # only A sent q
         assert _cached(base, KEY_B, q, cache_salt=cache_id(key=KEY_A)) == 0
         assert _cached(base, KEY_A, q) == 64  # from the store
@@ -279,6 +328,17 @@ def test_cluster_keeps_tenants_apart_and_its_internals_need_the_token(tiny_model
         forged = {"request_id": "x", "prompt_token_ids": _prompt(20), "params": {"max_tokens": 2},
                   "cache_tenant": cache_id(key=KEY_A)}
         assert httpx.post(f"{urls['prefill']}/internal/prefill", json=forged, timeout=10).status_code == 401
+        # the workers' public API too: a client cannot bypass the router's API keys (nor pick a tenant)
+        chat = {"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+        r = httpx.post(f"{urls['decode']}/v1/chat/completions", json=chat, timeout=10)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_cluster_token"
+        r = httpx.post(f"{urls['prefill']}/v1/messages", headers={"x-api-key": KEY_A}, json=chat, timeout=10)
+        assert r.status_code == 401 and r.json()["type"] == "error"  # in the Anthropic API's shape
+        assert httpx.post(f"{urls['prefill']}/tokenize", json={"prompt": "hi"}, timeout=10).status_code == 401
+        r = httpx.post(f"{urls['decode']}/v1/chat/completions", json=chat, headers=internal, timeout=60)
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "assistant"
+        assert httpx.get(f"{urls['decode']}/health", timeout=10).status_code == 200  # probes need no token
+        _responses_are_the_tenants_own(base)  # the router serves the Responses API itself
 
         def load(role: str) -> dict:
             return httpx.get(f"{urls[role]}/internal/load", headers=internal, timeout=10).json()

@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer import __version__
+from deepinfer.cluster.auth import require_token
 from deepinfer.engine.engine_client import EngineClient, EngineDeadError, QueueFullError
 from deepinfer.recipe.output import RecipeOptions
 from deepinfer.server.anthropic_api import count_tokens, create_message
@@ -39,6 +40,7 @@ from deepinfer.server.protocol_anthropic import CountTokensRequest, MessagesRequ
 from deepinfer.server.protocol_responses import ResponsesRequest
 from deepinfer.server.response_store import ResponseStore
 from deepinfer.server.responses_api import create_response, delete_response, stored_response
+from deepinfer.server.serving import tenant_of
 from deepinfer.server.tenants import Tenants
 
 logger = logging.getLogger(__name__)
@@ -67,9 +69,12 @@ def recipe_options(tokenizer, architectures: list[str] | None, tool_parser: str 
 
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str] | None = None, *,
-              recipe: RecipeOptions | None = None, responses: ResponseStore | None = None) -> FastAPI:
+              recipe: RecipeOptions | None = None, responses: ResponseStore | None = None,
+              api_token: str | None = None) -> FastAPI:
     """`api_key`: one key or several (`KEY` or `KEY=GROUP` each, see `server/tenants.py`); each key is a
-    tenant whose requests get a prefix cache namespace of their own. None: no auth, one namespace."""
+    tenant whose requests get a prefix cache namespace of their own. None: no auth, one namespace.
+    `api_token`: a cluster worker's cluster token, which its API routes then require as well (in
+    `CLUSTER_TOKEN_HEADER`): clients must go through the router, which checks their API keys."""
     app = FastAPI(title="deepinfer", version=__version__)
     metrics = ServerMetrics(engine.stats, model_name)
     if recipe is None:
@@ -95,7 +100,11 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str
             raise APIError(401, "Incorrect API key provided.", code="invalid_api_key")
         request.state.cache_tenant = tenant.cache_id
 
-    api = APIRouter(dependencies=[Depends(authenticate)])
+    # the token first: a caller without it learns nothing, not even whether its API key is valid. /health
+    # and /metrics stay open (outside `api`): launchers, probes and scrapers read them, and they tell
+    # nothing of any tenant's requests
+    refuse = require_token(api_token, "this is a cluster worker: send API requests to the router")
+    api = APIRouter(dependencies=[Depends(refuse), Depends(authenticate)])
 
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError):
@@ -178,12 +187,12 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str
         return await create_response(ctx, req, responses, raw)
 
     @api.get("/v1/responses/{response_id}")
-    async def responses_get(response_id: str):
-        return stored_response(responses, response_id)
+    async def responses_get(response_id: str, raw: Request):
+        return stored_response(responses, response_id, tenant_of(raw))
 
     @api.delete("/v1/responses/{response_id}")
-    async def responses_delete(response_id: str):
-        return delete_response(responses, response_id)
+    async def responses_delete(response_id: str, raw: Request):
+        return delete_response(responses, response_id, tenant_of(raw))
 
     @api.post("/v1/messages")
     async def messages(req: MessagesRequest, raw: Request):
@@ -221,9 +230,9 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str
     return app
 
 
-def serve(engine_config, server_config, customize=None) -> None:
+def serve(engine_config, server_config, customize=None, api_token: str | None = None) -> None:
     """Load the engine, then serve HTTP until interrupted. `customize(app, engine)`, if given, adds to the
-    app before it serves (a cluster worker's /internal routes)."""
+    app before it serves (a cluster worker's /internal routes); `api_token`: see `build_app`."""
     import uvicorn
 
     from deepinfer.config import ServerConfig
@@ -244,7 +253,8 @@ def serve(engine_config, server_config, customize=None) -> None:
     print(f"deepinfer: tool parser {recipe.tool_parser}; reasoning parser {recipe.reasoning_parser or 'none'}",
           flush=True)
     app = build_app(engine, name, server_config.api_key, recipe=recipe,
-                    responses=ResponseStore(server_config.responses_store_size, server_config.responses_store_ttl))
+                    responses=ResponseStore(server_config.responses_store_size, server_config.responses_store_ttl),
+                    api_token=api_token)
     if customize is not None:
         customize(app, engine)
     url = f"http://{server_config.host}:{server_config.port}"

@@ -3,6 +3,12 @@
 Bounded two ways, so memory never grows without limit: at most `max_entries` (the oldest are
 dropped first) and each entry at most `ttl` seconds old (expired entries are dropped on access and
 on every insert). One store per app; only the event loop touches it, so it needs no lock.
+
+Each response belongs to the tenant that created it (`request.state.cache_tenant`: the cache namespace of
+its API key, None without keys): `get` and `delete` with any other tenant find nothing, exactly as for an
+unknown id, so a response id that leaks (logs, a shared trace) neither reads, continues nor deletes
+another tenant's conversation, nor tells that it exists. Keys of one `KEY=GROUP` group share one
+namespace and so their responses (a rotated key keeps its conversations).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ class StoredResponse:
     body: dict  # the Response object as returned
     messages: list[dict]  # the whole conversation it ended: its input (with history) + its output
     created: float
+    tenant: str | None = None  # who may read, continue or delete it
 
 
 class ResponseStore:
@@ -31,22 +38,26 @@ class ResponseStore:
     def __len__(self) -> int:
         return len(self._items)
 
-    def put(self, response_id: str, body: dict, messages: list[dict]) -> None:
+    def put(self, response_id: str, body: dict, messages: list[dict], tenant: str | None = None) -> None:
         if self.max_entries <= 0:
             return
         now = self._clock()
         self._expire(now)
-        self._items[response_id] = StoredResponse(body, messages, now)
+        self._items[response_id] = StoredResponse(body, messages, now, tenant)
         self._items.move_to_end(response_id)
         while len(self._items) > self.max_entries:
             self._items.popitem(last=False)
 
-    def get(self, response_id: str) -> StoredResponse | None:
+    def get(self, response_id: str, tenant: str | None = None) -> StoredResponse | None:
         self._expire(self._clock())
-        return self._items.get(response_id)
+        item = self._items.get(response_id)
+        return item if item is not None and item.tenant == tenant else None
 
-    def delete(self, response_id: str) -> bool:
-        return self._items.pop(response_id, None) is not None
+    def delete(self, response_id: str, tenant: str | None = None) -> bool:
+        if self.get(response_id, tenant) is None:
+            return False
+        del self._items[response_id]
+        return True
 
     def _expire(self, now: float) -> None:
         # insertion order is age order, so expired entries are at the front

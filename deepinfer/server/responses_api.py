@@ -62,8 +62,9 @@ class _Job:
     def __init__(self, ctx: ServingContext, req: ResponsesRequest, store: ResponseStore, raw: Request) -> None:
         self.ctx, self.req, self.store = ctx, req, store
         history: list[dict] = []
+        self.tenant = tenant_of(raw)  # owns what `finish` stores; only its own previous responses continue
         if req.previous_response_id is not None:
-            prev = store.get(req.previous_response_id)
+            prev = store.get(req.previous_response_id, self.tenant)
             if prev is None:
                 raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
@@ -126,7 +127,7 @@ class _Job:
         incomplete = final.outputs[0].finish_reason == "length"
         body = self.body("incomplete" if incomplete else "completed", output, self.usage(final, parser), incomplete)
         if self.req.store:
-            self.store.put(self.id, body, self.conversation + output_messages(output))
+            self.store.put(self.id, body, self.conversation + output_messages(output), self.tenant)
         return body
 
 
@@ -184,16 +185,16 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, store: Res
     return JSONResponse(job.finish(final, parser, output))
 
 
-def stored_response(store: ResponseStore, response_id: str) -> dict:
-    item = store.get(response_id)
+def stored_response(store: ResponseStore, response_id: str, tenant: str | None) -> dict:
+    item = store.get(response_id, tenant)  # another tenant's response: the same 404 as an unknown id
     if item is None:
         raise APIError(404, f"No response found with id '{response_id}'.", type="invalid_request_error",
                        param="response_id", code="response_not_found")
     return item.body
 
 
-def delete_response(store: ResponseStore, response_id: str) -> dict:
-    if not store.delete(response_id):
+def delete_response(store: ResponseStore, response_id: str, tenant: str | None) -> dict:
+    if not store.delete(response_id, tenant):
         raise APIError(404, f"No response found with id '{response_id}'.", param="response_id",
                        code="response_not_found")
     return {"id": response_id, "object": "response", "deleted": True}
