@@ -23,7 +23,7 @@ from prometheus_client.core import GaugeMetricFamily
 from deepinfer.cluster.client import ClusterEngineClient
 from deepinfer.cluster.policies import make_policy
 from deepinfer.cluster.pool import WorkerPool
-from deepinfer.config import KVStoreConfig, ModelConfig, RouterConfig, ServerConfig
+from deepinfer.config import KVStoreConfig, LimitsConfig, ModelConfig, RouterConfig, ServerConfig
 from deepinfer.kvstore import RetentionPolicy
 from deepinfer.server.protocol import APIError
 
@@ -69,10 +69,12 @@ class ClusterCollector:
         yield from (up, queued, running, kv_tokens, kv_usage, pool_queued, pool_running, pool_usage, pool_live)
 
 
-def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str | None = None) -> FastAPI:
+def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str | None = None,
+                     limits: LimitsConfig | None = None) -> FastAPI:
     from deepinfer.server.app import build_app
 
-    app = build_app(client, model_name, api_key)  # type: ignore[arg-type]  # the EngineClient surface
+    # the server's limits and admission, with the cluster's running capacity
+    app = build_app(client, model_name, api_key, limits=limits)  # type: ignore[arg-type]  # the EngineClient surface
     pool = client.pool
     app.state.ctx.metrics.registry.register(ClusterCollector(pool))
 
@@ -143,7 +145,7 @@ async def run_router(client: ClusterEngineClient, model_name: str, server: Serve
     """Serve the router until cancelled (the poll loop runs alongside)."""
     import uvicorn
 
-    app = build_router_app(client, model_name, server.api_key)
+    app = build_router_app(client, model_name, server.api_key, server.limits)
     client.pool.start()
     if ready_timeout:
         await client.pool.wait_ready(ready_timeout)

@@ -18,9 +18,11 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer import __version__
+from deepinfer.config import LimitsConfig
 from deepinfer.engine.engine_client import EngineClient, EngineDeadError, QueueFullError
 from deepinfer.recipe.output import RecipeOptions
 from deepinfer.server.anthropic_api import count_tokens, create_message
+from deepinfer.server.limits import Admission, AdmissionCollector, RequestLimits
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.openai_api import (
     ServingContext,
@@ -66,9 +68,16 @@ def recipe_options(tokenizer, architectures: list[str] | None, tool_parser: str 
 
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | None = None, *,
-              recipe: RecipeOptions | None = None, responses: ResponseStore | None = None) -> FastAPI:
+              recipe: RecipeOptions | None = None, responses: ResponseStore | None = None,
+              limits: LimitsConfig | None = None) -> FastAPI:
     app = FastAPI(title="deepinfer", version=__version__)
     metrics = ServerMetrics(engine.stats, model_name)
+    # request limits and admission run before routing and pydantic (server/limits.py)
+    limits = limits or LimitsConfig()
+    admission = Admission(limits, lambda: engine.running_capacity)
+    app.add_middleware(RequestLimits, limits=limits, admission=admission, max_model_len=lambda: engine.max_model_len)
+    metrics.registry.register(AdmissionCollector(admission))
+    app.state.admission = admission
     if recipe is None:
         recipe = recipe_options(engine.tokenizer, None)
     ctx = ServingContext(engine, model_name, metrics, recipe)
@@ -234,7 +243,8 @@ def serve(engine_config, server_config, customize=None) -> None:
     print(f"deepinfer: tool parser {recipe.tool_parser}; reasoning parser {recipe.reasoning_parser or 'none'}",
           flush=True)
     app = build_app(engine, name, server_config.api_key, recipe=recipe,
-                    responses=ResponseStore(server_config.responses_store_size, server_config.responses_store_ttl))
+                    responses=ResponseStore(server_config.responses_store_size, server_config.responses_store_ttl),
+                    limits=server_config.limits)
     if customize is not None:
         customize(app, engine)
     url = f"http://{server_config.host}:{server_config.port}"
