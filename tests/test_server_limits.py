@@ -18,7 +18,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import metric, running_server
+from tests.server_utils import metric, running_cluster, running_server
 
 MODEL = "tiny"
 LIMITS = {"max_n": 4, "max_stop": 4, "max_stop_len": 20, "max_tools": 3, "max_messages": 5, "max_logit_bias": 3,
@@ -280,3 +280,23 @@ def test_streams_closed_early_release_their_slots(server):
     with claude.messages.stream(model=MODEL, messages=MSG, max_tokens=600) as s:
         next(iter(s))
     _wait_idle(server)
+
+
+@pytest.mark.slow
+def test_the_cluster_router_refuses_past_its_bound(tiny_models):
+    """`serve --prefill-workers 1 --decode-workers 1`: the router admits the decode worker's max-num-seqs (1)
+    + --max-waiting-requests (1) sequences; a flood of 6 gets 429s, never a 5xx, and everything comes back."""
+    with running_cluster("--model", str(tiny_models["llama"]), "--served-model-name", MODEL, "--dtype", "float32",
+                         "--kv-cache-memory", "32MiB", "--no-profile-cost-model", "--max-model-len", "1024",
+                         "--max-num-seqs", "1",
+                         "--max-waiting-requests", "1", "--prefill-workers", "1", "--decode-workers", "1") as base:
+        assert metric(base, "deepinfer:admission_capacity") == 2
+
+        async def flood():
+            async with httpx.AsyncClient(base_url=base, timeout=120) as c:
+                return await asyncio.gather(*(_post(c, list(PATHS)[i % 4], f"k{i}", 200) for i in range(6)))
+
+        codes = [r.status_code for r in asyncio.run(flood())]
+        assert set(codes) <= {200, 429} and codes.count(429) >= 2 and codes.count(200) >= 2, codes
+        assert httpx.get(f"{base}/health").status_code == 200
+        assert metric(base, "deepinfer:admitted_sequences") == 0

@@ -239,6 +239,7 @@ def check_counts(api: str, body: dict, limits: LimitsConfig, max_model_len: int)
     for name in {"chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",),
                  "responses": ("max_output_tokens",), "messages": ("max_tokens",)}.get(api, ()):
         _bounded(body, name, max_tokens, low=1, why=why, code=code)
+    _bounded(body, "seed", 2**63 - 1, low=-(2**63))  # what a torch generator takes
     if api in ("chat", "responses", "tokenize"):
         _count(body, "messages" if api != "responses" else "input", limits.max_messages,
                "messages" if api != "responses" else "input items")
