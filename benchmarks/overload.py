@@ -1,0 +1,227 @@
+"""Overload benchmark (issue #16): what the admission bound buys when more load arrives than a server carries.
+
+Starts a real `deepinfer serve` twice on the default model: once with the limits on (`--max-waiting-requests`
+small) and once with them off (`--max-waiting-requests` very large), each with the same `--max-num-seqs`.
+For each server it first measures what it carries (closed loop, `--max-num-seqs` concurrent streams: the
+carried rate in req/s), then offers open-loop Poisson arrivals of streaming completions at 0.5x, 1x, 2x and
+4x that rate for `--duration` seconds each, waits for every admitted request to finish, and prints one
+side-by-side table:
+
+    offered / admitted req/s, served req/s (completions per second of wall time until the last one
+    finished), 429 rate, p50 / p99 end-to-end latency and p99 time to first token of the admitted
+    requests, 5xx and other failures, peak RSS of the server (HTTP process + engine process)
+
+Example (about 4 minutes on 2 cores)::
+
+    python benchmarks/overload.py --max-num-seqs 4 --max-waiting-requests 4 --duration 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+import httpx
+import psutil
+
+_WORD_TEXT = ("time year people way day man thing woman life child world school state family student group country "
+         "problem hand part place case week company system program question work government number night point "
+         "home water room mother area money story fact month lot right study book eye job word")
+WORDS = _WORD_TEXT.split()
+
+
+@dataclass
+class Rec:
+    status: int = 0
+    ttft: float = 0.0
+    e2e: float = 0.0
+    ok: bool = False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args: argparse.Namespace, waiting: int) -> tuple[subprocess.Popen, str]:
+    port = _free_port()
+    cmd = [sys.executable, "-m", "deepinfer.cli", "--log-level", "WARNING", "serve", "--port", str(port),
+           "--max-num-seqs", str(args.max_num_seqs), "--max-waiting-requests", str(waiting),
+           "--kv-cache-memory", args.kv_cache_memory, "--max-model-len", "2048", "--kv-store", "none",
+           *args.server_args.split()]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 300
+    while True:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited: {' '.join(cmd)}")
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                return proc, base
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError("server did not come up")
+        time.sleep(0.5)
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def rss_bytes(pid: int) -> int:
+    try:
+        p = psutil.Process(pid)
+        return sum(q.memory_info().rss for q in [p, *p.children(recursive=True)])
+    except psutil.Error:
+        return 0
+
+
+async def one(c: httpx.AsyncClient, prompt: str, max_tokens: int) -> Rec:
+    rec, t0 = Rec(), time.perf_counter()
+    body = {"prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "temperature": 0}
+    try:
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            rec.status = r.status_code
+            if r.status_code != 200:
+                await r.aread()
+                return rec
+            async for line in r.aiter_lines():
+                if line.startswith("data: ") and not rec.ttft:
+                    rec.ttft = time.perf_counter() - t0
+                if line == "data: [DONE]":
+                    rec.ok = True
+    except httpx.HTTPError:
+        rec.status = rec.status or -1
+        rec.ok = False
+    rec.e2e = time.perf_counter() - t0
+    return rec
+
+
+def prompts(rng: random.Random, n: int, words: int) -> list[str]:
+    return [f"request {rng.random():.6f}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
+
+
+async def carried_rate(base: str, args: argparse.Namespace, rng: random.Random) -> float:
+    """Requests per second the server completes with --max-num-seqs streams always in flight."""
+    todo = prompts(rng, 3 * args.max_num_seqs, args.prompt_words)
+    async with httpx.AsyncClient(base_url=base, timeout=600) as c:
+        await one(c, todo[0], 2)  # warm-up
+        t0 = time.perf_counter()
+
+        async def worker() -> None:
+            while todo:
+                await one(c, todo.pop(), args.output_tokens)
+
+        await asyncio.gather(*(worker() for _ in range(args.max_num_seqs)))
+        return 3 * args.max_num_seqs / (time.perf_counter() - t0)
+
+
+async def offer(base: str, pid: int, rate: float, args: argparse.Namespace, rng: random.Random) -> dict:
+    """Poisson arrivals at `rate` for --duration seconds; every admitted request is waited for."""
+    peak = rss_bytes(pid)
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        nonlocal peak
+        while not stop.is_set():
+            peak = max(peak, rss_bytes(pid))
+            await asyncio.sleep(0.2)
+
+    sampler = asyncio.create_task(sample())
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(base_url=base, timeout=900, limits=limits) as c:
+        tasks: list[asyncio.Task] = []
+        t0 = time.perf_counter()
+        next_at = 0.0
+        while next_at < args.duration:
+            await asyncio.sleep(max(0.0, t0 + next_at - time.perf_counter()))
+            tasks.append(asyncio.create_task(one(c, prompts(rng, 1, args.prompt_words)[0], args.output_tokens)))
+            next_at += rng.expovariate(rate)
+        recs: list[Rec] = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - t0
+    stop.set()
+    await sampler
+    admitted = [r for r in recs if r.status != 429]
+    served = [r for r in recs if r.ok]
+    lat = sorted(r.e2e for r in served)
+    ttft = sorted(r.ttft for r in served)
+    return {"offered": len(recs) / args.duration, "admitted": len(admitted) / args.duration,
+            "served": len(served) / wall, "r429": 1 - len(admitted) / max(len(recs), 1),
+            "p50": _pct(lat, 50), "p99": _pct(lat, 99), "ttft99": _pct(ttft, 99),
+            "5xx": sum(r.status >= 500 for r in recs),
+            "other": sum(not r.ok and r.status not in (429,) and r.status < 500 for r in recs),
+            "rss": peak / 2**20, "wall": wall}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q / 100
+    lo = int(k)
+    return xs[lo] + (xs[min(lo + 1, len(xs) - 1)] - xs[lo]) * (k - lo)
+
+
+def run(args: argparse.Namespace) -> None:
+    rows: dict[tuple[str, float], dict] = {}
+    rates: dict[str, float] = {}
+    for label, waiting in (("limits on", args.max_waiting_requests), ("limits off", 10**9)):
+        proc, base = start_server(args, waiting)
+        try:
+            rng = random.Random(args.seed)
+            rates[label] = asyncio.run(carried_rate(base, args, rng))
+            # both servers are offered the same rates: those the limited one measured
+            carried = rates["limits on"]
+            for k in args.levels:
+                rows[(label, k)] = asyncio.run(offer(base, proc.pid, k * carried, args, rng))
+                print(f"{label} {k}x: {rows[(label, k)]}", file=sys.stderr, flush=True)
+        finally:
+            stop_server(proc)
+    print(f"carried load (closed loop, {args.max_num_seqs} streams): " +
+          ", ".join(f"{label} {r:.2f} req/s" for label, r in rates.items()))
+    print(f"--max-num-seqs {args.max_num_seqs}; limits on: --max-waiting-requests {args.max_waiting_requests}; "
+          f"limits off: --max-waiting-requests 1000000000; {args.prompt_words}-word prompts, {args.output_tokens} "
+          f"output tokens, {args.duration:.0f} s of arrivals per level\n")
+    head = ("| load | limits | offered req/s | admitted req/s | served req/s | 429 | p50 s | p99 s | p99 TTFT s "
+            "| 5xx | other failures | peak RSS MiB |")
+    print(head)
+    print("|" + "---|" * (head.count("|") - 1))
+    for k in args.levels:
+        for label in ("limits on", "limits off"):
+            r = rows[(label, k)]
+            print(f"| {k:g}x | {label.split()[1]} | {r['offered']:.2f} | {r['admitted']:.2f} | {r['served']:.2f} | "
+                  f"{r['r429']:.0%} | {r['p50']:.2f} | {r['p99']:.2f} | {r['ttft99']:.2f} | {r['5xx']} | "
+                  f"{r['other']} | {r['rss']:.0f} |")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--max-num-seqs", type=int, default=4)
+    p.add_argument("--max-waiting-requests", type=int, default=4, help="The bound with limits on.")
+    p.add_argument("--levels", type=float, nargs="+", default=[0.5, 1, 2, 4], help="Offered load / carried load.")
+    p.add_argument("--duration", type=float, default=15.0, help="Seconds of arrivals per level.")
+    p.add_argument("--prompt-words", type=int, default=48)
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--kv-cache-memory", default="256MiB")
+    p.add_argument("--server-args", default="", help="More `deepinfer serve` flags (e.g. --model PATH).")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    os.environ.setdefault("DEEPINFER_KV_STORE", "none")
+    run(args)
+
+
+if __name__ == "__main__":
+    main()
