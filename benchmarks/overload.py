@@ -7,8 +7,8 @@ carried rate in req/s), then offers open-loop Poisson arrivals of streaming comp
 4x that rate for `--duration` seconds each, waits for every admitted request to finish, and prints one
 side-by-side table:
 
-    offered / admitted req/s, served req/s (completions per second of wall time until the last one
-    finished), 429 rate, p50 / p99 end-to-end latency and p99 time to first token of the admitted
+    offered / admitted req/s, served req/s (completions per second of the arrival window, or of the wall
+    time until the last one finished when that is longer), 429 rate, p50 / p99 end-to-end latency and p99 time to first token of the admitted
     requests, 5xx and other failures, peak RSS of the server (HTTP process + engine process)
 
 Example (about 4 minutes on 2 cores)::
@@ -160,7 +160,7 @@ async def offer(base: str, pid: int, rate: float, args: argparse.Namespace, rng:
     lat = sorted(r.e2e for r in served)
     ttft = sorted(r.ttft for r in served)
     return {"offered": len(recs) / args.duration, "admitted": len(admitted) / args.duration,
-            "served": len(served) / wall, "r429": 1 - len(admitted) / max(len(recs), 1),
+            "served": len(served) / max(wall, args.duration), "r429": 1 - len(admitted) / max(len(recs), 1),
             "p50": _pct(lat, 50), "p99": _pct(lat, 99), "ttft99": _pct(ttft, 99),
             "5xx": sum(r.status >= 500 for r in recs),
             "other": sum(not r.ok and r.status not in (429,) and r.status < 500 for r in recs),
@@ -190,6 +190,8 @@ def run(args: argparse.Namespace) -> None:
                 print(f"{label} {k}x: {rows[(label, k)]}", file=sys.stderr, flush=True)
         finally:
             stop_server(proc)
+    print(f"machine load average at the end (1/5/15 min): {' / '.join(f'{x:.1f}' for x in os.getloadavg())} on "
+          f"{os.cpu_count()} CPUs")
     print(f"carried load (closed loop, {args.max_num_seqs} streams): " +
           ", ".join(f"{label} {r:.2f} req/s" for label, r in rates.items()))
     print(f"--max-num-seqs {args.max_num_seqs}; limits on: --max-waiting-requests {args.max_waiting_requests}; "
