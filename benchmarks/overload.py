@@ -1,19 +1,21 @@
 """Overload benchmark (issue #16): what the admission bound buys when more load arrives than a server carries.
 
-Starts a real `deepinfer serve` twice on the default model: once with the limits on (`--max-waiting-requests`
-small) and once with them off (`--max-waiting-requests` very large), each with the same `--max-num-seqs`.
-For each server it first measures what it carries (closed loop, `--max-num-seqs` concurrent streams: the
-carried rate in req/s), then offers open-loop Poisson arrivals of streaming completions at 0.5x, 1x, 2x and
-4x that rate for `--duration` seconds each, waits for every admitted request to finish, and prints one
-side-by-side table:
+Starts two real `deepinfer serve` on the default model: one with the limits on (`--max-waiting-requests`
+small), one with them off (`--max-waiting-requests` very large), with the same `--max-num-seqs`, and loads
+them in turn (one at a time, levels interleaved).
+What a server carries is `--max-num-seqs` concurrent streams; each level offers k times that many client
+streams (k = 0.5, 1, 2, 4), closed loop for `--duration` seconds: every client sends a streaming completion
+as soon as its previous one ended, and waits the Retry-After of a 429 before trying again. Closed loops
+measure each level against the machine's speed at that moment, which matters on a shared machine whose
+speed drifts within minutes. It prints one side-by-side table:
 
-    offered / admitted req/s, served req/s (completions per second of the arrival window, or of the wall
-    time until the last one finished when that is longer), 429 rate, p50 / p99 end-to-end latency and p99 time to first token of the admitted
-    requests, 5xx and other failures, peak RSS of the server (HTTP process + engine process)
+    client streams, offered / admitted / served req/s (attempts, non-429 answers and completed streams per
+    second of wall time), 429 rate, p50 / p99 end-to-end latency and p99 time to first token of the
+    completed requests, 5xx and other failures, peak RSS of the server (HTTP process + engine process)
 
 Example (about 4 minutes on 2 cores)::
 
-    python benchmarks/overload.py --max-num-seqs 4 --max-waiting-requests 4 --duration 15
+    python benchmarks/overload.py --max-num-seqs 4 --max-waiting-requests 2 --duration 20
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ class Rec:
     ttft: float = 0.0
     e2e: float = 0.0
     ok: bool = False
+    retry_after: float = 1.0
 
 
 def _free_port() -> int:
@@ -98,6 +101,7 @@ async def one(c: httpx.AsyncClient, prompt: str, max_tokens: int) -> Rec:
             rec.status = r.status_code
             if r.status_code != 200:
                 await r.aread()
+                rec.retry_after = float(r.headers.get("retry-after", 1))
                 return rec
             async for line in r.aiter_lines():
                 if line.startswith("data: ") and not rec.ttft:
@@ -115,23 +119,8 @@ def prompts(rng: random.Random, n: int, words: int) -> list[str]:
     return [f"request {rng.random():.6f}: " + " ".join(rng.choice(WORDS) for _ in range(words)) for _ in range(n)]
 
 
-async def carried_rate(base: str, args: argparse.Namespace, rng: random.Random) -> float:
-    """Requests per second the server completes with --max-num-seqs streams always in flight."""
-    todo = prompts(rng, 3 * args.max_num_seqs, args.prompt_words)
-    async with httpx.AsyncClient(base_url=base, timeout=600) as c:
-        await one(c, todo[0], 2)  # warm-up
-        t0 = time.perf_counter()
-
-        async def worker() -> None:
-            while todo:
-                await one(c, todo.pop(), args.output_tokens)
-
-        await asyncio.gather(*(worker() for _ in range(args.max_num_seqs)))
-        return 3 * args.max_num_seqs / (time.perf_counter() - t0)
-
-
-async def offer(base: str, pid: int, rate: float, args: argparse.Namespace, rng: random.Random) -> dict:
-    """Poisson arrivals at `rate` for --duration seconds; every admitted request is waited for."""
+async def offer(base: str, pid: int, streams: int, args: argparse.Namespace, rng: random.Random) -> dict:
+    """`streams` closed-loop clients for --duration seconds; the requests admitted by then are waited for."""
     peak = rss_bytes(pid)
     stop = asyncio.Event()
 
@@ -142,16 +131,22 @@ async def offer(base: str, pid: int, rate: float, args: argparse.Namespace, rng:
             await asyncio.sleep(0.2)
 
     sampler = asyncio.create_task(sample())
+    recs: list[Rec] = []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base, timeout=900, limits=limits) as c:
-        tasks: list[asyncio.Task] = []
+        await one(c, "warm up", 2)
         t0 = time.perf_counter()
-        next_at = 0.0
-        while next_at < args.duration:
-            await asyncio.sleep(max(0.0, t0 + next_at - time.perf_counter()))
-            tasks.append(asyncio.create_task(one(c, prompts(rng, 1, args.prompt_words)[0], args.output_tokens)))
-            next_at += rng.expovariate(rate)
-        recs: list[Rec] = await asyncio.gather(*tasks)
+
+        async def client() -> None:
+            while time.perf_counter() - t0 < args.duration:
+                rec = await one(c, prompts(rng, 1, args.prompt_words)[0], args.output_tokens)
+                recs.append(rec)
+                if rec.status == 429:
+                    await asyncio.sleep(rec.retry_after)
+                elif not rec.ok:
+                    await asyncio.sleep(0.1)  # no busy loop on a failing server
+
+        await asyncio.gather(*(client() for _ in range(streams)))
         wall = time.perf_counter() - t0
     stop.set()
     await sampler
@@ -159,12 +154,12 @@ async def offer(base: str, pid: int, rate: float, args: argparse.Namespace, rng:
     served = [r for r in recs if r.ok]
     lat = sorted(r.e2e for r in served)
     ttft = sorted(r.ttft for r in served)
-    return {"offered": len(recs) / args.duration, "admitted": len(admitted) / args.duration,
-            "served": len(served) / max(wall, args.duration), "r429": 1 - len(admitted) / max(len(recs), 1),
+    return {"streams": streams, "offered": len(recs) / wall, "admitted": len(admitted) / wall,
+            "served": len(served) / wall, "r429": 1 - len(admitted) / max(len(recs), 1),
             "p50": _pct(lat, 50), "p99": _pct(lat, 99), "ttft99": _pct(ttft, 99),
             "5xx": sum(r.status >= 500 for r in recs),
-            "other": sum(not r.ok and r.status not in (429,) and r.status < 500 for r in recs),
-            "rss": peak / 2**20, "wall": wall}
+            "other": sum(not r.ok and r.status != 429 and r.status < 500 for r in recs),
+            "rss": peak / 2**20, "wall": wall, "n": len(recs)}
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -177,44 +172,43 @@ def _pct(xs: list[float], q: float) -> float:
 
 def run(args: argparse.Namespace) -> None:
     rows: dict[tuple[str, float], dict] = {}
-    rates: dict[str, float] = {}
-    for label, waiting in (("limits on", args.max_waiting_requests), ("limits off", 10**9)):
-        proc, base = start_server(args, waiting)
-        try:
-            rng = random.Random(args.seed)
-            rates[label] = asyncio.run(carried_rate(base, args, rng))
-            # both servers are offered the same rates: those the limited one measured
-            carried = rates["limits on"]
-            for k in args.levels:
-                rows[(label, k)] = asyncio.run(offer(base, proc.pid, k * carried, args, rng))
-                print(f"{label} {k}x: {rows[(label, k)]}", file=sys.stderr, flush=True)
-        finally:
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    try:
+        # both servers up at once, their levels interleaved: the machine's drift hits both alike
+        for label, waiting in (("on", args.max_waiting_requests), ("off", 10**9)):
+            servers[label] = start_server(args, waiting)
+        rng = random.Random(args.seed)
+        for k in args.levels:
+            for label, (proc, base) in servers.items():
+                streams = max(1, round(k * args.max_num_seqs))
+                rows[(label, k)] = asyncio.run(offer(base, proc.pid, streams, args, rng))
+                print(f"limits {label} {k}x: {rows[(label, k)]}", file=sys.stderr, flush=True)
+    finally:
+        for proc, _ in servers.values():
             stop_server(proc)
     print(f"machine load average at the end (1/5/15 min): {' / '.join(f'{x:.1f}' for x in os.getloadavg())} on "
           f"{os.cpu_count()} CPUs")
-    print(f"carried load (closed loop, {args.max_num_seqs} streams): " +
-          ", ".join(f"{label} {r:.2f} req/s" for label, r in rates.items()))
     print(f"--max-num-seqs {args.max_num_seqs}; limits on: --max-waiting-requests {args.max_waiting_requests}; "
           f"limits off: --max-waiting-requests 1000000000; {args.prompt_words}-word prompts, {args.output_tokens} "
-          f"output tokens, {args.duration:.0f} s of arrivals per level\n")
-    head = ("| load | limits | offered req/s | admitted req/s | served req/s | 429 | p50 s | p99 s | p99 TTFT s "
-            "| 5xx | other failures | peak RSS MiB |")
+          f"output tokens, {args.duration:.0f} s closed loop per level\n")
+    head = ("| load | limits | client streams | offered req/s | admitted req/s | served req/s | 429 | p50 s | p99 s "
+            "| p99 TTFT s | 5xx | other failures | peak RSS MiB |")
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for k in args.levels:
-        for label in ("limits on", "limits off"):
+        for label in ("on", "off"):
             r = rows[(label, k)]
-            print(f"| {k:g}x | {label.split()[1]} | {r['offered']:.2f} | {r['admitted']:.2f} | {r['served']:.2f} | "
-                  f"{r['r429']:.0%} | {r['p50']:.2f} | {r['p99']:.2f} | {r['ttft99']:.2f} | {r['5xx']} | "
+            print(f"| {k:g}x | {label} | {r['streams']} | {r['offered']:.2f} | {r['admitted']:.2f} | {r['served']:.2f} "
+                  f"| {r['r429']:.0%} | {r['p50']:.2f} | {r['p99']:.2f} | {r['ttft99']:.2f} | {r['5xx']} | "
                   f"{r['other']} | {r['rss']:.0f} |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--max-num-seqs", type=int, default=4)
-    p.add_argument("--max-waiting-requests", type=int, default=4, help="The bound with limits on.")
-    p.add_argument("--levels", type=float, nargs="+", default=[0.5, 1, 2, 4], help="Offered load / carried load.")
-    p.add_argument("--duration", type=float, default=15.0, help="Seconds of arrivals per level.")
+    p.add_argument("--max-waiting-requests", type=int, default=2, help="The bound with limits on.")
+    p.add_argument("--levels", type=float, nargs="+", default=[0.5, 1, 2, 4], help="Client streams / --max-num-seqs.")
+    p.add_argument("--duration", type=float, default=20.0, help="Seconds of closed-loop load per level.")
     p.add_argument("--prompt-words", type=int, default=48)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--kv-cache-memory", default="256MiB")

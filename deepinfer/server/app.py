@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, API-key auth, error rendering, admin endpoints.
+"""The FastAPI application: routes, API-key auth, error rendering, admin endpoints; request limits and admission
+(server/limits.py) run in front of the routes.
 
 `build_app(engine, ...)` wires an `EngineClient` to the HTTP surface; `serve(config)`
 loads the engine and runs uvicorn. Every error leaves as OpenAI's {"error": {...}}
