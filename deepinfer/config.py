@@ -242,8 +242,8 @@ class LimitsConfig:
     max_waiting_requests: int | None = _f(
         None, "Bound on the waiting queue: the server admits at most --max-num-seqs (the router: summed over its "
         "decode workers) + this many sequences at a time (a request counts its n x prompts sequences); past it, "
-        "new requests get 429 with Retry-After. Default: 4 x --max-num-seqs. (--max-queue, off by default, "
-        "bounds the engine's own waiting queue as well.)")
+        "new requests get 429 with Retry-After. Default: --max-queue if set (the engine's own bound on its "
+        "waiting queue, checked as well), else 4 x --max-num-seqs.")
     max_concurrent_requests_per_key: int = _f(
         0, "Most sequences one API key (the Authorization Bearer / x-api-key credential presented; without one, "
         "the client's address) may have admitted at a time; past it, 429 with Retry-After. 0 = unlimited.")

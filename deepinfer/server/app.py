@@ -75,7 +75,7 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | None = None,
     metrics = ServerMetrics(engine.stats, model_name)
     # request limits and admission run before routing and pydantic (server/limits.py)
     limits = limits or LimitsConfig()
-    admission = Admission(limits, lambda: engine.running_capacity)
+    admission = Admission(limits, lambda: engine.running_capacity, getattr(engine, "max_queue", None))
     app.add_middleware(RequestLimits, limits=limits, admission=admission, max_model_len=lambda: engine.max_model_len)
     metrics.registry.register(AdmissionCollector(admission))
     app.state.admission = admission

@@ -63,9 +63,10 @@ class Admission:
     """Counts the sequences admitted and not yet finished, in total and per API key (asyncio-only: one
     event loop, no lock). `running_capacity()`: how many sequences the engine(s) run at once."""
 
-    def __init__(self, limits: LimitsConfig, running_capacity: Callable[[], int]) -> None:
+    def __init__(self, limits: LimitsConfig, running_capacity: Callable[[], int], max_queue: int | None = None) -> None:
         self.limits = limits
         self.running_capacity = running_capacity
+        self.max_queue = max_queue  # the engine's own bound (--max-queue), the default waiting bound if set
         self.in_flight = 0
         self.per_key: dict[str, int] = {}  # only keys with sequences in flight: the dict cannot grow unbounded
         self.rejected: Counter[str] = Counter()
@@ -73,7 +74,9 @@ class Admission:
     def capacity(self) -> int:
         running = max(1, int(self.running_capacity()))
         waiting = self.limits.max_waiting_requests
-        return running + (4 * running if waiting is None else waiting)
+        if waiting is None:
+            waiting = 4 * running if self.max_queue is None else self.max_queue
+        return running + waiting
 
     def acquire(self, key: str, weight: int, param: str) -> None:
         """Take `weight` slots for `key`, or raise LimitError: 400 for a request that could never be
