@@ -10,6 +10,7 @@ from deepinfer.config import (
     CacheConfig,
     ClusterConfig,
     KVStoreConfig,
+    LimitsConfig,
     ModelConfig,
     RouterConfig,
     SchedulerConfig,
@@ -58,10 +59,16 @@ def _stream(engine, prompt_ids: list[int], params) -> str:
     return shown
 
 
+def _server_config(args: argparse.Namespace) -> ServerConfig:
+    import dataclasses
+
+    return dataclasses.replace(config_from_args(ServerConfig, args), limits=config_from_args(LimitsConfig, args))
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from deepinfer.server.app import serve
 
-    engine, server = engine_config_from_args(args), config_from_args(ServerConfig, args)
+    engine, server = engine_config_from_args(args), _server_config(args)
     cluster = config_from_args(ClusterConfig, args)
     router = config_from_args(RouterConfig, args)
     if cluster.ray is not None:
@@ -86,7 +93,7 @@ def cmd_router(args: argparse.Namespace) -> int:
     from deepinfer.cluster.router import serve_router
 
     serve_router(config_from_args(ModelConfig, args), config_from_args(KVStoreConfig, args),
-                 config_from_args(RouterConfig, args), config_from_args(ServerConfig, args))
+                 config_from_args(RouterConfig, args), _server_config(args))
     return 0
 
 
@@ -196,12 +203,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     srv = sub.add_parser("serve", help="Run the OpenAI-compatible API server (default model if no --model).")
-    add_config_arguments(srv, ServerConfig, *ENGINE_SECTIONS, ClusterConfig, RouterConfig)
+    add_config_arguments(srv, ServerConfig, LimitsConfig, *ENGINE_SECTIONS, ClusterConfig, RouterConfig)
     srv.set_defaults(func=cmd_serve)
 
     rtr = sub.add_parser("router", help="Run the load-balancing router in front of prefill and decode workers "
                          "(the same OpenAI API as serve).")
-    add_config_arguments(rtr, ServerConfig, RouterConfig, ModelConfig, KVStoreConfig)
+    add_config_arguments(rtr, ServerConfig, LimitsConfig, RouterConfig, ModelConfig, KVStoreConfig)
     rtr.set_defaults(func=cmd_router)
 
     gen = sub.add_parser("generate", help="Generate a reply to one or more prompts and print it.")

@@ -232,6 +232,57 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class LimitsConfig:
+    """Request limits and admission: what one request may ask for, and how much load the server admits."""
+
+    max_request_body_size: str = _f(
+        "16MiB", "Largest request body accepted (bytes, e.g. 16MiB or 1000000); a larger one gets 413 before it "
+        "is read.")
+    max_json_depth: int = _f(64, "Deepest nesting of arrays and objects in a request body (400 beyond).")
+    max_n: int = _f(
+        128, "Most sequences one request may ask for: n and best_of (Completions: n x the number of prompts).")
+    max_tokens_per_request: int | None = _f(
+        None, "Most tokens one request may ask to generate (max_tokens, max_completion_tokens, Responses "
+        "max_output_tokens, Anthropic max_tokens); default: the context length.")
+    max_logprobs: int = _f(20, "Most alternatives per token a request may ask for (top_logprobs; Completions "
+                           "logprobs); the engine computes at most 20.")
+    max_stop_sequences: int = _f(32, "Most stop strings (stop, stop_sequences) in one request.")
+    max_stop_length: int = _f(512, "Longest stop string, in characters.")
+    max_tools: int = _f(128, "Most tools in one request.")
+    max_messages: int = _f(2048, "Most messages in one request (Responses: input items).")
+    max_logit_bias: int = _f(300, "Most logit_bias entries in one request.")
+    max_waiting_requests: int | None = _f(
+        None, "Bound on the waiting queue: the server admits at most --max-num-seqs (the router: summed over its "
+        "decode workers) + this many sequences at a time (a request counts its n x prompts sequences); past it, "
+        "new requests get 429 with Retry-After. Default: --max-queue if set (the engine's own bound on its "
+        "waiting queue, checked as well), else 4 x --max-num-seqs.")
+    max_concurrent_requests_per_key: int = _f(
+        0, "Most sequences one API key (the Authorization Bearer / x-api-key credential presented; without one, "
+        "the client's address) may have admitted at a time; past it, 429 with Retry-After. 0 = unlimited.")
+    retry_after: int = _f(1, "Seconds a 429 answer's Retry-After header asks the client to wait.")
+
+    def __post_init__(self) -> None:
+        if parse_memory(self.max_request_body_size, 0) < 1024:
+            raise ValueError(f"max_request_body_size must be at least 1KiB, got {self.max_request_body_size!r}")
+        for name in ("max_json_depth", "max_n", "max_stop_sequences", "max_stop_length", "max_tools", "max_messages",
+                     "max_logit_bias", "retry_after"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 0 <= self.max_logprobs <= 20:
+            raise ValueError(f"max_logprobs must be in [0, 20], got {self.max_logprobs}")
+        if self.max_tokens_per_request is not None and self.max_tokens_per_request < 1:
+            raise ValueError(f"max_tokens_per_request must be >= 1, got {self.max_tokens_per_request}")
+        if self.max_waiting_requests is not None and self.max_waiting_requests < 0:
+            raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
+        if self.max_concurrent_requests_per_key < 0:
+            raise ValueError("max_concurrent_requests_per_key must be >= 0 (0 = unlimited)")
+
+    @property
+    def max_body_bytes(self) -> int:
+        return parse_memory(self.max_request_body_size, 0)
+
+
+@dataclass(frozen=True)
 class ServerConfig:
     """The HTTP server in front of the engine."""
 
@@ -266,6 +317,7 @@ class ServerConfig:
     responses_store_size: int = _f(1000, "Responses kept for previous_response_id and GET /v1/responses/{id} "
                                          "(the oldest are dropped first).")
     responses_store_ttl: float = _f(3600.0, "Seconds a stored response is kept.")
+    limits: LimitsConfig = field(default_factory=LimitsConfig)  # its own flag group (--max-n, ...)
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:

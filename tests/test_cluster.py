@@ -135,6 +135,20 @@ def test_bad_input_gets_clear_errors(client):
         client.completions.create(model=MODEL, prompt=[10**9], max_tokens=2)
 
 
+def test_the_router_applies_the_server_limits(client, cluster):
+    """The router is the server's app: counts and non-finite numbers are refused there, before any worker
+    sees them, and its admission bound is built on the decode workers' max_num_seqs (2 x 128, + 4x waiting)."""
+    with pytest.raises(openai.BadRequestError) as e:
+        _chat(client, PROMPTS[0], 4, n=100000)
+    assert e.value.body["param"] == "n"
+    r = httpx.post(f"{cluster}/v1/chat/completions", headers={"content-type": "application/json"},
+                   content=b'{"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": NaN}')
+    assert r.status_code == 400 and r.json()["error"]["param"] == "temperature"
+    assert metric(cluster, "deepinfer:admission_capacity") == 5 * 2 * 128
+    assert _chat(client, PROMPTS[0], 2).choices
+    assert metric(cluster, "deepinfer:admitted_sequences") == 0
+
+
 def test_metrics_have_per_worker_and_per_pool_signals(client, cluster):
     _chat(client, PROMPTS[1], 4)
     text = httpx.get(f"{cluster}/metrics", timeout=10).text

@@ -20,7 +20,9 @@ def test_queue_limit_gives_429_with_retry_after(tiny_models):
     with running_server("--model", str(tiny_models["llama"]), "--dtype", "float32", "--max-num-seqs", "1",
                         "--max-queue", "1", "--kv-cache-memory", "32MiB", "--max-model-len", "1024") as base:
         async def burst():
-            async with httpx.AsyncClient(timeout=120) as c:
+            # up to two requests are admitted (1 running + 1 queued) and run one after the other: on a loaded
+            # 2-core machine 900 tokens of the tiny model took ~85 s each
+            async with httpx.AsyncClient(timeout=400) as c:
                 body = {"prompt": [5, 6, 7], "max_tokens": 900, "ignore_eos": True}
                 return await asyncio.gather(*(c.post(f"{base}/v1/completions", json=body) for _ in range(5)))
 

@@ -112,6 +112,12 @@ class ClusterEngineClient:
     def num_waiting(self) -> int:
         return sum(len(w.inflight_prefill) for w in self.pool.workers.values())
 
+    @property
+    def running_capacity(self) -> int:
+        """Sequences the cluster runs at once: max_num_seqs summed over the decode workers in rotation (every
+        request ends up on one); the router's admission bound builds on it."""
+        return sum(int(w.load.get("max_num_seqs", 0)) for w in self.pool.rotation("decode")) or 1
+
     def check_admission(self, num_requests: int = 1) -> None:
         if not self.healthy:
             raise WorkerError("no prefill or no decode worker is available")

@@ -29,7 +29,7 @@ from deepinfer.cluster.auth import require_token
 from deepinfer.cluster.client import ClusterEngineClient
 from deepinfer.cluster.policies import make_policy
 from deepinfer.cluster.pool import WorkerPool
-from deepinfer.config import KVStoreConfig, ModelConfig, RouterConfig, ServerConfig
+from deepinfer.config import KVStoreConfig, LimitsConfig, ModelConfig, RouterConfig, ServerConfig
 from deepinfer.kvstore import RetentionPolicy
 from deepinfer.server.protocol import APIError
 
@@ -76,11 +76,12 @@ class ClusterCollector:
 
 
 def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str | Sequence[str] | None = None,
-                     cluster_token: str | None = None) -> FastAPI:
+                     cluster_token: str | None = None, limits: LimitsConfig | None = None) -> FastAPI:
     """`cluster_token`: what /internal/* requires (None: open, for clusters configured without one)."""
     from deepinfer.server.app import build_app
 
-    app = build_app(client, model_name, api_key)  # type: ignore[arg-type]  # the EngineClient surface
+    # the server's limits and admission, with the cluster's running capacity
+    app = build_app(client, model_name, api_key, limits=limits)  # type: ignore[arg-type]  # the EngineClient surface
     pool = client.pool
     app.state.ctx.metrics.registry.register(ClusterCollector(pool))
     internal = APIRouter(prefix="/internal", dependencies=[Depends(require_token(cluster_token))])
@@ -155,7 +156,7 @@ async def run_router(client: ClusterEngineClient, model_name: str, server: Serve
     """Serve the router until cancelled (the poll loop runs alongside)."""
     import uvicorn
 
-    app = build_router_app(client, model_name, server.api_key, server.resolved_cluster_token())
+    app = build_router_app(client, model_name, server.api_key, server.resolved_cluster_token(), server.limits)
     client.pool.start()
     if ready_timeout:
         await client.pool.wait_ready(ready_timeout)

@@ -144,6 +144,11 @@ class EngineClient(ABC):
     def num_waiting(self) -> int:
         return int(self.stats().get("num_waiting", 0)) + self._num_pending_adds
 
+    @property
+    def running_capacity(self) -> int:
+        """Sequences the engine runs at once (max_num_seqs); the server's admission bound builds on it."""
+        return int(self.facts.get("max_num_seqs", 1))
+
     def check_admission(self, num_requests: int = 1) -> None:
         """Raise unless the engine is alive and the waiting queue has room for `num_requests`."""
         if not self.healthy:

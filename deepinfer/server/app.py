@@ -1,4 +1,5 @@
-"""The FastAPI application: routes, API-key auth, error rendering, admin endpoints.
+"""The FastAPI application: routes, API-key auth, error rendering, admin endpoints; request limits and admission
+(server/limits.py) run in front of the routes.
 
 `build_app(engine, ...)` wires an `EngineClient` to the HTTP surface; `serve(config)`
 loads the engine and runs uvicorn. Every error leaves as OpenAI's {"error": {...}}
@@ -19,9 +20,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer import __version__
 from deepinfer.cluster.auth import require_token
+from deepinfer.config import LimitsConfig
 from deepinfer.engine.engine_client import EngineClient, EngineDeadError, QueueFullError
 from deepinfer.recipe.output import RecipeOptions
 from deepinfer.server.anthropic_api import count_tokens, create_message
+from deepinfer.server.limits import Admission, AdmissionCollector, RequestLimits
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.openai_api import (
     ServingContext,
@@ -70,13 +73,19 @@ def recipe_options(tokenizer, architectures: list[str] | None, tool_parser: str 
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str] | None = None, *,
               recipe: RecipeOptions | None = None, responses: ResponseStore | None = None,
-              api_token: str | None = None) -> FastAPI:
+              api_token: str | None = None, limits: LimitsConfig | None = None) -> FastAPI:
     """`api_key`: one key or several (`KEY` or `KEY=GROUP` each, see `server/tenants.py`); each key is a
     tenant whose requests get a prefix cache namespace of their own. None: no auth, one namespace.
     `api_token`: a cluster worker's cluster token, which its API routes then require as well (in
     `CLUSTER_TOKEN_HEADER`): clients must go through the router, which checks their API keys."""
     app = FastAPI(title="deepinfer", version=__version__)
     metrics = ServerMetrics(engine.stats, model_name)
+    # request limits and admission run before routing and pydantic (server/limits.py)
+    limits = limits or LimitsConfig()
+    admission = Admission(limits, lambda: engine.running_capacity, getattr(engine, "max_queue", None))
+    app.add_middleware(RequestLimits, limits=limits, admission=admission, max_model_len=lambda: engine.max_model_len)
+    metrics.registry.register(AdmissionCollector(admission))
+    app.state.admission = admission
     if recipe is None:
         recipe = recipe_options(engine.tokenizer, None)
     ctx = ServingContext(engine, model_name, metrics, recipe)
@@ -254,7 +263,7 @@ def serve(engine_config, server_config, customize=None, api_token: str | None = 
           flush=True)
     app = build_app(engine, name, server_config.api_key, recipe=recipe,
                     responses=ResponseStore(server_config.responses_store_size, server_config.responses_store_ttl),
-                    api_token=api_token)
+                    api_token=api_token, limits=server_config.limits)
     if customize is not None:
         customize(app, engine)
     url = f"http://{server_config.host}:{server_config.port}"

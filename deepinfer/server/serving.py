@@ -162,14 +162,18 @@ async def final_output_or_disconnect(raw: Request, gen: AsyncIterator[RequestOut
             final[:] = [out]
 
     task = asyncio.create_task(consume())
-    while not task.done():
-        done, _ = await asyncio.wait({task}, timeout=0.5)
-        if not done and await raw.is_disconnected():
-            task.cancel()
-            with suppress(asyncio.CancelledError):
-                await task
-            await gen.aclose()
-            return None
+    try:
+        while not task.done():
+            done, _ = await asyncio.wait({task}, timeout=0.5)
+            if not done and await raw.is_disconnected():
+                task.cancel()
+                with suppress(asyncio.CancelledError):
+                    await task
+                await gen.aclose()
+                return None
+    except asyncio.CancelledError:  # the handler itself was cancelled (its client left): so is the stream
+        task.cancel()
+        raise
     task.result()
     return final[0] if final else None
 
