@@ -680,10 +680,16 @@ def case_transfer_corrupt(ctx: Ctx, res: CaseResult) -> None:
         record(res, load.outcomes, allowed=("ok",))
         ld = httpx.get(f"http://127.0.0.1:{dec}/internal/load", timeout=10).json()
         sent = httpx.get(f"http://127.0.0.1:{pre}/internal/load", timeout=10).json().get("blocks_sent", 0)
+        # `blocks_sent` is what the receiver acknowledged as verified; the prompts' full blocks are what
+        # the prefill worker put on the wire
+        full_blocks = sum(len(p) // BLOCK for p in prompts)
+        log = ctx.log(res.name).read_text()
         res.facts.update(connections=proxy.connections, bytes_flipped=proxy.flipped, blocks_sent=sent,
-                         blocks_imported=ld.get("blocks_imported", 0))
+                         blocks_imported=ld.get("blocks_imported", 0), prompt_full_blocks=full_blocks,
+                         checksum_failures_logged=log.count("failed its checksum"))
         res.check(proxy.connections > 0 and proxy.flipped > 0, "no transfer went through the flipping proxy")
-        res.check(ld.get("blocks_imported", 0) < sent, "every block was imported despite flipped bytes")
+        res.check(res.facts["blocks_imported"] < full_blocks, "every block was imported despite flipped bytes")
+        res.check(res.facts["checksum_failures_logged"] > 0, "the receiver logged no checksum failure")
         dirty = settled_workers(router)
         res.check(not dirty, f"workers still hold KV / requests after the load: {dirty}")
 
