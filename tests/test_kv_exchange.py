@@ -239,7 +239,7 @@ def test_router_store_lookup_names_blocks_like_the_engine(tiny_models, tmp_path)
         core = llm.engine.core
         core.flush_kv_store()
         lay = layout_of(core.runner.kv_caches)
-        load = {"model_identity": core.files.identity,
+        load = {"model_identity": core.model_identity,
                 "kv_layout": [lay.dtype, lay.block_size, lay.num_layers, lay.num_kv_heads, lay.head_dim]}
     pool = WorkerPool()
     worker = pool.add("http://127.0.0.1:1", "prefill")

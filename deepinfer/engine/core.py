@@ -73,7 +73,9 @@ class EngineCore:
         # the layout key (dtype, block size, layers, KV heads, head dim) seeds every block hash: blocks of
         # another layout in a shared store can then never match, not only fail a header check
         kv_layout = layout_of(self.runner.kv_caches).key
-        self.kv = KVCacheManager(self.runner.num_blocks, bs, self.files.identity, kv_layout,
+        # what the weights compute, not where they are: copies at other paths (other hosts) share KV
+        self.model_identity = self.files.kv_identity(self.runner.dtype)
+        self.kv = KVCacheManager(self.runner.num_blocks, bs, self.model_identity, kv_layout,
                                  config.cache.enable_prefix_caching)
         sc = config.scheduler
         self.cost_model = CostModel()
@@ -86,7 +88,7 @@ class EngineCore:
         # prefix cache, so they are off without it.
         self.tiers: KVTiers | None = None
         if config.cache.enable_prefix_caching:
-            self.tiers = KVTiers.from_config(ks, self.files.identity, self.runner.kv_caches)
+            self.tiers = KVTiers.from_config(ks, self.model_identity, self.runner.kv_caches)
         self.kv.attach_tiers(self.tiers)
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.runner.num_blocks, bs,

@@ -136,7 +136,7 @@ class LLMEngine:
                 "host_tier_bytes": tiers.host.max_bytes if tiers is not None and tiers.host is not None else None,
                 "store_root": str(tiers.store.root) if tiers is not None and tiers.store is not None else None,
                 "architectures": list(getattr(core.hf_config, "architectures", None) or []),
-                "model_identity": core.files.identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
+                "model_identity": core.model_identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
                 "kv_layout": list(dataclasses.astuple(layout_of(core.runner.kv_caches)))}
 
     def validate_prompt(self, prompt_ids: list[int]) -> None:

@@ -9,7 +9,6 @@ directory under the cache dir, so later loads take seconds.
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import json
 import logging
@@ -19,9 +18,12 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
+
+from deepinfer.weights.identity import content_digest, file_digest, kv_identity
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +37,11 @@ def cache_root() -> Path:
     if env:
         return Path(env)
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deepinfer"
+
+
+def identity_cache_dir() -> Path:
+    """Where per-file content digests are cached (see `deepinfer.weights.identity`)."""
+    return cache_root() / "identity"
 
 
 def default_model_path() -> Path:
@@ -58,13 +65,21 @@ class ModelFiles:
     directory: Path  # config.json + *.safetensors (+ tokenizer files)
     source: Path  # what the user pointed at (the directory itself, or the .gguf file)
     name: str  # default served model name
+    source_digest: str | None = None  # a .gguf source: its file digest (computed to key the conversion)
 
-    @property
-    def identity(self) -> str:
-        """A stable identity of these weights, used in KV block hashes (same bytes -> same name)."""
-        stat = self.source.stat()
-        return hashlib.blake2b(f"{self.source.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode(),
-                               digest_size=8).hexdigest()
+    @cached_property
+    def content_digest(self) -> str:
+        """Digest of the weights' bytes and the config (see `deepinfer.weights.identity`); where the files
+        are does not enter it. Cached per file under the cache dir, so only a new file costs a read."""
+        if self.source.is_file():  # GGUF: the file holds weights and metadata; config.json is its conversion
+            digests = [self.source_digest or file_digest(self.source, identity_cache_dir())]
+        else:
+            digests = [file_digest(p, identity_cache_dir()) for p in self.safetensors_files()]
+        return content_digest(digests, self.directory / "config.json")
+
+    def kv_identity(self, dtype: torch.dtype | str) -> str:
+        """The model identity in KV block hashes and store segments: content digest + compute dtype."""
+        return kv_identity(self.content_digest, dtype)
 
     def has_tokenizer(self) -> bool:
         return any((self.directory / n).exists() for n in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
@@ -93,25 +108,31 @@ def resolve_model(spec: str | os.PathLike | None) -> ModelFiles:
     """Resolve `None` (default model), an HF directory or a .gguf file into loadable `ModelFiles`."""
     if spec is None:
         path = default_model_path()
-        return ModelFiles(directory=_convert_gguf(path), source=path, name=DEFAULT_MODEL_NAME)
+        digest = file_digest(path, identity_cache_dir())
+        return ModelFiles(directory=_convert_gguf(path, digest), source=path, name=DEFAULT_MODEL_NAME,
+                          source_digest=digest)
     path = Path(spec).expanduser()
     if not path.exists():
         raise FileNotFoundError(f"model path {str(path)!r} does not exist (expected an HF directory or a .gguf file)")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass an HF directory or a .gguf file")
-        return ModelFiles(directory=_convert_gguf(path), source=path, name=path.stem.split(".")[0])
+        digest = file_digest(path, identity_cache_dir())
+        return ModelFiles(directory=_convert_gguf(path, digest), source=path, name=path.stem.split(".")[0],
+                          source_digest=digest)
     if not (path / "config.json").is_file():
         raise FileNotFoundError(f"{str(path)!r} has no config.json; is it an HF model directory?")
     return ModelFiles(directory=path, source=path, name=path.name)
 
 
-def _convert_gguf(gguf_path: Path) -> Path:
-    """Dequantize a GGUF file once into an HF directory under the cache; return that directory."""
+def _convert_gguf(gguf_path: Path, digest: str) -> Path:
+    """Dequantize a GGUF file once into an HF directory under the cache; return that directory.
+
+    Keyed by the file's content digest, like the KV identity: a file rewritten in place (even with its
+    mtime put back) must not load the old conversion while its KV is named for the new bytes, and
+    copies of one file at different paths share one conversion."""
     stat = gguf_path.stat()
-    key = hashlib.blake2b(f"{gguf_path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}".encode(),
-                          digest_size=10).hexdigest()
-    target = cache_root() / "gguf" / f"{gguf_path.stem}-{key}"
+    target = cache_root() / "gguf" / f"content-{digest[:24]}"  # no file name in it: copies may be renamed
     if (target / "complete.json").is_file():
         return target
     logger.info("converting %s (dequantizing GGUF once; cached in %s)", gguf_path.name, target)
@@ -129,7 +150,8 @@ def _convert_gguf(gguf_path: Path) -> Path:
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        (tmp / "complete.json").write_text(json.dumps({"source": str(gguf_path), "size": stat.st_size}))
+        (tmp / "complete.json").write_text(json.dumps({"source": str(gguf_path), "size": stat.st_size,
+                                                       "digest": digest}))
         if target.exists():  # a concurrent converter won the race
             shutil.rmtree(tmp)
         else:
