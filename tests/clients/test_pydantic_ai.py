@@ -1,0 +1,62 @@
+"""pydantic-ai: an Agent on OpenAI Chat Completions and on the Responses API, with a structured
+`output_type` (its default tool output: a required tool choice over the model's schema, nested models
+included), native (response_format) and prompted output, and a function tool."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import BaseModel
+
+from tests.clients.conftest import KEY, MODEL
+
+pytest.importorskip("pydantic_ai")
+from pydantic_ai import Agent, NativeOutput, PromptedOutput  # noqa: E402
+from pydantic_ai.models.openai import OpenAIChatModel, OpenAIResponsesModel  # noqa: E402
+from pydantic_ai.providers.openai import OpenAIProvider  # noqa: E402
+
+pytestmark = pytest.mark.clients
+SETTINGS = {"temperature": 0.0, "max_tokens": 80}
+
+
+class City(BaseModel):
+    name: str
+    country: str
+
+
+class Trip(BaseModel):
+    destination: City  # nested: $defs in the output tool's schema
+    days: int
+
+
+@pytest.fixture(scope="module", params=["chat", "responses"])
+def model(request, server):
+    provider = OpenAIProvider(base_url=f"{server}/v1", api_key=KEY)
+    cls = OpenAIChatModel if request.param == "chat" else OpenAIResponsesModel
+    return cls(MODEL, provider=provider)
+
+
+def test_tool_output_nested(model):
+    agent = Agent(model, output_type=Trip, model_settings=SETTINGS, output_retries=0)
+    result = agent.run_sync("Plan a 3 day trip to Paris, France.")
+    assert isinstance(result.output, Trip) and isinstance(result.output.destination, City)
+
+
+@pytest.mark.parametrize("wrap", [NativeOutput, PromptedOutput])
+def test_native_and_prompted_output(model, wrap):
+    agent = Agent(model, output_type=wrap(City), model_settings=SETTINGS, output_retries=0)
+    assert isinstance(agent.run_sync("Paris is in France. Which city is it?").output, City)
+
+
+def test_function_tool(model):
+    calls: list[str] = []
+    agent = Agent(model, model_settings=SETTINGS, instructions="Use the get_weather tool to answer.")
+
+    @agent.tool_plain
+    def get_weather(city: str) -> str:
+        """The current weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}."
+
+    # a forced first turn, so the tool call is not up to the 135M model
+    result = agent.run_sync("What is the weather in Paris?", model_settings={**SETTINGS, "tool_choice": "required"})
+    assert calls and isinstance(result.output, str)
