@@ -40,12 +40,12 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=300)
 
 
 @pytest.fixture(scope="module")
 def claude(server):
-    return anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=120)
+    return anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=300)
 
 
 def _chat_tool(name: str, params: dict) -> dict:
@@ -69,7 +69,7 @@ def test_chat_named_recursive_tool(client):
     """A reference to the parameters' root (`#`) is served too (before: 400). The default model nests
     without end, so only the start of the call is checked; tests/test_tool_parsers.py checks the schema."""
     tools = [_chat_tool("get_weather", CITY_PARAMS), _chat_tool("tree", TREE_PARAMS)]
-    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=12, **GREEDY,
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=25, **GREEDY,
                                        tool_choice={"type": "function", "function": {"name": "tree"}})
     call = r.choices[0].message.tool_calls[0]
     assert call.function.name == "tree" and call.function.arguments.startswith('{"label": "')
