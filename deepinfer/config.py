@@ -59,6 +59,13 @@ class ModelConfig:
     )
     seed: int = _f(0, "Seed for requests that do not set their own.")
     num_threads: int | None = _f(None, "CPU threads for torch (default: torch's choice).")
+    json_whitespace: str = _f(
+        "any",
+        "Whitespace JSON output may have under a JSON schema / json_object: any = between any two tokens, as in "
+        "vLLM (small models keep their own layout: `{\"name\": ...` with spaces); compact = fixed separators and "
+        "none elsewhere (fewer tokens). Measured in benchmarks/BENCHMARKS.md (JSON whitespace, issue #17).",
+        choices=["any", "compact"],
+    )
 
     def __post_init__(self) -> None:
         if self.max_model_len is not None and self.max_model_len <= 0:

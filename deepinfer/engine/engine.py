@@ -113,7 +113,8 @@ class LLMEngine:
         self._kv_holds: dict[str, list[int]] = {}  # import_kv_blocks(hold_key=...) -> device blocks held
 
     def _grammar_backend(self) -> GrammarBackend:
-        return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                               any_whitespace=self.core.config.model.json_whitespace == "any")
 
     @property
     def max_model_len(self) -> int:
