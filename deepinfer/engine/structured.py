@@ -139,13 +139,14 @@ class _XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarBackend(GrammarBackend):
-    """xgrammar over an HF tokenizer. `any_whitespace`: JSON may have whitespace between any two tokens
-    (xgrammar's and vLLM's default), else fixed separators (`", "`, `": "`) and none elsewhere. Forcing
-    the compact layout steered the default model into junk where it would write `{"name": "Alice"` with
-    its own spacing; measured in benchmarks/BENCHMARKS.md ("JSON whitespace (issue #17)")."""
+    """xgrammar over an HF tokenizer. JSON is generated compactly-spaced by default (fixed separators
+    `", "` and `": "`, no free whitespace runs: a weak model could otherwise spend its whole budget on
+    spaces and newlines); `any_whitespace` allows whitespace between any two tokens (xgrammar's and vLLM's
+    default; `--json-whitespace any`). The two were measured on the default model in
+    benchmarks/BENCHMARKS.md ("JSON whitespace (issue #17)")."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 2,
-                 any_whitespace: bool = True) -> None:
+                 any_whitespace: bool = False) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
