@@ -73,6 +73,7 @@ class _Parent:
         self.children = children
         self.arrival = time.monotonic()
         self.first_token_time: float | None = None
+        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # made once, at the first token
 
     @property
     def finished(self) -> bool:
@@ -112,7 +113,8 @@ class LLMEngine:
         self._kv_holds: dict[str, list[int]] = {}  # import_kv_blocks(hold_key=...) -> device blocks held
 
     def _grammar_backend(self) -> GrammarBackend:
-        return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids,
+                               any_whitespace=self.core.config.model.json_whitespace == "any")
 
     @property
     def max_model_len(self) -> int:
@@ -397,10 +399,14 @@ class LLMEngine:
                     self.core.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_str)
         if child.logprobs is not None and out.logprobs is not None:
             lp = out.logprobs
-            entry = {tid: Logprob(val, rank + 1, self._decode_one(tid)) for rank, (tid, val) in enumerate(lp.top)}
-            entry[token] = Logprob(lp.logprob, lp.rank, self._decode_one(token))
-            child.logprobs.append(entry)
+            child.logprobs.append(self._logprob_entry(token, lp))
             child.cumulative_logprob += lp.logprob
+
+    def _logprob_entry(self, token: int, lp) -> dict[int, Logprob]:
+        """{token id: Logprob} for `token` and the alternatives in `lp` (a TokenLogprobs)."""
+        entry = {tid: Logprob(val, rank + 1, self._decode_one(tid)) for rank, (tid, val) in enumerate(lp.top)}
+        entry[token] = Logprob(lp.logprob, lp.rank, self._decode_one(token))
+        return entry
 
     def _decode_one(self, token_id: int) -> str | None:
         return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
@@ -418,6 +424,10 @@ class LLMEngine:
             ))
         first = parent.children[0].req
         now = time.monotonic()
+        if (parent.prompt_logprobs is None and first.prompt_logprobs is not None
+                and all(lp is not None for lp in first.prompt_logprobs[1:])):
+            parent.prompt_logprobs = [None] + [self._logprob_entry(tid, lp) for tid, lp in
+                                               zip(parent.prompt_ids[1:], first.prompt_logprobs[1:], strict=True)]
         return RequestOutput(
             request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_ids,
             outputs=outputs, finished=parent.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
@@ -425,4 +435,5 @@ class LLMEngine:
                                                        first.num_cached_store), strict=True)),
             metrics={"arrival": parent.arrival, "first_token": parent.first_token_time, "now": now,
                      "first_scheduled": first.first_scheduled_time},
+            prompt_logprobs=parent.prompt_logprobs,
         )

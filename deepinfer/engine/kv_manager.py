@@ -179,8 +179,9 @@ class KVCacheManager:
 
     def find_cached_prefix(self, req: Request) -> list[int]:
         """Device blocks holding the longest cached prefix of `req` (at most num_tokens - 1 tokens:
-        the last token is always recomputed to produce logits). Takes no reference."""
-        if not self.enable_prefix_caching:
+        the last token is always recomputed to produce logits). Takes no reference. None for a request
+        that wants prompt logprobs: every prompt position's logits must be computed."""
+        if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return []
         self.update_hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
@@ -199,7 +200,7 @@ class KVCacheManager:
         With a prefetcher, store hits start a background read and the hit says `prefetching` until
         they are staged; then they are memory hits, and whatever the read did not stage is a miss."""
         hit = PrefixHit(self.find_cached_prefix(req))
-        if self.tiers is None:
+        if self.tiers is None or req.params.prompt_logprobs is not None:
             return hit
         limit = (req.num_tokens - 1) // self.block_size
         start = len(hit.blocks)

@@ -38,6 +38,8 @@ class RequestOutput:
     # the same split by where they were found: {"device": .., "host": .., "store": ..}
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "store": 0})
     metrics: dict = field(default_factory=dict)
+    # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (vLLM's shape)
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # requests added with `stream_kv`: (block hash, payload) of the prompt's full blocks whose KV was
     # computed since the previous output, in chain order (an output may carry only these, no new token)
     kv_blocks: list | None = None

@@ -78,6 +78,7 @@ class OutputDelta:
     num_cached_tokens_by_tier: dict[str, int]
     metrics: dict = field(default_factory=dict)
     kv_blocks: list | None = None  # RequestOutput.kv_blocks: never accumulated, passed through as is
+    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs: sent once, in the first delta that has them
 
 
 # ---------------------------------------------------------------- server side
@@ -219,7 +220,8 @@ class ProcessEngine(EngineClient):
             prompt_token_ids=d.prompt_token_ids if prev is None else prev.prompt_token_ids,
             outputs=[outputs[i] for i in sorted(outputs)], finished=d.finished,
             num_cached_tokens=d.num_cached_tokens, num_cached_tokens_by_tier=d.num_cached_tokens_by_tier,
-            metrics=d.metrics)
+            metrics=d.metrics,
+            prompt_logprobs=d.prompt_logprobs if d.prompt_logprobs is not None or prev is None else prev.prompt_logprobs)
         if not d.finished:
             self._assembled[d.request_id] = out
         if d.kv_blocks:
@@ -237,6 +239,7 @@ class _DeltaEncoder:
 
     def __init__(self) -> None:
         self._sent: dict[str, dict[int, tuple[str, int, int]]] = {}  # rid -> index -> (text, ntok, nlp)
+        self._sent_prompt_logprobs: set[str] = set()
 
     def encode(self, out: RequestOutput) -> OutputDelta:
         first = out.request_id not in self._sent
@@ -249,14 +252,20 @@ class _DeltaEncoder:
             deltas.append(CompletionDelta(o.index, keep, o.text[keep:], o.token_ids[ntok:], lps,
                                           o.cumulative_logprob, o.finish_reason, o.stop_reason, o.error))
             sent[o.index] = (o.text, len(o.token_ids), len(o.logprobs) if o.logprobs is not None else 0)
+        prompt_lps = None
+        if out.prompt_logprobs is not None and out.request_id not in self._sent_prompt_logprobs:
+            prompt_lps = out.prompt_logprobs
+            self._sent_prompt_logprobs.add(out.request_id)
         if out.finished:
             self._sent.pop(out.request_id, None)
+            self._sent_prompt_logprobs.discard(out.request_id)
         return OutputDelta(out.request_id, out.prompt if first else None, out.prompt_token_ids if first else None,
                            deltas, out.finished, out.num_cached_tokens, out.num_cached_tokens_by_tier, out.metrics,
-                           out.kv_blocks)
+                           out.kv_blocks, prompt_lps)
 
     def forget(self, request_id: str) -> None:
         self._sent.pop(request_id, None)
+        self._sent_prompt_logprobs.discard(request_id)
 
 
 def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int) -> None:

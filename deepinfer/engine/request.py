@@ -85,6 +85,10 @@ class Request:
         # structured output: compiled off the engine loop; the request waits (unscheduled) until it is
         self.grammar = grammar
         self.error: str | None = None  # why the engine ended it early (e.g. its grammar failed to compile)
+        # params.prompt_logprobs: entry i is prompt token i's, written by the runner as its prefill computes
+        # position i - 1 (a recompute after preemption writes the same entries again); entry 0 stays None
+        self.prompt_logprobs: list | None = (
+            [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

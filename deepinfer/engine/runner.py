@@ -21,7 +21,7 @@ import torch
 
 from deepinfer.config import CacheConfig, ModelConfig, parse_memory
 from deepinfer.engine.request import Request
-from deepinfer.engine.sampler import Sampler, TokenLogprobs
+from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
 from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.layers.attention import AttentionBatch
 from deepinfer.layers.linear import Linear
@@ -88,6 +88,9 @@ class PreparedStep:
     # generated tokens, grammar masks need the matchers advanced past them) waits for it. None:
     # nothing to wait for.
     ready: threading.Event | None = None
+    # prompt logprobs: (request, prompt index, prompt token) per logits row after the sampled rows; the
+    # row is the position before that index, whose logits predict the token there
+    prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -182,6 +185,8 @@ class ModelRunner:
         slots: list[torch.Tensor | int] = []
         query_lens, context_lens, tables = [], [], []
         logits_rows, sample_reqs = [], []
+        prompt_rows: list[tuple[Request, int, int]] = []
+        prompt_logits_rows: list[int] = []
         pending: list[tuple[int, str]] = []
         num_decodes = 0
         for item in step.scheduled:
@@ -189,6 +194,11 @@ class ModelRunner:
             table = block_tables[req.request_id]
             end = start + n
             known = req.token_ids[start:end]
+            if req.prompt_logprobs is not None:
+                # positions start .. end-1 predict tokens start+1 .. end: those still inside the prompt
+                for pos in range(start, min(end, req.num_prompt_tokens - 1)):
+                    prompt_logits_rows.append(len(tokens) + pos - start)
+                    prompt_rows.append((req, pos + 1, req.prompt_token_ids[pos + 1]))
             tokens.extend(known)
             if len(known) < n:  # the last token is still being sampled by the step before this one
                 pending.append((len(tokens), req.request_id))
@@ -212,8 +222,8 @@ class ModelRunner:
         dev = self.device
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-            self.backend.prepare(batch), torch.tensor(logits_rows, dtype=torch.long, device=dev), sample_reqs,
-            len(tokens), time.perf_counter() - started, pending)
+            self.backend.prepare(batch), torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.long, device=dev),
+            sample_reqs, len(tokens), time.perf_counter() - started, pending, prompt_rows=prompt_rows)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult:
@@ -227,6 +237,15 @@ class ModelRunner:
         logprobs: dict[str, TokenLogprobs] = {}
         if step.ready is not None:
             step.ready.wait()
+        num_sampled = len(step.sample_reqs)
+        if step.prompt_rows:
+            # written into the request here: the engine reads them only in outputs made after the
+            # request's first token, i.e. after every prefill step of its prompt has finished
+            lps = target_logprobs(logits[num_sampled:].cpu(), [t for _, _, t in step.prompt_rows],
+                                  [r.params.prompt_logprobs for r, _, _ in step.prompt_rows])
+            for (req, index, _), lp in zip(step.prompt_rows, lps, strict=True):
+                req.prompt_logprobs[index] = lp
+            logits = logits[:num_sampled]
         if step.sample_reqs:
             out = self.sampler(logits.cpu(), step.sample_reqs)
             for req, tok, lp in zip(step.sample_reqs, out.token_ids, out.logprobs, strict=True):

@@ -245,3 +245,17 @@ def _padded(rows: list[list[int]], fill: int) -> torch.Tensor:
     for j, r in enumerate(rows):
         out[j, :len(r)] = torch.tensor(r, dtype=torch.long)
     return out
+
+
+def target_logprobs(logits: torch.Tensor, targets: list[int], ks: list[int]) -> list[TokenLogprobs]:
+    """Prompt logprobs: row i's log-probability of `targets[i]` (from the raw distribution, as sampled
+    tokens' logprobs are), its rank and the `ks[i]` most likely tokens."""
+    raw = torch.log_softmax(logits.float(), dim=-1)
+    ids = torch.tensor(targets, dtype=torch.long, device=raw.device).unsqueeze(1)
+    chosen = raw.gather(1, ids)
+    ranks = (raw > chosen).sum(dim=-1) + 1
+    top_vals, top_ids = raw.topk(max(1, max(ks)), dim=-1)
+    chosen_l, ranks_l, vals_l, ids_l = chosen[:, 0].tolist(), ranks.tolist(), top_vals.tolist(), top_ids.tolist()
+    return [TokenLogprobs(chosen_l[i], int(ranks_l[i]), list(zip(ids_l[i][:k], vals_l[i][:k], strict=True)))
+            for i, k in enumerate(ks)]
+

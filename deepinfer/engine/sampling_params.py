@@ -14,7 +14,8 @@ class SamplingParams:
     `temperature == 0` is greedy. Penalties follow OpenAI (presence / frequency, on
     generated tokens) and HF (repetition, on prompt and generated tokens). `logprobs=k`
     returns the sampled token's log-probability and the k most likely alternatives, from
-    the model's raw distribution (before penalties and temperature).
+    the model's raw distribution (before penalties and temperature); `prompt_logprobs=k` the
+    same for each prompt token after the first.
 
     `structured_output` constrains the output to a JSON schema, JSON object, regex or EBNF
     grammar (see `StructuredOutputParams`). `logit_bias` maps token ids to values in [-100, 100]
@@ -36,6 +37,10 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # log-probabilities of the prompt's tokens (each given the tokens before it) and the k most likely
+    # alternatives at each position; the first prompt token has none. Such a request does not reuse
+    # cached prefix blocks: their positions' logits would never be computed.
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     structured_output: StructuredOutputParams | None = None
@@ -79,6 +84,8 @@ class SamplingParams:
             raise bad(f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise bad(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop strings must be non-empty strings")
         if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputParams):

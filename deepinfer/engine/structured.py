@@ -139,13 +139,18 @@ class _XGrammarMatcher(GrammarMatcher):
 
 
 class XGrammarBackend(GrammarBackend):
-    """xgrammar over an HF tokenizer. JSON is generated compactly-spaced (no free whitespace runs: a
-    small model could otherwise spend its whole budget on spaces and newlines)."""
+    """xgrammar over an HF tokenizer. JSON is generated compactly-spaced by default (fixed separators
+    `", "` and `": "`, no free whitespace runs: a weak model could otherwise spend its whole budget on
+    spaces and newlines); `any_whitespace` allows whitespace between any two tokens (xgrammar's and vLLM's
+    default; `--json-whitespace any`). The two were measured on the default model in
+    benchmarks/BENCHMARKS.md ("JSON whitespace (issue #17)")."""
 
-    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 2) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: Sequence[int], max_threads: int = 2,
+                 any_whitespace: bool = False) -> None:
         import xgrammar as xgr
 
         self._xgr = xgr
+        self.any_whitespace = any_whitespace
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids))
@@ -160,9 +165,9 @@ class XGrammarBackend(GrammarBackend):
         try:
             with self._lock:
                 if kind == "json_schema":
-                    return self._compiler.compile_json_schema(text, any_whitespace=False)
+                    return self._compiler.compile_json_schema(text, any_whitespace=self.any_whitespace)
                 if kind == "json_object":
-                    return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=False)
+                    return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
                 if kind == "regex":
                     return self._compiler.compile_regex(text)
                 return self._compiler.compile_grammar(text)

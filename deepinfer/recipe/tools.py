@@ -11,6 +11,7 @@ render tools), and the JSON schema that enforces `tool_choice` required / named.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,20 +207,90 @@ def arguments_object(arguments: Any) -> Any:
 # ---------------------------------------------------------------- constrained tool choice
 
 
-def _call_schema(spec: ToolSpec) -> dict[str, Any]:
-    return {"type": "object", "properties": {"name": {"const": spec.name}, "arguments": spec.parameters},
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def _escape(name: str) -> str:
+    return name.replace("~", "~0").replace("/", "~1")
+
+
+def _unescape(token: str) -> str:
+    return token.replace("~1", "/").replace("~0", "~")
+
+
+def _hoisted(spec: ToolSpec, index: int, defs: dict[str, Any]) -> dict[str, Any]:
+    """`spec.parameters` ready to sit inside the call wrapper: its `$defs` / `definitions` moved into
+    `defs` (the wrapper's root `$defs`) under names unique to this tool, and its local `$ref`s rewritten
+    to them. References resolve from the document root, which the wrapper now is; left in place, a
+    nested model's `#/$defs/City` would dangle. A reference into the parameters themselves (`#`,
+    `#/properties/...`: recursive schemas) points at a copy of the parameters kept in `defs` too."""
+    params = spec.parameters
+    prefix = f"tool{index}_{re.sub(r'[^A-Za-z0-9_]', '_', spec.name)}"
+    renamed: dict[tuple[str, str], str] = {}
+    for key in _DEF_KEYS:
+        for name in params.get(key) or {}:
+            renamed[key, name] = f"{prefix}__{name}"
+    root_name = f"{prefix}__root"
+    uses_root = False
+
+    def ref(target: str) -> str:
+        nonlocal uses_root
+        if not target.startswith("#"):
+            return target  # remote references are the grammar compiler's to refuse
+        parts = target[1:].split("/")[1:] if target[1:] else []
+        if len(parts) >= 2 and (parts[0], _unescape(parts[1])) in renamed:
+            rest = parts[2:]
+            return "/".join(["#", "$defs", _escape(renamed[parts[0], _unescape(parts[1])]), *rest])
+        uses_root = True
+        return "/".join(["#", "$defs", _escape(root_name), *parts])
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, dict):
+            return {k: (ref(v) if k == "$ref" and isinstance(v, str) else walk(v)) for k, v in node.items()}
+        if isinstance(node, list):
+            return [walk(v) for v in node]
+        return node
+
+    if not renamed and not _has_local_ref(params):
+        return params
+    body = walk({k: v for k, v in params.items() if k not in _DEF_KEYS})
+    for key in _DEF_KEYS:
+        for name, schema in (params.get(key) or {}).items():
+            defs[renamed[key, name]] = walk(schema)
+    if uses_root:
+        defs[root_name] = body
+    return body
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        return any((k == "$ref" and isinstance(v, str) and v.startswith("#")) or _has_local_ref(v)
+                   for k, v in node.items())
+    if isinstance(node, list):
+        return any(_has_local_ref(v) for v in node)
+    return False
+
+
+def _call_schema(spec: ToolSpec, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "object", "properties": {"name": {"const": spec.name}, "arguments": arguments},
             "required": ["name", "arguments"], "additionalProperties": False}
 
 
 def tool_choice_schema(specs: list[ToolSpec], choice: ToolChoice, parallel: bool = True) -> dict[str, Any]:
     """The JSON schema the output must follow: named -> one call object of that tool; required -> an array
-    of at least one call (at most one unless `parallel`) of any tool."""
+    of at least one call (at most one unless `parallel`) of any tool. Each tool's `$defs` move to the
+    root of this schema (see `_hoisted`)."""
+    defs: dict[str, Any] = {}
     if choice.mode == "named":
-        return _call_schema(next(s for s in specs if s.name == choice.name))
-    if choice.mode != "required":
+        index, spec = next((i, s) for i, s in enumerate(specs) if s.name == choice.name)
+        schema = _call_schema(spec, _hoisted(spec, index, defs))
+    elif choice.mode == "required":
+        schema = {"type": "array", "minItems": 1,
+                  "items": {"anyOf": [_call_schema(s, _hoisted(s, i, defs)) for i, s in enumerate(specs)]}}
+        if not parallel:
+            schema["maxItems"] = 1
+    else:
         raise ValueError(f"tool choice {choice.mode!r} is not enforced by a schema")
-    schema: dict[str, Any] = {"type": "array", "minItems": 1,
-                              "items": {"anyOf": [_call_schema(s) for s in specs]}}
-    if not parallel:
-        schema["maxItems"] = 1
+    if defs:
+        schema["$defs"] = defs
     return schema

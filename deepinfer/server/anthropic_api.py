@@ -48,7 +48,15 @@ from deepinfer.server.serving import (
     tenant_of,
     with_structured_output,
 )
-from deepinfer.server.tooling import ToolPlan, anthropic_plan, constrain, kept_calls, output_parser, render
+from deepinfer.server.tooling import (
+    ToolPlan,
+    anthropic_plan,
+    constrain,
+    grammar_param,
+    kept_calls,
+    output_parser,
+    render,
+)
 
 
 def _prompt(ctx: ServingContext, req: CountTokensRequest) -> tuple[list[int], ToolPlan]:
@@ -105,17 +113,15 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     params = make_sampling_params(temperature=1.0 if req.temperature is None else req.temperature,
                                   top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
                                   stop=req.stop_sequences, max_tokens=max_tokens, seed=req.seed)
-    params = constrain(params, plan)
     fmt = output_format(req)
     if fmt is not None:
-        if plan.choice.constrained:
-            raise APIError(400, "output_config.format cannot be combined with tool_choice any / tool",
-                           param="output_config.format")
         params = with_structured_output(params, "output_config.format", **fmt)
+    params = constrain(params, plan)  # a forced tool call's grammar governs this turn
     name, breakpoints = cache_retention(req)
     retention = resolve_retention_class(ctx, name, "cache_control", raw)
     mid = f"msg_{uuid.uuid4().hex}"
-    gen = stream_with_metrics(ctx, prompt_ids, params, None, retention=retention, cache_tenant=tenant_of(raw))
+    gen = stream_with_metrics(ctx, prompt_ids, params, None, retention=retention, cache_tenant=tenant_of(raw),
+                              grammar_param=grammar_param(plan, "output_config.format" if fmt else None))
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_stream(output_parser(ctx, prompt_ids, plan, fmt is not None), req, plan, mid,

@@ -1,17 +1,22 @@
 """OpenAI Completions (`/v1/completions`): prompts (text or token ids, one or many) -> engine streams ->
-JSON body or SSE chunks in OpenAI's exact shapes."""
+JSON body or SSE chunks in OpenAI's exact shapes.
+
+`echo` with `logprobs` returns the prompt's tokens with their logprobs before the generated ones (the
+engine's prompt logprobs); `echo` with `max_tokens: 0` only scores the prompt. This is how evaluation
+harnesses (lm-evaluation-harness's `local-completions`) compute log-likelihoods."""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 import uuid
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deepinfer.engine.outputs import RequestOutput
-from deepinfer.server.logprobs import completion_logprobs
+from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.server.logprobs import completion_logprobs, joined, prompt_logprobs
 from deepinfer.server.protocol import APIError, CompletionRequest
 from deepinfer.server.serving import (
     ChoiceState,
@@ -69,18 +74,23 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
         bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
         if bad is not None:
             raise APIError(400, f"token id {bad} is out of range [0, {engine.vocab_size})", param="prompt")
-    max_tokens = [check_context(len(ids), req.max_tokens if req.max_tokens is not None else 16,
-                                engine.max_model_len, "prompt") for _, ids in prompts]
+    # max_tokens 0 with echo: score the prompt only. The engine still samples one token (its steps end in
+    # a sample), which the reply leaves out.
+    score_only = req.max_tokens == 0 and req.echo
+    wanted = 1 if score_only else req.max_tokens if req.max_tokens is not None else 16
+    max_tokens = [check_context(len(ids), wanted, engine.max_model_len, "prompt") for _, ids in prompts]
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     params = [sampling_params(req, mt, req.logprobs, engine) for mt in max_tokens]
+    if req.echo and req.logprobs is not None:
+        params = [dataclasses.replace(p, prompt_logprobs=req.logprobs) for p in params]
     await precompile(engine, params[0], grammar_field(req))  # a bad grammar is a 400, also when streaming
     tenant = tenant_of(raw)
     gens = [stream_with_metrics(ctx, ids, p, req.cache_salt, prompt=text, retention=retention,
                                 grammar_param=grammar_field(req), cache_tenant=tenant)
             for (text, ids), p in zip(prompts, params, strict=True)]
     if req.stream:
-        return StreamingResponse(_completion_sse(ctx, req, rid, created, prompts, gens),
+        return StreamingResponse(_completion_sse(ctx, req, rid, created, prompts, gens, score_only),
                                  media_type="text/event-stream")
     finals = await asyncio.gather(*(final_output_or_disconnect(raw, g) for g in gens))
     if any(f is None for f in finals):
@@ -91,10 +101,14 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
         cached += final.num_cached_tokens
         echo = (text if text is not None else engine.tokenizer.decode(ids)) if req.echo else ""
         for c in final.outputs:
+            if score_only:
+                c = _scored(c)
             completion_tokens += len(c.token_ids)
             lp = None
             if req.logprobs is not None:
                 lp = completion_logprobs(engine.tokenizer, c, 0, len(c.token_ids), req.logprobs, len(echo))
+                if req.echo:
+                    lp = joined(prompt_logprobs(engine.tokenizer, ids, final.prompt_logprobs, req.logprobs), lp)
             choices.append({"index": pi * req.n + c.index, "text": echo + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
@@ -102,7 +116,14 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
                          "system_fingerprint": None})
 
 
-async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str, created: int, prompts, gens):
+def _scored(c: CompletionOutput) -> CompletionOutput:
+    """A `max_tokens: 0` choice: nothing generated (the token the engine sampled is dropped)."""
+    return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
+                               finish_reason="length" if c.finished() else None, stop_reason=None)
+
+
+async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str, created: int, prompts, gens,
+                          score_only: bool = False):
     tokenizer = ctx.engine.tokenizer
     include_usage, continuous_usage = stream_usage(req.stream_options)
     states: dict[int, ChoiceState] = {}
@@ -111,12 +132,19 @@ async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str,
     try:
         async for pi, out in merge(gens):
             for c in out.outputs:
+                if score_only:
+                    c = _scored(c)
                 index = pi * req.n + c.index
                 st = states.setdefault(index, ChoiceState())
                 text = c.text
+                echo_lp = None
                 if req.echo and not st.started:
                     echo_text = prompts[pi][0] if prompts[pi][0] is not None else tokenizer.decode(prompts[pi][1])
                     text_out = echo_text + text[st.sent_text:]
+                    # generated offsets count from the end of the echoed prompt
+                    st.extra["echo_len"] = len(echo_text)
+                    if req.logprobs is not None:
+                        echo_lp = prompt_logprobs(tokenizer, prompts[pi][1], out.prompt_logprobs, req.logprobs)
                 else:
                     text_out = text[st.sent_text:]
                 st.started = True
@@ -125,7 +153,9 @@ async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str,
                     lp = None
                     if req.logprobs is not None and len(c.token_ids) > st.sent_tokens:
                         lp = completion_logprobs(tokenizer, c, st.sent_tokens, len(c.token_ids), req.logprobs,
-                                                 st.sent_text)
+                                                 st.extra.get("echo_len", 0) + st.sent_text)
+                    if echo_lp is not None:
+                        lp = joined(echo_lp, lp)
                     body = {**base, "choices": [{"index": index, "text": text_out, "logprobs": lp,
                                                  "finish_reason": fin, "stop_reason": c.stop_reason if fin else None}]}
                     if include_usage:
@@ -140,7 +170,7 @@ async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str,
         return
     if include_usage:
         prompt_tokens = sum(len(ids) for _, ids in prompts)
-        completion_tokens = sum(len(c.token_ids) for f in finals.values() for c in f.outputs)
+        completion_tokens = 0 if score_only else sum(len(c.token_ids) for f in finals.values() for c in f.outputs)
         cached = sum(f.num_cached_tokens for f in finals.values())
         yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)})
     yield sse("[DONE]")

@@ -1,8 +1,9 @@
-"""Logprobs in OpenAI's shapes: Chat Completions `logprobs.content[]` and Completions' parallel lists."""
+"""Logprobs in OpenAI's shapes: Chat Completions `logprobs.content[]` and Completions' parallel lists
+(with `echo`, the prompt's tokens first: the first one has no logprob, `null`, as in OpenAI and vLLM)."""
 
 from __future__ import annotations
 
-from deepinfer.engine.outputs import CompletionOutput
+from deepinfer.engine.outputs import CompletionOutput, Logprob
 
 
 def _token_str(tokenizer, tid: int) -> str:
@@ -39,3 +40,33 @@ def completion_logprobs(tokenizer, comp: CompletionOutput, start: int, end: int,
         offsets.append(offset)
         offset += len(tok)
     return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list[dict[int, Logprob] | None] | None,
+                    top_n: int) -> dict:
+    """Completions' lists for the echoed prompt: text offsets from 0, `null` for the first token (and for
+    any position without an entry)."""
+    tokens, token_lps, tops, offsets = [], [], [], []
+    offset = 0
+    for i, tid in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        tok = _token_str(tokenizer, tid)
+        tokens.append(tok)
+        offsets.append(offset)
+        offset += len(tok)
+        if entry is None:
+            token_lps.append(None)
+            tops.append(None)
+            continue
+        token_lps.append(entry[tid].logprob)
+        alts = sorted(entry.items(), key=lambda x: x[1].rank or 0)[:top_n]
+        tops.append({_token_str(tokenizer, t): lp.logprob for t, lp in alts})
+    return {"tokens": tokens, "token_logprobs": token_lps, "top_logprobs": tops, "text_offset": offsets}
+
+
+def joined(first: dict, second: dict | None) -> dict:
+    """Two Completions logprobs objects as one (the prompt's, then the generated tokens')."""
+    if second is None:
+        return first
+    return {k: first[k] + second[k] for k in first}
+

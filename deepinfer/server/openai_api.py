@@ -40,7 +40,15 @@ from deepinfer.server.serving import (
     usage,
 )
 from deepinfer.server.structured_fields import grammar_field
-from deepinfer.server.tooling import ToolPlan, constrain, kept_calls, openai_plan, output_parser, render
+from deepinfer.server.tooling import (
+    ToolPlan,
+    constrain,
+    grammar_param,
+    kept_calls,
+    openai_plan,
+    output_parser,
+    render,
+)
 
 __all__ = ["ServingContext", "chat_completion", "chat_messages", "completion"]
 
@@ -128,12 +136,12 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
                                engine.max_model_len, "messages")
     top_n = req.top_logprobs or 0
     params = constrain(sampling_params(req, max_tokens, top_n if req.logprobs else None, engine), plan)
-    grammar_param = grammar_field(req) or ("tool_choice" if plan.choice.constrained else None)
+    grammar = grammar_param(plan, grammar_field(req))
     retention = retention_class(ctx, req, raw)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     gen = stream_with_metrics(ctx, prompt_ids, params, req.cache_salt, retention=retention,
-                              grammar_param=grammar_param, cache_tenant=tenant_of(raw))
+                              grammar_param=grammar, cache_tenant=tenant_of(raw))
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_chat_sse(ctx, req, plan, rid, created, first, gen, top_n),

@@ -45,7 +45,15 @@ from deepinfer.server.serving import (
     tenant_of,
     with_structured_output,
 )
-from deepinfer.server.tooling import ToolPlan, constrain, kept_calls, openai_plan, output_parser, render
+from deepinfer.server.tooling import (
+    ToolPlan,
+    constrain,
+    grammar_param,
+    kept_calls,
+    openai_plan,
+    output_parser,
+    render,
+)
 
 
 def _id(prefix: str) -> str:
@@ -80,12 +88,10 @@ class _Job:
                                       top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
                                       seed=req.seed)
         fmt = text_format(req.text)
-        if fmt is not None and self.plan.choice.constrained:
-            raise APIError(400, "text.format cannot be combined with a required or named tool_choice",
-                           param="text.format")
-        params = constrain(params, self.plan)
         if fmt is not None:
             params = with_structured_output(params, "text.format", **fmt)
+        params = constrain(params, self.plan)  # a forced tool call's grammar governs this turn
+        self.grammar_param = grammar_param(self.plan, "text.format" if fmt is not None else None)
         self.params = params
         self.structured = fmt is not None
         self.retention = resolve_retention_class(ctx, _retention_name(req.prompt_cache_retention),
@@ -135,8 +141,10 @@ class _Job:
 
 
 def _message(item_id: str, text: str, status: str = "completed") -> dict:
+    """A message item; "in_progress" ones (stream openers) have no content yet, "incomplete" ones (cut
+    by max_output_tokens, as OpenAI marks them) keep what was written."""
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [_text_part(text)] if status == "completed" else []}
+            "content": [] if status == "in_progress" else [_text_part(text)]}
 
 
 def _text_part(text: str) -> dict:
@@ -153,13 +161,13 @@ def _call(item_id: str, call_id: str, name: str, arguments: str, status: str = "
             "status": status}
 
 
-def output_items(parser: OutputParser, plan: ToolPlan) -> list[dict]:
+def output_items(parser: OutputParser, plan: ToolPlan, message_status: str = "completed") -> list[dict]:
     items = []
     if parser.reasoning_text:
         items.append(_reasoning(_id("rs"), parser.reasoning_text))
     calls = kept_calls(parser.tool_calls, plan)
     if parser.content_text.strip() or not items + calls:  # an empty reply is still one (empty) message
-        items.append(_message(_id("msg"), parser.content_text))
+        items.append(_message(_id("msg"), parser.content_text, message_status))
     items += [_call(_id("fc"), _id("call"), c.name, c.arguments) for c in calls]
     return items
 
@@ -168,7 +176,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, store: Res
     ctx.engine.check_admission()
     job = _Job(ctx, req, store, raw)
     gen = stream_with_metrics(ctx, job.prompt_ids, job.params, None, retention=job.retention,
-                              cache_tenant=tenant_of(raw))
+                              grammar_param=job.grammar_param, cache_tenant=tenant_of(raw))
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_stream(job, first, gen), media_type="text/event-stream")
@@ -177,12 +185,18 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, store: Res
         return client_gone()
     parser = output_parser(ctx, job.prompt_ids, job.plan, job.structured)
     text = final.outputs[0].text
+    status = _message_status(final)
     if parser.passthrough:
-        output = [_message(_id("msg"), text)]
+        output = [_message(_id("msg"), text, status)]
     else:
         parser.parse_all(text)
-        output = output_items(parser, job.plan)
+        output = output_items(parser, job.plan, status)
     return JSONResponse(job.finish(final, parser, output))
+
+
+def _message_status(final: RequestOutput) -> str:
+    """A message cut by max_output_tokens is "incomplete", like the response that holds it."""
+    return "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
 
 
 def stored_response(store: ResponseStore, response_id: str, tenant: str | None) -> dict:
@@ -230,14 +244,14 @@ class _Events:
                                content_index=0, part={"type": "reasoning_text", "text": ""}))
         return out
 
-    def close(self) -> list[str]:
+    def close(self, message_status: str = "completed") -> list[str]:
         o, self.open = self.open, None
         if o is None:
             return []
         item, index, text = o["item"], o["index"], o["text"]
         where = {"item_id": item["id"], "output_index": index}
         if o["kind"] == "message":
-            done = _message(item["id"], text)
+            done = _message(item["id"], text, message_status)
             out = [self.ev("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
                    self.ev("response.content_part.done", **where, content_index=0, part=_text_part(text))]
         elif o["kind"] == "reasoning":
@@ -303,10 +317,11 @@ async def _stream(job: _Job, first: RequestOutput | None, gen) -> AsyncIterator[
     except Exception as e:  # noqa: BLE001 - the status is already sent; report in-band and end the stream
         yield ev.ev("error", code=str(getattr(e, "status", "server_error")), message=str(e), param=None)
         return
-    for frame in ev.close():
+    status = _message_status(last) if last is not None else "completed"
+    for frame in ev.close(status):  # the item open at the end is the one max_output_tokens cut
         yield frame
     if not ev.items:  # an empty reply is still one (empty) message
-        for frame in ev._open("message", _message(_id("msg"), "", "in_progress")) + ev.close():
+        for frame in ev._open("message", _message(_id("msg"), "", "in_progress")) + ev.close(status):
             yield frame
     if last is None:
         return

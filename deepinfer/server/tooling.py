@@ -4,6 +4,7 @@ and the output parser of each choice."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,18 +68,31 @@ def render(ctx: ServingContext, messages: list[dict], plan: ToolPlan, param: str
 
 
 def constrain(params: SamplingParams, plan: ToolPlan) -> SamplingParams:
-    """Enforce a required / named tool choice with a JSON schema, so the arguments always parse."""
+    """Enforce a required / named tool choice with a JSON schema, so the arguments always parse.
+
+    A response format given with it (OpenAI allows the pair; instructor and the Agents SDK send it) is
+    set aside for this turn: a forced turn is a tool call, so the tool grammar governs it, and the
+    format governs the text turns that follow."""
     if not plan.choice.constrained:
         return params
     schema = tool_choice_schema(plan.specs, plan.choice, plan.parallel)
-    return with_structured_output(params, "tool_choice", json_schema=schema)
+    return with_structured_output(dataclasses.replace(params, structured_output=None), "tool_choice",
+                                  json_schema=schema)
+
+
+def grammar_param(plan: ToolPlan, format_param: str | None) -> str | None:
+    """The request field whose grammar the engine enforces (for error messages): the tool choice when
+    it is forced, else the response format's field."""
+    return "tool_choice" if plan.choice.constrained else format_param
 
 
 def output_parser(ctx: ServingContext, prompt_ids: list[int], plan: ToolPlan,
                   structured: bool = False) -> OutputParser:
-    """The parser of one choice's output; `structured`: a grammar (response format) shapes all of it."""
+    """The parser of one choice's output; `structured`: a grammar (response format) shapes all of it,
+    unless a forced tool choice replaced that grammar (see `constrain`)."""
     return OutputParser(ctx.recipe, ctx.engine.tokenizer, prompt_ids, tools=plan.active,
-                        constrained_tools=plan.choice.constrained, constrained=structured)
+                        constrained_tools=plan.choice.constrained,
+                        constrained=structured and not plan.choice.constrained)
 
 
 def kept_calls(calls: list[ToolCall], plan: ToolPlan) -> list[ToolCall]:
