@@ -31,7 +31,6 @@ BF16_NATIVE = cpu_has_fast_bf16()
 SKIP_BF16 = pytest.mark.skipif(not BF16_NATIVE, reason="bf16 is emulated on this CPU (no AVX-512 BF16 / AMX): "
                                "not the default dtype here")
 DTYPES = [pytest.param(torch.float32, id="float32"), pytest.param(torch.bfloat16, id="bfloat16", marks=SKIP_BF16)]
-DEFAULT_DTYPE = "bfloat16" if BF16_NATIVE else "float32"
 
 
 @pytest.fixture(scope="module")
@@ -142,11 +141,12 @@ def test_deterministic_greedy_ignores_batching_chunking_and_cache_tiers(dtype, p
     assert _tokens(alone) == _tokens(mixed[5])
 
 
-def test_deterministic_cluster_matches_unified(prompts, tmp_path):
-    """In the machine's default dtype: a 1P+1D cluster (prefill worker computes the prompt and the first
-    token, ships the KV, the decode worker continues) gives the unified server's greedy tokens."""
+@pytest.mark.parametrize("dtype", [p.id for p in DTYPES] if BF16_NATIVE else ["float32"])
+def test_deterministic_cluster_matches_unified(dtype, prompts, tmp_path):
+    """A 1P+1D cluster (the prefill worker computes the prompt and the first token, ships the KV, the
+    decode worker continues) gives the unified server's greedy tokens."""
     long, others = prompts
-    flags = ("--deterministic", "--dtype", DEFAULT_DTYPE, "--kv-cache-memory", "192MiB", "--no-profile-cost-model",
+    flags = ("--deterministic", "--dtype", dtype, "--kv-cache-memory", "192MiB", "--no-profile-cost-model",
              "--max-model-len", "2048")
     body = {"model": "SmolLM2-135M-Instruct", "max_tokens": MAX_TOKENS, "temperature": 0,
             "extra_body": {"ignore_eos": True}}
