@@ -77,6 +77,12 @@ def test_chat_is_token_identical_to_unified(client, unified, cluster):
     assert hits >= sent * 16
 
 
+def test_prompt_logprobs_are_refused_with_a_clear_error(client):
+    with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
+        client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, echo=True,
+                                  logprobs=1)
+
+
 def test_streaming_is_token_identical_to_unified(client, unified):
     prompt = PROMPTS[1]
     ref = _chat(unified, prompt, 16)

@@ -152,6 +152,9 @@ class ClusterEngineClient:
                        prompt: str | None = None, cache_salt: str | None = None,
                        retention_class: str | None = None,
                        cache_tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        if params.prompt_logprobs is not None:  # a clear refusal rather than an echo without them
+            raise ValueError("prompt logprobs (completions echo with logprobs) are not served through the "
+                             "cluster router yet; send them to a unified server")
         if params.n > 1:
             async for out in self._generate_n(prompt_token_ids, params, request_id, prompt, cache_salt,
                                               retention_class, cache_tenant):
