@@ -155,7 +155,7 @@ def test_router_store_lookup_hashes_with_the_tenant(tiny_models, tmp_path):
         core = engine.core
         core.flush_kv_store()
         lay = layout_of(core.runner.kv_caches)
-        load = {"model_identity": core.files.identity,
+        load = {"model_identity": core.model_identity,
                 "kv_layout": [lay.dtype, lay.block_size, lay.num_layers, lay.num_kv_heads, lay.head_dim]}
         # the same engine: the tenant's blocks are device hits for the tenant only
         out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2), cache_salt=tenant)[0]

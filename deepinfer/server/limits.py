@@ -239,9 +239,11 @@ def check_counts(api: str, body: dict, limits: LimitsConfig, max_model_len: int)
         max_tokens, why, code = limits.max_tokens_per_request, "", None
     else:
         max_tokens, why, code = max_model_len, " (the model's context length)", "context_length_exceeded"
+    # completions with echo may ask for 0 tokens: score the prompt only (the legacy API allows it)
+    low = 0 if api == "completions" and body.get("echo") is True else 1
     for name in {"chat": ("max_tokens", "max_completion_tokens"), "completions": ("max_tokens",),
                  "responses": ("max_output_tokens",), "messages": ("max_tokens",)}.get(api, ()):
-        _bounded(body, name, max_tokens, low=1, why=why, code=code)
+        _bounded(body, name, max_tokens, low=low, why=why, code=code)
     _bounded(body, "seed", 2**63 - 1, low=-(2**63))  # what a torch generator takes
     if api in ("chat", "responses", "tokenize"):
         _count(body, "messages" if api != "responses" else "input", limits.max_messages,
