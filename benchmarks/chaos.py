@@ -391,7 +391,7 @@ def case_engine_kill(ctx: Ctx, res: CaseResult) -> None:
 def case_engine_kill_store(ctx: Ctx, res: CaseResult) -> None:
     """The engine is killed while its background writer stores segments; the store must never serve what a
     dead writer left half-written."""
-    from deepinfer.kvstore.space import scan
+    from deepinfer.kvcache.space import scan
 
     store = ctx.workdir / "store-eks"
     prompts, refs = ctx.prompts(1)
@@ -527,7 +527,7 @@ SLOW_HOOK = textwrap.dedent('''
     import os, time
     _delay = float(os.environ.get("DEEPINFER_CHAOS_STORE_READ_DELAY", "0"))
     if _delay:
-        from deepinfer.kvstore import store as _store
+        from deepinfer.kvcache import store as _store
 
         _get = _store.KVBlockStore.get
 
@@ -570,7 +570,7 @@ def case_store_slow(ctx: Ctx, res: CaseResult, delay: float = 1.5) -> None:
 
 def flip_segments(store: Path) -> int:
     """Flip one byte in every segment file: in the header of every third one, in the payload of the rest."""
-    from deepinfer.kvstore.space import iter_files, read_header
+    from deepinfer.kvcache.space import iter_files, read_header
 
     n = 0
     for i, path in enumerate(sorted(e.path for e in iter_files(store) if not e.tmp)):

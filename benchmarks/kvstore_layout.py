@@ -26,9 +26,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from deepinfer.engine.block_hash import extend_block_hashes, root_hash
-from deepinfer.kvstore import KVBlockStore, KVLayout
-from deepinfer.kvstore import store as store_mod
+from deepinfer.kvcache import KVBlockStore, KVLayout
+from deepinfer.kvcache import store as store_mod
+from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
 
 
 class OpCounter:
@@ -77,11 +77,11 @@ def run(root: Path, layout: KVLayout, blocks: int, segment_blocks: int, turns: i
     dirs = sum(len(d) for _, d, _ in os.walk(root / "objects"))
     with OpCounter() as lookup_ops:
         t0 = time.perf_counter()
-        found = store.contains_prefix(hashes)
+        found = store.lookup(hashes)
         lookup_s = time.perf_counter() - t0
     with OpCounter() as get_ops:
         t0 = time.perf_counter()
-        got = store.get(hashes)
+        got = store.load(hashes)
         get_s = time.perf_counter() - t0
     assert found == blocks and len(got) == blocks, (found, len(got))
     return {"files": files, "dirs": dirs, "write_ms_per_block": write_s / blocks * 1e3,

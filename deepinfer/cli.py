@@ -158,7 +158,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     import shutil
 
     from deepinfer.config import parse_memory
-    from deepinfer.kvstore import space
+    from deepinfer.kvcache import space
 
     path = KVStoreConfig(kv_store=args.store).store_path()
     if path is None:

@@ -187,7 +187,7 @@ class KVStoreConfig:
         "slower read goes on in the background. 0 = never wait.")
 
     def __post_init__(self) -> None:
-        from deepinfer.kvstore.format import RetentionPolicy
+        from deepinfer.kvcache.format import RetentionPolicy
 
         RetentionPolicy.parse(self.kv_retention, self.default_retention_class)  # raises ValueError if bad
         for name in ("host_cache_memory", "kv_store_max_bytes"):

@@ -29,6 +29,10 @@ TINY_ARCHS = {
     # q/k norm, explicit head_dim != hidden / heads, GQA, untied
     "qwen3": dict(cls="Qwen3Config", hidden_size=80, intermediate_size=144, num_attention_heads=4,
                   num_key_value_heads=2, head_dim=32, num_hidden_layers=2, tie_word_embeddings=False),
+    # hybrid: layer 0 full attention, layers 1-2 a sliding window of 12 tokens (two KV layer groups)
+    "qwen2_swa": dict(cls="Qwen2Config", hidden_size=64, intermediate_size=160, num_attention_heads=4,
+                      num_key_value_heads=2, num_hidden_layers=3, tie_word_embeddings=False,
+                      use_sliding_window=True, sliding_window=12, max_window_layers=1),
 }
 
 
@@ -52,7 +56,7 @@ def _build_tiny(arch: str, root: Path, tokenizer_dir: Path) -> Path:
               bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, **spec)
     torch.manual_seed(1234 + len(arch))
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    if arch == "qwen2":  # biases are zero-initialised; make them matter
+    if arch.startswith("qwen2"):  # biases are zero-initialised; make them matter
         with torch.no_grad():
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):

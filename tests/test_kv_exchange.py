@@ -13,7 +13,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.cluster.transfer import TCPKVTransfer, checksum
-from deepinfer.engine.kv_exchange import export_blocks, import_blocks, prompt_block_hashes
+from deepinfer.kvcache.exchange import export_blocks, import_blocks, prompt_block_hashes
 from tests.test_models_vs_hf import _assert_all_free
 
 BS = 16
@@ -228,8 +228,8 @@ def test_router_store_lookup_names_blocks_like_the_engine(tiny_models, tmp_path)
     from deepinfer.cluster.policies import DeepInferPolicy
     from deepinfer.cluster.pool import WorkerPool
     from deepinfer.config import RouterConfig
-    from deepinfer.kvstore import RetentionPolicy
-    from deepinfer.kvstore.blocks import layout_of
+    from deepinfer.kvcache import RetentionPolicy
+    from deepinfer.kvcache.blocks import layout_of
 
     store = tmp_path / "store"
     prompt = _prompt(9, 70)

@@ -7,10 +7,11 @@ import sys
 
 import pytest
 
-from deepinfer.engine.block_hash import extend_block_hashes, hash_block, root_hash
-from deepinfer.engine.kv_manager import BlockPool, KVCacheManager, NoFreeBlocksError
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.kvcache.hashing import extend_block_hashes, hash_block, root_hash
+from deepinfer.kvcache.manager import KVCacheManager
+from deepinfer.kvcache.pool import BlockPool, NoFreeBlocksError
 
 
 def _req(rid: str, tokens: list[int], salt: str | None = None) -> Request:
@@ -74,7 +75,7 @@ def test_block_hash_is_chained_and_salted():
 
 
 def test_block_hash_stable_across_processes():
-    code = ("from deepinfer.engine.block_hash import root_hash, hash_block;"
+    code = ("from deepinfer.kvcache.hashing import root_hash, hash_block;"
             "print(hash_block(root_hash('m', 'fp32', 's'), list(range(16))).hex())")
     outs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                            env={"PYTHONHASHSEED": str(seed), "PATH": ""}).stdout.strip() for seed in (1, 2)}
@@ -84,14 +85,14 @@ def test_block_hash_stable_across_processes():
 def test_prefix_lookup_refcount_and_free():
     kv = KVCacheManager(num_blocks=10, block_size=4, model_identity="m", kv_layout="l")
     a = _req("a", list(range(10)))
-    assert kv.find_cached_prefix(a) == []
+    assert kv.lookup_prefix(a).blocks == []
     assert kv.allocate(a, 10)
     a.num_computed_tokens = 10
     kv.register_computed(a)
     table_a = list(kv.block_tables["a"])
     b = _req("b", list(range(9)) + [77, 78])
-    hit = kv.find_cached_prefix(b)
-    assert hit == table_a[:2]  # 2 full blocks shared (the 3rd differs at token 9)
+    hit = kv.lookup_prefix(b)
+    assert hit.blocks == table_a[:2]  # 2 full blocks shared (the 3rd differs at token 9)
     assert kv.allocate(b, 11 - 8, hit)
     assert kv.pool.ref_counts[table_a[0]] == 2
     kv.free(a)
@@ -99,7 +100,7 @@ def test_prefix_lookup_refcount_and_free():
     assert kv.pool.num_free == 10 and all(c == 0 for c in kv.pool.ref_counts)
     # the cached prefix survives its owners
     c = _req("c", list(range(10)))
-    assert kv.find_cached_prefix(c) == table_a[:2]  # last token always recomputed: (10-1)//4 = 2 blocks
+    assert kv.lookup_prefix(c).blocks == table_a[:2]  # last token always recomputed: (10-1)//4 = 2 blocks
 
 
 def test_cache_salt_isolates_tenants():
@@ -108,8 +109,8 @@ def test_cache_salt_isolates_tenants():
     kv.allocate(a, 12)
     a.num_computed_tokens = 12
     kv.register_computed(a)
-    assert kv.find_cached_prefix(_req("b", list(range(12)), salt="bob")) == []
-    assert len(kv.find_cached_prefix(_req("c", list(range(12)), salt="alice"))) == 2
+    assert kv.lookup_prefix(_req("b", list(range(12)), salt="bob")).blocks == []
+    assert len(kv.lookup_prefix(_req("c", list(range(12)), salt="alice")).blocks) == 2
 
 
 def test_allocate_counts_reclaimed_cached_blocks():
@@ -120,8 +121,8 @@ def test_allocate_counts_reclaimed_cached_blocks():
     kv.register_computed(a)
     kv.free(a)  # 3 free blocks, 2 of them cached
     b = _req("b", list(range(8)) + [5, 6, 7, 8, 9])
-    hit = kv.find_cached_prefix(b)
-    assert len(hit) == 2
+    hit = kv.lookup_prefix(b)
+    assert len(hit.blocks) == 2
     # needs 2 new blocks (13 tokens = 4 blocks) but only 1 free block remains besides the hit
     assert not kv.allocate(b, 5, hit)
     assert kv.pool.num_free == 3 and "b" not in kv.block_tables

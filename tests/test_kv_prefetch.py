@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from deepinfer import SamplingParams
-from deepinfer.kvstore.blocks import gather_block, scatter_block, scatter_blocks
+from deepinfer.kvcache.blocks import gather_block, scatter_block, scatter_blocks
 from tests.test_kv_tiers import BS, _flip_first_block, _llm, _prompt, _reference, _run, _segments
 from tests.test_models_vs_hf import _assert_all_free
 
@@ -29,15 +29,15 @@ def _stored(model, store: Path, *prompts: list[int]) -> None:
 
 
 def _fault_reads(llm, before=None) -> None:
-    """Run `before()` at the start of every store read (`KVBlockStore.get`) of this engine."""
+    """Run `before()` at the start of every store read (`KVBlockStore.load`) of this engine."""
     store = llm.engine.core.tiers.store
-    real = store.get
+    real = store.load
 
     def get(*args, **kwargs):
         before()
         return real(*args, **kwargs)
 
-    store.get = get
+    store.load = get
 
 
 def _drive(engine, until=None, timeout: float = 120.0) -> dict[str, list[float]]:

@@ -23,10 +23,10 @@ import uvicorn
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
 from deepinfer.engine.async_engine import AsyncEngine
-from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.request import Request
-from deepinfer.kvstore.space import iter_files, read_header, scan
-from deepinfer.kvstore.writer import StoreWriter
+from deepinfer.kvcache.manager import KVCacheManager
+from deepinfer.kvcache.space import iter_files, read_header, scan
+from deepinfer.kvcache.writer import StoreWriter
 from deepinfer.server.app import build_app
 from tests.server_utils import free_port
 from tests.test_models_vs_hf import _assert_all_free
@@ -265,7 +265,7 @@ def test_store_writes_cut_at_segment_boundaries_and_only_what_a_request_computed
     b = Request("b", list(range(8)) + [99] * 10, GREEDY)
     hit = kv.lookup_prefix(b)
     assert len(hit.blocks) == 2 and hit.num_load == 0
-    assert kv.allocate(b, 10, hit.blocks)
+    assert kv.allocate(b, 10, hit)
     b.num_computed_tokens = 18
     kv.register_computed(b)
     assert tiers.writes[2:] == [(2, kv.block_tables["b"][2:4], None)]
@@ -354,8 +354,8 @@ def test_api_retention_choice_and_cached_tokens_across_restart(tiny_models, tmp_
 
 
 def test_openai_retention_values_map_to_classes():
-    from deepinfer.engine.kv_tiers import resolve_retention
-    from deepinfer.kvstore import RetentionPolicy
+    from deepinfer.kvcache import RetentionPolicy
+    from deepinfer.kvcache.engine_tiers import resolve_retention
 
     policy = RetentionPolicy.parse("agent=72h,chat=7d,batch=1h", default_class="batch")
     assert resolve_retention(policy, None) == "batch"

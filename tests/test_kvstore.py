@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from deepinfer.config import EngineConfig, KVStoreConfig
-from deepinfer.engine.block_hash import extend_block_hashes, root_hash
-from deepinfer.kvstore import (
+from deepinfer.kvcache import (
     HostKVCache,
     KVBlockStore,
     KVLayout,
@@ -24,7 +23,8 @@ from deepinfer.kvstore import (
     TieredKVStore,
     parse_duration,
 )
-from deepinfer.kvstore.space import LOCK_NAME, StoreSpace, iter_files
+from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
+from deepinfer.kvcache.space import LOCK_NAME, StoreSpace, iter_files
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUT = KVLayout("float16", 4, 2, 1, 8)  # 256-byte blocks: enough to exercise every path, fast to write
@@ -56,8 +56,8 @@ def segments(path: Path) -> list[Path]:
 CHILD_PRELUDE = f"""
 import json, sys, types
 pkg = types.ModuleType("deepinfer"); pkg.__path__ = [{str(ROOT / "deepinfer")!r}]; sys.modules["deepinfer"] = pkg
-from deepinfer.engine.block_hash import extend_block_hashes, root_hash
-from deepinfer.kvstore import KVBlockStore, KVLayout
+from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
+from deepinfer.kvcache import KVBlockStore, KVLayout
 LAYOUT = KVLayout("float16", 4, 2, 1, 8)
 def chain(tokens):
     hs = []
@@ -86,17 +86,17 @@ def result(proc: subprocess.Popen) -> dict:
 def test_round_trip_restart_and_partial_reads(tmp_path):
     hs = chain(list(range(42)))  # 10 full blocks
     store = make_store(tmp_path)
-    assert store.contains_prefix(hs) == 0 and store.get(hs) == []
+    assert store.lookup(hs) == 0 and store.load(hs) == []
     assert store.put(hs, [payload(h) for h in hs], "agent") == 10
-    assert store.contains_prefix(hs) == 10
-    assert [bytes(p) for p in store.get(hs)] == [payload(h) for h in hs]
+    assert store.lookup(hs) == 10
+    assert [bytes(p) for p in store.load(hs)] == [payload(h) for h in hs]
     assert len(segments(tmp_path)) == 3  # groups of 4: 4 + 4 + 2 blocks
     assert all(len(p.name.split("-")[0]) == 32 for p in segments(tmp_path))  # hash hex only
 
     again = make_store(tmp_path)  # a restart: a new object on the same path
-    assert again.contains_prefix(hs) == 10
-    assert again.contains_prefix(hs, start=6) == 4
-    assert [bytes(p) for p in again.get(hs, start=3, count=5)] == [payload(h) for h in hs[3:8]]
+    assert again.lookup(hs) == 10
+    assert again.lookup(hs, start=6) == 4
+    assert [bytes(p) for p in again.load(hs, start=3, count=5)] == [payload(h) for h in hs[3:8]]
     assert again.put(hs, [payload(h) for h in hs]) == 0  # already there: nothing rewritten
     assert again.stats()["corrupt"] == 0
 
@@ -108,19 +108,19 @@ def test_growing_history_appends_and_branches_share(tmp_path):
     h1, h2 = chain(turn1), chain(turn2)
     assert store.put(h1, [payload(h) for h in h1]) == 5
     assert store.put(h2, [payload(h) for h in h2]) == 5  # only the new blocks
-    assert store.contains_prefix(h2) == 10
+    assert store.lookup(h2) == 10
     # another conversation shares 5 blocks, diverging inside a group someone else wrote: found by header probe
     other = chain(turn2[:20] + [7] * 12)
-    assert store.contains_prefix(other) == 5
-    assert [bytes(p) for p in store.get(other)] == [payload(h) for h in h2[:5]]
+    assert store.lookup(other) == 5
+    assert [bytes(p) for p in store.load(other)] == [payload(h) for h in h2[:5]]
     # blocks whose earlier positions are not stored still get stored (the host tier may hold the head)
     tail_only = chain(list(range(500, 532)))
     assert store.put(tail_only, [payload(h) for h in tail_only[5:]], start=5) == 3
-    assert store.contains_prefix(tail_only) == 0 and store.contains_prefix(tail_only, 5) == 3
+    assert store.lookup(tail_only) == 0 and store.lookup(tail_only, 5) == 3
 
 
 def test_header_length_formula_matches_encoding():
-    from deepinfer.kvstore.format import SegmentHeader
+    from deepinfer.kvcache.format import SegmentHeader
 
     hdr = SegmentHeader(MODEL, LAYOUT.key, LAYOUT.dtype, "agent", 1.0, 2.0, 8, 256, [bytes(16)] * 5, [7] * 5)
     assert len(hdr.encode()) == hdr.header_len == SegmentHeader.length_for(5, MODEL, LAYOUT.key, "float16", "agent")
@@ -170,10 +170,10 @@ def test_corrupt_or_mismatched_objects_are_misses_counted_and_removed(tmp_path, 
         damage, lambda p: None)(seg)
 
     store = make_store(tmp_path)
-    assert store.get(hs) == []
+    assert store.load(hs) == []
     assert store.stats()["corrupt"] == 1
     assert not seg.exists()
-    assert store.contains_prefix(hs) == 0 and store.stats()["corrupt"] == 1
+    assert store.lookup(hs) == 0 and store.stats()["corrupt"] == 1
 
 
 def test_leftover_temp_file_is_never_loaded_and_gc_removes_it(tmp_path):
@@ -185,7 +185,7 @@ def test_leftover_temp_file_is_never_loaded_and_gc_removes_it(tmp_path):
     # what a writer killed mid-write leaves behind: a partial temp file next to where the object would be
     tmp = seg.parent / f".{seg.name}.abc123.4000.tmp"
     tmp.write_bytes(b"DIKV" + b"\0" * 100)
-    assert store.contains_prefix(hs) == 0 and store.get(hs) == []
+    assert store.lookup(hs) == 0 and store.load(hs) == []
     assert store.gc()["tmp"] == 0  # young: it may be a write in flight
     old = time.time() - 2 * H
     os.utime(tmp, (old, old))
@@ -206,17 +206,17 @@ def test_retention_ttl_expiry_and_gc(tmp_path):
     assert store.scan()["by_class"].keys() == {"agent", "chat"}
 
     now[0] += 71 * H
-    assert store.contains_prefix(agent) == 4
+    assert store.lookup(agent) == 4
     now[0] += 2 * H  # 73 h: agent expired, chat (7 d) not
-    assert store.get(agent) == [] and store.stats()["expired"] == 1
-    assert store.contains_prefix(chat) == 4
+    assert store.load(agent) == [] and store.stats()["expired"] == 1
+    assert store.lookup(chat) == 4
     assert store.scan()["expired"] == 0  # the expired agent segment was removed when found
 
     now[0] += 6 * 86400
     assert store.scan()["expired"] == 2
     out = store.gc()
     assert out["expired"] == 2 and out["objects"] == 0
-    assert store.get(chat) == []
+    assert store.load(chat) == []
 
 
 def test_retention_spec_parsing_and_config():
@@ -259,15 +259,15 @@ def test_capacity_evicts_least_recently_used(tmp_path):
         store.put(hs, [payload(h) for h in hs])
         if i >= 2:
             now[0] += 1
-            assert len(store.get(chains[0])) == 4  # kept in use: must survive
+            assert len(store.load(chains[0])) == 4  # kept in use: must survive
         assert sum(e.size for e in iter_files(tmp_path)) <= 6000
-    assert store.contains_prefix(chains[0]) == 4 and store.contains_prefix(chains[-1]) == 4
-    assert store.contains_prefix(chains[1]) == 0  # least recently used: evicted
+    assert store.lookup(chains[0]) == 4 and store.lookup(chains[-1]) == 4
+    assert store.lookup(chains[1]) == 0  # least recently used: evicted
     assert store.stats()["evicted"] >= 4
     now[0] += 1
     big = chain(list(range(200)))  # more than the whole store: its head is kept, the rest dropped and counted
     written = store.put(big, [payload(h) for h in big])
-    assert 0 < written < len(big) and store.contains_prefix(big) == written
+    assert 0 < written < len(big) and store.lookup(big) == written
     assert store.stats()["dropped_capacity"] == 1
 
 
@@ -285,7 +285,7 @@ for r in range(rounds):
     for other in range(2):
         for rr in range(r + 1):
             ohs = chain(shared + [1000 * other + rr] * 10)
-            got = store.get(ohs)
+            got = store.load(ohs)
             reads += len(got)
             bad += sum(bytes(p) != payload(h) for p, h in zip(got, ohs))
 print(json.dumps({"bad": bad, "reads": reads, **store.stats()}))
@@ -302,7 +302,7 @@ def test_two_processes_write_and_read_concurrently(tmp_path):
     for me in range(2):
         for r in range(rounds):
             hs = chain(list(range(30)) + [1000 * me + r] * 10)
-            assert [bytes(p) for p in store.get(hs)] == [payload(h) for h in hs]
+            assert [bytes(p) for p in store.load(hs)] == [payload(h) for h in hs]
     assert store.stats()["corrupt"] == 0
 
 
@@ -316,7 +316,7 @@ for i in range(n):
     hs = chain([me, i] * 8)
     store.put(hs, [payload(h) for h in hs])
     old = chain([me, rng.randrange(i + 1)] * 8)
-    bad += sum(bytes(p) != payload(h) for p, h in zip(store.get(old), old))
+    bad += sum(bytes(p) != payload(h) for p, h in zip(store.load(old), old))
 print(json.dumps({"bad": bad, **store.stats()}))
 """
 
@@ -358,7 +358,7 @@ def test_write_failure_store_path_not_a_directory(tmp_path):
     objects.write_bytes(b"not a directory")
     assert store.put(hs, [payload(h) for h in hs]) == 0  # dropped, not raised
     assert store.stats()["write_errors"] == 1
-    assert store.get(hs) == [] and store.contains_prefix(hs) == 0
+    assert store.load(hs) == [] and store.lookup(hs) == 0
 
 
 FULL_DISK_CHILD = """
@@ -368,7 +368,7 @@ resource.setrlimit(resource.RLIMIT_FSIZE, (512, 512))  # any write past 512 byte
 store = KVBlockStore(root, "test-model@1", LAYOUT, 10**8, segment_blocks=4)
 old, new = chain(list(range(64))), chain(list(range(100, 164)))  # 16 blocks: 4 segments each
 written = store.put(new, [payload(h) for h in new])
-got = store.get(old)
+got = store.load(old)
 print(json.dumps({"written": written, "ok": [bytes(p) for p in got] == [payload(h) for h in old], **store.stats()}))
 """
 
@@ -380,7 +380,7 @@ def test_write_failure_full_disk_is_counted_and_reads_still_work(tmp_path):
     r = result(spawn(FULL_DISK_CHILD, tmp_path))
     assert r["written"] == 0 and r["write_errors"] == 1 and r["ok"]  # the first failure ends the put
     assert store.scan()["tmp_files"] == 0 and store.scan()["objects"] == 4
-    assert store.contains_prefix(chain(list(range(100, 164)))) == 0
+    assert store.lookup(chain(list(range(100, 164)))) == 0
 
 
 # ---------------------------------------------------------------- host tier and tiers
@@ -388,12 +388,12 @@ def test_write_failure_full_disk_is_counted_and_reads_still_work(tmp_path):
 
 def test_host_tier_lru_bound():
     host = HostKVCache(max_bytes=1000)
-    assert host.put(b"a", b"x" * 400) == [] and host.put(b"b", b"y" * 400) == []
+    assert host.insert(b"a", b"x" * 400) == [] and host.insert(b"b", b"y" * 400) == []
     assert host.get(b"a") == b"x" * 400  # a is now most recent
-    evicted = host.put(b"c", memoryview(b"z" * 400))
+    evicted = host.insert(b"c", memoryview(b"z" * 400))
     assert [h for h, _ in evicted] == [b"b"] and host.nbytes == 800 and len(host) == 2
-    assert host.put(b"huge", b"h" * 2000) == [(b"huge", b"h" * 2000)] and b"huge" not in host
-    assert host.prefix_len([b"a", b"c", b"b"]) == 2 and host.prefix_len([b"a", b"c"], start=1) == 1
+    assert host.insert(b"huge", b"h" * 2000) == [(b"huge", b"h" * 2000)] and b"huge" not in host
+    assert host.lookup([b"a", b"c", b"b"]) == 2 and host.lookup([b"a", b"c"], start=1) == 1
     assert host.get(b"b") is None
     s = host.stats()
     assert (s["entries"], s["bytes"], s["hits"], s["misses"], s["evictions"]) == (2, 800, 1, 1, 1)
@@ -406,13 +406,13 @@ def test_tier_lookup_chains_host_then_store_and_promotes(tmp_path):
     store.put(hs, [payload(h) for h in hs])
     tiers = TieredKVStore(HostKVCache(max_bytes=6 * bn), store)
     for h in hs[:4]:
-        tiers.host.put(h, payload(h))
+        tiers.host.insert(h, payload(h))
     assert tiers.lookup(hs) == (4, 6)
     assert tiers.lookup(hs, start=2) == (2, 6)
     got = tiers.load(hs)
     assert [bytes(p) for p in got] == [payload(h) for h in hs]
     # promoted store blocks filled host memory tail first: the chain's head stayed
-    assert tiers.host.prefix_len(hs) == 6 and tiers.lookup(hs) == (6, 4)
+    assert tiers.host.lookup(hs) == 6 and tiers.lookup(hs) == (6, 4)
     st = tiers.stats()
     assert st["loaded_host_blocks"] == 4 and st["loaded_store_blocks"] == 6
     assert st["host_hit_blocks"] == 4 + 2 + 6 and st["store_hit_blocks"] == 6 + 6 + 4
@@ -423,22 +423,22 @@ def test_tier_offload_write_through_and_spill_on_evict(tmp_path):
     hs = chain(list(range(40)))
     wt = TieredKVStore(HostKVCache(4 * bn), make_store(tmp_path / "wt"))
     wt.offload(hs, [payload(h) for h in hs], "agent")
-    assert wt.store.contains_prefix(hs) == 10 and wt.lookup(hs) == (4, 6)
+    assert wt.store.lookup(hs) == 10 and wt.lookup(hs) == (4, 6)
 
     spill = TieredKVStore(HostKVCache(4 * bn), make_store(tmp_path / "spill"), write_through=False)
     spill.offload(hs[:8], [payload(h) for h in hs[:8]])
     # host memory kept the head (0..3); the evicted tail (4..7) was spilled as one segment
-    assert spill.lookup(hs) == (4, 4) and spill.store.contains_prefix(hs) == 0
+    assert spill.lookup(hs) == (4, 4) and spill.store.lookup(hs) == 0
     assert spill.stats()["spilled_blocks"] == 4 and len(segments(tmp_path / "spill")) == 1
     spill.offload(hs, [payload(h) for h in hs[8:]], start=8)  # evicts 2, 3 -> spilled
     assert spill.stats()["spilled_blocks"] == 6
     spill.flush()  # 0, 1, 8, 9: everything is in the store now
-    assert spill.store.contains_prefix(hs) == 10
+    assert spill.store.lookup(hs) == 10
     assert [bytes(p) for p in TieredKVStore(None, spill.store).load(hs)] == [payload(h) for h in hs]
 
 
 def test_gather_scatter_block_through_store(tmp_path):
-    from deepinfer.kvstore.blocks import gather_block, layout_of, scatter_block
+    from deepinfer.kvcache.blocks import gather_block, layout_of, scatter_block
 
     caches = [(torch.randn(5, 4, 2, 8).to(torch.bfloat16), torch.randn(5, 4, 2, 8).to(torch.bfloat16))
               for _ in range(3)]
@@ -448,7 +448,7 @@ def test_gather_scatter_block_through_store(tmp_path):
     store = KVBlockStore(tmp_path, MODEL, layout, 10**7)
     store.put(hs, [gather_block(caches, 1), gather_block(caches, 3)])
     target = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in caches]
-    for block, p in zip((0, 2), store.get(hs), strict=True):
+    for block, p in zip((0, 2), store.load(hs), strict=True):
         scatter_block(target, block, p)
     for (k, v), (tk, tv) in zip(caches, target, strict=True):
         assert torch.equal(tk[0], k[1]) and torch.equal(tv[2], v[3]) and not tk[1].any()

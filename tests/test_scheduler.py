@@ -11,11 +11,11 @@ import pytest
 
 from deepinfer.config import EngineConfig, SchedulerConfig, add_config_arguments, engine_config_from_args
 from deepinfer.engine.cost_model import CostModel, StepWork
-from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.policies import ComputeBudgetPolicy, TokenBudgetPolicy
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.kvcache.manager import KVCacheManager
 
 
 def _make(num_blocks=16, block_size=4, max_seqs=8, budget=32, max_len=64, scheduler="tokens") -> Scheduler:

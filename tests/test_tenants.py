@@ -34,8 +34,8 @@ from deepinfer.cluster.transfer import (
     handshake_mac,
 )
 from deepinfer.config import API_KEYS_ENV, CLUSTER_TOKEN_ENV, ServerConfig, config_from_args
-from deepinfer.engine.block_hash import root_hash
-from deepinfer.kvstore.space import scan
+from deepinfer.kvcache.hashing import root_hash
+from deepinfer.kvcache.space import scan
 from deepinfer.server.tenants import Tenants, cache_id
 from tests.server_utils import free_port, metric, running_server
 
@@ -141,8 +141,8 @@ def test_router_store_lookup_hashes_with_the_tenant(tiny_models, tmp_path):
     from deepinfer.cluster.policies import DeepInferPolicy
     from deepinfer.cluster.pool import WorkerPool
     from deepinfer.config import RouterConfig
-    from deepinfer.kvstore import RetentionPolicy
-    from deepinfer.kvstore.blocks import layout_of
+    from deepinfer.kvcache import RetentionPolicy
+    from deepinfer.kvcache.blocks import layout_of
 
     store, prompt, tenant = tmp_path / "store", _prompt(1), cache_id(key=KEY_A)
     with LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False,

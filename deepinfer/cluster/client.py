@@ -48,13 +48,13 @@ from deepinfer.cluster.policies import (
 from deepinfer.cluster.pool import Worker, WorkerPool
 from deepinfer.cluster.wire import logprobs_to_json, output_from_json, params_to_json
 from deepinfer.config import RouterConfig
-from deepinfer.engine.block_hash import extend_block_hashes, root_hash
 from deepinfer.engine.engine_client import EngineDeadError, GrammarChecker, validate_model_params
-from deepinfer.engine.kv_tiers import resolve_retention
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
-from deepinfer.kvstore import RetentionPolicy
+from deepinfer.kvcache import RetentionPolicy
+from deepinfer.kvcache.engine_tiers import resolve_retention
+from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
 from deepinfer.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -359,7 +359,7 @@ class ClusterEngineClient:
         """The hashes of the prompt's full blocks a worker could take from a cache (the last token is
         always computed), as the workers' engines hash them for this tenant, and the block size; ([], 1)
         before any worker has reported its KV layout."""
-        from deepinfer.kvstore import KVLayout
+        from deepinfer.kvcache import KVLayout
 
         load = self.pool.any_load()
         if not load.get("kv_layout"):
@@ -388,12 +388,12 @@ class ClusterEngineClient:
 
     def _store_lookup(self, load: dict, hashes: list[bytes]) -> int:
         """Blocks of `hashes` the store holds, from the first."""
-        from deepinfer.kvstore import KVBlockStore, KVLayout
+        from deepinfer.kvcache import KVBlockStore, KVLayout
 
         layout = KVLayout(*load["kv_layout"])
         if self._store is None or self._store.layout != layout:
             self._store = KVBlockStore(self.store_path, load["model_identity"], layout, 1 << 60, self.retention)
-        return self._store.contains_prefix(hashes)
+        return self._store.lookup(hashes)
 
     async def close(self) -> None:
         await self._client.aclose()

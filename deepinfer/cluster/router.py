@@ -30,7 +30,7 @@ from deepinfer.cluster.client import ClusterEngineClient
 from deepinfer.cluster.policies import make_policy
 from deepinfer.cluster.pool import WorkerPool
 from deepinfer.config import KVStoreConfig, LimitsConfig, ModelConfig, RouterConfig, ServerConfig
-from deepinfer.kvstore import RetentionPolicy
+from deepinfer.kvcache import RetentionPolicy
 from deepinfer.server.protocol import APIError
 
 logger = logging.getLogger(__name__)

@@ -22,14 +22,14 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.engine.cost_model import CostModel, StepWork
 from deepinfer.engine.cost_profile import profile_steps
-from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.kv_tiers import KVTiers, resolve_retention
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, StepResult
 from deepinfer.engine.sampler import TokenLogprobs
 from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
-from deepinfer.kvstore import RetentionPolicy
-from deepinfer.kvstore.blocks import layout_of
+from deepinfer.kvcache import RetentionPolicy
+from deepinfer.kvcache.blocks import layout_of
+from deepinfer.kvcache.engine_tiers import KVTiers, resolve_retention
+from deepinfer.kvcache.manager import KVCacheManager
 from deepinfer.weights import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -76,7 +76,7 @@ class EngineCore:
         # what the weights compute, not where they are: copies at other paths (other hosts) share KV
         self.model_identity = self.files.kv_identity(self.runner.dtype)
         self.kv = KVCacheManager(self.runner.num_blocks, bs, self.model_identity, kv_layout,
-                                 config.cache.enable_prefix_caching)
+                                 config.cache.enable_prefix_caching, [g.spec for g in self.runner.kv_groups])
         sc = config.scheduler
         self.cost_model = CostModel()
         if sc.profile_cost_model:
@@ -87,8 +87,11 @@ class EngineCore:
         # attached after the profile: its synthetic steps must not reach the tiers. The tiers extend the
         # prefix cache, so they are off without it.
         self.tiers: KVTiers | None = None
-        if config.cache.enable_prefix_caching:
+        if config.cache.enable_prefix_caching and self.kv.supports_tiers:
             self.tiers = KVTiers.from_config(ks, self.model_identity, self.runner.kv_caches)
+        elif config.cache.enable_prefix_caching:
+            logger.info("KV tiers off: this model has sliding-window layers, which the host tier and store "
+                        "do not hold yet (the device prefix cache still serves them)")
         self.kv.attach_tiers(self.tiers)
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model)
         logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.runner.num_blocks, bs,
@@ -158,7 +161,7 @@ class EngineCore:
             wait([ahead.future])
         # synchronous, on this thread, with no step running (overlapping loads with one is future work)
         self._load_pending(plan)
-        prepared = self.runner.prepare(plan, self.kv.block_tables)
+        prepared = self.runner.prepare(plan, self.kv.group_tables)
         self.scheduler.commit(plan)
         if ahead is not None:
             prepared.ready = threading.Event()

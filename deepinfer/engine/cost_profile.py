@@ -16,11 +16,11 @@ import time
 from collections.abc import Sequence
 
 from deepinfer.engine.cost_model import StepWork
-from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from deepinfer.kvcache.manager import KVCacheManager
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,7 @@ def profile_steps(runner: ModelRunner, kv: KVCacheManager, max_model_len: int, m
         try:
             if not plan.scheduled or not all(kv.allocate(r, r.num_tokens) for r in reqs):
                 continue
-            result = runner.execute(plan, kv.block_tables)
+            result = runner.execute(plan, kv.group_tables)
         finally:
             for r in reqs:
                 kv.free(r)

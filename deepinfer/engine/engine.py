@@ -27,15 +27,15 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.core import CoreOutput, EngineCore, InFlightStep
 from deepinfer.engine.engine_client import validate_model_params, validate_prompt_ids
 from deepinfer.engine.grammar import GrammarCache
-from deepinfer.engine.kv_exchange import export_blocks, export_computed, import_blocks, release_blocks
-from deepinfer.engine.kv_manager import TIERS
-from deepinfer.engine.kv_tiers import tier_stats
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import PrefillPolicy
 from deepinfer.engine.structured import GrammarBackend, StructuredOutputParams, XGrammarBackend
-from deepinfer.kvstore.blocks import layout_of
+from deepinfer.kvcache.blocks import layout_of
+from deepinfer.kvcache.engine_tiers import tier_stats
+from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
+from deepinfer.kvcache.manager import TIERS
 from deepinfer.recipe.detokenizer import IncrementalDetokenizer
 from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
 

@@ -33,8 +33,8 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine_client import EngineClient, EngineDeadError, run_engine_call, settle_from_thread
-from deepinfer.engine.kv_tiers import resolve_retention
 from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.kvcache.engine_tiers import resolve_retention
 
 logger = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ class PendingLoad(NamedTuple):
     first_block: int  # block-table index (= chain position) of the first block to load
     num_blocks: int
     first_admission: bool  # whether what loads counts as the request's cached prompt tokens
-    # block hash -> (payload, tier) staged in host memory by a prefetch (`kv_prefetch`); None: read the tiers
+    # block hash -> (payload, tier) staged in host memory by a prefetch (`kvcache.prefetch`); None: read the tiers
     staged: dict[bytes, tuple[Any, str]] | None = None
 
 

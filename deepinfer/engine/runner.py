@@ -23,6 +23,7 @@ from deepinfer.config import CacheConfig, ModelConfig, parse_memory
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
 from deepinfer.engine.scheduler import SchedulerOutput
+from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
 from deepinfer.layers.attention import AttentionBatch
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.torch_attention import TorchAttentionBackend
@@ -30,6 +31,10 @@ from deepinfer.models import build_model
 from deepinfer.weights import ModelFiles
 
 logger = logging.getLogger(__name__)
+
+
+def _window(spec: KVSpec) -> int | None:
+    return spec.window if isinstance(spec, SlidingWindow) else None
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -77,7 +82,7 @@ class PreparedStep:
 
     input_ids: torch.Tensor
     positions: torch.Tensor
-    meta: Any
+    metas: list[Any]  # the attention metadata of each KV layer group
     logits_indices: torch.Tensor
     sample_reqs: list[Request]
     num_tokens: int
@@ -116,7 +121,11 @@ class ModelRunner:
         if packed:
             logger.info("packed %d projections for oneDNN", packed)
         logger.info("loaded weights (%s, %s) in %.1fs", self.dtype, self.device, time.perf_counter() - started)
+        self.kv_groups = self.model.kv_groups
+        if self.deterministic and any(not isinstance(g.spec, FullAttention) for g in self.kv_groups):
+            raise ValueError("deterministic mode does not serve sliding-window layers yet")
         self.num_blocks = self._num_blocks(cache_config, hf_config)
+        # every layer's cache has num_blocks blocks; each group numbers its own (see kvcache/manager.py)
         self.kv_caches = self.backend.allocate_cache(
             hf_config.num_hidden_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
             self.model.head_dim, self.dtype, self.device)
@@ -174,12 +183,14 @@ class ModelRunner:
             budget = min(available // 4, 4 * 2**30) if spec == "auto" else parse_memory(spec, available)
         return max(1, budget // self.kv_bytes_per_block)
 
-    def execute(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> StepResult:
-        return self.run(self.prepare(step, block_tables))
+    def execute(self, step: SchedulerOutput, group_tables: list[dict[str, list[int]]]) -> StepResult:
+        return self.run(self.prepare(step, group_tables))
 
-    def prepare(self, step: SchedulerOutput, block_tables: dict[str, list[int]]) -> PreparedStep:
+    def prepare(self, step: SchedulerOutput, group_tables: list[dict[str, list[int]]]) -> PreparedStep:
+        """Build a step's inputs; `group_tables`: per KV layer group, request id -> block table."""
         started = time.perf_counter()
         bs = self.block_size
+        block_tables = group_tables[0]
         tokens: list[int] = []
         positions: list[int] = []
         slots: list[torch.Tensor | int] = []
@@ -218,12 +229,29 @@ class ModelRunner:
                 logits_rows.append(len(tokens) - 1)
                 sample_reqs.append(req)
         slot_mapping = torch.cat([s if isinstance(s, torch.Tensor) else torch.tensor([s]) for s in slots])
-        batch = AttentionBatch(query_lens, context_lens, tables, num_decodes, slot_mapping.to(self.device), bs)
+        batch = AttentionBatch(query_lens, context_lens, tables, num_decodes, slot_mapping.to(self.device), bs,
+                               _window(self.kv_groups[0].spec))
+        metas = [self.backend.prepare(batch)]
+        for group, by_request in zip(self.kv_groups[1:], group_tables[1:], strict=True):
+            metas.append(self.backend.prepare(self._group_batch(step, by_request, batch, _window(group.spec))))
         dev = self.device
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-            self.backend.prepare(batch), torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.long, device=dev),
+            metas, torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.long, device=dev),
             sample_reqs, len(tokens), time.perf_counter() - started, pending, prompt_rows=prompt_rows)
+
+    def _group_batch(self, step: SchedulerOutput, by_request: dict[str, list[int]], first: AttentionBatch,
+                     window: int | None) -> AttentionBatch:
+        """The first group's batch with another group's block tables (same rows, same positions)."""
+        bs = self.block_size
+        tables, slots = [], []
+        for item in step.scheduled:
+            table = by_request[item.request.request_id]
+            pos = torch.arange(item.start, item.start + item.num_new_tokens)
+            slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
+            tables.append(table)
+        return AttentionBatch(first.query_lens, first.context_lens, tables, first.num_decodes,
+                              torch.cat(slots).to(self.device), bs, window)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult:
@@ -232,7 +260,7 @@ class ModelRunner:
         started = time.perf_counter()
         for row, request_id in step.pending_tokens:
             step.input_ids[row] = self._last_sampled[request_id]
-        logits = self.model(step.input_ids, step.positions, self.kv_caches, step.meta, step.logits_indices)
+        logits = self.model(step.input_ids, step.positions, self.kv_caches, step.metas, step.logits_indices)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         if step.ready is not None:

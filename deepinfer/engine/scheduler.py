@@ -12,7 +12,7 @@ is dropped; no waiting request is admitted in a step that preempted.
 A waiting request starts after its cached prefix: device blocks, then blocks the KV tiers (host
 memory, store) hold, which count as computed; the engine loads them before the step runs. One whose
 prefix reaches into the store waits (skipped, not blocking the queue) while those blocks are read in
-the background (`kv_prefetch.py`); every step starts the reads of all waiting requests, so a request
+the background (`kvcache/prefetch.py`); every step starts the reads of all waiting requests, so a request
 deep in the queue is staged by the time its turn comes.
 
 Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
@@ -28,7 +28,6 @@ from dataclasses import dataclass, field
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.cost_model import CostModel
-from deepinfer.engine.kv_manager import KVCacheManager, PrefixHit
 from deepinfer.engine.policies import (
     ComputeBudgetPolicy,
     PrefillPolicy,
@@ -37,6 +36,7 @@ from deepinfer.engine.policies import (
     resolve_step_time_budget,
 )
 from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.kvcache.manager import KVCacheManager, PrefixHit
 
 __all__ = ["ComputeBudgetPolicy", "PrefillPolicy", "ScheduledRequest", "Scheduler", "SchedulerOutput",
            "TokenBudgetPolicy"]
@@ -167,7 +167,7 @@ class Scheduler:
                 n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
                 if n <= 0:
                     break
-                if not self.kv.allocate(req, n, hit.blocks, hit.num_load):
+                if not self.kv.allocate(req, n, hit):
                     admitting = False  # FIFO: the head waits for room rather than being overtaken
                     continue
                 self._admit(req, start, hit)

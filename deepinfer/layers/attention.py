@@ -31,6 +31,9 @@ class AttentionBatch:
     num_decodes: int  # the first num_decodes sequences have query_len == 1
     slot_mapping: torch.Tensor  # [num_tokens] flat slot (block * block_size + offset) of each new token
     block_size: int
+    # sliding-window layers: a query at position p sees keys p - window < k <= p only, and table entries
+    # of blocks wholly before its window may be invalid (negative); None: full causal attention
+    window: int | None = None
 
 
 class AttentionBackend(ABC):
@@ -43,7 +46,9 @@ class AttentionBackend(ABC):
       index tensors; it must not read or write the cache.
     - `forward(q, k, v, cache, meta)` first stores the new k/v at `slot_mapping`, then
       returns attention output for q: token t of sequence i attends to context positions
-      0..(its own position), exactly like dense causal attention over that sequence.
+      0..(its own position), exactly like dense causal attention over that sequence; with a
+      `window`, only to the last `window` of them (its own included), never reading a block
+      wholly before that.
     """
 
     @abstractmethod

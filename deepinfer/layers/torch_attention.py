@@ -69,6 +69,10 @@ class TorchAttentionBackend(AttentionBackend):
                 for _ in range(num_layers)]
 
     def prepare(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        if batch.window is not None:
+            if self.row_invariant:
+                raise ValueError("deterministic mode does not serve sliding-window layers yet")
+            return self._prepare_window(batch)
         if self.row_invariant:
             return self._prepare_rows(batch)
         bs, dev = batch.block_size, self.device
@@ -102,6 +106,24 @@ class TorchAttentionBackend(AttentionBackend):
             start += q
         return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, decode_lens, prefills,
                                       shared)
+
+    def _prepare_window(self, batch: AttentionBatch) -> TorchAttentionMetadata:
+        """Sliding window: every sequence, decodes included, as one SDPA chunk over the blocks from the
+        one holding its first query's earliest key, masked to each query's window."""
+        bs, dev, w = batch.block_size, self.device, batch.window
+        chunks = []
+        start = 0
+        for q, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True):
+            first_pos = ctx - q
+            lo = max(0, first_pos - w + 1) // bs
+            n = (ctx + bs - 1) // bs
+            keys = torch.arange(lo * bs, ctx)
+            qpos = torch.arange(first_pos, ctx)[:, None]
+            mask = ((keys[None, :] <= qpos) & (keys[None, :] > qpos - w)).to(dev)
+            chunks.append(_PrefillChunk(start, start + q, torch.tensor(table[lo:n], dtype=torch.long, device=dev),
+                                        ctx - lo * bs, mask))
+            start += q
+        return TorchAttentionMetadata(batch.slot_mapping, 0, None, None, None, chunks, None)
 
     def _prepare_rows(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         """Every new token as a decode row: its sequence's block table, context up to its own position."""

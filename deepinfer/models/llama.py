@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow, group_layers
 from deepinfer.layers.activation import silu_and_mul
 from deepinfer.layers.attention import AttentionBackend
 from deepinfer.layers.fused_decode import FusedDecoder
@@ -87,6 +88,30 @@ class DecoderLayer(nn.Module):
         return self.mlp(h), residual
 
 
+def layer_kv_specs(cfg, max_positions: int) -> list[KVSpec]:
+    """Each layer's KV spec from an HF config: `layer_types` ("sliding_attention" layers keep a window of
+    `sliding_window` tokens), or Mistral's `sliding_window` on every layer when there are no layer types.
+    A window no shorter than `max_positions` never slides: such layers are full attention."""
+    n = cfg.num_hidden_layers
+    window = getattr(cfg, "sliding_window", None)
+    if window is not None and window >= max_positions:
+        window = None
+    types = list(getattr(cfg, "layer_types", None) or [])
+    if not types:
+        types = ["sliding_attention" if window else "full_attention"] * n
+    if len(types) != n:
+        raise ValueError(f"config has {len(types)} layer_types for {n} layers")
+    specs: list[KVSpec] = []
+    for t in types:
+        if t == "full_attention":
+            specs.append(FullAttention())
+        elif t == "sliding_attention":
+            specs.append(SlidingWindow(int(window)) if window else FullAttention())
+        else:
+            raise ValueError(f"unsupported layer type {t!r} (sliding_window={window})")
+    return specs
+
+
 class LlamaForCausalLM(nn.Module):
     """Llama / SmolLM / Mistral (full attention). Subclasses flip `attn_bias` and `qk_norm`."""
 
@@ -108,12 +133,19 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self.rotary = RotaryEmbedding(cfg, max_positions, dtype)
         self.fused: FusedDecoder | None = None
+        self.kv_groups = group_layers(layer_kv_specs(cfg, max_positions))
+        # layer index -> its group's index: `forward` hands each layer its group's attention metadata
+        self.layer_group = [0] * cfg.num_hidden_layers
+        for gi, group in enumerate(self.kv_groups):
+            for i in group.layers:
+                self.layer_group[i] = gi
 
     def enable_fused_decode(self) -> bool:
         """Run small all-decode steps through whole-layer C calls (see layers/fused_decode.py) when
         every projection has GGUF blocks attached; returns whether it is on."""
         fused = FusedDecoder(self)
-        self.fused = fused if fused.supported() else None
+        self.fused = fused if fused.supported() and len(self.kv_groups) == 1 \
+            and isinstance(self.kv_groups[0].spec, FullAttention) else None
         return self.fused is not None
 
     @property
@@ -124,17 +156,18 @@ class LlamaForCausalLM(nn.Module):
     def head_dim(self) -> int:
         return self.layers[0].self_attn.head_dim
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
                 logits_indices: torch.Tensor) -> torch.Tensor:
-        """input_ids, positions: [T]; returns float32 logits [len(logits_indices), vocab]."""
+        """input_ids, positions: [T]; `metas`: the attention metadata of each KV group (`kv_groups`);
+        returns float32 logits [len(logits_indices), vocab]."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
-        if self.fused is not None and self.fused.accepts(x, meta):
-            x, residual = self.fused.run(x, cos, sin, caches, meta)
+        if self.fused is not None and self.fused.accepts(x, metas[0]):
+            x, residual = self.fused.run(x, cos, sin, caches, metas[0])
         else:
             residual = None
-            for layer, cache in zip(self.layers, caches, strict=True):
-                x, residual = layer(x, residual, cos, sin, cache, meta)
+            for layer, cache, gi in zip(self.layers, caches, self.layer_group, strict=True):
+                x, residual = layer(x, residual, cos, sin, cache, metas[gi])
         x, residual = x[logits_indices], residual[logits_indices]
         return self.lm_head(self.norm(x, residual)[0]).float()
 

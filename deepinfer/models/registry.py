@@ -33,10 +33,6 @@ def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype:
             f"unsupported model architecture {archs or '(none in config.json)'}; "
             f"supported: {', '.join(supported_architectures())}"
         )
-    layer_types = getattr(hf_config, "layer_types", None) or []
-    mistral_window = arch == "MistralForCausalLM" and getattr(hf_config, "sliding_window", None)
-    if "sliding_attention" in layer_types or mistral_window:
-        raise ValueError("sliding-window attention is not supported yet")
     with torch.device(device):
         model = cls(hf_config, backend, max_positions, dtype)
     return model.to(dtype=dtype)

@@ -1,7 +1,7 @@
 """API keys as tenants: which key a request presented, and the cache namespace that key owns.
 
 Every `--api-key` is a tenant. Its prefix cache namespace (`Tenant.cache_id`) enters the root of
-every KV block hash (`engine/block_hash.py`), so one tenant's cached prefixes are never another's
+every KV block hash (`kvcache/hashing.py`), so one tenant's cached prefixes are never another's
 hits, in any tier, whatever `cache_salt` either sends: a shared cache would otherwise leak prompts
 through timing (a prefix someone else sent comes back faster).
 

@@ -1,6 +1,6 @@
 """Content identity of a model: which KV a set of weights produces, independent of where the files are.
 
-Owns the model identity that seeds every KV block hash (`deepinfer.engine.block_hash.root_hash`) and
+Owns the model identity that seeds every KV block hash (`deepinfer.kvcache.hashing.root_hash`) and
 names a store segment's model: a BLAKE2b digest of the weight files' bytes, the model config and
 the compute dtype. Two hosts with the same model at different paths therefore share a store, and
 a file rewritten in place (same size, same mtime) never passes for the old one. The KV layout

@@ -3,7 +3,7 @@
     prefill engine: export_blocks(prompt)  ─▶ [(block hash, payload)]  ─▶ KV transfer ─▶
     decode engine:  import_blocks(blocks)  ─▶ free-but-cached device blocks (prefix index) or host tier
 
-Blocks are named by the chained block hash (`block_hash.py`), so an imported block is
+Blocks are named by the chained block hash (`hashing.py`), so an imported block is
 found by the decode engine's ordinary prefix-cache lookup when the continued request
 arrives: no new scheduling path. Both functions touch engine state and must run on
 the engine's own thread (`EngineClient.call("export_kv_blocks" | "import_kv_blocks")` sees to it).
@@ -11,6 +11,9 @@ the engine's own thread (`EngineClient.call("export_kv_blocks" | "import_kv_bloc
 Streaming export (`export_computed`): after each engine step, the prompt blocks a request's finished
 steps computed since the last call, so a prefill worker can ship them while the next chunk computes.
 Import can `hold` the blocks (keep a reference) until the continued request has taken its own.
+
+Models with sliding-window layer groups export nothing (the receiver recomputes): a payload is one
+block id's K/V in every layer, and their groups keep different blocks.
 
 Export is best effort: it walks the prompt's full blocks in chain order and stops at
 the first block neither the device pool nor the host tier holds (evicted meanwhile).
@@ -23,8 +26,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from deepinfer.engine.block_hash import extend_block_hashes
-from deepinfer.kvstore.blocks import gather_block, scatter_block
+from deepinfer.kvcache.blocks import gather_block, scatter_block
+from deepinfer.kvcache.hashing import extend_block_hashes
 
 if TYPE_CHECKING:
     from deepinfer.engine.core import EngineCore
@@ -36,7 +39,7 @@ def prompt_block_hashes(core: EngineCore, token_ids: Sequence[int], cache_salt: 
     """The chained hashes of every full block of `token_ids` as this engine names them (for the tenant)."""
     kv = core.kv
     hashes: list[bytes] = []
-    extend_block_hashes(hashes, list(token_ids), kv.block_size, kv._root(cache_salt, cache_tenant))
+    extend_block_hashes(hashes, list(token_ids), kv.block_size, kv.root(cache_salt, cache_tenant))
     return hashes
 
 
@@ -48,7 +51,10 @@ def export_blocks(core: EngineCore, token_ids: Sequence[int], cache_salt: str | 
 
 
 def export_hashes(core: EngineCore, hashes: Sequence[bytes]) -> list[tuple[bytes, Any]]:
-    """(hash, payload) of the longest leading run of `hashes` held on the device or in the host tier."""
+    """(hash, payload) of the longest leading run of `hashes` held on the device or in the host tier.
+    Nothing for a model with sliding-window layers: its payloads are not one block id per position."""
+    if not core.kv.supports_tiers:
+        return []
     pool = core.kv.pool
     host = core.tiers.host if core.tiers is not None else None
     out: list[tuple[bytes, Any]] = []
@@ -84,7 +90,7 @@ def import_blocks(core: EngineCore, blocks: Sequence[tuple[bytes, Any]], hold: l
     `hold`: keep a reference on every device block of `blocks` instead (appended to `hold`), so none is
     evicted before the request that needs them arrives; `release_blocks(core, hold)` drops them."""
     kv = core.kv
-    if not kv.enable_prefix_caching:
+    if not kv.enable_prefix_caching or not kv.supports_tiers:
         return 0
     pool = kv.pool
     found = [pool.lookup(h) for h, _ in blocks]
@@ -115,7 +121,7 @@ def import_blocks(core: EngineCore, blocks: Sequence[tuple[bytes, Any]], hold: l
     host = core.tiers.host if core.tiers is not None else None
     if host is not None and len(placed) == len(ids):
         for h, payload in missing[len(ids):]:
-            host.put(h, payload)
+            host.insert(h, payload)
             held += 1
     return held
 

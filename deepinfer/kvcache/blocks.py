@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.kvstore.format import KVLayout
+from deepinfer.kvcache.format import KVLayout
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v): [num_blocks, block_size, kv_heads, head_dim]
 

@@ -3,8 +3,8 @@
 Owns nothing but memory accounting and recency: a payload is whatever the caller
 hands in (bytes, a memoryview, a uint8 tensor -- on CUDA, pinned host memory)
 holding the K and V of one block for every layer. Every operation is O(1) per
-block (an OrderedDict in recency order). `put` returns the entries it evicted,
-so the tier facade can spill them to the persistent store.
+block (an OrderedDict in recency order). `insert` (one block) returns the entries it
+evicted, so the tier facade can spill them to the persistent store.
 """
 
 from __future__ import annotations
@@ -13,13 +13,15 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
+from deepinfer.kvcache.tier import KVTier
+
 
 def payload_nbytes(payload: Any) -> int:
     n = getattr(payload, "nbytes", None)  # memoryview, numpy, torch all have it
     return int(n) if n is not None else len(payload)
 
 
-class HostKVCache:
+class HostKVCache(KVTier):
     """Bounded (bytes) LRU cache of KV block payloads keyed by chained block hash."""
 
     def __init__(self, max_bytes: int) -> None:
@@ -54,14 +56,38 @@ class HostKVCache:
         if block_hash in self._entries:
             self._entries.move_to_end(block_hash)
 
-    def prefix_len(self, hashes: Sequence[bytes], start: int = 0) -> int:
+    def lookup(self, hashes: Sequence[bytes], start: int = 0) -> int:
         """How many consecutive hashes from `start` are held (recency unchanged: a lookup is not a use)."""
         n = start
         while n < len(hashes) and hashes[n] in self._entries:
             n += 1
         return n - start
 
-    def put(self, block_hash: bytes, payload: Any) -> list[tuple[bytes, Any]]:
+    def load(self, hashes: Sequence[bytes], start: int = 0, count: int | None = None) -> list[Any]:
+        limit = len(hashes) if count is None else min(len(hashes), start + count)
+        out = []
+        for h in hashes[start:limit]:
+            payload = self.get(h)
+            if payload is None:
+                break
+            out.append(payload)
+        return out
+
+    def put(self, hashes: Sequence[bytes], payloads: Sequence[Any], retention_class: str | None = None,
+            start: int = 0) -> int:
+        """Insert a run, its tail first, so its head ends most recently used (heads are what other prefixes
+        share). Whatever this evicts is dropped; the tier facade uses `insert` to spill evictions."""
+        if start + len(payloads) > len(hashes):
+            raise ValueError(f"{len(payloads)} payloads from position {start} need {start + len(payloads)} hashes")
+        kept = 0
+        for i in reversed(range(len(payloads))):
+            h = hashes[start + i]
+            held = h in self._entries
+            evicted = self.insert(h, payloads[i])
+            kept += not held and not any(e == h for e, _ in evicted)
+        return kept
+
+    def insert(self, block_hash: bytes, payload: Any) -> list[tuple[bytes, Any]]:
         """Insert (or refresh) a block as most recently used; returns the (hash, payload) pairs evicted to
         make room. A payload larger than the whole tier is not kept: it comes back as evicted."""
         size = payload_nbytes(payload)

@@ -35,11 +35,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from deepinfer.config import KVStoreConfig, parse_memory
-from deepinfer.engine.kv_prefetch import Staged, StorePrefetcher
-from deepinfer.kvstore import HostKVCache, KVBlockStore, KVLayout, RetentionPolicy, TieredKVStore
-from deepinfer.kvstore.blocks import KVCaches, gather_block, layout_of, scatter_blocks
-from deepinfer.kvstore.host import payload_nbytes
-from deepinfer.kvstore.writer import StoreWriter
+from deepinfer.kvcache import HostKVCache, KVBlockStore, KVLayout, RetentionPolicy, TieredKVStore
+from deepinfer.kvcache.blocks import KVCaches, gather_block, layout_of, scatter_blocks
+from deepinfer.kvcache.host import payload_nbytes
+from deepinfer.kvcache.prefetch import Staged, StorePrefetcher
+from deepinfer.kvcache.writer import StoreWriter
 
 logger = logging.getLogger(__name__)
 
@@ -110,7 +110,7 @@ class KVTiers:
             host.touch(block_hash)
             return
         try:
-            host.put(block_hash, gather_block(self.kv_caches, block))
+            host.insert(block_hash, gather_block(self.kv_caches, block))
             self.evicted_to_host += 1
         except Exception:  # noqa: BLE001
             self._failed("host offload")

@@ -23,7 +23,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from deepinfer.kvstore.host import payload_nbytes
+from deepinfer.kvcache.host import payload_nbytes
 
 logger = logging.getLogger(__name__)
 

@@ -1,16 +1,17 @@
-"""KV block accounting: the block pool, refcounts, the prefix-cache index, per-request block tables.
+"""KV block accounting: per-request block tables of every layer group, prefix lookup, admission.
 
-A block is in exactly one of three states:
-- in use: ref_count > 0 (one per request whose block table holds it);
-- free and cached: ref_count == 0, still holds a full block's KV and is findable by its hash;
-  it sits in the LRU free queue and is evicted (its hash dropped) only when reallocated;
-- free and empty: ref_count == 0, no hash.
-Allocation takes blocks from the LRU head; freeing appends to the tail (a request's last
-blocks first, so the shared prefix outlives its tails). All operations are O(1) per block.
+Each layer group (`spec.py`) has its own `BlockPool` (`pool.py`) and its own block table per
+request; block i of every group covers the same token positions and carries the same chained
+hash. A full-attention group keeps every block. A sliding-window group drops (releases, still
+cached by hash) the blocks that fall out of the window of the next position to compute, and its
+table holds `NO_BLOCK` there, so it holds at most ceil(window / block_size) + 1 blocks per decoding
+sequence. A prefix hit of L blocks needs all L blocks of every full group and only the window's
+blocks of every sliding group. A dense model is one full-attention group: `pool` and `block_tables`
+are that group's.
 
-With KV tiers attached (`attach_tiers`, see `kv_tiers.py`) the prefix cache continues below
+With KV tiers attached (`attach_tiers`, see `engine_tiers.py`) the prefix cache continues below
 the device: a lookup extends the device match through host memory and the store. A waiting
-request whose match reaches into the store is first prefetched (`kv_prefetch.py`): the lookup
+request whose match reaches into the store is first prefetched (`prefetch.py`): the lookup
 starts the background read and reports `PrefixHit.prefetching` until its blocks are staged in
 host memory, then reports them as memory hits. Admission gives the tier hits fresh device blocks
 and records them as the request's pending load (`load_pending`, run before its first step); an
@@ -21,108 +22,32 @@ in segment-aligned runs while the request runs and the rest when it leaves the d
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from deepinfer.engine.block_hash import extend_block_hashes, root_hash
 from deepinfer.engine.request import PendingLoad, Request
+from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
+from deepinfer.kvcache.pool import BlockPool
+from deepinfer.kvcache.spec import FullAttention, KVSpec
 
 if TYPE_CHECKING:
-    from deepinfer.engine.kv_prefetch import Staged
-    from deepinfer.engine.kv_tiers import KVTiers
+    from deepinfer.kvcache.engine_tiers import KVTiers
+    from deepinfer.kvcache.prefetch import Staged
 
 TIERS = ("device", "host", "store")
-
-
-class NoFreeBlocksError(RuntimeError):
-    pass
-
-
-class BlockPool:
-    """Refcounted blocks with an LRU queue of free blocks and a hash -> block index."""
-
-    def __init__(self, num_blocks: int) -> None:
-        if num_blocks <= 0:
-            raise ValueError("the KV cache needs at least one block")
-        self.num_blocks = num_blocks
-        self.ref_counts = [0] * num_blocks
-        self.block_hash: list[bytes | None] = [None] * num_blocks
-        self.cached: dict[bytes, int] = {}
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
-        self.num_evictions = 0
-        # called with (block, hash) just before a cached block is reused, while it still holds that KV
-        self.on_evict: Callable[[int, bytes], None] | None = None
-
-    @property
-    def num_free(self) -> int:
-        return len(self.free_queue)
-
-    @property
-    def num_used(self) -> int:
-        return self.num_blocks - len(self.free_queue)
-
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self.free_queue):
-            raise NoFreeBlocksError(f"need {n} blocks, {len(self.free_queue)} free")
-        out = []
-        for _ in range(n):
-            block, _ = self.free_queue.popitem(last=False)
-            h = self.block_hash[block]
-            if h is not None:  # evict: its content is about to be overwritten
-                if self.on_evict is not None:
-                    self.on_evict(block, h)
-                del self.cached[h]
-                self.block_hash[block] = None
-                self.num_evictions += 1
-            self.ref_counts[block] = 1
-            out.append(block)
-        return out
-
-    def lookup(self, block_hash: bytes) -> int | None:
-        return self.cached.get(block_hash)
-
-    def acquire(self, blocks: list[int]) -> None:
-        """Take a reference on cached blocks found by `lookup`."""
-        for b in blocks:
-            if self.ref_counts[b] == 0:
-                del self.free_queue[b]
-            self.ref_counts[b] += 1
-
-    def release(self, blocks: list[int]) -> None:
-        """Drop one reference per block; blocks reaching zero join the LRU tail in the given order."""
-        for b in blocks:
-            self.ref_counts[b] -= 1
-            if self.ref_counts[b] < 0:
-                raise RuntimeError(f"block {b} released more often than acquired")
-            if self.ref_counts[b] == 0:
-                if self.block_hash[b] is None:
-                    # an empty block is worth nothing: reuse it before any cached one
-                    self.free_queue[b] = None
-                    self.free_queue.move_to_end(b, last=False)
-                else:
-                    self.free_queue[b] = None
-
-    def register(self, block: int, block_hash: bytes) -> bool:
-        """Make a full, computed block findable by its hash (first writer wins). True if it now is."""
-        if self.block_hash[block] is not None or block_hash in self.cached:
-            return False
-        self.block_hash[block] = block_hash
-        self.cached[block_hash] = block
-        return True
-
-    def reset_prefix_cache(self) -> None:
-        for b in list(self.cached.values()):
-            self.block_hash[b] = None
-        self.cached.clear()
+MAX_CACHED_ROOTS = 1024
+NO_BLOCK = -1  # a sliding-window table entry whose block left the window (never read by attention)
 
 
 @dataclass
 class PrefixHit:
     """The longest cached prefix of a request: `blocks` on the device, then `num_host` chain positions
-    in host memory, then `num_store` in the persistent store."""
+    in host memory, then `num_store` in the persistent store. `blocks` is the first layer group's;
+    `other_groups` the rest's (same length; NO_BLOCK where a sliding window does not need one)."""
 
     blocks: list[int] = field(default_factory=list)
+    other_groups: list[list[int]] = field(default_factory=list)
     num_host: int = 0
     num_store: int = 0
     # the store part is still being read in the background: the request is not ready to admit
@@ -138,19 +63,40 @@ class PrefixHit:
         return len(self.blocks) + self.num_load
 
 
-class KVCacheManager:
-    """Owns each request's block table; answers prefix-cache lookups; registers computed blocks."""
+@dataclass
+class _Group:
+    """One layer group's device blocks: its spec, pool and per-request tables."""
 
-    def __init__(self, num_blocks: int, block_size: int, model_identity: str, kv_layout: str,
-                 enable_prefix_caching: bool = True) -> None:
-        self.pool = BlockPool(num_blocks)
+    spec: KVSpec
+    pool: BlockPool
+    tables: dict[str, list[int]] = field(default_factory=dict)
+
+
+class KVCacheManager:
+    """Owns each request's block tables; answers prefix-cache lookups; registers computed blocks.
+
+    `specs` (default: one full-attention group) and `num_blocks` (one count, or one per group) describe
+    the layer groups. Host / store tiers and KV export work on models of full-attention groups only
+    (`supports_tiers`)."""
+
+    def __init__(self, num_blocks: int | Sequence[int], block_size: int, model_identity: str, kv_layout: str,
+                 enable_prefix_caching: bool = True, specs: Sequence[KVSpec] = (FullAttention(),)) -> None:
+        if not specs:
+            raise ValueError("a model needs at least one KV layer group")
+        counts = [num_blocks] * len(specs) if isinstance(num_blocks, int) else list(num_blocks)
+        if len(counts) != len(specs):
+            raise ValueError(f"{len(counts)} block counts for {len(specs)} layer groups")
+        self.groups = [_Group(spec, BlockPool(n)) for spec, n in zip(specs, counts, strict=True)]
+        self.pool = self.groups[0].pool
+        self.block_tables = self.groups[0].tables
+        self.supports_tiers = all(isinstance(g.spec, FullAttention) for g in self.groups)
         self.block_size = block_size
         self.model_identity = model_identity
         self.kv_layout = kv_layout
         self.enable_prefix_caching = enable_prefix_caching
-        self.block_tables: dict[str, list[int]] = {}
         self._num_registered: dict[str, int] = {}
-        self._roots: dict[tuple[str | None, str | None], bytes] = {}
+        # (tenant, salt) -> root hash; bounded, since every client-chosen salt adds one
+        self._roots: OrderedDict[tuple[str | None, str | None], bytes] = OrderedDict()
         self.tiers: KVTiers | None = None
         # chain positions each request computed and registered first, not yet handed to the store
         self._unwritten: dict[str, list[int]] = {}
@@ -159,39 +105,76 @@ class KVCacheManager:
         self.prefix_hits = 0
         self.tier_hits = dict.fromkeys(TIERS, 0)
 
+    @property
+    def group_tables(self) -> list[dict[str, list[int]]]:
+        """Per layer group, request id -> block table (what the runner reads to build a step)."""
+        return [g.tables for g in self.groups]
+
     def attach_tiers(self, tiers: KVTiers | None) -> None:
         """Continue prefix lookups through `tiers` and move blocks to and from them (None: detach)."""
+        if tiers is not None and not self.supports_tiers:
+            raise ValueError("KV tiers (host cache, store) hold models of full-attention layers only")
         self.tiers = tiers if self.enable_prefix_caching else None
         self.pool.on_evict = tiers.evicted if self.tiers is not None and tiers.host is not None else None
 
-    def _root(self, salt: str | None, tenant: str | None = None) -> bytes:
-        r = self._roots.get((tenant, salt))
+    def root(self, salt: str | None, tenant: str | None = None) -> bytes:
+        """The hash chain's seed for this model, KV layout, tenant and cache salt."""
+        key = (tenant, salt)
+        r = self._roots.get(key)
         if r is None:
-            r = self._roots[(tenant, salt)] = root_hash(self.model_identity, self.kv_layout, salt, tenant)
+            r = self._roots[key] = root_hash(self.model_identity, self.kv_layout, salt, tenant)
+            if len(self._roots) > MAX_CACHED_ROOTS:
+                self._roots.popitem(last=False)
+        else:
+            self._roots.move_to_end(key)
         return r
 
     def update_hashes(self, req: Request) -> None:
         extend_block_hashes(req.block_hashes, req.token_ids, self.block_size,
-                            self._root(req.cache_salt, req.cache_tenant))
+                            self.root(req.cache_salt, req.cache_tenant))
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, req: Request) -> list[int]:
-        """Device blocks holding the longest cached prefix of `req` (at most num_tokens - 1 tokens:
-        the last token is always recomputed to produce logits). Takes no reference. None for a request
-        that wants prompt logprobs: every prompt position's logits must be computed."""
+    def find_cached_prefix(self, req: Request) -> list[list[int]]:
+        """Per layer group, the device blocks holding the longest cached prefix of `req` (at most
+        num_tokens - 1 tokens: the last token is always recomputed to produce logits), NO_BLOCK where a
+        sliding window does not need the block. Takes no reference. Empty for a request that wants
+        prompt logprobs: every prompt position's logits must be computed."""
+        empty: list[list[int]] = [[] for _ in self.groups]
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return []
+            return empty
         self.update_hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
-        blocks = []
-        for h in req.block_hashes[:limit]:
-            b = self.pool.lookup(h)
-            if b is None:
-                break
-            blocks.append(b)
-        return blocks
+        hashes = req.block_hashes[:limit]
+        found: list[list[int | None]] = []
+        for g in self.groups:
+            if isinstance(g.spec, FullAttention):
+                run: list[int | None] = []
+                for h in hashes:
+                    b = g.pool.lookup(h)
+                    if b is None:
+                        break
+                    run.append(b)
+                hashes = hashes[:len(run)]  # no group can hit past a full group's miss
+                found.append(run)
+            else:
+                found.append([g.pool.lookup(h) for h in hashes])
+        length = len(hashes)
+        while length and not all(self._covers(g.spec, f, length) for g, f in zip(self.groups, found, strict=True)):
+            length -= 1
+        if length == 0:
+            return empty
+        out = []
+        for g, f in zip(self.groups, found, strict=True):
+            first = g.spec.first_needed_block(length * self.block_size, self.block_size)
+            out.append([NO_BLOCK] * first + [b for b in f[first:length]])  # type: ignore[misc]
+        return out
+
+    def _covers(self, spec: KVSpec, found: list[int | None], length: int) -> bool:
+        """Whether a group's cached blocks `found` serve a hit of `length` blocks."""
+        first = spec.first_needed_block(length * self.block_size, self.block_size)
+        return all(b is not None for b in found[first:length])
 
     def lookup_prefix(self, req: Request) -> PrefixHit:
         """The device prefix, continued through the tiers. The tier answer is kept on the request while
@@ -199,7 +182,8 @@ class KVCacheManager:
         step, and a store lookup reads files. A stale answer only costs a recompute (loads verify).
         With a prefetcher, store hits start a background read and the hit says `prefetching` until
         they are staged; then they are memory hits, and whatever the read did not stage is a miss."""
-        hit = PrefixHit(self.find_cached_prefix(req))
+        first, *others = self.find_cached_prefix(req)
+        hit = PrefixHit(first, others)
         if self.tiers is None or req.params.prompt_logprobs is not None:
             return hit
         limit = (req.num_tokens - 1) // self.block_size
@@ -237,28 +221,45 @@ class KVCacheManager:
         hit.num_host = num - hit.num_store
         return hit
 
-    def allocate(self, req: Request, num_new_tokens: int, cached_blocks: list[int] | None = None,
-                 num_load_blocks: int = 0) -> bool:
-        """Give `req` blocks for `num_new_tokens` more tokens (after `cached_blocks` and `num_load_blocks`
-        blocks to be loaded from the tiers, if a new request). Returns False, changing nothing, if the
-        pool cannot supply them."""
-        table = self.block_tables.get(req.request_id)
-        cached_blocks = cached_blocks or []
-        have = len(table) if table is not None else len(cached_blocks)
-        if table is not None:
-            computed = req.num_computed_tokens
+    def allocate(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> bool:
+        """Give `req` blocks for `num_new_tokens` more tokens in every layer group (after `hit`'s cached
+        blocks and blocks to be loaded from the tiers, if a new request); sliding-window groups first drop
+        the blocks the step no longer reads. Returns False, changing nothing, if a pool cannot supply them."""
+        bs = self.block_size
+        new = req.request_id not in self.groups[0].tables
+        if new:
+            hit = hit or PrefixHit()
+            computed = hit.num_blocks * bs
+            starts = [hit.blocks, *hit.other_groups] if hit.other_groups else [hit.blocks] * len(self.groups)
+            # tier hits get fresh blocks (loaded before the step runs): count them as new blocks
+            starts = [list(b) for b in starts]
         else:
-            computed = (len(cached_blocks) + num_load_blocks) * self.block_size
-        need = self.blocks_needed(computed + num_new_tokens) - have
-        # cached blocks with no other user sit in the free queue: acquiring them uses up free blocks
-        reclaim = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)
-        if need > self.pool.num_free - reclaim:
-            return False
-        if table is None:
-            self.pool.acquire(cached_blocks)
-            table = self.block_tables[req.request_id] = list(cached_blocks)
-        if need > 0:
-            table.extend(self.pool.allocate(need))
+            computed = req.num_computed_tokens
+            starts = [g.tables[req.request_id] for g in self.groups]
+        end_blocks = self.blocks_needed(computed + num_new_tokens)
+        plans = []
+        for g, table in zip(self.groups, starts, strict=True):
+            first = g.spec.first_needed_block(computed, bs)
+            drop = [i for i in range(min(first, len(table))) if table[i] != NO_BLOCK]
+            if new:  # cached blocks with no other user sit in the free queue: acquiring them uses up free blocks
+                cached = [b for b in table if b != NO_BLOCK]
+                room = g.pool.num_free - sum(1 for b in cached if g.pool.ref_counts[b] == 0)
+            else:  # dropped blocks this request alone holds come back before the new ones are taken
+                room = g.pool.num_free + sum(1 for i in drop if g.pool.ref_counts[table[i]] == 1)
+            need = end_blocks - len(table)
+            if need > room:
+                return False
+            plans.append((g, table, drop, need))
+        for g, table, drop, need in plans:
+            if new:
+                g.pool.acquire([b for b in table if b != NO_BLOCK])
+                g.tables[req.request_id] = table
+            if drop:
+                g.pool.release([table[i] for i in reversed(drop)])
+                for i in drop:
+                    table[i] = NO_BLOCK
+            if need > 0:
+                table.extend(g.pool.allocate(need))
         return True
 
     def admit(self, req: Request, hit: PrefixHit) -> None:
@@ -314,8 +315,13 @@ class KVCacheManager:
             return
         self.update_hashes(req)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
-        new = [i for i in range(self._num_registered.get(req.request_id, 0), full)
-               if self.pool.register(table[i], req.block_hashes[i])]
+        done = self._num_registered.get(req.request_id, 0)
+        new = [i for i in range(done, full) if self.pool.register(table[i], req.block_hashes[i])]
+        for g in self.groups[1:]:
+            t = g.tables[req.request_id]
+            for i in range(done, full):
+                if t[i] != NO_BLOCK:
+                    g.pool.register(t[i], req.block_hashes[i])
         self._num_registered[req.request_id] = full
         if self.tiers is not None and self.tiers.writer is not None:
             unwritten = self._unwritten.setdefault(req.request_id, [])
@@ -354,8 +360,12 @@ class KVCacheManager:
         if table:
             # the blocks still hold their KV until reallocated: copy the rest out for the store first
             self._write(req, table, len(table))
-            self.pool.release(list(reversed(table)))
+        for g in self.groups:
+            t = table if g is self.groups[0] else g.tables.pop(req.request_id, None)
+            if t:
+                g.pool.release([b for b in reversed(t) if b != NO_BLOCK])
         self._unwritten.pop(req.request_id, None)
 
     def usage(self) -> float:
-        return self.pool.num_used / self.pool.num_blocks
+        """The fullest group's share of blocks in use."""
+        return max(g.pool.num_used / g.pool.num_blocks for g in self.groups)

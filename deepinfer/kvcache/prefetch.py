@@ -40,7 +40,7 @@ from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
 from typing import Any, Final
 
-from deepinfer.kvstore import HostKVCache, KVBlockStore
+from deepinfer.kvcache import HostKVCache, KVBlockStore
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ class StorePrefetcher:
 
     def _read(self, hashes: tuple[bytes, ...], start: int, count: int) -> tuple[list[Any], float]:
         t = time.perf_counter()
-        return self.store.get(hashes, start, count), time.perf_counter() - t
+        return self.store.load(hashes, start, count), time.perf_counter() - t
 
     def staged(self, request_id: str) -> Staged | str | None:
         """PENDING while the request's read runs; its staged payloads once done; None without a prefetch."""

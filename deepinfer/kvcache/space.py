@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, TypeVar
 
-from deepinfer.kvstore.format import CorruptSegment, SegmentHeader, block_crc
+from deepinfer.kvcache.format import CorruptSegment, SegmentHeader, block_crc
 
 OBJECTS = "objects"
 SEGMENT_SUFFIX = ".kvs"

@@ -1,7 +1,7 @@
 """The persistent KV block store: content-addressed segments on a (shared) filesystem path.
 
 Owns reading and writing KV blocks by chained block hash (see
-`deepinfer.engine.block_hash`), validation of everything read, retention
+`deepinfer.kvcache.hashing`), validation of everything read, retention
 (TTL per class) and graceful failure. Capacity and layout live in `space.py`,
 the on-disk format in `format.py`.
 
@@ -66,8 +66,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from deepinfer.kvstore.format import CorruptSegment, KVLayout, RetentionPolicy, SegmentHeader, block_crc
-from deepinfer.kvstore.space import (
+from deepinfer.kvcache.format import CorruptSegment, KVLayout, RetentionPolicy, SegmentHeader, block_crc
+from deepinfer.kvcache.space import (
     StoreSpace,
     gc,
     group_dir,
@@ -76,7 +76,8 @@ from deepinfer.kvstore.space import (
     scan,
     segment_name,
 )
-from deepinfer.kvstore.space import clear as clear_dir
+from deepinfer.kvcache.space import clear as clear_dir
+from deepinfer.kvcache.tier import KVTier
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +95,7 @@ def as_buffer(payload: Any) -> memoryview:
     return view.cast("B") if view.format != "B" or view.ndim != 1 else view
 
 
-class KVBlockStore:
+class KVBlockStore(KVTier):
     """Persistent, shared, validated KV blocks for one (model identity, KV layout)."""
 
     def __init__(self, path: str | os.PathLike, model_identity: str, layout: KVLayout, max_bytes: int,
@@ -215,7 +216,7 @@ class KVBlockStore:
                 return
             p = e
 
-    def contains_prefix(self, hashes: Sequence[bytes], start: int = 0) -> int:
+    def lookup(self, hashes: Sequence[bytes], start: int = 0) -> int:
         """How many consecutive blocks from position `start` of the chain `hashes` are stored and valid
         (headers checked; payload CRCs are checked by `get`)."""
         n = self._covered(hashes, start, len(hashes))
@@ -229,7 +230,7 @@ class KVBlockStore:
             end = run[4]
         return end - start
 
-    def get(self, hashes: Sequence[bytes], start: int = 0, count: int | None = None) -> list[memoryview]:
+    def load(self, hashes: Sequence[bytes], start: int = 0, count: int | None = None) -> list[memoryview]:
         """Payloads of the longest valid run of blocks from position `start` (at most `count`), in
         order; [] on a miss. Each payload is a view of `layout.block_nbytes` fresh bytes (the caller's)."""
         limit = len(hashes) if count is None else min(len(hashes), start + count)

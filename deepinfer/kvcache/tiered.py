@@ -27,8 +27,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from deepinfer.kvstore.host import HostKVCache, payload_nbytes
-from deepinfer.kvstore.store import KVBlockStore
+from deepinfer.kvcache.host import HostKVCache, payload_nbytes
+from deepinfer.kvcache.store import KVBlockStore
 
 
 class TieredKVStore:
@@ -46,8 +46,8 @@ class TieredKVStore:
     def lookup(self, hashes: Sequence[bytes], start: int = 0) -> tuple[int, int]:
         """(num_host, num_store): blocks start .. start+num_host-1 are in host memory, the next num_store
         in the store. Changes no recency."""
-        num_host = self.host.prefix_len(hashes, start) if self.host is not None else 0
-        num_store = self.store.contains_prefix(hashes, start + num_host) if self.store is not None else 0
+        num_host = self.host.lookup(hashes, start) if self.host is not None else 0
+        num_store = self.store.lookup(hashes, start + num_host) if self.store is not None else 0
         self.counters["lookups"] += 1
         self.counters["lookup_blocks"] += len(hashes) - start
         self.counters["host_hit_blocks"] += num_host
@@ -72,7 +72,7 @@ class TieredKVStore:
                 self.host.touch(h)
         self.counters["loaded_host_blocks"] += p - start
         if p < limit and self.store is not None:
-            got = self.store.get(hashes, p, limit - p)
+            got = self.store.load(hashes, p, limit - p)
             out.extend(got)
             self.counters["loaded_store_blocks"] += len(got)
             if self.host is not None and got:
@@ -92,7 +92,7 @@ class TieredKVStore:
             k += 1
         evicted = []
         for i in reversed(range(k)):
-            evicted += self.host.put(hashes[p + i], got[i])
+            evicted += self.host.insert(hashes[p + i], got[i])
         for h in reversed(hashes[start:p]):
             self.host.touch(h)
         self._spill(evicted)
@@ -114,7 +114,7 @@ class TieredKVStore:
             h = hashes[pos]
             if spill and h not in self.host:
                 self._origin[h] = (pos, hashes[pos - pos % n], retention_class)
-            evicted += self.host.put(h, payloads[i])
+            evicted += self.host.insert(h, payloads[i])
         self._spill(evicted)
 
     def _spill(self, evicted: list[tuple[bytes, Any]]) -> None:
