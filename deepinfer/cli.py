@@ -190,7 +190,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_simulate(args: argparse.Namespace) -> int:
-    from deepinfer.cluster.simulate import SimConfig, run
+    from deepinfer.bench.simulate import SimConfig, run
 
     report, _ = run(config_from_args(SimConfig, args))
     print(report)
@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
     actions.add_parser("clear", parents=[store_args], help="Remove every block in the store.")
     cache.set_defaults(func=cmd_cache)
 
-    from deepinfer.cluster.simulate import add_arguments as simulate_arguments
+    from deepinfer.bench.simulate import add_arguments as simulate_arguments
 
     bench = sub.add_parser("bench", help="Benchmarks that need no running server.")
     benches = bench.add_subparsers(dest="bench", required=True)
