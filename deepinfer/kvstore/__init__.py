@@ -11,9 +11,9 @@
 Blocks are named by the chained hashes of `deepinfer.engine.block_hash`.
 """
 
-from deepinfer.kvstore.format import KVLayout, RetentionPolicy, parse_duration
+from deepinfer.kvstore.format import KVLayout, RetentionPolicy
 from deepinfer.kvstore.host import HostKVCache
 from deepinfer.kvstore.store import KVBlockStore
 from deepinfer.kvstore.tiers import TieredKVStore
 
-__all__ = ["HostKVCache", "KVBlockStore", "KVLayout", "RetentionPolicy", "TieredKVStore", "parse_duration"]
+__all__ = ["HostKVCache", "KVBlockStore", "KVLayout", "RetentionPolicy", "TieredKVStore"]
