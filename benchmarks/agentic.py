@@ -64,12 +64,12 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from deepinfer.bench.simulate import DEFAULT_TRACE, TRACE_ENV, resolve_trace  # noqa: E402
 from deepinfer.config import EngineConfig  # noqa: E402
 from deepinfer.engine.engine import LLMEngine  # noqa: E402
 from deepinfer.engine.runner import resolve_dtype  # noqa: E402
 from deepinfer.engine.sampling_params import SamplingParams  # noqa: E402
 
-TRACE = Path(__file__).resolve().parents[1].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 BLOCK = 16
 VOCAB = 49152  # SmolLM2; token ids are drawn from [10, VOCAB)
 
@@ -202,7 +202,7 @@ def run_agentic(engine: LLMEngine, args: argparse.Namespace) -> tuple[list[Req],
 def load_trace(args: argparse.Namespace) -> list[Req]:
     per_hash = 512 // args.scale
     time_scale = args.time_scale if args.time_scale is not None else (2.0 if args.trace_sample == "head" else 1 / 15)
-    with open(args.trace) as f:
+    with open(resolve_trace(args.trace)) as f:
         records = [json.loads(line) for line in f]
     if args.trace_sample == "head":
         records = records[:args.trace_requests]
@@ -342,7 +342,9 @@ def main() -> None:
     p.add_argument("--gap-min", type=float, default=2.0)
     p.add_argument("--gap-max", type=float, default=5.0)
     p.add_argument("--stagger", type=float, default=0.5)
-    p.add_argument("--trace", default=str(TRACE))
+    p.add_argument("--trace", default=None,
+                   help=f"(b) the Mooncake trace jsonl (default: ${TRACE_ENV} if set, else the shared trace "
+                        f"{DEFAULT_TRACE}, relative to the working directory: a checkout's root)")
     p.add_argument("--trace-requests", type=int, default=120)
     p.add_argument("--scale", type=int, default=16, help="(b) lengths divided by this (must divide 512)")
     p.add_argument("--time-scale", type=float, default=None,

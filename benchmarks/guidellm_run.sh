@@ -10,8 +10,8 @@
 # Optional environment:
 #   PROMPT_TOKENS (128)  OUTPUT_TOKENS (64)  MAX_REQUESTS (unset: no cap)  SEED (42)
 #   ENDPOINT (/v1/chat/completions, or /v1/completions)
-#   TOKENIZER_DIR (/work/models/smollm2-135m-hf, else ~/.cache/deepinfer/gguf/*/)
-#   GUIDELLM (/work/venvs/guidellm/bin/guidellm)  OUT_DIR (benchmarks/results)
+#   TOKENIZER_DIR (default: $HF_MODEL_DIR, else deepinfer's HF conversion of the default model, in its cache dir)
+#   GUIDELLM (default: guidellm on PATH)  OUT_DIR (benchmarks/results)
 #   GUIDELLM_WORKERS (1: client worker processes; guidellm's default of 10 is too many for 2 cores)
 #
 # Writes OUT_DIR/guidellm_<model>_c<streams>_<stamp>.{json,csv,log} and prints guidellm's tables.
@@ -32,22 +32,20 @@ PROMPT_TOKENS=${PROMPT_TOKENS:-128}
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-64}
 SEED=${SEED:-42}
 ENDPOINT=${ENDPOINT:-/v1/chat/completions}
-GUIDELLM=${GUIDELLM:-/work/venvs/guidellm/bin/guidellm}
+GUIDELLM=${GUIDELLM:-$(command -v guidellm || true)}
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 OUT_DIR=${OUT_DIR:-$HERE/results}
 
 if [[ -z ${TOKENIZER_DIR:-} ]]; then
-    TOKENIZER_DIR=/work/models/smollm2-135m-hf
-    if [[ ! -f $TOKENIZER_DIR/tokenizer.json ]]; then
-        TOKENIZER_DIR=$(dirname "$(ls -1 "$HOME"/.cache/deepinfer/gguf/*/tokenizer.json 2>/dev/null | head -n1)")
-    fi
+    TOKENIZER_DIR=${HF_MODEL_DIR:-$(python3 -c \
+        'from deepinfer.weights import resolve_model; print(resolve_model(None).directory)' || true)}
 fi
 if [[ ! -f $TOKENIZER_DIR/tokenizer.json ]]; then
     echo "error: no tokenizer.json in TOKENIZER_DIR=$TOKENIZER_DIR" >&2
     exit 2
 fi
 if [[ ! -x $GUIDELLM ]]; then
-    echo "error: guidellm not found at $GUIDELLM" >&2
+    echo "error: guidellm not found (${GUIDELLM:-not on PATH}); set GUIDELLM to its executable" >&2
     exit 2
 fi
 

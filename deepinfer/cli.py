@@ -18,6 +18,7 @@ from deepinfer.config import (
     add_config_arguments,
     config_from_args,
     engine_config_from_args,
+    parse_size,
 )
 
 ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, KVStoreConfig)
@@ -157,7 +158,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     import json
     import shutil
 
-    from deepinfer.config import parse_memory
+    from deepinfer.config import resolve_size
     from deepinfer.kvcache import space
 
     path = KVStoreConfig(kv_store=args.store).store_path()
@@ -170,7 +171,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     elif args.action == "gc":
         max_bytes = None
         if args.max_bytes is not None:
-            max_bytes = parse_memory(args.max_bytes, shutil.disk_usage(path).total)
+            max_bytes = resolve_size(args.max_bytes, shutil.disk_usage(path).total)
         result = space.gc(path, max_bytes, verify=args.verify)
     else:
         result = space.clear(path)
@@ -190,7 +191,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 def cmd_bench_simulate(args: argparse.Namespace) -> int:
-    from deepinfer.cluster.simulate import SimConfig, run
+    from deepinfer.bench.simulate import SimConfig, run
 
     report, _ = run(config_from_args(SimConfig, args))
     print(report)
@@ -235,13 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     gc = actions.add_parser("gc", parents=[store_args],
                             help="Remove expired and corrupt blocks and stale temp files; with --max-bytes, "
                             "also evict least recently used blocks down to that size.")
-    gc.add_argument("--max-bytes", default=None,
+    gc.add_argument("--max-bytes", default=None, type=parse_size,
                     help="Capacity to enforce: bytes (e.g. 100GiB) or a fraction of the filesystem's size.")
     gc.add_argument("--verify", action="store_true", help="Also check every payload checksum (reads everything).")
     actions.add_parser("clear", parents=[store_args], help="Remove every block in the store.")
     cache.set_defaults(func=cmd_cache)
 
-    from deepinfer.cluster.simulate import add_arguments as simulate_arguments
+    from deepinfer.bench.simulate import add_arguments as simulate_arguments
 
     bench = sub.add_parser("bench", help="Benchmarks that need no running server.")
     benches = bench.add_subparsers(dest="bench", required=True)

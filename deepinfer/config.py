@@ -3,25 +3,109 @@
 The CLI is generated from these dataclasses (`add_config_arguments` /
 `config_from_args`), so a flag's name, type, default and help text live in one
 place: the field's definition.
+
+Sizes ("2GiB", "0.25", "auto") and durations ("72h") are parsed here, once, when a config is built
+(`parse_size`, `parse_duration`; a field with `parse=` in its metadata takes its text form on the command
+line and from keyword arguments and holds the parsed value): components receive numbers. A size is an
+int of bytes or a float fraction of a total known only at run time (free memory, a filesystem's size),
+turned into bytes by `resolve_size`; `kv_cache_memory` None ("auto") is decided from the hardware in
+one place, the runner's KV budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import functools
+import math
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from deepinfer.kvcache.format import RetentionPolicy
 
 CLUSTER_TOKEN_ENV = "DEEPINFER_CLUSTER_TOKEN"  # where cluster processes take the cluster token from
 API_KEYS_ENV = "DEEPINFER_API_KEYS"  # API keys when no --api-key is given (argv shows in `ps`, the environment not)
 
 
 def _f(default: Any, help: str, *, repr: bool = True, **kw: Any) -> Any:
+    """A config field with its help text; `parse=fn`: the flag is a string and fn(value) is stored."""
     return field(default=default, repr=repr, metadata={"help": help, **kw})
+
+
+_SIZE_UNITS = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
+               "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
+
+
+def parse_size(spec: str | int | float | None, *, fractions: bool = True, auto: bool = False) -> int | float | None:
+    """The one size parser: `"2GiB"`, `"512MB"`, `"1000000"`, `1000000` -> bytes (int). With `fractions`, a
+    bare number <= 1 in text or a float (`"0.25"`, `0.25`) is a fraction (float) of a total known at run
+    time (`resolve_size`); an int is always bytes. With `auto`, `"auto"` (or None) -> None. Parsed values
+    come back unchanged."""
+    if auto and (spec is None or (isinstance(spec, str) and spec.strip().lower() == "auto")):
+        return None
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec >= 0:
+        return spec  # an int is bytes (so parsed values parse to themselves)
+    value, unit = math.nan, None  # unit None: a bare number, which may be a fraction
+    if isinstance(spec, float):
+        value = spec
+    elif isinstance(spec, str):
+        number, suffix = re.fullmatch(r"(.*?)([a-z]*)", spec.strip().lower().replace(" ", "")).groups()
+        unit = _SIZE_UNITS.get(suffix) if suffix else None
+        if unit or not suffix:
+            with contextlib.suppress(ValueError):
+                value = float(number) * (unit or 1)
+    if not (math.isfinite(value) and value >= 0):
+        raise ValueError(f"cannot parse size {spec!r} (examples: 2GiB, 512MiB, 1000000"
+                         f"{', 0.25' if fractions else ''}{', auto' if auto else ''})")
+    return value if fractions and unit is None and value <= 1 else int(value)
+
+
+def resolve_size(size: int | float, total: int) -> int:
+    """Bytes of a parsed size: an int is bytes, a float a fraction of `total`."""
+    return int(size * total) if isinstance(size, float) else size
+
+
+_DURATION_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def parse_duration(text: str) -> float:
+    """The one duration parser: ``"90s"``, ``"30m"``, ``"72h"``, ``"7d"``, ``"1.5h"`` -> seconds (a bare
+    number is seconds)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text.lower())
+    if not m:
+        raise ValueError(f"cannot parse duration {text!r} (examples: 90s, 30m, 72h, 7d)")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2) or "s"]
+
+
+def parse_retention(spec: str, default_class: str = "chat") -> RetentionPolicy:
+    """``"agent=72h,chat=7d"`` -> the retention policy (TTLs in seconds); ValueError if malformed."""
+    from deepinfer.kvcache.format import RetentionPolicy
+
+    ttls: dict[str, float] = {}
+    for part in spec.split(","):
+        if not part.strip():
+            continue
+        name, sep, dur = part.partition("=")
+        if not sep:
+            raise ValueError(f"bad retention entry {part!r} in {spec!r}; expected class=duration")
+        ttls[name.strip()] = parse_duration(dur)
+    return RetentionPolicy(ttls, default_class)
+
+
+def _parse_fields(cfg: Any) -> None:
+    """Replace the text form of each `parse=` field ("2GiB", "auto") by its parsed value (parsers are
+    idempotent: a config rebuilt from parsed values, as `dataclasses.replace` does, keeps them)."""
+    for f in dataclasses.fields(cfg):
+        parse = f.metadata.get("parse")
+        if parse is not None:
+            object.__setattr__(cfg, f.name, parse(getattr(cfg, f.name)))
 
 
 @dataclass(frozen=True)
@@ -79,14 +163,16 @@ class CacheConfig:
     """The paged KV cache and its prefix cache."""
 
     block_size: int = _f(16, "Tokens per KV block.")
-    kv_cache_memory: str = _f(
+    kv_cache_memory: int | float | None = _f(
         "auto",
         "KV cache budget: bytes (e.g. 2GiB, 512MiB, 1000000), a fraction of free memory (e.g. 0.25), or auto "
         "(CUDA: 0.8 of free GPU memory; CPU: 0.25 of available memory, at most 4GiB).",
-    )
+        parse=functools.partial(parse_size, auto=True),
+    )  # None = auto
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of earlier requests that share a prefix.")
 
     def __post_init__(self) -> None:
+        _parse_fields(self)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
 
@@ -161,9 +247,9 @@ class SchedulerConfig:
 class KVStoreConfig:
     """KV tiers below the device cache: host memory and the persistent (shared) block store."""
 
-    host_cache_memory: str = _f(
+    host_cache_memory: int | float = _f(
         "0", "Host-memory KV tier: bytes (e.g. 4GiB) or a fraction of available memory (e.g. 0.1); 0 = off. "
-        "Holds KV blocks the device cache evicts.")
+        "Holds KV blocks the device cache evicts.", parse=parse_size)
     kv_store: str = _f(
         "auto",
         "Persistent KV block store directory, shared by every worker that mounts it (local disk, NFS, Lustre, "
@@ -171,9 +257,9 @@ class KVStoreConfig:
         "$DEEPINFER_KV_STORE if set (a directory or none), else <cache dir>/kvstore ($DEEPINFER_CACHE_DIR or "
         "~/.cache/deepinfer); none = off. The offline LLM class defaults to none.",
     )
-    kv_store_max_bytes: str = _f(
+    kv_store_max_bytes: int | float = _f(
         "20GiB", "Capacity of the KV store (least recently used blocks are evicted first): bytes (e.g. 500GiB) "
-        "or a fraction of the store filesystem's size (e.g. 0.5).")
+        "or a fraction of the store filesystem's size (e.g. 0.5).", parse=parse_size)
     kv_retention: str = _f(
         "agent=72h,chat=7d", "Retention classes and how long their KV blocks are kept (units s, m, h, d).")
     default_retention_class: str = _f("chat", "Retention class of requests that do not name one.")
@@ -185,13 +271,12 @@ class KVStoreConfig:
         50.0, "With the prefetch on: how long a step may wait, in total, for the store reads started at its "
         "scheduling, so that a fast read admits its request in this step rather than the next one; a "
         "slower read goes on in the background. 0 = never wait.")
+    # kv_retention + default_retention_class, parsed (TTLs in seconds): what the engine, tiers and router use
+    retention: RetentionPolicy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        from deepinfer.kvcache.format import RetentionPolicy
-
-        RetentionPolicy.parse(self.kv_retention, self.default_retention_class)  # raises ValueError if bad
-        for name in ("host_cache_memory", "kv_store_max_bytes"):
-            parse_memory(getattr(self, name), 1)
+        _parse_fields(self)
+        object.__setattr__(self, "retention", parse_retention(self.kv_retention, self.default_retention_class))
         if self.kv_store_prefetch_wait_ms < 0:
             raise ValueError(f"kv_store_prefetch_wait_ms must be >= 0, got {self.kv_store_prefetch_wait_ms}")
         if not self.kv_store.strip():
@@ -226,7 +311,7 @@ class EngineConfig:
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
         """Build from flat keyword arguments (`LLM(model=..., max_num_seqs=...)`); unknown names raise."""
         parts: dict[str, dict[str, Any]] = {name: {} for name in _SECTIONS}
-        owners = {f.name: part for part, sub in _SECTIONS.items() for f in dataclasses.fields(sub)}
+        owners = {f.name: part for part, sub in _SECTIONS.items() for f in dataclasses.fields(sub) if f.init}
         for key, value in kwargs.items():
             if key not in owners:
                 raise TypeError(f"unknown engine argument {key!r}; valid: {sorted(owners)}")
@@ -243,9 +328,9 @@ class EngineConfig:
 class LimitsConfig:
     """Request limits and admission: what one request may ask for, and how much load the server admits."""
 
-    max_request_body_size: str = _f(
+    max_request_body_size: int = _f(
         "16MiB", "Largest request body accepted (bytes, e.g. 16MiB or 1000000); a larger one gets 413 before it "
-        "is read.")
+        "is read.", parse=functools.partial(parse_size, fractions=False))
     max_json_depth: int = _f(64, "Deepest nesting of arrays and objects in a request body (400 beyond).")
     max_n: int = _f(
         128, "Most sequences one request may ask for: n and best_of (Completions: n x the number of prompts).")
@@ -270,7 +355,8 @@ class LimitsConfig:
     retry_after: int = _f(1, "Seconds a 429 answer's Retry-After header asks the client to wait.")
 
     def __post_init__(self) -> None:
-        if parse_memory(self.max_request_body_size, 0) < 1024:
+        _parse_fields(self)
+        if self.max_request_body_size < 1024:
             raise ValueError(f"max_request_body_size must be at least 1KiB, got {self.max_request_body_size!r}")
         for name in ("max_json_depth", "max_n", "max_stop_sequences", "max_stop_length", "max_tools", "max_messages",
                      "max_logit_bias", "retry_after"):
@@ -284,10 +370,6 @@ class LimitsConfig:
             raise ValueError(f"max_waiting_requests must be >= 0, got {self.max_waiting_requests}")
         if self.max_concurrent_requests_per_key < 0:
             raise ValueError("max_concurrent_requests_per_key must be >= 0 (0 = unlimited)")
-
-    @property
-    def max_body_bytes(self) -> int:
-        return parse_memory(self.max_request_body_size, 0)
 
 
 @dataclass(frozen=True)
@@ -445,28 +527,6 @@ _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "sched
                               "kvstore": KVStoreConfig}
 
 
-def parse_memory(spec: str | int | float, available_bytes: int) -> int:
-    """`"2GiB"`, `"512MB"`, `1000000` -> bytes; a value <= 1 is a fraction of `available_bytes`."""
-    if isinstance(spec, int | float):
-        value = float(spec)
-        return int(value * available_bytes) if value <= 1 else int(value)
-    text = spec.strip().lower().replace(" ", "")
-    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9,
-             "k": 2**10, "m": 2**20, "g": 2**30, "b": 1}
-    for suffix, mult in units.items():
-        if text.endswith(suffix):
-            number = text[: -len(suffix)]
-            try:
-                return int(float(number) * mult)
-            except ValueError:
-                break
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"cannot parse memory size {spec!r} (examples: 2GiB, 512MiB, 0.25)") from None
-    return int(value * available_bytes) if value <= 1 else int(value)
-
-
 # ---------------------------------------------------------------- CLI generation
 
 
@@ -491,7 +551,7 @@ def add_config_arguments(parser: argparse.ArgumentParser, *config_classes: type)
             if "help" not in f.metadata:
                 continue
             flag = "--" + f.name.replace("_", "-")
-            tp, is_bool = _flag_type(f.type)
+            tp, is_bool = (str, False) if "parse" in f.metadata else _flag_type(f.type)
             default = f.default
             if f.metadata.get("action") == "append":  # repeated flag -> tuple (argparse needs a list default)
                 group.add_argument(flag, dest=f.name, action="append", type=str, default=None, help=f.metadata["help"])

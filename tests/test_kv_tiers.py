@@ -354,14 +354,14 @@ def test_api_retention_choice_and_cached_tokens_across_restart(tiny_models, tmp_
 
 
 def test_openai_retention_values_map_to_classes():
-    from deepinfer.kvcache import RetentionPolicy
+    from deepinfer.config import parse_retention
     from deepinfer.kvcache.engine_tiers import resolve_retention
 
-    policy = RetentionPolicy.parse("agent=72h,chat=7d,batch=1h", default_class="batch")
+    policy = parse_retention("agent=72h,chat=7d,batch=1h", default_class="batch")
     assert resolve_retention(policy, None) == "batch"
     assert resolve_retention(policy, "in-memory") == "batch"
     assert resolve_retention(policy, "24h") == "chat"  # the default keeps entries 1 h: the longest class instead
-    assert resolve_retention(RetentionPolicy.parse("agent=72h,chat=7d"), "24h") == "chat"
+    assert resolve_retention(parse_retention("agent=72h,chat=7d"), "24h") == "chat"
     assert resolve_retention(policy, "agent") == "agent"
     with pytest.raises(ValueError, match="unknown cache retention class"):
         resolve_retention(policy, "forever")

@@ -14,14 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from deepinfer.config import EngineConfig, KVStoreConfig
+from deepinfer.config import EngineConfig, KVStoreConfig, parse_duration, parse_retention
 from deepinfer.kvcache import (
     HostKVCache,
     KVBlockStore,
     KVLayout,
     RetentionPolicy,
     TieredKVStore,
-    parse_duration,
 )
 from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
 from deepinfer.kvcache.space import LOCK_NAME, StoreSpace, iter_files
@@ -221,20 +220,21 @@ def test_retention_ttl_expiry_and_gc(tmp_path):
 
 def test_retention_spec_parsing_and_config():
     assert parse_duration("90s") == 90 and parse_duration("30m") == 1800 and parse_duration("1.5h") == 5400
-    p = RetentionPolicy.parse("agent=72h, chat=7d,batch=90m", default_class="chat")
+    p = parse_retention("agent=72h, chat=7d,batch=90m", default_class="chat")
     assert p.ttls == {"agent": 72 * H, "chat": 7 * 86400, "batch": 5400}
     assert p.ttl("unknown") == 7 * 86400 and p.resolve(None) == "chat"
     for bad in ("agent=72x", "agent", "agent=0h"):
         with pytest.raises(ValueError):
-            RetentionPolicy.parse(bad)
+            parse_retention(bad)
     with pytest.raises(ValueError):
-        RetentionPolicy.parse("agent=1h", default_class="chat")
+        parse_retention("agent=1h", default_class="chat")
     with pytest.raises(ValueError):
         KVStoreConfig(kv_retention="chat=7days")
     with pytest.raises(ValueError):
         KVStoreConfig(kv_store_max_bytes="lots")
     cfg = EngineConfig.from_kwargs(kv_store="none", host_cache_memory="1GiB")
-    assert cfg.kvstore.store_path() is None and cfg.kvstore.host_cache_memory == "1GiB"
+    assert cfg.kvstore.store_path() is None and cfg.kvstore.host_cache_memory == 2**30  # parsed once, here
+    assert cfg.kvstore.retention == RetentionPolicy({"agent": 72 * H, "chat": 7 * 86400}, "chat")
     assert EngineConfig().kvstore.store_path() is None  # conftest: auto -> $DEEPINFER_KV_STORE=none
 
 

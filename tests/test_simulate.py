@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from deepinfer.cli import main
-from deepinfer.cluster.simulate import (
+from deepinfer.bench.simulate import (
     DEFAULT_TRACE,
+    TRACE_ENV,
     BlockStore,
     SimConfig,
     TraceRequest,
@@ -17,9 +18,11 @@ from deepinfer.cluster.simulate import (
     ideal_hit_rate,
     load_coefficients,
     load_trace,
+    resolve_trace,
     run,
     simulate,
 )
+from deepinfer.cli import main
 from deepinfer.engine.cost_model import CostModel, StepWork
 
 MODEL = CostModel()
@@ -166,15 +169,35 @@ def test_bad_trace_and_config(tmp_path):
     assert main(["bench", "simulate", "--trace", str(tmp_path / "missing.jsonl")]) == 2
 
 
-@pytest.mark.skipif(not DEFAULT_TRACE.is_file(), reason="shared trace not present")
+def test_trace_path_flag_then_env_then_default(tmp_path, monkeypatch):
+    monkeypatch.delenv(TRACE_ENV, raising=False)
+    assert resolve_trace(None) == DEFAULT_TRACE and not DEFAULT_TRACE.is_absolute()
+    mine = tmp_path / "mine.jsonl"
+    mine.write_text('{"timestamp": 0, "input_length": 600, "output_length": 2, "hash_ids": [7, 8]}\n')
+    monkeypatch.setenv(TRACE_ENV, str(mine))
+    assert resolve_trace(None) == mine
+    assert resolve_trace(str(tmp_path / "flag.jsonl")) == tmp_path / "flag.jsonl"  # the flag wins
+    report, _ = run(SimConfig(policies=("round_robin",)))
+    assert "trace mine.jsonl: 1 requests" in report
+    monkeypatch.setenv(TRACE_ENV, str(tmp_path / "gone.jsonl"))
+    with pytest.raises(FileNotFoundError, match="DEEPINFER_TRACE"):
+        run(SimConfig())
+
+
+# the shared trace: $DEEPINFER_TRACE, else where the default points from the checkout's root
+SHARED_TRACE = Path(__file__).resolve().parents[1] / resolve_trace(None)
+
+
+@pytest.mark.skipif(not SHARED_TRACE.is_file(), reason="shared trace not present")
 def test_shared_trace_loads_and_a_capped_run_completes(capsys):
-    reqs = load_trace(DEFAULT_TRACE)
+    reqs = load_trace(SHARED_TRACE)
     assert len(reqs) == 12031
     assert 0.3 < ideal_hit_rate(reqs) < 0.45  # the trace README: about 37-40%
-    report, results = run(SimConfig(max_requests=300, prefill_workers=2, decode_workers=2))
+    report, results = run(SimConfig(trace=str(SHARED_TRACE), max_requests=300, prefill_workers=2,
+                                    decode_workers=2))
     assert [r.policy for r in results] == ["round_robin", "least_requests", "deepinfer"]
     assert all(len(r.ttft) == 300 and np.isfinite(r.ttft).all() and (r.ttft > 0).all() for r in results)
     assert "| deepinfer |" in report
-    assert main(["bench", "simulate", "--max-requests", "50", "--prefill-workers", "2", "--decode-workers",
+    assert main(["bench", "simulate", "--trace", str(SHARED_TRACE), "--max-requests", "50", "--prefill-workers", "2", "--decode-workers",
                  "2", "--policies", "deepinfer"]) == 0
     assert "| deepinfer |" in capsys.readouterr().out

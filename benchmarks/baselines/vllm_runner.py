@@ -5,11 +5,11 @@ Run it with the *vLLM venv's* python (it must not import deepinfer)::
 
     VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0 \\
     VLLM_HOST_IP=127.0.0.1 HF_HUB_OFFLINE=1 \\
-    /work/venvs/vllm/bin/python benchmarks/baselines/vllm_runner.py spec.json
+    "$VLLM_PYTHON" benchmarks/baselines/vllm_runner.py spec.json
 
 ``spec.json`` (only ``model`` and ``workloads``/``prompts`` are required)::
 
-    {"model": "/work/models/smollm2-135m-hf",
+    {"model": "path/to/hf-model-dir",
      "workloads": [{"name": "chat", "prompts": [[1, 2, 3], ...]},
                    {"name": "x", "runs": [warmup_prompts, rep1_prompts, ...]}],
      "max_tokens": 128, "ignore_eos": true, "dtype": "float32",

@@ -30,7 +30,6 @@ from deepinfer.cluster.client import ClusterEngineClient
 from deepinfer.cluster.policies import make_policy
 from deepinfer.cluster.pool import WorkerPool
 from deepinfer.config import KVStoreConfig, LimitsConfig, ModelConfig, RouterConfig, ServerConfig
-from deepinfer.kvcache import RetentionPolicy
 from deepinfer.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -138,7 +137,7 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
         pool.add(url, "decode")
     policy = make_policy(router.routing_policy, router.decode_running_weight, router.decode_kv_weight,
                          router.decode_locality_margin)
-    retention = RetentionPolicy.parse(kvstore.kv_retention, kvstore.default_retention_class)
+    retention = kvstore.retention
     default_len = model.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 4096
     store: Path | None = kvstore.store_path()
     return ClusterEngineClient(pool, policy, tokenizer, hf_config.vocab_size, retention, router, default_len, store,

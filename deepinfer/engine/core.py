@@ -26,7 +26,6 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, StepResult
 from deepinfer.engine.sampler import TokenLogprobs
 from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
-from deepinfer.kvcache import RetentionPolicy
 from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import KVTiers, resolve_retention
 from deepinfer.kvcache.manager import KVCacheManager
@@ -83,7 +82,7 @@ class EngineCore:
             self.cost_model.calibrate(profile_steps(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
                                                     sc.max_num_batched_tokens))
         ks = config.kvstore
-        self.retention = RetentionPolicy.parse(ks.kv_retention, ks.default_retention_class)
+        self.retention = ks.retention
         # attached after the profile: its synthetic steps must not reach the tiers. The tiers extend the
         # prefix cache, so they are off without it.
         self.tiers: KVTiers | None = None

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from deepinfer.config import CacheConfig, ModelConfig, parse_memory
+from deepinfer.config import CacheConfig, ModelConfig, resolve_size
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
 from deepinfer.engine.scheduler import SchedulerOutput
@@ -172,15 +172,15 @@ class ModelRunner:
         return 2 * cfg.num_hidden_layers * self.block_size * self.model.num_kv_heads * self.model.head_dim * elem
 
     def _num_blocks(self, cache_config: CacheConfig, hf_config) -> int:
-        spec = cache_config.kv_cache_memory
+        size = cache_config.kv_cache_memory  # None = auto: decided here, from the hardware
         if self.device.type == "cuda":
             available = torch.cuda.mem_get_info(self.device)[0]
-            budget = int(0.8 * available) if spec == "auto" else parse_memory(spec, available)
+            budget = int(0.8 * available) if size is None else resolve_size(size, available)
         else:
             import psutil
 
             available = psutil.virtual_memory().available
-            budget = min(available // 4, 4 * 2**30) if spec == "auto" else parse_memory(spec, available)
+            budget = min(available // 4, 4 * 2**30) if size is None else resolve_size(size, available)
         return max(1, budget // self.kv_bytes_per_block)
 
     def execute(self, step: SchedulerOutput, group_tables: list[dict[str, list[int]]]) -> StepResult:

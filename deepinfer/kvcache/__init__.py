@@ -22,11 +22,10 @@ Below the device, behind one interface (`tier.KVTier`: lookup / load / put):
 Nothing outside this package reads a pool's or a tier's private state.
 """
 
-from deepinfer.kvcache.format import KVLayout, RetentionPolicy, parse_duration
+from deepinfer.kvcache.format import KVLayout, RetentionPolicy
 from deepinfer.kvcache.host import HostKVCache
 from deepinfer.kvcache.store import KVBlockStore
 from deepinfer.kvcache.tier import KVTier
 from deepinfer.kvcache.tiered import TieredKVStore
 
-__all__ = ["HostKVCache", "KVBlockStore", "KVLayout", "KVTier", "RetentionPolicy", "TieredKVStore",
-           "parse_duration"]
+__all__ = ["HostKVCache", "KVBlockStore", "KVLayout", "KVTier", "RetentionPolicy", "TieredKVStore"]

@@ -34,7 +34,7 @@ import shutil
 from collections.abc import Sequence
 from typing import Any
 
-from deepinfer.config import KVStoreConfig, parse_memory
+from deepinfer.config import KVStoreConfig, resolve_size
 from deepinfer.kvcache import HostKVCache, KVBlockStore, KVLayout, RetentionPolicy, TieredKVStore
 from deepinfer.kvcache.blocks import KVCaches, gather_block, layout_of, scatter_blocks
 from deepinfer.kvcache.host import payload_nbytes
@@ -66,9 +66,9 @@ class KVTiers:
         """The configured tiers, or None when both are off (host_cache_memory 0, kv_store none)."""
         import psutil
 
-        retention = RetentionPolicy.parse(config.kv_retention, config.default_retention_class)
+        retention = config.retention
         layout = layout_of(kv_caches)
-        host_bytes = parse_memory(config.host_cache_memory, psutil.virtual_memory().available)
+        host_bytes = resolve_size(config.host_cache_memory, psutil.virtual_memory().available)
         host = HostKVCache(host_bytes) if host_bytes >= layout.block_nbytes else None
         store = _open_store(config, model_identity, layout, retention)
         if host is None and store is None:
@@ -282,7 +282,7 @@ def _open_store(config: KVStoreConfig, model_identity: str, layout: KVLayout,
     except OSError as e:
         total = 0  # an absolute size still works: the store counts each failed write and reads what it can
         logger.warning("KV store %s: %s", path, e)
-    max_bytes = parse_memory(config.kv_store_max_bytes, total)
+    max_bytes = resolve_size(config.kv_store_max_bytes, total)
     if max_bytes <= 0:
         logger.warning("KV store %s is off: its capacity %r resolves to 0 bytes", path, config.kv_store_max_bytes)
         return None

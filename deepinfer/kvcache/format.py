@@ -77,17 +77,6 @@ class KVLayout:
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * _DTYPE_SIZES[self.dtype]
 
 
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def parse_duration(text: str) -> float:
-    """``"90s"``, ``"30m"``, ``"72h"``, ``"7d"``, ``"1.5h"`` -> seconds (a bare number is seconds)."""
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([smhd]?)\s*", text.lower())
-    if not m:
-        raise ValueError(f"cannot parse duration {text!r} (examples: 90s, 30m, 72h, 7d)")
-    return float(m.group(1)) * _UNITS[m.group(2) or "s"]
-
-
 @dataclass(frozen=True)
 class RetentionPolicy:
     """Retention classes and their TTLs; an unknown class falls back to `default_class`."""
@@ -103,19 +92,6 @@ class RetentionPolicy:
                 raise ValueError(f"bad retention class {name!r}={ttl!r}: name [A-Za-z0-9_.-]+, TTL > 0")
         if self.default_class not in self.ttls:
             raise ValueError(f"default retention class {self.default_class!r} not in {sorted(self.ttls)}")
-
-    @classmethod
-    def parse(cls, spec: str, default_class: str = "chat") -> RetentionPolicy:
-        """``"agent=72h,chat=7d"`` -> policy."""
-        ttls: dict[str, float] = {}
-        for part in spec.split(","):
-            if not part.strip():
-                continue
-            name, sep, dur = part.partition("=")
-            if not sep:
-                raise ValueError(f"bad retention entry {part!r} in {spec!r}; expected class=duration")
-            ttls[name.strip()] = parse_duration(dur)
-        return cls(ttls, default_class)
 
     def resolve(self, retention_class: str | None) -> str:
         return retention_class if retention_class in self.ttls else self.default_class

@@ -5,7 +5,9 @@ attention reading the paged KV cache in place) and `elementwise.c` (fused residu
 rotary, SiLU-and-multiply, row argmax, categorical sampling, grammar token masks), and `decode_layer.c` (a whole decoder layer for a few
 decoding sequences, composed of the others). They are built into one shared
 library with `-march=native`, so the cache key holds the sources, the flags and the CPU's
-model and feature flags: a cache directory moved to another machine rebuilds. ctypes
+model and feature flags: a cache directory moved to another machine rebuilds. The library goes to
+`<cache dir>/kernels` ($DEEPINFER_CACHE_DIR or ~/.cache/deepinfer), never next to the sources, so an
+installed (read-only) package works; a log line at INFO names the library loaded. ctypes
 releases the GIL during each call. Where building is impossible (not x86-64, no AVX2, no
 gcc) `load_library()` returns None and callers use their pure-torch path.
 """
@@ -77,9 +79,12 @@ def load_library() -> ctypes.CDLL | None:
     key.update(" ".join(_FLAGS).encode())
     key.update(cpu.encode())
     target = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()}.so"
-    if not target.exists() and not _build(target):
-        return None
+    if not target.exists():
+        if not _build(target):
+            return None
+        logger.info("compiled the CPU kernels from %s", _SOURCES[0].parent)
     lib = ctypes.CDLL(str(target))
+    logger.info("CPU kernels loaded from %s", target)
     # pointers travel as plain ints (tensor.data_ptr()): ctypes.cast per argument cost ~1.5 us a call
     vp, i = ctypes.c_void_p, ctypes.c_int
     lib.q4_1_gemm.argtypes = [vp, i, i, vp, vp, vp, vp, i, vp, i]

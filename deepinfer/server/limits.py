@@ -317,7 +317,7 @@ class RequestLimits:
             self.admission.release(key, weight)
 
     async def _read_body(self, scope: Scope, receive: Receive) -> bytes | None:
-        limit = self.limits.max_body_bytes
+        limit = self.limits.max_request_body_size
         declared = dict(scope.get("headers") or ()).get(b"content-length")
         too_large = LimitError(413, f"the request body is larger than {limit} bytes (--max-request-body-size)",
                                code="request_too_large", reason="body_too_large")

@@ -28,6 +28,7 @@ import heapq
 import itertools
 import json
 import math
+import os
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,7 +40,10 @@ from deepinfer.cluster.policies import RouteInfo, WorkerView, leading_run, make_
 from deepinfer.config import _f
 from deepinfer.engine.cost_model import DEFAULT_COEFFICIENTS, TERMS, CostModel
 
-DEFAULT_TRACE = Path(__file__).resolve().parents[2].parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE_ENV = "DEEPINFER_TRACE"  # the trace to replay when --trace is not given
+# the project's shared trace as seen from a checkout's root (where the README's commands run); relative to the
+# working directory, never to where the package is installed
+DEFAULT_TRACE = Path("../shared/traces/mooncake_conversation_trace.jsonl")
 POLICIES = ("round_robin", "least_requests", "deepinfer")
 _ARRIVE, _PREFILL_DONE, _STEP_DONE = range(3)
 
@@ -48,7 +52,9 @@ _ARRIVE, _PREFILL_DONE, _STEP_DONE = range(3)
 class SimConfig:
     """Trace replay against modelled prefill and decode workers."""
 
-    trace: str | None = _f(None, f"Trace jsonl (default: {DEFAULT_TRACE}).")
+    trace: str | None = _f(None, f"Trace jsonl (Mooncake format). Default: ${TRACE_ENV} if set, else the "
+                           f"project's shared trace, {DEFAULT_TRACE} (relative to the working directory: a "
+                           "checkout's root).")
     prefill_workers: int = _f(8, "Modelled prefill workers.")
     decode_workers: int = _f(8, "Modelled decode workers.")
     policies: tuple[str, ...] = _f(POLICIES, f"Routing policies to compare ({', '.join(POLICIES)}).", nargs="+")
@@ -94,6 +100,14 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+
+
+def resolve_trace(trace: str | Path | None) -> Path:
+    """The trace to replay: `trace` if given, else $DEEPINFER_TRACE, else DEFAULT_TRACE."""
+    if trace:
+        return Path(trace).expanduser()
+    env = os.environ.get(TRACE_ENV, "").strip()
+    return Path(env).expanduser() if env else DEFAULT_TRACE
 
 
 def load_trace(path: str | Path, limit: int | None = None) -> list[TraceRequest]:
@@ -396,9 +410,9 @@ def format_table(results: Sequence[PolicyResult]) -> str:
 
 def run(cfg: SimConfig) -> tuple[str, list[PolicyResult]]:
     """Load, simulate every policy, and return (report text, results)."""
-    path = Path(cfg.trace) if cfg.trace else DEFAULT_TRACE
+    path = resolve_trace(cfg.trace)
     if not path.is_file():
-        raise FileNotFoundError(f"no trace at {path}")
+        raise FileNotFoundError(f"no trace at {path}; pass --trace FILE or set ${TRACE_ENV}")
     requests = load_trace(path, cfg.max_requests)
     model = CostModel(load_coefficients(cfg.coefficients))
     scale = cfg.time_scale if cfg.time_scale is not None else auto_time_scale(requests, cfg, model)
