@@ -28,11 +28,18 @@ def _held(table: list[int]) -> int:
     return sum(b != NO_BLOCK for b in table)
 
 
-def test_config_declares_two_groups(tiny_models):
-    with LLM(str(tiny_models["qwen2_swa"]), dtype="float32", kv_cache_memory="16MiB") as llm:
-        groups = llm.engine.core.runner.kv_groups
-        assert [(g.layers, g.spec) for g in groups] == [((0,), FullAttention()), ((1, 2), SlidingWindow(WINDOW))]
+def test_config_declares_two_groups_and_sliding_layers_get_fewer_blocks(tiny_models):
+    with LLM(str(tiny_models["qwen2_swa"]), dtype="float32", kv_cache_memory="16MiB", max_num_seqs=4) as llm:
+        runner = llm.engine.core.runner
+        assert [(g.layers, g.spec) for g in runner.kv_groups] == [((0,), FullAttention()),
+                                                                   ((1, 2), SlidingWindow(WINDOW))]
         assert llm.engine.core.tiers is None  # the host tier / store do not hold sliding groups yet
+        full, sliding = runner.group_num_blocks
+        # 4 sequences x (ceil(12 / 16) + 1) blocks + one 2048-token step, twice: 2 * (8 + 128)
+        assert sliding == 272 and full > 3 * sliding
+        assert [len(g.pool.ref_counts) for g in llm.engine.core.kv.groups] == [full, sliding]
+        assert [runner.kv_caches[i][0].shape[0] for i in range(3)] == [full, sliding, sliding]
+        assert 15 * 2**20 < runner.kv_cache_bytes <= 16 * 2**20  # the budget is spent, not exceeded
 
 
 @pytest.mark.parametrize("block_size", [4, 16])

@@ -59,7 +59,9 @@ class EngineCore:
         self.hf_config = AutoConfig.from_pretrained(str(self.files.directory))
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         self.max_model_len = config.model.max_model_len or model_len
-        self.runner = ModelRunner(config.model, config.cache, self.files, self.hf_config, self.max_model_len)
+        sc = config.scheduler
+        self.runner = ModelRunner(config.model, config.cache, self.files, self.hf_config, self.max_model_len,
+                                  sc.max_num_seqs, sc.max_num_batched_tokens)
         bs = config.cache.block_size
         capacity = self.runner.num_blocks * bs
         if capacity < self.max_model_len:
@@ -74,9 +76,8 @@ class EngineCore:
         kv_layout = layout_of(self.runner.kv_caches).key
         # what the weights compute, not where they are: copies at other paths (other hosts) share KV
         self.model_identity = self.files.kv_identity(self.runner.dtype)
-        self.kv = KVCacheManager(self.runner.num_blocks, bs, self.model_identity, kv_layout,
+        self.kv = KVCacheManager(self.runner.group_num_blocks, bs, self.model_identity, kv_layout,
                                  config.cache.enable_prefix_caching, [g.spec for g in self.runner.kv_groups])
-        sc = config.scheduler
         self.cost_model = CostModel()
         if sc.profile_cost_model:
             self.cost_model.calibrate(profile_steps(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
@@ -93,8 +94,8 @@ class EngineCore:
                         "do not hold yet (the device prefix cache still serves them)")
         self.kv.attach_tiers(self.tiers)
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model)
-        logger.info("KV cache: %d blocks x %d tokens (%.1f MiB)", self.runner.num_blocks, bs,
-                    self.runner.num_blocks * self.runner.kv_bytes_per_block / 2**20)
+        logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
+                    bs, self.runner.kv_cache_bytes / 2**20)
         logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)
         self.num_steps = 0
         self._model_thread: ThreadPoolExecutor | None = None

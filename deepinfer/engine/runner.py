@@ -100,7 +100,9 @@ class PreparedStep:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, files: ModelFiles, hf_config,
-                 max_model_len: int) -> None:
+                 max_model_len: int, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048) -> None:
+        """`max_num_seqs` and `max_num_batched_tokens` (the scheduler's limits) bound what a sliding-window
+        group can hold at once, so its layers get fewer blocks than the full-attention ones."""
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         if model_config.num_threads:
@@ -124,11 +126,18 @@ class ModelRunner:
         self.kv_groups = self.model.kv_groups
         if self.deterministic and any(not isinstance(g.spec, FullAttention) for g in self.kv_groups):
             raise ValueError("deterministic mode does not serve sliding-window layers yet")
-        self.num_blocks = self._num_blocks(cache_config, hf_config)
-        # every layer's cache has num_blocks blocks; each group numbers its own (see kvcache/manager.py)
-        self.kv_caches = self.backend.allocate_cache(
-            hf_config.num_hidden_layers, self.num_blocks, self.block_size, self.model.num_kv_heads,
-            self.model.head_dim, self.dtype, self.device)
+        self.group_num_blocks = self._group_blocks(self._num_blocks(cache_config, hf_config), max_num_seqs,
+                                                   max_num_batched_tokens)
+        # what one sequence can hold: the blocks of a full-attention group (a sliding one needs its window)
+        self.num_blocks = min((n for g, n in zip(self.kv_groups, self.group_num_blocks, strict=True)
+                               if isinstance(g.spec, FullAttention)), default=self.group_num_blocks[0])
+        # each group's layers get that group's block count; the group numbers its blocks itself
+        self.kv_caches: list[Any] = [None] * hf_config.num_hidden_layers
+        for group, n in zip(self.kv_groups, self.group_num_blocks, strict=True):
+            caches = self.backend.allocate_cache(len(group.layers), n, self.block_size, self.model.num_kv_heads,
+                                                 self.model.head_dim, self.dtype, self.device)
+            for layer, cache in zip(group.layers, caches, strict=True):
+                self.kv_caches[layer] = cache
         self.sampler = Sampler(model_config.seed)
         self._last_sampled: dict[str, int] = {}  # the previous `run`'s tokens (fills pending inputs)
 
@@ -166,6 +175,10 @@ class ModelRunner:
         logger.info("deterministic mode: row-invariant kernels for every step")
 
     @property
+    def kv_cache_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for k, v in self.kv_caches for t in (k, v))
+
+    @property
     def kv_bytes_per_block(self) -> int:
         cfg = self.model.config
         elem = torch.tensor([], dtype=self.dtype).element_size()
@@ -182,6 +195,28 @@ class ModelRunner:
             available = psutil.virtual_memory().available
             budget = min(available // 4, 4 * 2**30) if size is None else resolve_size(size, available)
         return max(1, budget // self.kv_bytes_per_block)
+
+    def _group_blocks(self, equal_share: int, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
+        """Blocks per KV group from a budget of `equal_share` blocks in every layer. A sliding-window group
+        needs at most its window (+1 block) per running sequence plus one step's new tokens; it gets twice
+        that (the rest keeps cached windows), capped at the equal share; full groups get what is left."""
+        specs = [g.spec for g in self.kv_groups]
+        if all(isinstance(s, FullAttention) for s in specs) or not any(isinstance(s, FullAttention) for s in specs):
+            return [equal_share] * len(specs)
+        bs = self.block_size
+        layers = [len(g.layers) for g in self.kv_groups]
+        counts = [0] * len(specs)
+        spare = 0
+        for i, spec in enumerate(specs):
+            if isinstance(spec, SlidingWindow):
+                need = max_num_seqs * (-(-spec.window // bs) + 1) + -(-max_num_batched_tokens // bs)
+                counts[i] = min(equal_share, 2 * need)
+                spare += (equal_share - counts[i]) * layers[i]
+        full_layers = sum(n for s, n in zip(specs, layers, strict=True) if isinstance(s, FullAttention))
+        for i, spec in enumerate(specs):
+            if isinstance(spec, FullAttention):
+                counts[i] = equal_share + spare // full_layers
+        return counts
 
     def execute(self, step: SchedulerOutput, group_tables: list[dict[str, list[int]]]) -> StepResult:
         return self.run(self.prepare(step, group_tables))
