@@ -25,7 +25,7 @@ def main() -> None:
     llm = LLM(None, kv_cache_memory="256MiB", profile_cost_model=False)
     proc = psutil.Process()
     rng = random.Random(0)
-    words = "the quick brown fox jumps over a lazy dog while seven ships sail north".split()
+    words = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "while", "seven", "ships", "sail", "north"]
     started = time.time()
     for r in range(args.rounds):
         prompts = [" ".join(rng.choices(words, k=rng.randint(5, 400))) for _ in range(rng.randint(1, 12))]
