@@ -77,10 +77,32 @@ def test_chat_is_token_identical_to_unified(client, unified, cluster):
     assert hits >= sent * 16
 
 
-def test_prompt_logprobs_are_refused_with_a_clear_error(client):
-    with pytest.raises(openai.BadRequestError, match="prompt logprobs"):
-        client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=1, echo=True,
-                                  logprobs=1)
+def test_prompt_logprobs_match_unified(client, unified):
+    """Completions `echo` + `logprobs`: the prefill worker computes the prompt's logprobs and the router hands
+    them on with the decode worker's tokens; the reply has unified mode's shape and values (one entry per
+    prompt token, the first `null`, then the generated ones), streamed or not, a prompt as text or token ids,
+    and with `max_tokens: 0` (the prompt scored only, the request ending on the prefill worker)."""
+    for prompt, max_tokens in ((PROMPTS[1], 6), (PROMPTS[2], 0), (list(range(5, 45)), 3)):
+        kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0,
+                  extra_body=IGNORE_EOS)
+        ref, got = unified.completions.create(**kw), client.completions.create(**kw)
+        r, g = ref.choices[0], got.choices[0]
+        n_prompt = ref.usage.prompt_tokens
+        assert got.usage.prompt_tokens == n_prompt and got.usage.completion_tokens == max_tokens
+        assert g.text == r.text
+        assert g.logprobs.tokens == r.logprobs.tokens and g.logprobs.text_offset == r.logprobs.text_offset
+        assert len(g.logprobs.tokens) == n_prompt + max_tokens
+        assert g.logprobs.token_logprobs[0] is None and g.logprobs.top_logprobs[0] is None
+        assert None not in g.logprobs.token_logprobs[1:]
+        assert g.logprobs.token_logprobs[1:] == pytest.approx(r.logprobs.token_logprobs[1:], abs=1e-4)
+        for a, b in zip(g.logprobs.top_logprobs[1:], r.logprobs.top_logprobs[1:], strict=True):
+            assert a.keys() == b.keys() and list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+        chunks = list(client.completions.create(**kw, stream=True))
+        text = "".join(c.choices[0].text for c in chunks if c.choices)
+        tokens = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+        lps = [x for c in chunks if c.choices and c.choices[0].logprobs for x in c.choices[0].logprobs.token_logprobs]
+        assert text == r.text and tokens == r.logprobs.tokens
+        assert lps[0] is None and lps[1:] == pytest.approx(r.logprobs.token_logprobs[1:], abs=1e-4)
 
 
 def test_streaming_is_token_identical_to_unified(client, unified):

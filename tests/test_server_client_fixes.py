@@ -234,3 +234,42 @@ def test_responses_message_cut_by_max_output_tokens_is_incomplete(client):
     assert [o.status for o in final.response.output if o.type == "message"] == ["incomplete"]
     full = client.responses.create(**{**kw, "max_output_tokens": 400, "input": "Say hi."})
     assert full.status == "completed" and all(o.status == "completed" for o in full.output)
+
+
+def _parses(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("parallel", [False, True])
+def test_responses_function_call_cut_by_max_output_tokens_is_incomplete(client, parallel):
+    """A forced call whose arguments max_output_tokens cuts is "incomplete" (as OpenAI marks the item being
+    written), in the response, its stream's output_item.done and its response.incomplete; calls finished
+    before the cut stay "completed". The budget that cuts inside the arguments is found by shrinking it."""
+    tools = [{"type": "function", "name": "get_weather", "parameters": CITY_PARAMS, "strict": False}]
+    kw = dict(model=MODEL, input="What is the weather in Paris?", tools=tools, tool_choice="required",
+              parallel_tool_calls=parallel, temperature=0)
+    whole = client.responses.create(**kw, max_output_tokens=60)
+    first = next(o for o in whole.output if o.type == "function_call")
+    assert first.status == "completed" and _parses(first.arguments)
+    n = whole.usage.output_tokens
+    while True:  # the largest budget whose last call has unfinished arguments
+        n -= 1
+        assert n > 0, "no budget cut the arguments"
+        r = client.responses.create(**kw, max_output_tokens=n)
+        calls = [o for o in r.output if o.type == "function_call"]
+        if calls and not _parses(calls[-1].arguments):
+            break
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert [c.status for c in calls] == ["completed"] * (len(calls) - 1) + ["incomplete"]
+    assert calls[-1].name == "get_weather" and calls[-1].arguments
+    events = list(client.responses.create(**kw, max_output_tokens=n, stream=True))
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.status, getattr(i, "arguments", None)) for i in done] == \
+        [(o.type, o.status, getattr(o, "arguments", None)) for o in r.output]
+    final = events[-1]
+    assert final.type == "response.incomplete" and final.response.status == "incomplete"
+    assert [o.status for o in final.response.output] == [o.status for o in r.output]

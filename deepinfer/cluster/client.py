@@ -8,7 +8,8 @@ The OpenAI handlers (`server/openai_api.py`) run unchanged on top of it. One req
       │    worker's receiver chunk by chunk meanwhile)
       │                                  connection lost / 5xx before the first token ─▶ next prefill worker
       ├─ yield the first token as soon as it comes (the request continues: finish cleared, stop-string
-      │    tail held back)
+      │    tail held back); prompt logprobs (completions echo) come with it: the prefill worker runs the
+      │    whole prompt, so it computes them, and every later output carries them on
       └─ POST decode /internal/decode at once (the decode worker waits for the last blocks, if the KV
            stream is up; else it recomputes the prompt), stream its outputs (they include the first token)
            lost before its first output ─▶ another decode worker (recomputes the prompt, no KV)
@@ -152,9 +153,6 @@ class ClusterEngineClient:
                        prompt: str | None = None, cache_salt: str | None = None,
                        retention_class: str | None = None,
                        cache_tenant: str | None = None) -> AsyncIterator[RequestOutput]:
-        if params.prompt_logprobs is not None:  # a clear refusal rather than an echo without them
-            raise ValueError("prompt logprobs (completions echo with logprobs) are not served through the "
-                             "cluster router yet; send them to a unified server")
         if params.n > 1:
             async for out in self._generate_n(prompt_token_ids, params, request_id, prompt, cache_salt,
                                               retention_class, cache_tenant):
@@ -296,6 +294,10 @@ class ClusterEngineClient:
         c = first.outputs[0]
         body = {**base, "output_prefix": c.token_ids, "prefix_logprobs": logprobs_to_json(c.logprobs),
                 "transfer_id": transfer_id}
+        if body["params"].get("prompt_logprobs") is not None:
+            # the prefill worker computed them (`first` has them); asked here too, they would make the decode
+            # worker recompute the whole prompt (prompt logprobs take no cached blocks, imported ones included)
+            body["params"] = {**body["params"], "prompt_logprobs": None}
         tried = {dw.url}
         while True:
             started = False
@@ -341,6 +343,7 @@ class ClusterEngineClient:
                     out.num_cached_tokens = first.num_cached_tokens
                     out.num_cached_tokens_by_tier = first.num_cached_tokens_by_tier
                     out.metrics = first.metrics
+                    out.prompt_logprobs = first.prompt_logprobs
                     dw.inflight_decode_tokens[rid] = route.num_prompt_tokens + len(out.outputs[0].token_ids)
                     yield out
                     if out.finished:

@@ -3,6 +3,7 @@
 Token-level state travels as token ids; text is re-derived nowhere: a decode worker's
 outputs already carry the detokenized text of the whole completion (its engine was
 given the prefill's first token, see `LLMEngine.add_request(output_prefix=...)`).
+Prompt logprobs come once, in the prefill worker's output (the worker that ran the prompt).
 """
 
 from __future__ import annotations
@@ -29,17 +30,19 @@ def params_from_json(d: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**d)
 
 
-def logprobs_to_json(entries: list[dict[int, Logprob]] | None) -> list[list[list[Any]]] | None:
-    """[{token: Logprob}] -> [[[token, logprob, rank, decoded], ...], ...] (JSON keys cannot be ints)."""
+def logprobs_to_json(entries: list[dict[int, Logprob] | None] | None) -> list[list[list[Any]] | None] | None:
+    """[{token: Logprob}] -> [[[token, logprob, rank, decoded], ...], ...] (JSON keys cannot be ints); an entry
+    may be None (a prompt's first token has no logprob)."""
     if entries is None:
         return None
-    return [[[t, lp.logprob, lp.rank, lp.decoded_token] for t, lp in e.items()] for e in entries]
+    return [None if e is None else [[t, lp.logprob, lp.rank, lp.decoded_token] for t, lp in e.items()]
+            for e in entries]
 
 
-def logprobs_from_json(data: list | None) -> list[dict[int, Logprob]] | None:
+def logprobs_from_json(data: list | None) -> list[dict[int, Logprob] | None] | None:
     if data is None:
         return None
-    return [{int(t): Logprob(lp, rank, dec) for t, lp, rank, dec in e} for e in data]
+    return [None if e is None else {int(t): Logprob(lp, rank, dec) for t, lp, rank, dec in e} for e in data]
 
 
 def output_to_json(out: RequestOutput) -> dict[str, Any]:
@@ -52,6 +55,7 @@ def output_to_json(out: RequestOutput) -> dict[str, Any]:
             "logprobs": logprobs_to_json(c.logprobs), "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason,
         } for c in out.outputs],
+        "prompt_logprobs": logprobs_to_json(out.prompt_logprobs),
     }
 
 
@@ -62,4 +66,5 @@ def output_from_json(d: dict[str, Any]) -> RequestOutput:
                for c in d["outputs"]]
     return RequestOutput(request_id=d["request_id"], prompt=d["prompt"], prompt_token_ids=list(d["prompt_token_ids"]),
                          outputs=outputs, finished=d["finished"], num_cached_tokens=d["num_cached_tokens"],
-                         num_cached_tokens_by_tier=dict(d["num_cached_tokens_by_tier"]), metrics=dict(d["metrics"]))
+                         num_cached_tokens_by_tier=dict(d["num_cached_tokens_by_tier"]), metrics=dict(d["metrics"]),
+                         prompt_logprobs=logprobs_from_json(d.get("prompt_logprobs")))

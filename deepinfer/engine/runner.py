@@ -37,6 +37,9 @@ def _window(spec: KVSpec) -> int | None:
     return spec.window if isinstance(spec, SlidingWindow) else None
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# prompt logprobs are computed this many prompt rows at a time: a chunk's full-vocabulary logits and their
+# log-softmax are the big tensors (256 rows x 49,152 tokens x 4 bytes = 48 MiB each), whatever the prompt
+PROMPT_LOGPROBS_CHUNK = 256
 
 
 def resolve_device(name: str) -> torch.device:
@@ -139,6 +142,7 @@ class ModelRunner:
             for layer, cache in zip(group.layers, caches, strict=True):
                 self.kv_caches[layer] = cache
         self.sampler = Sampler(model_config.seed)
+        self.prompt_logprobs_chunk = PROMPT_LOGPROBS_CHUNK
         self._last_sampled: dict[str, int] = {}  # the previous `run`'s tokens (fills pending inputs)
 
     def _attach_gguf(self, mode: str, files: ModelFiles) -> bool:
@@ -295,20 +299,20 @@ class ModelRunner:
         started = time.perf_counter()
         for row, request_id in step.pending_tokens:
             step.input_ids[row] = self._last_sampled[request_id]
-        logits = self.model(step.input_ids, step.positions, self.kv_caches, step.metas, step.logits_indices)
+        num_sampled = len(step.sample_reqs)
+        hidden = None
+        if step.prompt_rows:  # the sampled rows' logits now, the prompt rows' chunk by chunk below
+            hidden = self.model.hidden_states(step.input_ids, step.positions, self.kv_caches, step.metas,
+                                              step.logits_indices)
+            logits = self.model.compute_logits(hidden[:num_sampled])
+        else:
+            logits = self.model(step.input_ids, step.positions, self.kv_caches, step.metas, step.logits_indices)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         if step.ready is not None:
             step.ready.wait()
-        num_sampled = len(step.sample_reqs)
-        if step.prompt_rows:
-            # written into the request here: the engine reads them only in outputs made after the
-            # request's first token, i.e. after every prefill step of its prompt has finished
-            lps = target_logprobs(logits[num_sampled:].cpu(), [t for _, _, t in step.prompt_rows],
-                                  [r.params.prompt_logprobs for r, _, _ in step.prompt_rows])
-            for (req, index, _), lp in zip(step.prompt_rows, lps, strict=True):
-                req.prompt_logprobs[index] = lp
-            logits = logits[:num_sampled]
+        if hidden is not None:
+            self._prompt_logprobs(hidden[num_sampled:], step.prompt_rows)
         if step.sample_reqs:
             out = self.sampler(logits.cpu(), step.sample_reqs)
             for req, tok, lp in zip(step.sample_reqs, out.token_ids, out.logprobs, strict=True):
@@ -318,3 +322,16 @@ class ModelRunner:
         ended = time.perf_counter()
         self._last_sampled = sampled
         return StepResult(sampled, logprobs, step.num_tokens, step.prepare_seconds + ended - started, started, ended)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
+        """The prompt logprobs of `rows` from their final hidden states, `prompt_logprobs_chunk` rows at a
+        time: only one chunk's logits exist at once, so the memory they take does not grow with the prompt.
+        Written into the requests here: the engine reads them only in outputs made after the request's
+        first token, i.e. after every prefill step of its prompt has finished."""
+        size = max(1, self.prompt_logprobs_chunk)
+        for lo in range(0, len(rows), size):
+            chunk = rows[lo:lo + size]
+            lps = target_logprobs(self.model.compute_logits(hidden[lo:lo + size]).cpu(), [t for _, _, t in chunk],
+                                  [r.params.prompt_logprobs for r, _, _ in chunk])
+            for (req, index, _), lp in zip(chunk, lps, strict=True):
+                req.prompt_logprobs[index] = lp

@@ -160,6 +160,16 @@ class LlamaForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [T]; `metas`: the attention metadata of each KV group (`kv_groups`);
         returns float32 logits [len(logits_indices), vocab]."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, caches, metas, logits_indices))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [rows, hidden] -> float32 logits [rows, vocab]."""
+        return self.lm_head(hidden).float()
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
+                      logits_indices: torch.Tensor) -> torch.Tensor:
+        """The forward up to the LM head: the final (normed) hidden states of the rows `logits_indices`
+        [len(logits_indices), hidden] (`compute_logits` turns them into logits, in row chunks if need be)."""
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
         if self.fused is not None and self.fused.accepts(x, metas[0]):
@@ -169,7 +179,7 @@ class LlamaForCausalLM(nn.Module):
             for layer, cache, gi in zip(self.layers, caches, self.layer_group, strict=True):
                 x, residual = layer(x, residual, cos, sin, cache, metas[gi])
         x, residual = x[logits_indices], residual[logits_indices]
-        return self.lm_head(self.norm(x, residual)[0]).float()
+        return self.norm(x, residual)[0]
 
     # ------------------------------------------------------------------ weights
 

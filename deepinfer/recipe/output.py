@@ -99,6 +99,11 @@ class OutputParser:
     def tool_calls(self) -> list[ToolCall]:
         return self.tools.calls if self.tools is not None else []
 
+    @property
+    def cut_call(self) -> int | None:
+        """The index of the call the output stopped in (its JSON not closed), if it did."""
+        return self.tools.cut if self.tools is not None else None
+
     def reasoning_tokens(self, token_ids: list[int]) -> int:
         if self.reasoning is None:
             return 0

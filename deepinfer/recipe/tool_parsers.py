@@ -161,6 +161,7 @@ class ToolParser:
     name = "base"
     calls: list[ToolCall] = field(default_factory=list)
     content: str = ""
+    cut: int | None = None  # the call `finish()` ended before its object closed (the output stopped in it)
 
     def feed(self, delta: str) -> list[Event]:
         raise NotImplementedError
@@ -264,6 +265,8 @@ class HermesToolParser(ToolParser):
             if done is None:
                 self._emit(events, self.open_tag + self._call_raw)
             else:
+                if not call.done:
+                    self.cut = call.index
                 self.calls.append(done)
         self._buf = ""
         return events
@@ -346,7 +349,8 @@ class JsonSequenceToolParser(ToolParser):
     def finish(self) -> list[Event]:
         events: list[Event] = []
         if self._mode == "calls" and self._call is not None:
-            if self._call.started:
+            if self._call.started:  # its object never closed (it closes in `feed`)
+                self.cut = self._call.index
                 self._close_call(events)
             else:
                 self._to_content(events)

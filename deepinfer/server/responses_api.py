@@ -26,7 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.engine.outputs import RequestOutput
-from deepinfer.recipe.output import Content, OutputParser, Reasoning
+from deepinfer.recipe.output import Content, OutputEvent, OutputParser, Reasoning
 from deepinfer.recipe.tool_parsers import ToolCallDelta
 from deepinfer.server.protocol import APIError
 from deepinfer.server.protocol_responses import ResponsesRequest, input_messages, output_messages, text_format
@@ -153,7 +153,7 @@ def _text_part(text: str) -> dict:
 
 def _reasoning(item_id: str, text: str, status: str = "completed") -> dict:
     return {"id": item_id, "type": "reasoning", "summary": [], "status": status,
-            "content": [{"type": "reasoning_text", "text": text}] if status == "completed" else []}
+            "content": [] if status == "in_progress" else [{"type": "reasoning_text", "text": text}]}
 
 
 def _call(item_id: str, call_id: str, name: str, arguments: str, status: str = "completed") -> dict:
@@ -161,15 +161,26 @@ def _call(item_id: str, call_id: str, name: str, arguments: str, status: str = "
             "status": status}
 
 
-def output_items(parser: OutputParser, plan: ToolPlan, message_status: str = "completed") -> list[dict]:
+def output_items(parser: OutputParser, plan: ToolPlan, events: list[OutputEvent], cut: bool) -> list[dict]:
+    """The items of a parsed output. `cut`: max_output_tokens ended it; the item it was writing then (the
+    kind of the last event that wrote something, or the call whose JSON never closed) is "incomplete", as
+    OpenAI marks it; the items finished before it are "completed"."""
+    last = next((e for e in reversed(events) if not isinstance(e, Content) or e.text.strip()), None)
+    cut_reasoning = cut and isinstance(last, Reasoning)
+    cut_message = cut and (last is None or isinstance(last, Content))
     items = []
     if parser.reasoning_text:
-        items.append(_reasoning(_id("rs"), parser.reasoning_text))
+        items.append(_reasoning(_id("rs"), parser.reasoning_text, _status(cut_reasoning)))
     calls = kept_calls(parser.tool_calls, plan)
     if parser.content_text.strip() or not items + calls:  # an empty reply is still one (empty) message
-        items.append(_message(_id("msg"), parser.content_text, message_status))
-    items += [_call(_id("fc"), _id("call"), c.name, c.arguments) for c in calls]
+        items.append(_message(_id("msg"), parser.content_text, _status(cut_message)))
+    items += [_call(_id("fc"), _id("call"), c.name, c.arguments, _status(cut and i == parser.cut_call))
+              for i, c in enumerate(calls)]
     return items
+
+
+def _status(cut: bool) -> str:
+    return "incomplete" if cut else "completed"
 
 
 async def create_response(ctx: ServingContext, req: ResponsesRequest, store: ResponseStore, raw: Request):
@@ -185,18 +196,16 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, store: Res
         return client_gone()
     parser = output_parser(ctx, job.prompt_ids, job.plan, job.structured)
     text = final.outputs[0].text
-    status = _message_status(final)
     if parser.passthrough:
-        output = [_message(_id("msg"), text, status)]
+        output = [_message(_id("msg"), text, _status(_cut(final)))]
     else:
-        parser.parse_all(text)
-        output = output_items(parser, job.plan, status)
+        output = output_items(parser, job.plan, parser.parse_all(text), _cut(final))
     return JSONResponse(job.finish(final, parser, output))
 
 
-def _message_status(final: RequestOutput) -> str:
-    """A message cut by max_output_tokens is "incomplete", like the response that holds it."""
-    return "incomplete" if final.outputs[0].finish_reason == "length" else "completed"
+def _cut(final: RequestOutput) -> bool:
+    """max_output_tokens ended the output (the response is "incomplete", and so is the item it was writing)."""
+    return final.outputs[0].finish_reason == "length"
 
 
 def stored_response(store: ResponseStore, response_id: str, tenant: str | None) -> dict:
@@ -223,7 +232,7 @@ class _Events:
     def __init__(self) -> None:
         self.seq = 0
         self.items: list[dict] = []  # finished items
-        self.open: dict | None = None  # {"kind", "item", "index", "text"}
+        self.open: dict | None = None  # {"kind", "item", "index", "text", "call"}
         self.pending_ws = ""  # whitespace content seen while no message is open
         self.calls_kept: set[int] = set()
 
@@ -232,9 +241,9 @@ class _Events:
         self.seq += 1
         return frame
 
-    def _open(self, kind: str, item: dict) -> list[str]:
+    def _open(self, kind: str, item: dict, call: int | None = None) -> list[str]:
         index = len(self.items)
-        self.open = {"kind": kind, "item": item, "index": index, "text": ""}
+        self.open = {"kind": kind, "item": item, "index": index, "text": "", "call": call}
         out = [self.ev("response.output_item.added", output_index=index, item=item)]
         if kind == "message":
             out.append(self.ev("response.content_part.added", item_id=item["id"], output_index=index,
@@ -244,23 +253,25 @@ class _Events:
                                content_index=0, part={"type": "reasoning_text", "text": ""}))
         return out
 
-    def close(self, message_status: str = "completed") -> list[str]:
+    def close(self, cut: bool = False, cut_call: int | None = None) -> list[str]:
+        """Finish the open item; `cut`: max_output_tokens ended the output while it was open, so a message or
+        reasoning is "incomplete", and a call is if it is the one whose JSON never closed (`cut_call`)."""
         o, self.open = self.open, None
         if o is None:
             return []
         item, index, text = o["item"], o["index"], o["text"]
         where = {"item_id": item["id"], "output_index": index}
         if o["kind"] == "message":
-            done = _message(item["id"], text, message_status)
+            done = _message(item["id"], text, _status(cut))
             out = [self.ev("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
                    self.ev("response.content_part.done", **where, content_index=0, part=_text_part(text))]
         elif o["kind"] == "reasoning":
-            done = _reasoning(item["id"], text)
+            done = _reasoning(item["id"], text, _status(cut))
             part = {"type": "reasoning_text", "text": text}
             out = [self.ev("response.reasoning_text.done", **where, content_index=0, text=text),
                    self.ev("response.content_part.done", **where, content_index=0, part=part)]
         else:
-            done = _call(item["id"], item["call_id"], item["name"], text)
+            done = _call(item["id"], item["call_id"], item["name"], text, _status(cut and o["call"] == cut_call))
             out = [self.ev("response.function_call_arguments.done", **where, name=item["name"], arguments=text)]
         self.items.append(done)
         return out + [self.ev("response.output_item.done", output_index=index, item=done)]
@@ -277,9 +288,12 @@ class _Events:
                 self.pending_ws = ""
             if isinstance(e, ToolCallDelta):
                 if not plan.parallel and e.index > 0:
+                    if e.name is not None:  # a call left out: the one before it is finished
+                        out += self.close()
                     continue
                 if e.name is not None:
-                    out += self.close() + self._open("call", _call(_id("fc"), _id("call"), e.name, "", "in_progress"))
+                    item = _call(_id("fc"), _id("call"), e.name, "", "in_progress")
+                    out += self.close() + self._open("call", item, e.index)
                 if e.arguments and self.open is not None:
                     self.open["text"] += e.arguments
                     out.append(self.ev("response.function_call_arguments.delta", item_id=self.open["item"]["id"],
@@ -317,11 +331,11 @@ async def _stream(job: _Job, first: RequestOutput | None, gen) -> AsyncIterator[
     except Exception as e:  # noqa: BLE001 - the status is already sent; report in-band and end the stream
         yield ev.ev("error", code=str(getattr(e, "status", "server_error")), message=str(e), param=None)
         return
-    status = _message_status(last) if last is not None else "completed"
-    for frame in ev.close(status):  # the item open at the end is the one max_output_tokens cut
+    cut = last is not None and _cut(last)
+    for frame in ev.close(cut, parser.cut_call):  # the item open at the end is the one max_output_tokens cut
         yield frame
     if not ev.items:  # an empty reply is still one (empty) message
-        for frame in ev._open("message", _message(_id("msg"), "", "in_progress")) + ev.close(status):
+        for frame in ev._open("message", _message(_id("msg"), "", "in_progress")) + ev.close(cut):
             yield frame
     if last is None:
         return

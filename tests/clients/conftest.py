@@ -3,7 +3,8 @@
 users call them, against a real `deepinfer serve` (default model) on 127.0.0.1. One server per module.
 
 The libraries come from the `clients` extra (`pip install -e '.[clients]'`; instructor separately, see
-pyproject.toml). A module whose library is not installed is skipped. The tests assert protocol behaviour
+pyproject.toml; llama-index from a virtualenv of its own, see llama_index_requirements.txt). A module whose
+library is not installed is skipped. The tests assert protocol behaviour
 (requests accepted, replies parsed into the library's types), not what the 135M model knows. Nothing
 here reaches beyond 127.0.0.1: the environment below turns off telemetry, tracing and remote price maps.
 """
