@@ -128,7 +128,8 @@ class ProcessEngine(EngineClient):
             with self._lock:
                 self.processor.add_request(request["request_id"], prompt if isinstance(prompt, str) else None, ids,
                                            request["params"], request["output_prefix"], request["prefix_logprobs"])
-        except ValueError as e:
+        except ValueError as e:  # a duplicate request id
+            self._add_pending(-1)
             self._deliver([(request["request_id"], e)])
             return
         self._adds_sent += 1
