@@ -24,6 +24,7 @@ the router's own store lookup and in-prefill prefixes hash with it too.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -49,10 +50,11 @@ from deepinfer.cluster.policies import (
 from deepinfer.cluster.pool import Worker, WorkerPool
 from deepinfer.cluster.wire import logprobs_to_json, output_from_json, params_to_json
 from deepinfer.config import RouterConfig
-from deepinfer.engine.engine_client import EngineDeadError, GrammarChecker, validate_model_params
+from deepinfer.engine.engine_client import EngineDeadError, GrammarChecker
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
+from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache import RetentionPolicy
 from deepinfer.kvcache.engine_tiers import resolve_retention
 from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
@@ -98,6 +100,9 @@ class ClusterEngineClient:
         self.num_prefill_retries = 0
         self.num_decode_retries = 0
         self.num_failed = 0
+        # the cluster's context length is its smallest live worker's: checked here, once, like a server's
+        self.validator = RequestValidator(vocab_size, lambda: self.max_model_len, tokenizer is not None,
+                                          self.check_retention)
 
     # ------------------------------------------------------------------ the EngineClient surface
 
@@ -153,15 +158,22 @@ class ClusterEngineClient:
                        prompt: str | None = None, cache_salt: str | None = None,
                        retention_class: str | None = None,
                        cache_tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+        retention_class = self.validator.validate(prompt_token_ids, params, retention_class)
         if params.n > 1:
-            async for out in self._generate_n(prompt_token_ids, params, request_id, prompt, cache_salt,
-                                              retention_class, cache_tenant):
+            gen = self._generate_n(prompt_token_ids, params, request_id, prompt, cache_salt, retention_class,
+                                   cache_tenant)
+        else:
+            gen = self._generate_one(prompt_token_ids, params, request_id, cache_salt, retention_class, cache_tenant)
+        async with contextlib.aclosing(gen):
+            async for out in gen:
                 yield out
-            return
-        validate_model_params(params, self.vocab_size, self.tokenizer is not None)
-        bad = next((t for t in prompt_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None or not prompt_token_ids:
-            raise ValueError("the prompt is empty" if bad is None else f"prompt token id {bad} is out of range")
+
+    async def _generate_one(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
+                            cache_salt: str | None, retention_class: str | None,
+                            cache_tenant: str | None) -> AsyncIterator[RequestOutput]:
+        """One sequence (validated): prefill on one worker, decode on another. The workers send whole outputs;
+        the deltas (`delta_text`, `delta_token_ids`) are taken against what this stream yielded before."""
+        sent = _Sent()
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
         hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt, cache_tenant)
         route = RouteInfo(len(prompt_token_ids), await self._store_hits(hashes, block_size),
@@ -175,12 +187,12 @@ class ClusterEngineClient:
             first, decoder, shipment = await self._prefill(base, route, hashes)
             first.request_id = rid
             if first.finished and (first.outputs[0].finish_reason == "stop" or route.max_tokens <= 1):
-                yield first
+                yield sent.deltas(first)
                 return
-            yield _continuing(first, params)
+            yield sent.deltas(_continuing(first, params))
             transfer_id = shipment.transfer_id if shipment.kv_stream else ""
             async for out in self._decode(base, route, first, decoder, transfer_id):
-                yield out
+                yield sent.deltas(out)
         except WorkerError:
             self.num_failed += 1
             raise
@@ -198,15 +210,18 @@ class ClusterEngineClient:
         from deepinfer.server.serving import merge
 
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
-        subs = [self.generate(prompt_token_ids, replace(params, n=1, seed=None if params.seed is None else
-                                                        params.seed + i), f"{rid}-{i}", prompt, cache_salt,
-                              retention_class, cache_tenant) for i in range(params.n)]
+        subs = [self._generate_one(prompt_token_ids, replace(params, n=1, seed=None if params.seed is None else
+                                                             params.seed + i), f"{rid}-{i}", cache_salt,
+                                   retention_class, cache_tenant) for i in range(params.n)]
         latest: list[RequestOutput | None] = [None] * params.n
         async for i, out in merge(subs):
             latest[i] = out
             done = [o for o in latest if o is not None]
+            # only the choice that advanced has something new
             yield replace(done[0], request_id=rid, finished=all(o is not None and o.finished for o in latest),
-                          outputs=[replace(o.outputs[0], index=j) for j, o in enumerate(latest) if o is not None])
+                          outputs=[replace(o.outputs[0], index=j) if j == i else
+                                   replace(o.outputs[0], index=j, delta_text="", delta_token_ids=[])
+                                   for j, o in enumerate(latest) if o is not None])
 
     # ------------------------------------------------------------------ prefill
 
@@ -445,6 +460,20 @@ def _json_or_error(r: httpx.Response) -> dict:
         raise APIError(r.status_code, message, err.get("type", "invalid_request_error"), err.get("param"),
                        err.get("code"))
     raise _Retry(f"HTTP {r.status_code}: {message}")
+
+
+class _Sent:
+    """What one sequence's stream has yielded: text and token ids (for the deltas of the next output)."""
+
+    def __init__(self) -> None:
+        self.text = 0
+        self.tokens = 0
+
+    def deltas(self, out: RequestOutput) -> RequestOutput:
+        c = out.outputs[0]
+        c.delta_text, c.delta_token_ids = c.text[self.text:], c.token_ids[self.tokens:]
+        self.text, self.tokens = len(c.text), len(c.token_ids)
+        return out
 
 
 def _continuing(first: RequestOutput, params: SamplingParams) -> RequestOutput:

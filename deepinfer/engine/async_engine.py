@@ -44,6 +44,7 @@ class AsyncEngine(EngineClient):
         self.vocab_size = self.engine.vocab_size
         self.eos_token_ids = self.engine.eos_token_ids
         self.facts = self.engine.describe()
+        self.validator = self.engine.validator
         self._commands: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._stop = threading.Event()
         self._stats: dict[str, float] = self.engine.stats()

@@ -1,10 +1,16 @@
-"""LLMEngine (text level: tokenize, detokenize, stop strings, n > 1 grouping) around EngineCore,
-used by the offline `LLM` and the server.
+"""LLMEngine: requests in, outputs out, around EngineCore; used by the offline `LLM`, the server's engine
+thread (`AsyncEngine`) and the engine process (`ProcessEngine`).
 
-    LLMEngine.add_request ─▶ EngineCore.add_request ─▶ Scheduler.waiting
-    LLMEngine.step ─▶ EngineCore (see core.py): schedule ─▶ run ─▶ update
-                  ─▶ detokenize new tokens, match stop strings (finishing the request in the core)
-                  ─▶ RequestOutput per request that changed
+    LLMEngine.add_request ─▶ RequestValidator.validate (unless the caller already did)
+                          ─▶ n sequences (`Request`s) ─▶ EngineCore.add_request ─▶ Scheduler.waiting
+    LLMEngine.step_tokens ─▶ EngineCore (see core.py): schedule ─▶ run ─▶ update
+                          ─▶ TokenDelta per sequence that advanced (token ids, raw logprobs, finish)
+    LLMEngine.step = step_tokens ─▶ OutputProcessor.process (output_processor.py: detokenization, stop
+                     strings, which finish sequences here through `finish_sequence`, n > 1 fan-in)
+                          ─▶ RequestOutput per request that changed
+
+With `process_outputs=False` (the engine process) the engine has no OutputProcessor: it serves
+`step_tokens` and `finish_sequence`, and the processor runs where the outputs are wanted.
 
 Structured output: `add_request` starts each sequence's grammar compiling on `grammar.GrammarCache`
 (a small thread pool, cached by schema); the scheduler holds the request back until it is ready.
@@ -25,18 +31,17 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import CoreOutput, EngineCore, InFlightStep
-from deepinfer.engine.engine_client import validate_model_params, validate_prompt_ids
 from deepinfer.engine.grammar import GrammarCache
-from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.output_processor import OutputProcessor, sequence_ids
+from deepinfer.engine.outputs import Logprob, RequestOutput, TokenDelta
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import PrefillPolicy
 from deepinfer.engine.structured import GrammarBackend, StructuredOutputParams, XGrammarBackend
+from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import tier_stats
 from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
-from deepinfer.kvcache.manager import TIERS
-from deepinfer.recipe.detokenizer import IncrementalDetokenizer
 from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -55,55 +60,22 @@ def hardware_name(device: torch.device) -> str:
     return names[0] if names else platform.processor() or platform.machine()
 
 
-class _Child:
-    """Text-level state of one of a request's n sequences."""
-
-    def __init__(self, req: Request, detok: IncrementalDetokenizer) -> None:
-        self.req = req
-        self.detok = detok
-        self.logprobs: list[dict[int, Logprob]] | None = [] if req.params.logprobs is not None else None
-        self.cumulative_logprob = 0.0 if self.logprobs is not None else None
-
-
-class _Parent:
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], children: list[_Child]) -> None:
-        self.request_id = request_id
-        self.prompt = prompt
-        self.prompt_ids = prompt_ids
-        self.children = children
-        self.arrival = time.monotonic()
-        self.first_token_time: float | None = None
-        self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None  # made once, at the first token
-
-    @property
-    def finished(self) -> bool:
-        return all(c.req.finished for c in self.children)
-
-
-def _continue_after(child: _Child, tokens: list[int], logprobs: list[dict[int, Logprob]] | None) -> None:
-    """Make `child` look as if it had already generated `tokens` (text, logprobs, token state)."""
-    child.req.token_ids.extend(tokens)
-    if child.req.grammar is not None:
-        child.req.grammar.replay.extend(tokens)
-    for t in tokens:
-        child.detok.add_token(t)
-    if child.logprobs is not None and logprobs is not None:
-        for token, entry in zip(tokens, logprobs, strict=True):
-            child.logprobs.append(entry)
-            if token in entry:
-                child.cumulative_logprob += entry[token].logprob
-
-
 class LLMEngine:
-    """Text-level engine: validation, tokenization, detokenization and stop strings around EngineCore."""
+    """Validation, tokenization and request bookkeeping around EngineCore; outputs through an OutputProcessor
+    (`process_outputs`), else as token deltas (`step_tokens`) for a processor elsewhere."""
 
-    def __init__(self, config: EngineConfig, policy: PrefillPolicy | None = None) -> None:
+    def __init__(self, config: EngineConfig, policy: PrefillPolicy | None = None, process_outputs: bool = True) -> None:
         self.core = EngineCore(config, policy)
         self.tokenizer = load_tokenizer(self.core.files) if self.core.files.has_tokenizer() else None
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.core.hf_config, self.core.files.directory)
         self.vocab_size = self.core.hf_config.vocab_size
-        self._parents: dict[str, _Parent] = {}
-        self._child_parent: dict[str, _Parent] = {}
+        self.validator = RequestValidator(self.vocab_size, self.core.max_model_len, self.tokenizer is not None,
+                                          self.core.check_retention)
+        self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self.finish_sequence) \
+            if process_outputs else None
+        self._seqs: dict[str, list[Request]] = {}  # request id -> its sequences in the core
+        self._seq_request: dict[str, str] = {}  # sequence id -> request id
+        self._prompt_logprobs_due: set[str] = set()  # requests whose prompt logprobs are still to be sent
         self._ids = itertools.count()
         mode = config.scheduler.overlap_host_work
         self.overlap = mode == "on" or (mode == "auto" and self.core.runner.device.type == "cuda")
@@ -141,13 +113,6 @@ class LLMEngine:
                 "model_identity": core.model_identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
                 "kv_layout": list(dataclasses.astuple(layout_of(core.runner.kv_caches)))}
 
-    def validate_prompt(self, prompt_ids: list[int]) -> None:
-        validate_prompt_ids(prompt_ids, self.vocab_size, self.max_model_len)
-
-    def validate_params(self, params: SamplingParams) -> None:
-        """Checks that need the model: logit_bias token ids in its vocabulary, a tokenizer for grammars."""
-        validate_model_params(params, self.vocab_size, self.tokenizer is not None)
-
     def compile_grammar(self, params: StructuredOutputParams):
         """Start compiling (or find cached) `params`' grammar; a Future whose `result()` raises
         ValueError for an invalid grammar. Callers that want the error before queuing wait on it."""
@@ -157,7 +122,7 @@ class LLMEngine:
                     cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
                     retention_class: str | None = None, output_prefix: list[int] | None = None,
                     prefix_logprobs: list[dict[int, Logprob]] | None = None, stream_kv: bool = False,
-                    cache_tenant: str | None = None) -> str:
+                    cache_tenant: str | None = None, validated: bool = False, stream: bool = True) -> str:
         """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized. `retention_class`
         (default: the configured default class) says how long the KV store keeps its blocks.
         `output_prefix`: tokens already generated elsewhere (a prefill worker's first token, with their
@@ -166,60 +131,71 @@ class LLMEngine:
         of the prompt's full blocks, the request's output carries them (`RequestOutput.kv_blocks`), with
         or without a new token: a prefill worker ships them while the rest of the prompt computes.
         `cache_tenant`: the authenticated tenant's cache namespace (set by the server from the API key, never
-        by a client); its blocks are named apart from every other tenant's, whatever `cache_salt` says."""
+        by a client); its blocks are named apart from every other tenant's, whatever `cache_salt` says.
+        `validated`: the caller already ran `self.validator.validate` (and resolved `retention_class`).
+        `stream`: False when only the final output is wanted (the offline `LLM`)."""
         request_id = request_id or f"req-{next(self._ids)}"
-        if request_id in self._parents:
+        if request_id in self._seqs or (self.processor is not None and request_id in self.processor):
             raise ValueError(f"duplicate request id {request_id!r}")
         prompt_ids = list(prompt_token_ids) if prompt_token_ids is not None else self.tokenize(prompt)
-        self.validate_prompt(prompt_ids)
-        self.validate_params(params)
-        retention_class = self.core.check_retention(retention_class)
+        if not validated:
+            retention_class = self.validator.validate(prompt_ids, params, retention_class, output_prefix,
+                                                      prefix_logprobs, stream_kv)
+        if self.processor is not None:
+            self.processor.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
+                                       output_prefix, prefix_logprobs, stream)
         output_prefix = list(output_prefix or [])
-        if (output_prefix or stream_kv) and params.n != 1:
-            raise ValueError("output_prefix and stream_kv need n == 1")
-        if output_prefix and params.logprobs is not None and len(prefix_logprobs or ()) != len(output_prefix):
-            raise ValueError("a request with logprobs needs prefix_logprobs for every output_prefix token")
-        if len(prompt_ids) + len(output_prefix) >= self.max_model_len:
-            raise ValueError("the prompt and output prefix fill the context")
-        children = []
+        seqs: list[Request] = []
         first: Request | None = None
-        for i in range(params.n):
-            child_params = params
+        for i, seq_id in enumerate(sequence_ids(request_id, params.n)):
+            seq_params = params
             if params.n > 1 and params.seed is not None and i > 0:
-                child_params = dataclasses.replace(params, seed=params.seed + i)
+                seq_params = dataclasses.replace(params, seed=params.seed + i)
             grammar = None
             if params.structured_output is not None:  # each sequence walks the grammar on its own
                 grammar = self.grammars.request_state(params.structured_output)
-            req = Request(f"{request_id}#{i}" if params.n > 1 else request_id, prompt_ids, child_params,
-                          self.eos_token_ids, cache_salt, wait_for=first, retention_class=retention_class,
-                          grammar=grammar, cache_tenant=cache_tenant)
+            req = Request(seq_id, prompt_ids, seq_params, self.eos_token_ids, cache_salt, wait_for=first,
+                          retention_class=retention_class, grammar=grammar, cache_tenant=cache_tenant)
             first = first or req
-            detok = IncrementalDetokenizer(self.tokenizer, prompt_ids, params.stop, params.skip_special_tokens,
-                                           params.include_stop_str_in_output)
-            child = _Child(req, detok)
-            if output_prefix:
-                _continue_after(child, output_prefix, prefix_logprobs)
-            children.append(child)
-        parent = _Parent(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, children)
-        self._parents[request_id] = parent
-        for child in children:
-            self._child_parent[child.req.request_id] = parent
-            self.core.add_request(child.req)
+            if output_prefix:  # as if it had sampled them: token state (its text is the processor's)
+                req.token_ids.extend(output_prefix)
+                if grammar is not None:
+                    grammar.replay.extend(output_prefix)
+            seqs.append(req)
+        self._seqs[request_id] = seqs
+        for req in seqs:
+            self._seq_request[req.request_id] = request_id
+            self.core.add_request(req)
+        if params.prompt_logprobs is not None:
+            self._prompt_logprobs_due.add(request_id)
         if stream_kv:
-            self._kv_streams[request_id] = [children[0].req, 0]
+            self._kv_streams[request_id] = [seqs[0], 0]
         return request_id
 
     def abort_request(self, request_id: str) -> None:
-        parent = self._parents.pop(request_id, None)
+        if self.processor is not None:
+            self.processor.abort(request_id)
         self._kv_streams.pop(request_id, None)
-        if parent is None:
-            return
-        for child in parent.children:
-            self.core.abort_request(child.req.request_id)
-            self._child_parent.pop(child.req.request_id, None)
+        for req in self._forget(request_id):
+            self.core.abort_request(req.request_id)
+
+    def finish_sequence(self, seq_id: str, stop: str) -> None:
+        """End a sequence that a stop string matched (the output processor's one command): the core frees
+        its blocks now. Unknown or already finished sequences are ignored."""
+        self.core.scheduler.finish_request(seq_id, RequestStatus.FINISHED_STOPPED, stop)
+        request_id = self._seq_request.get(seq_id)
+        if request_id is not None and all(r.finished for r in self._seqs[request_id]):
+            self._forget(request_id)
+
+    def _forget(self, request_id: str) -> list[Request]:
+        seqs = self._seqs.pop(request_id, [])
+        for req in seqs:
+            self._seq_request.pop(req.request_id, None)
+        self._prompt_logprobs_due.discard(request_id)
+        return seqs
 
     def has_unfinished(self) -> bool:
-        return bool(self._parents)
+        return bool(self._seqs)
 
     def export_kv_blocks(self, token_ids: list[int], cache_salt: str | None = None,
                          cache_tenant: str | None = None) -> list[tuple[bytes, Any]]:
@@ -304,13 +280,18 @@ class LLMEngine:
         return cost.predict_features(step_features(chunks)) + (len(chunks) - 1) * overhead
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine step; return the current state of every request that advanced.
+        """Run one engine step (`step_tokens`); return the output of every request that advanced (with
+        `stream=False`, only the final ones) from the OutputProcessor."""
+        return self.processor.process(self.step_tokens())
 
-        With `overlap_host_work`, the step that produced these outputs (N) was launched by the
+    def step_tokens(self) -> list[TokenDelta]:
+        """Run one engine step; return a TokenDelta per sequence that advanced or ended.
+
+        With `overlap_host_work`, the step that produced these deltas (N) was launched by the
         previous call; this call schedules and prepares step N+1 while N still runs (N's tokens
-        pending), queues it behind N on the model thread, then applies N and detokenizes and
-        matches stop strings while N+1 runs (a request a stop string ends then has one token in
-        flight, which is discarded)."""
+        pending), queues it behind N on the model thread, then applies N while N+1 runs; the caller
+        detokenizes and matches stop strings meanwhile too (a sequence a stop string ends then has one
+        token in flight, which is discarded)."""
         core = self.core
         if not self.overlap:
             outputs = core.step()
@@ -325,29 +306,57 @@ class LLMEngine:
         outputs += [CoreOutput(r, None, None) for r in core.scheduler.take_failed()]
         if not outputs and self._inflight is None:
             self._wait_idle()
-        results = self._process(outputs)
-        return self._attach_kv(results) if self._kv_streams else results
+        deltas = []
+        ended = []
+        for out in outputs:
+            req = out.request
+            request_id = self._seq_request.get(req.request_id)
+            if request_id is None:
+                continue
+            deltas.append(self._delta(request_id, req, out.new_token_id, out.logprobs))
+            if req.finished:
+                ended.append(request_id)
+        if self._kv_streams:
+            self._attach_kv(deltas)
+        for request_id in ended:
+            seqs = self._seqs.get(request_id)
+            if seqs is not None and all(r.finished for r in seqs):
+                self._forget(request_id)
+        return deltas
 
-    def _attach_kv(self, results: list[RequestOutput]) -> list[RequestOutput]:
-        """Give every `stream_kv` request whose finished steps completed more prompt blocks an output
-        carrying them (its token output of this step, else a snapshot without a new token)."""
-        by_id = {out.request_id: out for out in results}
+    def _delta(self, request_id: str, req: Request, token: int | None, logprobs) -> TokenDelta:
+        first = self._seqs[request_id][0]  # cache facts are the first sequence's (its siblings share its prompt)
+        d = TokenDelta(req.request_id, [token] if token is not None else [],
+                       [logprobs] if logprobs is not None and token is not None else None,
+                       req.finish_reason, req.stop_reason, req.error,
+                       (first.num_cached_tokens, first.num_cached_device, first.num_cached_host,
+                        first.num_cached_store) if first.num_cached_tokens >= 0 else None,
+                       first.first_scheduled_time)
+        if request_id in self._prompt_logprobs_due:
+            lps = first.prompt_logprobs
+            if lps is not None and all(lp is not None for lp in lps[1:]):
+                d.prompt_logprobs = list(lps)
+                self._prompt_logprobs_due.discard(request_id)
+        return d
+
+    def _attach_kv(self, deltas: list[TokenDelta]) -> None:
+        """Give every `stream_kv` request whose finished steps completed more prompt blocks a delta carrying
+        them (its token delta of this step, else one without a new token)."""
+        by_id = {d.seq_id: d for d in deltas}
         for rid, entry in list(self._kv_streams.items()):
             req, sent = entry
             blocks = export_computed(self.core, req, sent)
             if blocks:
                 entry[1] = sent + len(blocks)
-                out = by_id.get(rid)
-                parent = self._parents.get(rid)
-                if out is None and parent is not None:
-                    out = by_id[rid] = self._snapshot(parent)
-                    results.append(out)
-                if out is not None:
+                d = by_id.get(rid)
+                if d is None and rid in self._seqs:
+                    d = by_id[rid] = self._delta(rid, req, None, None)
+                    deltas.append(d)
+                if d is not None:
                     # plain bytes: they may cross a process pipe, where tensors would go through shared memory
-                    out.kv_blocks = [(h, p.numpy().tobytes() if hasattr(p, "numpy") else bytes(p)) for h, p in blocks]
+                    d.kv_blocks = [(h, p.numpy().tobytes() if hasattr(p, "numpy") else bytes(p)) for h, p in blocks]
             if req.finished:
                 del self._kv_streams[rid]
-        return results
 
     def _wait_idle(self) -> None:
         """Nothing ran: if requests wait only for their grammars or their KV store reads, sleep until one
@@ -362,78 +371,3 @@ class LLMEngine:
             pending += prefetcher.in_flight()
         if pending:
             wait_futures(pending, timeout=0.05, return_when=FIRST_COMPLETED)
-
-    def _process(self, core_outputs: list[CoreOutput]) -> list[RequestOutput]:
-        changed: dict[str, _Parent] = {}
-        for out in core_outputs:
-            parent = self._child_parent.get(out.request.request_id)
-            if parent is None:
-                continue
-            child = next(c for c in parent.children if c.req is out.request)
-            self._process_token(child, out)
-            if parent.first_token_time is None and out.new_token_id is not None:
-                parent.first_token_time = time.monotonic()
-            changed[parent.request_id] = parent
-        results = []
-        for parent in changed.values():
-            results.append(self._snapshot(parent))
-            if parent.finished:
-                self._parents.pop(parent.request_id, None)
-                for c in parent.children:
-                    self._child_parent.pop(c.req.request_id, None)
-        return results
-
-    def _process_token(self, child: _Child, out: CoreOutput) -> None:
-        token = out.new_token_id
-        req = child.req
-        if token is None:
-            return
-        ended_by_token = req.status is RequestStatus.FINISHED_STOPPED and (
-            token in req.eos_token_ids or token == req.stop_reason)
-        if not ended_by_token or req.params.include_stop_str_in_output:
-            stop_str = child.detok.add_token(token)
-            if stop_str is not None:
-                if req.finished:  # the same token also hit a length limit: the stop string wins
-                    req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
-                else:
-                    self.core.scheduler.finish_request(req.request_id, RequestStatus.FINISHED_STOPPED, stop_str)
-        if child.logprobs is not None and out.logprobs is not None:
-            lp = out.logprobs
-            child.logprobs.append(self._logprob_entry(token, lp))
-            child.cumulative_logprob += lp.logprob
-
-    def _logprob_entry(self, token: int, lp) -> dict[int, Logprob]:
-        """{token id: Logprob} for `token` and the alternatives in `lp` (a TokenLogprobs)."""
-        entry = {tid: Logprob(val, rank + 1, self._decode_one(tid)) for rank, (tid, val) in enumerate(lp.top)}
-        entry[token] = Logprob(lp.logprob, lp.rank, self._decode_one(token))
-        return entry
-
-    def _decode_one(self, token_id: int) -> str | None:
-        return self.tokenizer.decode([token_id]) if self.tokenizer is not None else None
-
-    def _snapshot(self, parent: _Parent) -> RequestOutput:
-        outputs = []
-        for i, c in enumerate(parent.children):
-            req = c.req
-            finished = req.finished
-            token_ids = req.output_token_ids
-            outputs.append(CompletionOutput(
-                index=i, text=c.detok.text(finished), token_ids=list(token_ids),
-                cumulative_logprob=c.cumulative_logprob, logprobs=c.logprobs,
-                finish_reason=req.finish_reason, stop_reason=req.stop_reason, error=req.error,
-            ))
-        first = parent.children[0].req
-        now = time.monotonic()
-        if (parent.prompt_logprobs is None and first.prompt_logprobs is not None
-                and all(lp is not None for lp in first.prompt_logprobs[1:])):
-            parent.prompt_logprobs = [None] + [self._logprob_entry(tid, lp) for tid, lp in
-                                               zip(parent.prompt_ids[1:], first.prompt_logprobs[1:], strict=True)]
-        return RequestOutput(
-            request_id=parent.request_id, prompt=parent.prompt, prompt_token_ids=parent.prompt_ids,
-            outputs=outputs, finished=parent.finished, num_cached_tokens=max(first.num_cached_tokens, 0),
-            num_cached_tokens_by_tier=dict(zip(TIERS, (first.num_cached_device, first.num_cached_host,
-                                                       first.num_cached_store), strict=True)),
-            metrics={"arrival": parent.arrival, "first_token": parent.first_token_time, "now": now,
-                     "first_scheduled": first.first_scheduled_time},
-            prompt_logprobs=parent.prompt_logprobs,
-        )

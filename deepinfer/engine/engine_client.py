@@ -24,6 +24,7 @@ from typing import Any
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
+from deepinfer.engine.validation import RequestValidator
 
 # LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
 ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks"})
@@ -37,38 +38,16 @@ class QueueFullError(RuntimeError):
     pass
 
 
-def validate_prompt_ids(prompt_ids: list[int], vocab_size: int, max_model_len: int) -> None:
-    """ValueError unless `prompt_ids` is a non-empty prompt of in-vocabulary ids that leaves room for
-    at least one generated token."""
-    if not prompt_ids:
-        raise ValueError("the prompt is empty")
-    bad = next((t for t in prompt_ids if not 0 <= t < vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"prompt token id {bad} is out of range [0, {vocab_size})")
-    if len(prompt_ids) >= max_model_len:
-        raise ValueError(
-            f"the prompt has {len(prompt_ids)} tokens, but the maximum context length is "
-            f"{max_model_len} tokens (prompt + at least one generated token)")
-
-
-def validate_model_params(params: SamplingParams, vocab_size: int, has_tokenizer: bool) -> None:
-    """ValueError for sampling parameters this model cannot honour: logit_bias token ids outside its
-    vocabulary, structured output without a tokenizer."""
-    bad = next((t for t in (params.logit_bias or {}) if t >= vocab_size), None)
-    if bad is not None:
-        raise ValueError(f"logit_bias token id {bad} is out of range [0, {vocab_size})")
-    if params.structured_output is not None and not has_tokenizer:
-        raise ValueError("structured output needs a tokenizer; this model has none")
-
-
 class EngineClient(ABC):
     """An engine serving requests for asyncio callers.
 
     Contract:
-    - `generate()` validates synchronously (ValueError for a bad prompt or retention class,
+    - `generate()` validates synchronously, once, with `validator` (a `RequestValidator`: ValueError for a
+      bad prompt, sampling parameter or retention class; the engine does not check again),
       QueueFullError over `max_queue`, EngineDeadError once the engine is gone), then yields the
-      request's state after every step that changed it; the last one has `finished`. Leaving the
-      iteration early aborts the request in the engine (its KV blocks are freed).
+      request's state after every step that changed it (`delta_text` / `delta_token_ids`: what is new
+      since the previous one); the last one has `finished`. Leaving the iteration early aborts the
+      request in the engine (its KV blocks are freed).
     - If the engine dies, every open stream raises EngineDeadError and `healthy` turns False.
     - `stats()` is a recent snapshot of scheduler / cache counters, safe to call from any thread.
     """
@@ -78,6 +57,7 @@ class EngineClient(ABC):
     vocab_size: int
     eos_token_ids: Any
     facts: dict  # model and cache facts (LLMEngine.describe())
+    validator: RequestValidator  # the checks every request passes once, here
 
     def __init__(self, max_queue: int | None) -> None:
         self.max_queue = max_queue
@@ -127,12 +107,6 @@ class EngineClient(ABC):
 
     # ------------------------------------------------------------------ shared by both
 
-    def validate_prompt(self, prompt_ids: list[int]) -> None:
-        validate_prompt_ids(prompt_ids, self.vocab_size, self.max_model_len)
-
-    def validate_params(self, params: SamplingParams) -> None:
-        validate_model_params(params, self.vocab_size, self.tokenizer is not None)
-
     async def compile_grammar(self, params: StructuredOutputParams) -> None:
         """Compile `params`' grammar (or find it cached) without blocking the event loop; ValueError if it
         is invalid. This default compiles on a cache of the client's own, beside the engine's (the engine
@@ -164,16 +138,15 @@ class EngineClient(ABC):
         """`output_prefix` / `prefix_logprobs`: tokens another worker already generated for this request;
         `stream_kv`: outputs carry the prompt's KV blocks as they are computed; `cache_tenant`: the
         authenticated tenant's cache namespace (see `LLMEngine.add_request`)."""
-        self.validate_prompt(prompt_token_ids)
-        self.validate_params(params)
-        retention_class = self.check_retention(retention_class)
+        retention_class = self.validator.validate(prompt_token_ids, params, retention_class, output_prefix,
+                                                  prefix_logprobs, stream_kv)
         self.check_admission()
         request_id = request_id or f"areq-{next(self._ids)}"
         out_queue: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), out_queue)
         self._add_pending(1)
         self._submit({"prompt": prompt if prompt is not None else list(prompt_token_ids), "params": params,
-                      "request_id": request_id, "cache_salt": cache_salt, "prompt_token_ids": list(prompt_token_ids),
+                      "validated": True, "request_id": request_id, "cache_salt": cache_salt, "prompt_token_ids": list(prompt_token_ids),
                       "retention_class": retention_class, "output_prefix": output_prefix,
                       "prefix_logprobs": prefix_logprobs, "stream_kv": stream_kv, "cache_tenant": cache_tenant})
         finished = False

@@ -58,22 +58,21 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
-        ids = []
         # validate everything before starting anything, so a bad prompt fails the call cleanly
+        validator = self.engine.validator
         tokenized = [self.engine.tokenize(self._prompt_of(p)) for p in prompts]
-        for t in tokenized:
-            self.engine.validate_prompt(t)
-        for sp in params_list:
-            self.engine.validate_params(sp)
+        for t, sp in zip(tokenized, params_list, strict=True):
+            validator.check_prompt(t)
+            validator.check_params(sp)
+        retention_class = validator.check_retention(retention_class)
         # compile every grammar first (in parallel, cached for the engine): a bad one fails the call here
         compiling = [self.engine.compile_grammar(sp.structured_output) for sp in params_list
                      if sp.structured_output is not None]
         for future in compiling:
             future.result()
-        self.engine.core.check_retention(retention_class)
-        for p, t, sp in zip(prompts, tokenized, params_list, strict=True):
-            ids.append(self.engine.add_request(self._prompt_of(p), sp, cache_salt=cache_salt, prompt_token_ids=t,
-                                               retention_class=retention_class))
+        ids = [self.engine.add_request(self._prompt_of(p), sp, cache_salt=cache_salt, prompt_token_ids=t,
+                                       retention_class=retention_class, validated=True, stream=False)
+               for p, t, sp in zip(prompts, tokenized, params_list, strict=True)]
         return self._run(ids)
 
     def chat(self, messages: list[dict] | list[list[dict]],

@@ -1,39 +1,46 @@
 """ProcessEngine: the engine loop in a process of its own, behind the EngineClient contract.
 
     server process                                        engine process (spawned)
-    generate() ─▶ sender thread ─▶ command pipe ──────▶  LLMEngine.add_request / abort_request
-                                                          loop: LLMEngine.step()
-    streams ◀─ call_soon_threadsafe ◀─ reader thread ◀── output pipe: per step, output *deltas*
-                                                          (new text, token ids, logprobs) + stats
+    generate() ─▶ OutputProcessor.add_request
+               ─▶ sender thread ─▶ command pipe ──────▶  LLMEngine.add_request / abort_request /
+                                                          finish_sequence (a stop string matched)
+                                                          loop: LLMEngine.step_tokens()
+    streams ◀─ OutputProcessor.process ◀─ reader thread ◀── output pipe: per step, TokenDeltas
+                                                          (new token ids, raw logprobs, finish) + stats
 
 Why a process: the HTTP layer (parsing, SSE framing) and the engine's per-step Python work
-(scheduling, batch building, detokenization) would otherwise share one GIL; measured, the
-in-process server delivered about half the offline engine's throughput.
+(scheduling, batch building) would otherwise share one GIL; measured, the in-process server
+delivered about half the offline engine's throughput.
 
-Deltas keep the pipe traffic per step proportional to what changed, not to the length of
-every running output. The engine process exits when the server asks it to (after flushing
-KV store writes) or when the server process disappears (its command pipe closes).
+The output processor (detokenization, stop strings, n > 1 fan-in, `RequestOutput`s) runs here, in the
+server process: the pipe carries token ids only, proportional to what changed, and the engine process
+does token work only (measured against running it in the engine process; see benchmarks/BENCHMARKS.md).
+A stop string ends a sequence with one `finish` command; the tokens the engine generated for it before
+the command arrived are dropped by the processor. Grammars compile once, in the engine process
+(`compile_grammar`). The engine process exits when the server asks it to (after flushing KV store
+writes) or when the server process disappears (its command pipe closes).
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import itertools
 import logging
 import multiprocessing
-import os
 import queue
 import signal
 import threading
 import traceback
-from dataclasses import dataclass, field
+from concurrent.futures import Future
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine_client import EngineClient, EngineDeadError, run_engine_call, settle_from_thread
-from deepinfer.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from deepinfer.engine.output_processor import OutputProcessor
+from deepinfer.engine.structured import StructuredOutputParams
+from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache.engine_tiers import resolve_retention
 
 logger = logging.getLogger(__name__)
@@ -52,33 +59,6 @@ class EngineInfo:
     eos_token_ids: Any
     facts: dict  # LLMEngine.describe()
     stats: dict  # the first stats snapshot
-
-
-@dataclass
-class CompletionDelta:
-    index: int
-    text_keep: int  # characters of the previously sent text that stay
-    text_new: str
-    new_token_ids: list[int]
-    new_logprobs: list[dict[int, Logprob]] | None
-    cumulative_logprob: float | None
-    finish_reason: str | None
-    stop_reason: int | str | None
-    error: str | None = None
-
-
-@dataclass
-class OutputDelta:
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int] | None  # only in a request's first delta
-    outputs: list[CompletionDelta]
-    finished: bool
-    num_cached_tokens: int
-    num_cached_tokens_by_tier: dict[str, int]
-    metrics: dict = field(default_factory=dict)
-    kv_blocks: list | None = None  # RequestOutput.kv_blocks: never accumulated, passed through as is
-    prompt_logprobs: list | None = None  # RequestOutput.prompt_logprobs: sent once, in the first delta that has them
 
 
 # ---------------------------------------------------------------- server side
@@ -104,7 +84,11 @@ class ProcessEngine(EngineClient):
         self.facts = self.info.facts
         self._stats: dict[str, float] = self.info.stats
         self._adds_sent = 0
-        self._assembled: dict[str, RequestOutput] = {}
+        self.validator = RequestValidator(self.vocab_size, self.max_model_len, self.tokenizer is not None,
+                                          self.check_retention)
+        # touched by the event loop (add, abort) and the reader thread (process): under `_lock`
+        self.processor = OutputProcessor(self.tokenizer, self.eos_token_ids, self._finish)
+        self._lock = threading.Lock()
         self._outbox: queue.SimpleQueue = queue.SimpleQueue()
         self._closing = False
         self._calls: dict[int, tuple[asyncio.AbstractEventLoop, asyncio.Future]] = {}
@@ -139,20 +123,45 @@ class ProcessEngine(EngineClient):
         return resolve_retention(self.info.retention, retention_class)
 
     def _submit(self, request: dict[str, Any]) -> None:
+        prompt, ids = request["prompt"], request["prompt_token_ids"]
+        try:
+            with self._lock:
+                self.processor.add_request(request["request_id"], prompt if isinstance(prompt, str) else None, ids,
+                                           request["params"], request["output_prefix"], request["prefix_logprobs"])
+        except ValueError as e:  # a duplicate request id
+            self._add_pending(-1)
+            self._deliver([(request["request_id"], e)])
+            return
         self._adds_sent += 1
-        self._outbox.put(("add", request))
+        # the engine needs neither the text (it has the ids) nor the prefix logprobs (text-side state)
+        self._outbox.put(("add", {**request, "prompt": None, "prefix_logprobs": None}))
 
     def abort(self, request_id: str) -> None:
-        self._assembled.pop(request_id, None)
+        with self._lock:
+            self.processor.abort(request_id)
         self._outbox.put(("abort", request_id))
+
+    def _finish(self, seq_id: str, stop: str) -> None:
+        """The processor matched a stop string: the engine ends the sequence (frees its blocks)."""
+        self._outbox.put(("finish", (seq_id, stop)))
+
+    async def compile_grammar(self, params: StructuredOutputParams) -> None:
+        """Compile on the engine's own grammar cache, in the engine process (so a grammar compiles once,
+        where the request will use it); ValueError if it is invalid."""
+        await self._request("compile", params)
 
     async def call(self, method: str, *args: Any) -> Any:
         self._check_call(method)
+        return await self._request("call", method, args)
+
+    async def _request(self, kind: str, *payload: Any) -> Any:
+        if not self.healthy:
+            raise EngineDeadError("the engine loop is not running")
         call_id = next(self._call_ids)
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
         self._calls[call_id] = (loop, future)
-        self._outbox.put(("call", (call_id, method, args)))
+        self._outbox.put((kind, (call_id, *payload)))
         try:
             return await future
         finally:
@@ -181,7 +190,7 @@ class ProcessEngine(EngineClient):
     def _read_loop(self) -> None:
         try:
             while True:
-                deltas, stats, adds_seen, results = self._out_recv.recv()
+                deltas, rejected, stats, adds_seen, results = self._out_recv.recv()
                 self._stats = stats
                 for call_id, ok, value in results:
                     target = self._calls.get(call_id)
@@ -189,8 +198,11 @@ class ProcessEngine(EngineClient):
                         settle_from_thread(*target, ok, value)
                 with self._pending_lock:
                     self._num_pending_adds = self._adds_sent - adds_seen
-                self._deliver([(rid, item if isinstance(item, BaseException) else self._assemble(item))
-                               for rid, item in deltas if self._wanted(rid)])
+                with self._lock:
+                    for rid, _ in rejected:
+                        self.processor.abort(rid)
+                    outputs = self.processor.process(deltas) if deltas else []
+                self._deliver([*rejected, *((out.request_id, out) for out in outputs if self._wanted(out.request_id))])
         except (EOFError, OSError) as e:
             if not self._closing:
                 logger.error("the engine process died (exit code %s)", self._proc.exitcode)
@@ -200,72 +212,7 @@ class ProcessEngine(EngineClient):
             for loop, future in list(self._calls.values()):
                 settle_from_thread(loop, future, False, EngineDeadError("the engine is gone"))
 
-    def _assemble(self, d: OutputDelta) -> RequestOutput:
-        prev = self._assembled.get(d.request_id)
-        outputs = {o.index: o for o in prev.outputs} if prev is not None else {}
-        for c in d.outputs:
-            old = outputs.get(c.index)
-            if old is None:
-                old = CompletionOutput(index=c.index, text="", token_ids=[], logprobs=[] if c.new_logprobs
-                                       is not None else None)
-            logprobs = old.logprobs
-            if c.new_logprobs is not None:
-                logprobs = (logprobs or []) + c.new_logprobs
-            outputs[c.index] = CompletionOutput(
-                index=c.index, text=old.text[:c.text_keep] + c.text_new, token_ids=old.token_ids + c.new_token_ids,
-                cumulative_logprob=c.cumulative_logprob, logprobs=logprobs, finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason, error=c.error)
-        out = RequestOutput(
-            request_id=d.request_id, prompt=d.prompt if prev is None else prev.prompt,
-            prompt_token_ids=d.prompt_token_ids if prev is None else prev.prompt_token_ids,
-            outputs=[outputs[i] for i in sorted(outputs)], finished=d.finished,
-            num_cached_tokens=d.num_cached_tokens, num_cached_tokens_by_tier=d.num_cached_tokens_by_tier,
-            metrics=d.metrics,
-            prompt_logprobs=d.prompt_logprobs if d.prompt_logprobs is not None or prev is None else prev.prompt_logprobs)
-        if not d.finished:
-            self._assembled[d.request_id] = out
-        if d.kv_blocks:
-            out = dataclasses.replace(out, kv_blocks=d.kv_blocks)  # not kept in `_assembled`
-        if d.finished or not self._wanted(d.request_id):  # re-checked: abort() may have run meanwhile
-            self._assembled.pop(d.request_id, None)
-        return out
-
-
 # ---------------------------------------------------------------- engine process
-
-
-class _DeltaEncoder:
-    """Remembers what was sent per request so each step sends only what changed."""
-
-    def __init__(self) -> None:
-        self._sent: dict[str, dict[int, tuple[str, int, int]]] = {}  # rid -> index -> (text, ntok, nlp)
-        self._sent_prompt_logprobs: set[str] = set()
-
-    def encode(self, out: RequestOutput) -> OutputDelta:
-        first = out.request_id not in self._sent
-        sent = self._sent.setdefault(out.request_id, {})
-        deltas = []
-        for o in out.outputs:
-            text, ntok, nlp = sent.get(o.index, ("", 0, 0))
-            keep = len(text) if o.text.startswith(text) else len(os.path.commonprefix([text, o.text]))
-            lps = o.logprobs[nlp:] if o.logprobs is not None else None
-            deltas.append(CompletionDelta(o.index, keep, o.text[keep:], o.token_ids[ntok:], lps,
-                                          o.cumulative_logprob, o.finish_reason, o.stop_reason, o.error))
-            sent[o.index] = (o.text, len(o.token_ids), len(o.logprobs) if o.logprobs is not None else 0)
-        prompt_lps = None
-        if out.prompt_logprobs is not None and out.request_id not in self._sent_prompt_logprobs:
-            prompt_lps = out.prompt_logprobs
-            self._sent_prompt_logprobs.add(out.request_id)
-        if out.finished:
-            self._sent.pop(out.request_id, None)
-            self._sent_prompt_logprobs.discard(out.request_id)
-        return OutputDelta(out.request_id, out.prompt if first else None, out.prompt_token_ids if first else None,
-                           deltas, out.finished, out.num_cached_tokens, out.num_cached_tokens_by_tier, out.metrics,
-                           out.kv_blocks, prompt_lps)
-
-    def forget(self, request_id: str) -> None:
-        self._sent.pop(request_id, None)
-        self._sent_prompt_logprobs.discard(request_id)
 
 
 def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int) -> None:
@@ -275,7 +222,7 @@ def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection
     from deepinfer.engine.engine import LLMEngine
 
     try:
-        engine = LLMEngine(config)
+        engine = LLMEngine(config, process_outputs=False)  # the output processor runs in the server process
     except BaseException:  # noqa: BLE001 - reported to the server, which fails its start-up
         outputs.send(("failed", traceback.format_exc()))
         return
@@ -291,13 +238,15 @@ def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection
 
 
 def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
-    encoder = _DeltaEncoder()
     adds_seen = 0
+    compiled: queue.SimpleQueue = queue.SimpleQueue()  # (call id, ok, error) of grammars compiled meanwhile
+    compiling = 0
     while True:
-        items: list[Any] = []
+        rejected: list[tuple[str, BaseException]] = []
         results: list[tuple[int, bool, Any]] = []
         changed = False
-        if commands.poll(0 if engine.has_unfinished() else 0.5):
+        busy = engine.has_unfinished()
+        if commands.poll(0 if busy else 0.005 if compiling else 0.5):
             while True:
                 kind, payload = commands.recv()
                 changed = True
@@ -308,17 +257,34 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
                     try:
                         engine.add_request(**payload)
                     except ValueError as e:
-                        items.append((payload["request_id"], e))
+                        rejected.append((payload["request_id"], e))
                 elif kind == "abort":
                     engine.abort_request(payload)
-                    encoder.forget(payload)
+                elif kind == "finish":
+                    engine.finish_sequence(*payload)
                 elif kind == "call":
                     call_id, method, args = payload
                     results.append((call_id, *run_engine_call(engine, method, args)))
+                elif kind == "compile":
+                    call_id, params = payload
+                    compiling += 1
+                    engine.compile_grammar(params).add_done_callback(
+                        lambda f, call_id=call_id: compiled.put((call_id, *_compile_result(f))))
                 if not commands.poll(0):
                     break
+        while not compiled.empty():
+            results.append(compiled.get())
+            compiling -= 1
+            changed = True
+        deltas = []
         if engine.has_unfinished():
-            items.extend((out.request_id, encoder.encode(out)) for out in engine.step())
+            deltas = engine.step_tokens()
             changed = True
         if changed:
-            outputs.send((items, engine.stats(), adds_seen, results))
+            outputs.send((deltas, rejected, engine.stats(), adds_seen, results))
+
+
+def _compile_result(future: Future) -> tuple[bool, Any]:
+    """(True, None) for a grammar that compiled, (False, its error) else: the compiled grammar stays here."""
+    error = future.exception()
+    return (True, None) if error is None else (False, error)

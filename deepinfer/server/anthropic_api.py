@@ -217,12 +217,12 @@ async def _stream(parser: OutputParser, req: MessagesRequest, plan: ToolPlan, mi
         "stop_reason": None, "stop_sequence": None, "usage": start_usage}})
     yield sse_event("ping", {"type": "ping"})
     blocks = _Blocks(plan)
-    sent, last = 0, None
+    last = None
     try:
         async for out in chain(first, gen):
             last = out
             c = out.outputs[0]
-            delta, sent = c.text[sent:], len(c.text)
+            delta = c.delta_text
             events = parser.feed(delta) if not parser.passthrough else ([Content(delta)] if delta else [])
             if c.finished():
                 events += parser.finish()

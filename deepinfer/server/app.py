@@ -132,8 +132,8 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str
                       "invalid_request_error", request=request)
 
     @app.exception_handler(ValueError)
-    async def value_error(request: Request, e: ValueError):
-        return _error(400, str(e), request=request)
+    async def value_error(request: Request, e: ValueError):  # RequestError (validation.py) names its field
+        return _error(400, str(e), param=getattr(e, "param", None), code=getattr(e, "code", None), request=request)
 
     @app.exception_handler(QueueFullError)
     async def queue_full(request: Request, e: QueueFullError):

@@ -220,12 +220,11 @@ async def _chat_sse(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolP
                     yield chunk({"index": c.index, "delta": {"role": "assistant", "content": ""},
                                  "logprobs": None, "finish_reason": None})
                 parser: OutputParser = st.extra["parser"]
-                delta = c.text[st.sent_text:]
-                new_tokens = len(c.token_ids) - st.sent_tokens
+                delta = c.delta_text
                 ending = c.finished() and not st.finished
                 if delta or ending:
                     lp = None
-                    if req.logprobs and new_tokens > 0:
+                    if req.logprobs and len(c.token_ids) > st.sent_tokens:
                         lp = chat_logprobs(tokenizer, c, st.sent_tokens, len(c.token_ids), top_n)
                     if parser.passthrough:
                         deltas = [{"content": delta}] if delta or lp else []
@@ -237,7 +236,7 @@ async def _chat_sse(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolP
                     for k, d in enumerate(deltas):
                         yield chunk({"index": c.index, "delta": d, "logprobs": lp if k == 0 else None,
                                      "finish_reason": None})
-                    st.sent_text, st.sent_tokens = len(c.text), len(c.token_ids)
+                    st.sent_tokens = len(c.token_ids)
                 if ending:
                     st.finished = True
                     finish = c.finish_reason

@@ -317,12 +317,12 @@ async def _stream(job: _Job, first: RequestOutput | None, gen) -> AsyncIterator[
     yield ev.ev("response.created", response=job.body("in_progress", [], None))
     yield ev.ev("response.in_progress", response=job.body("in_progress", [], None))
     parser = output_parser(job.ctx, job.prompt_ids, job.plan, job.structured)
-    sent, last = 0, None
+    last = None
     try:
         async for out in chain(first, gen):
             last = out
             c = out.outputs[0]
-            delta, sent = c.text[sent:], len(c.text)
+            delta = c.delta_text
             events = parser.feed(delta) if not parser.passthrough else ([Content(delta)] if delta else [])
             if c.finished():
                 events += parser.finish()

@@ -20,6 +20,7 @@ from deepinfer.engine.engine_client import EngineClient
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
+from deepinfer.engine.validation import RequestError, context_max_tokens
 from deepinfer.recipe.output import RecipeOptions
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, SamplingFields, StreamOptions
@@ -34,21 +35,11 @@ class ServingContext:
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> int:
-    """Validate lengths; return the effective max_tokens."""
-    if prompt_len >= max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, your "
-                            f"prompt has {prompt_len} tokens. Please reduce the length of the {param}.",
-                       param=param, code="context_length_exceeded")
-    if max_tokens is None:
-        return max_model_len - prompt_len
-    if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1, got {max_tokens}", param="max_tokens")
-    if prompt_len + max_tokens > max_model_len:
-        raise APIError(400, f"This model's maximum context length is {max_model_len} tokens. However, you "
-                            f"requested {prompt_len + max_tokens} tokens ({prompt_len} in the {param}, "
-                            f"{max_tokens} in the completion). Please reduce the length of the {param} "
-                            f"or completion.", param="max_tokens", code="context_length_exceeded")
-    return max_tokens
+    """Validate lengths (the request validator's API rule); return the effective max_tokens."""
+    try:
+        return context_max_tokens(prompt_len, max_tokens, max_model_len, param)
+    except RequestError as e:
+        raise APIError(400, str(e), param=e.param, code=e.code) from e
 
 
 def make_sampling_params(**kwargs: Any) -> SamplingParams:
