@@ -185,7 +185,7 @@ def test_trace_path_flag_then_env_then_default(tmp_path, monkeypatch):
 
 
 # the shared trace: $DEEPINFER_TRACE, else where the default points from the checkout's root
-SHARED_TRACE = Path(__file__).resolve().parents[1] / resolve_trace(None)
+SHARED_TRACE = Path(__file__).resolve().parents[2] / resolve_trace(None)
 
 
 @pytest.mark.skipif(not SHARED_TRACE.is_file(), reason="shared trace not present")

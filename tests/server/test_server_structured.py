@@ -11,7 +11,7 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.server_utils import running_server
-from tests.test_structured import SCHEMAS
+from tests.engine.test_structured import SCHEMAS
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"

@@ -14,7 +14,7 @@ import pytest
 from deepinfer import LLM, SamplingParams
 from deepinfer.cluster.transfer import TCPKVTransfer, checksum
 from deepinfer.kvcache.exchange import export_blocks, import_blocks, prompt_block_hashes
-from tests.test_models_vs_hf import _assert_all_free
+from tests.models.test_models_vs_hf import _assert_all_free
 
 BS = 16
 

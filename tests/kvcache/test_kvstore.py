@@ -25,7 +25,7 @@ from deepinfer.kvcache import (
 from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
 from deepinfer.kvcache.space import LOCK_NAME, StoreSpace, iter_files
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LAYOUT = KVLayout("float16", 4, 2, 1, 8)  # 256-byte blocks: enough to exercise every path, fast to write
 MODEL = "test-model@1"
 H = 3600.0

@@ -29,9 +29,9 @@ from deepinfer.kvcache.space import iter_files, read_header, scan
 from deepinfer.kvcache.writer import StoreWriter
 from deepinfer.server.app import build_app
 from tests.server_utils import free_port
-from tests.test_models_vs_hf import _assert_all_free
+from tests.models.test_models_vs_hf import _assert_all_free
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BS = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 

@@ -17,8 +17,8 @@ import torch
 
 from deepinfer import SamplingParams
 from deepinfer.kvcache.blocks import gather_block, scatter_block, scatter_blocks
-from tests.test_kv_tiers import BS, _flip_first_block, _llm, _prompt, _reference, _run, _segments
-from tests.test_models_vs_hf import _assert_all_free
+from tests.kvcache.test_kv_tiers import BS, _flip_first_block, _llm, _prompt, _reference, _run, _segments
+from tests.models.test_models_vs_hf import _assert_all_free
 
 
 def _stored(model, store: Path, *prompts: list[int]) -> None:

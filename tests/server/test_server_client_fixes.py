@@ -67,7 +67,7 @@ def test_chat_forced_tool_call_with_defs(client, choice):
 
 def test_chat_named_recursive_tool(client):
     """A reference to the parameters' root (`#`) is served too (before: 400). The default model nests
-    without end, so only the start of the call is checked; tests/test_tool_parsers.py checks the schema."""
+    without end, so only the start of the call is checked; tests/recipe/test_tool_parsers.py checks the schema."""
     tools = [_chat_tool("get_weather", CITY_PARAMS), _chat_tool("tree", TREE_PARAMS)]
     r = client.chat.completions.create(model=MODEL, messages=ASK, tools=tools, max_tokens=25, **GREEDY,
                                        tool_choice={"type": "function", "function": {"name": "tree"}})

@@ -15,8 +15,8 @@ from safetensors.torch import load_file, save_file
 from deepinfer.weights import default_model_path, resolve_model
 from deepinfer.weights.identity import file_digest, hash_file
 from deepinfer.weights.loader import identity_cache_dir
-from tests.test_kv_tiers import GREEDY, _llm, _prompt, _run
-from tests.test_models_vs_hf import _assert_all_free
+from tests.kvcache.test_kv_tiers import GREEDY, _llm, _prompt, _run
+from tests.models.test_models_vs_hf import _assert_all_free
 
 
 def _copy_model(src: Path, dst: Path) -> Path:

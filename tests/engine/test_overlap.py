@@ -6,7 +6,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from tests.conftest import hf_greedy
-from tests.test_models_vs_hf import _assert_all_free, _prompts
+from tests.models.test_models_vs_hf import _assert_all_free, _prompts
 
 
 def _run(path, overlap: bool, prompts, params):

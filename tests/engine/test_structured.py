@@ -12,7 +12,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
-from tests.test_models_vs_hf import _assert_all_free, _prompts
+from tests.models.test_models_vs_hf import _assert_all_free, _prompts
 
 SCHEMAS = {
     "nested": {"type": "object", "properties": {
