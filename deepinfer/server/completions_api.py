@@ -119,7 +119,8 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
 def _scored(c: CompletionOutput) -> CompletionOutput:
     """A `max_tokens: 0` choice: nothing generated (the token the engine sampled is dropped)."""
     return dataclasses.replace(c, text="", token_ids=[], logprobs=[] if c.logprobs is not None else None,
-                               finish_reason="length" if c.finished() else None, stop_reason=None)
+                               finish_reason="length" if c.finished() else None, stop_reason=None,
+                               delta_text="", delta_token_ids=[])
 
 
 async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str, created: int, prompts, gens,
@@ -140,13 +141,13 @@ async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str,
                 echo_lp = None
                 if req.echo and not st.started:
                     echo_text = prompts[pi][0] if prompts[pi][0] is not None else tokenizer.decode(prompts[pi][1])
-                    text_out = echo_text + text[st.sent_text:]
+                    text_out = echo_text + c.delta_text
                     # generated offsets count from the end of the echoed prompt
                     st.extra["echo_len"] = len(echo_text)
                     if req.logprobs is not None:
                         echo_lp = prompt_logprobs(tokenizer, prompts[pi][1], out.prompt_logprobs, req.logprobs)
                 else:
-                    text_out = text[st.sent_text:]
+                    text_out = c.delta_text
                 st.started = True
                 fin = c.finish_reason if c.finished() and not st.finished else None
                 if text_out or fin:

@@ -28,8 +28,8 @@ from deepinfer.kvcache.manager import KVCacheManager
 from deepinfer.kvcache.space import iter_files, read_header, scan
 from deepinfer.kvcache.writer import StoreWriter
 from deepinfer.server.app import build_app
-from tests.server_utils import free_port
 from tests.models.test_models_vs_hf import _assert_all_free
+from tests.server_utils import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 16

@@ -10,8 +10,8 @@ import openai
 import pytest
 from pydantic import BaseModel, Field
 
-from tests.server_utils import running_server
 from tests.engine.test_structured import SCHEMAS
+from tests.server_utils import running_server
 
 KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
