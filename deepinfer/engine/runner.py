@@ -229,11 +229,9 @@ class ModelRunner:
         """Build a step's inputs; `group_tables`: per KV layer group, request id -> block table."""
         started = time.perf_counter()
         bs = self.block_size
-        block_tables = group_tables[0]
         tokens: list[int] = []
         positions: list[int] = []
-        slots: list[torch.Tensor | int] = []
-        query_lens, context_lens, tables = [], [], []
+        query_lens, context_lens = [], []
         logits_rows, sample_reqs = [], []
         prompt_rows: list[tuple[Request, int, int]] = []
         prompt_logits_rows: list[int] = []
@@ -241,7 +239,6 @@ class ModelRunner:
         num_decodes = 0
         for item in step.scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
-            table = block_tables[req.request_id]
             end = start + n
             known = req.token_ids[start:end]
             if req.prompt_logprobs is not None:
@@ -253,44 +250,40 @@ class ModelRunner:
             if len(known) < n:  # the last token is still being sampled by the step before this one
                 pending.append((len(tokens), req.request_id))
                 tokens.append(0)
-            if n == 1:
-                num_decodes += 1
-                positions.append(start)
-                slots.append(table[start // bs] * bs + start % bs)
-            else:
-                pos = torch.arange(start, end)
-                positions.extend(range(start, end))
-                slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
+            num_decodes += n == 1
+            positions.extend(range(start, end))
             query_lens.append(n)
             context_lens.append(end)
-            tables.append(table)
             if end == req.num_tokens:
                 logits_rows.append(len(tokens) - 1)
                 sample_reqs.append(req)
-        slot_mapping = torch.cat([s if isinstance(s, torch.Tensor) else torch.tensor([s]) for s in slots])
-        batch = AttentionBatch(query_lens, context_lens, tables, num_decodes, slot_mapping.to(self.device), bs,
-                               _window(self.kv_groups[0].spec))
-        metas = [self.backend.prepare(batch)]
-        for group, by_request in zip(self.kv_groups[1:], group_tables[1:], strict=True):
-            metas.append(self.backend.prepare(self._group_batch(step, by_request, batch, _window(group.spec))))
+        metas = []
+        for group, by_request in zip(self.kv_groups, group_tables, strict=True):
+            tables, slot_mapping = self._slots(step, by_request)
+            metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
+                                                             slot_mapping, bs, _window(group.spec))))
         dev = self.device
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
             metas, torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.long, device=dev),
             sample_reqs, len(tokens), time.perf_counter() - started, pending, prompt_rows=prompt_rows)
 
-    def _group_batch(self, step: SchedulerOutput, by_request: dict[str, list[int]], first: AttentionBatch,
-                     window: int | None) -> AttentionBatch:
-        """The first group's batch with another group's block tables (same rows, same positions)."""
+    def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]]) -> tuple[list[list[int]], torch.Tensor]:
+        """One KV group's block tables for the step's rows, and the flat cache slot of every new token."""
         bs = self.block_size
-        tables, slots = [], []
+        tables: list[list[int]] = []
+        slots: list[torch.Tensor | int] = []
         for item in step.scheduled:
             table = by_request[item.request.request_id]
-            pos = torch.arange(item.start, item.start + item.num_new_tokens)
-            slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
+            start = item.start
+            if item.num_new_tokens == 1:
+                slots.append(table[start // bs] * bs + start % bs)
+            else:
+                pos = torch.arange(start, start + item.num_new_tokens)
+                slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
             tables.append(table)
-        return AttentionBatch(first.query_lens, first.context_lens, tables, first.num_decodes,
-                              torch.cat(slots).to(self.device), bs, window)
+        slot_mapping = torch.cat([s if isinstance(s, torch.Tensor) else torch.tensor([s]) for s in slots])
+        return tables, slot_mapping.to(self.device)
 
     @torch.inference_mode()
     def run(self, step: PreparedStep) -> StepResult:

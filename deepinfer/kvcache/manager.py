@@ -168,7 +168,7 @@ class KVCacheManager:
         out = []
         for g, f in zip(self.groups, found, strict=True):
             first = g.spec.first_needed_block(length * self.block_size, self.block_size)
-            out.append([NO_BLOCK] * first + [b for b in f[first:length]])  # type: ignore[misc]
+            out.append([NO_BLOCK] * first + f[first:length])  # type: ignore[operator]
         return out
 
     def _covers(self, spec: KVSpec, found: list[int | None], length: int) -> bool:
