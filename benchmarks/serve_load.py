@@ -34,6 +34,7 @@ import os
 import random
 import shlex
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -151,8 +152,32 @@ async def first_model(client: httpx.AsyncClient) -> str:
     return str(resp.json()["data"][0]["id"])
 
 
-async def run_load(args: argparse.Namespace) -> dict[str, Any]:
-    """Run the configured load against ``args.base_url``; return the summary dict."""
+def session_cpu(sid: int) -> dict[str, float]:
+    """CPU seconds (user + system) so far of the processes in session `sid` (a server started with
+    ``start_new_session``), by role: "engine" for multiprocessing children (deepinfer's engine process),
+    "frontend" for the rest (the HTTP server; a shell wrapper adds ~0)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    totals = {"frontend": 0.0, "engine": 0.0}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            if int(fields[3]) != sid:  # fields after "(comm)": state, ppid, pgrp, session, ...
+                continue
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                cmdline = f.read()
+        except (OSError, IndexError, ValueError):
+            continue  # exited meanwhile
+        role = "engine" if b"multiprocessing" in cmdline else "frontend"
+        totals[role] += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return totals
+
+
+async def run_load(args: argparse.Namespace, server_sid: int | None = None) -> dict[str, Any]:
+    """Run the configured load against ``args.base_url``; return the summary dict. With `server_sid` (the
+    session of a server this script started) it also reports the server's CPU time per output token."""
     limits = httpx.Limits(max_connections=args.concurrency + 4, max_keepalive_connections=args.concurrency + 4)
     timeout = httpx.Timeout(args.request_timeout, connect=10.0)
     async with httpx.AsyncClient(base_url=args.base_url, limits=limits, timeout=timeout) as client:
@@ -168,9 +193,11 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
             for p in pending:  # one shared iterator: each prompt goes to exactly one worker
                 results.append(await one_request(client, args, model, p, args.output_tokens))
 
+        cpu0 = session_cpu(server_sid) if server_sid is not None else None
         t0 = time.perf_counter()
         await asyncio.gather(*(worker() for _ in range(args.concurrency)))
         wall = time.perf_counter() - t0
+        cpu = {k: v - cpu0[k] for k, v in session_cpu(server_sid).items()} if cpu0 is not None else None
     good = [r for r in results if r.ok]
     ttfts = [r.ttft for r in good]
     itls = [x for r in good for x in r.itls]
@@ -191,6 +218,10 @@ async def run_load(args: argparse.Namespace) -> dict[str, Any]:
         "tpot_p50_ms": pct(tpots, 50) * 1e3,
         "e2e_p50_s": pct([r.e2e for r in good], 50), "e2e_p99_s": pct([r.e2e for r in good], 99),
         "output_tok_per_s": out_tokens / wall, "requests_per_s": len(good) / wall,
+        # CPU time the server spent per 1000 output tokens (NaN when the server was not started here):
+        # unlike wall-clock rates it barely moves with other load on the machine
+        **{f"cpu_ms_per_token_{role}": (cpu[role] * 1e3 / max(out_tokens, 1)) if cpu else float("nan")
+           for role in ("frontend", "engine")},
         "requests": [asdict(r) | {"itls": None, "itl_count": len(r.itls)} for r in results],
     }
 
@@ -203,6 +234,8 @@ METRICS = [
     ("itl_p99_ms", "ITL p99 (ms)", "{:.2f}"), ("tpot_p50_ms", "TPOT p50 (ms)", "{:.2f}"),
     ("e2e_p50_s", "E2E p50 (s)", "{:.3f}"), ("e2e_p99_s", "E2E p99 (s)", "{:.3f}"),
     ("output_tok_per_s", "output tok/s", "{:.1f}"), ("requests_per_s", "requests/s", "{:.3f}"),
+    ("cpu_ms_per_token_frontend", "CPU ms/token frontend", "{:.3f}"),
+    ("cpu_ms_per_token_engine", "CPU ms/token engine", "{:.3f}"),
 ]
 
 
@@ -267,7 +300,7 @@ def run_with_server(args: argparse.Namespace, cmd: str, label: str) -> dict[str,
         t0 = time.monotonic()
         wait_health(args.base_url, proc, args.server_timeout)
         print(f"[{label}] healthy after {time.monotonic() - t0:.1f}s", flush=True)
-        summary = asyncio.run(run_load(args))
+        summary = asyncio.run(run_load(args, proc.pid))
     finally:
         stop_server(proc)
         log.close()
@@ -293,6 +326,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shell command starting a server on --base-url (repeat twice with --compare)")
     p.add_argument("--server-timeout", type=float, default=900.0, help="seconds to wait for /health")
     p.add_argument("--compare", action="store_true", help="run two --server-cmd one after the other")
+    p.add_argument("--pairs", type=int, default=1,
+                   help="with --compare: run the two servers this many times, alternating which goes first, and "
+                        "print per-pair ratios and their medians")
     p.add_argument("--labels", default=None, help="comma-separated names for the --server-cmd runs")
     p.add_argument("--json-out", default=None, help="write the summary (or both, with --compare) here")
     args = p.parse_args(argv)
@@ -311,29 +347,58 @@ def default_label(cmd: str) -> str:
     return os.path.basename(words[0]) if words else "server"
 
 
+PAIR_METRICS = ["output_tok_per_s", "itl_p50_ms", "ttft_p50_ms", "cpu_ms_per_token_frontend",
+                "cpu_ms_per_token_engine"]
+
+
+def print_pairs(labels: list[str], pairs: list[list[dict[str, Any]]]) -> None:
+    """Per pair B / A for each metric, then the median of those ratios (the noise-robust summary)."""
+    a, b = labels
+    print(f"\n{b} / {a} per pair (order alternates: odd pairs ran {a} first, even pairs {b} first)")
+    print(f"{'pair':<6}" + "".join(f"{m:>28}" for m in PAIR_METRICS))
+    ratios: dict[str, list[float]] = {m: [] for m in PAIR_METRICS}
+    for i, (sa, sb) in enumerate(pairs, 1):
+        row = []
+        for m in PAIR_METRICS:
+            r = sb[m] / sa[m] if sa[m] else float("nan")
+            ratios[m].append(r)
+            row.append(f"{sa[m]:.3f} -> {sb[m]:.3f} ({r:.3f})")
+        print(f"{i:<6}" + "".join(f"{c:>28}" for c in row))
+    print(f"{'median':<6}" + "".join(f"{statistics.median(v):>28.3f}" for v in ratios.values()))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     labels = args.labels.split(",") if args.labels else [default_label(c) for c in args.server_cmd]
     if len(labels) != len(args.server_cmd) or (args.compare and labels[0] == labels[1]):
         labels = [chr(65 + i) for i in range(len(args.server_cmd))]
     sums: list[dict[str, Any]] = []
+    pairs: list[list[dict[str, Any]]] = []
     if args.server_cmd:
-        for cmd, label in zip(args.server_cmd, labels, strict=True):
-            try:
-                sums.append(run_with_server(args, cmd, label))
-            except (RuntimeError, TimeoutError) as e:
-                print(f"[{label}] error: {e}", file=sys.stderr)
-                return 2
-            print(f"[{label}]", end=" ")
-            print_summary(sums[-1])
+        for pair in range(args.pairs if args.compare else 1):
+            order = [0, 1] if pair % 2 == 0 else [1, 0]  # alternate who goes first: drift hits both
+            runs: list[dict[str, Any]] = [{}, {}]
+            for i in order if args.compare else [0]:
+                cmd, label = args.server_cmd[i], labels[i]
+                try:
+                    runs[i] = run_with_server(args, cmd, label)
+                except (RuntimeError, TimeoutError) as e:
+                    print(f"[{label}] error: {e}", file=sys.stderr)
+                    return 2
+                print(f"[{label}]", end=" ")
+                print_summary(runs[i])
+            pairs.append(runs if args.compare else runs[:1])
+            sums.extend(pairs[-1])
     else:
         sums.append(asyncio.run(run_load(args)))
         print_summary(sums[0])
     if args.compare:
-        print_compare(labels, sums)
+        print_compare(labels, pairs[-1])
+        if len(pairs) > 1:
+            print_pairs(labels, pairs)
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(sums if args.compare else sums[0], f, indent=2)
+            json.dump(pairs if args.compare and len(pairs) > 1 else sums if args.compare else sums[0], f, indent=2)
     failed = sum(s["failed"] for s in sums)
     print(f"failed requests: {failed}")
     return 1 if failed else 0

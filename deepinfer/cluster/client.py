@@ -48,7 +48,7 @@ from deepinfer.cluster.policies import (
     prefill_finish,
 )
 from deepinfer.cluster.pool import Worker, WorkerPool
-from deepinfer.cluster.wire import logprobs_to_json, output_from_json, params_to_json
+from deepinfer.cluster.wire import logprobs_to_json, output_delta_from_json, output_from_json, params_to_json
 from deepinfer.config import RouterConfig
 from deepinfer.engine.engine_client import EngineDeadError, GrammarChecker
 from deepinfer.engine.outputs import RequestOutput
@@ -171,8 +171,10 @@ class ClusterEngineClient:
     async def _generate_one(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
                             cache_salt: str | None, retention_class: str | None,
                             cache_tenant: str | None) -> AsyncIterator[RequestOutput]:
-        """One sequence (validated): prefill on one worker, decode on another. The workers send whole outputs;
-        the deltas (`delta_text`, `delta_token_ids`) are taken against what this stream yielded before."""
+        """One sequence (validated): prefill on one worker, decode on another. The decode worker's lines add up
+        to its whole output (which starts with the prefill's token); the deltas yielded here (`delta_text`,
+        `delta_token_ids`) are taken against what this stream yielded before, as the prefill's first output
+        held back the text a stop string could still claim."""
         sent = _Sent()
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
         hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt, cache_tenant)
@@ -345,6 +347,7 @@ class ClusterEngineClient:
                 if r.status_code != 200:
                     await r.aread()
                     _json_or_error(r)
+                out: RequestOutput | None = None
                 async for line in r.aiter_lines():
                     if not line.strip():
                         continue
@@ -353,12 +356,8 @@ class ClusterEngineClient:
                         continue
                     if "error" in d:
                         raise WorkerError(f"decode worker {dw.url}: {d['error']}")
-                    out = output_from_json(d)
+                    out = output_delta_from_json(d, out, first)  # the worker sends what each step added
                     out.request_id = rid
-                    out.num_cached_tokens = first.num_cached_tokens
-                    out.num_cached_tokens_by_tier = first.num_cached_tokens_by_tier
-                    out.metrics = first.metrics
-                    out.prompt_logprobs = first.prompt_logprobs
                     dw.inflight_decode_tokens[rid] = route.num_prompt_tokens + len(out.outputs[0].token_ids)
                     yield out
                     if out.finished:

@@ -4,6 +4,11 @@ Token-level state travels as token ids; text is re-derived nowhere: a decode wor
 outputs already carry the detokenized text of the whole completion (its engine was
 given the prefill's first token, see `LLMEngine.add_request(output_prefix=...)`).
 Prompt logprobs come once, in the prefill worker's output (the worker that ran the prompt).
+
+A decode worker streams one line per step, and each line carries only what the step added
+(`output_delta_to_json`: new text, token ids and their logprob entries, plus the finish state), so a
+stream's bytes grow with its length, not with its square; the router adds the lines up
+(`output_delta_from_json`) into the cumulative `RequestOutput` its handlers expect.
 """
 
 from __future__ import annotations
@@ -68,3 +73,34 @@ def output_from_json(d: dict[str, Any]) -> RequestOutput:
                          outputs=outputs, finished=d["finished"], num_cached_tokens=d["num_cached_tokens"],
                          num_cached_tokens_by_tier=dict(d["num_cached_tokens_by_tier"]), metrics=dict(d["metrics"]),
                          prompt_logprobs=logprobs_from_json(d.get("prompt_logprobs")))
+
+
+def output_delta_to_json(out: RequestOutput) -> dict[str, Any]:
+    """What `out` adds to the request's previous output: `delta_text`, `delta_token_ids`, the logprob entries
+    of those tokens, and the finish state (prompt, prompt logprobs and cache facts are the prefill's)."""
+    outputs = []
+    for c in out.outputs:
+        k = len(c.delta_token_ids)
+        lps = None if c.logprobs is None else c.logprobs[len(c.logprobs) - k:]
+        outputs.append({"index": c.index, "delta_text": c.delta_text, "delta_token_ids": c.delta_token_ids,
+                        "delta_logprobs": logprobs_to_json(lps), "cumulative_logprob": c.cumulative_logprob,
+                        "finish_reason": c.finish_reason, "stop_reason": c.stop_reason, "error": c.error})
+    return {"request_id": out.request_id, "finished": out.finished, "delta_outputs": outputs}
+
+
+def output_delta_from_json(d: dict[str, Any], prev: RequestOutput | None, base: RequestOutput) -> RequestOutput:
+    """The cumulative output after delta line `d`: `prev` (the stream's previous output, None for its first
+    line) extended by it; request-level facts (prompt, cache hits, metrics, prompt logprobs) from `base`."""
+    outputs = []
+    for i, c in enumerate(d["delta_outputs"]):
+        p = prev.outputs[i] if prev is not None else None
+        delta_lps = logprobs_from_json(c["delta_logprobs"])
+        logprobs = None if delta_lps is None else (list(p.logprobs or []) if p is not None else []) + delta_lps
+        outputs.append(CompletionOutput(
+            index=c["index"], text=(p.text if p is not None else "") + c["delta_text"],
+            token_ids=(list(p.token_ids) if p is not None else []) + list(c["delta_token_ids"]),
+            cumulative_logprob=c["cumulative_logprob"], logprobs=logprobs, finish_reason=c["finish_reason"],
+            stop_reason=c["stop_reason"], error=c.get("error"), delta_text=c["delta_text"],
+            delta_token_ids=list(c["delta_token_ids"])))
+    return dataclasses.replace(base, request_id=d["request_id"], outputs=outputs, finished=d["finished"],
+                               kv_blocks=None)

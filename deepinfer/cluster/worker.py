@@ -49,7 +49,7 @@ from deepinfer.cluster.transfer import (
     KVTransferError,
     TCPKVTransfer,
 )
-from deepinfer.cluster.wire import logprobs_from_json, output_to_json, params_from_json
+from deepinfer.cluster.wire import logprobs_from_json, output_delta_to_json, output_to_json, params_from_json
 from deepinfer.config import ClusterConfig, ServerConfig
 from deepinfer.engine.cost_model import TERMS, CostModel
 from deepinfer.engine.engine_client import EngineClient, EngineDeadError
@@ -344,11 +344,11 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                 yield json.dumps(imported) + "\n"
                 if first is None or first.finished:
                     if first is not None:
-                        yield json.dumps(output_to_json(first)) + "\n"
+                        yield json.dumps(output_delta_to_json(first)) + "\n"
                     return
-                yield json.dumps(output_to_json(first)) + "\n"
+                yield json.dumps(output_delta_to_json(first)) + "\n"
                 async for out in gen:
-                    yield json.dumps(output_to_json(out)) + "\n"
+                    yield json.dumps(output_delta_to_json(out)) + "\n"
             except Exception as e:  # noqa: BLE001 - the status is sent; report in-band
                 yield json.dumps({"error": str(e), "status": getattr(e, "status", 503)}) + "\n"
             finally:
