@@ -68,17 +68,13 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     prompts = completion_prompts(req, engine.tokenizer)
     retention = retention_class(ctx, req, raw)
     engine.check_admission(len(prompts))
-    for _, ids in prompts:
-        if not ids:
-            raise APIError(400, "prompt must not be empty", param="prompt")
-        bad = next((t for t in ids if not 0 <= t < engine.vocab_size), None)
-        if bad is not None:
-            raise APIError(400, f"token id {bad} is out of range [0, {engine.vocab_size})", param="prompt")
     # max_tokens 0 with echo: score the prompt only. The engine still samples one token (its steps end in
     # a sample), which the reply leaves out.
     score_only = req.max_tokens == 0 and req.echo
     wanted = 1 if score_only else req.max_tokens if req.max_tokens is not None else 16
     max_tokens = [check_context(len(ids), wanted, engine.max_model_len, "prompt") for _, ids in prompts]
+    for _, ids in prompts:  # every prompt of a batch before any starts (generate() checks each again)
+        engine.validator.check_prompt(ids, "prompt")
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     params = [sampling_params(req, mt, req.logprobs, engine) for mt in max_tokens]

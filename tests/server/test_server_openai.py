@@ -143,6 +143,11 @@ def test_errors_map_to_sdk_exceptions(client, server):
     raw = httpx.post(f"{server}/v1/chat/completions", json={"messages": "nope"},
                      headers={"Authorization": f"Bearer {KEY}"})
     assert raw.status_code == 400 and set(raw.json()["error"]) == {"message", "type", "param", "code"}
+    # a batch of prompts is checked whole before any runs: one empty or out-of-vocabulary prompt is a 400
+    for prompts, words in (([[1, 2, 3], []], "empty"), ([[1, 2], [5, 10**7]], "out of range")):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model=MODEL, prompt=prompts, max_tokens=3)
+        assert words in e.value.message and e.value.param == "prompt"
     # the engine is unharmed
     assert client.chat.completions.create(model=MODEL, messages=Q, max_tokens=3).choices
 
