@@ -98,10 +98,10 @@ def test_tiny_model_with_chat_template_file_serves_chat(tiny_base, template_file
 
 
 def test_missing_chat_template_file_fails_at_start(tiny_base, tmp_path):
-    with pytest.raises(RuntimeError, match="server exited"):
-        with running_server("--model", str(tiny_base), "--chat-template", str(tmp_path / "nope.jinja"), *ARGS,
-                            timeout=60):
-            pass
+    with pytest.raises(RuntimeError, match="server exited"), \
+            running_server("--model", str(tiny_base), "--chat-template", str(tmp_path / "nope.jinja"), *ARGS,
+                           timeout=60):
+        pass
 
 
 # ---------------------------------------------------------------- Gemma 3 270M GGUF (slow)
