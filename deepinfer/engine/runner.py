@@ -117,6 +117,9 @@ class ModelRunner:
         self.backend = TorchAttentionBackend(self.device, row_invariant=self.deterministic)
         started = time.perf_counter()
         self.model = build_model(hf_config, self.backend, max_model_len, self.dtype, self.device)
+        unsupported = getattr(self.model, "deterministic_unsupported", None)
+        if self.deterministic and unsupported:
+            raise ValueError(f"deterministic mode cannot serve {type(self.model).__name__}: {unsupported}")
         self.model.load_weights(files.iter_weights(self.dtype))
         self.model.eval()
         self.gguf_kernels = self._attach_gguf(model_config.gguf_kernels, files)

@@ -316,7 +316,10 @@ class KVCacheManager:
         self.update_hashes(req)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
         done = self._num_registered.get(req.request_id, 0)
-        new = [i for i in range(done, full) if self.pool.register(table[i], req.block_hashes[i])]
+        # a sliding group 0 (a model of sliding layers only) has NO_BLOCK where blocks left the window or a
+        # prefix hit skipped them: registering -1 would name the pool's last block by this hash
+        new = [i for i in range(done, full)
+               if table[i] != NO_BLOCK and self.pool.register(table[i], req.block_hashes[i])]
         for g in self.groups[1:]:
             t = g.tables[req.request_id]
             for i in range(done, full):

@@ -59,8 +59,11 @@ class KVGroup:
 
 
 def group_layers(layer_specs: Sequence[KVSpec]) -> list[KVGroup]:
-    """One group per distinct spec, in order of first appearance; a model of one kind is one group."""
+    """One group per distinct spec, full attention first (the manager's group 0 then keeps every block, as
+    its pool and tables stand for the model's: usage, tiers, export), the rest in order of first appearance
+    (Gemma 3's first layer is a sliding one); a model of one kind is one group."""
     order: dict[KVSpec, list[int]] = {}
     for i, spec in enumerate(layer_specs):
         order.setdefault(spec, []).append(i)
-    return [KVGroup(tuple(layers), spec) for spec, layers in order.items()]
+    groups = [KVGroup(tuple(layers), spec) for spec, layers in order.items()]
+    return sorted(groups, key=lambda g: not isinstance(g.spec, FullAttention))  # stable: the rest keep their order

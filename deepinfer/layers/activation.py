@@ -1,4 +1,5 @@
-"""Gated activations: SiLU(gate) * up over a fused [.., 2 * I] gate/up projection output."""
+"""Gated activations over a fused [.., 2 * I] gate/up projection output: SiLU(gate) * up (Llama),
+GELU-tanh(gate) * up (Gemma)."""
 
 from __future__ import annotations
 
@@ -19,3 +20,9 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     gate, up = gate_up.split(inter, dim=-1)
     return F.silu(gate) * up
+
+
+def gelu_tanh_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: [T, 2I] -> GELU(gate, tanh approximation) * up, [T, I]."""
+    gate, up = gate_up.split(gate_up.shape[-1] // 2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up

@@ -59,5 +59,7 @@ class AttentionBackend(ABC):
     def prepare(self, batch: AttentionBatch) -> Any: ...
 
     @abstractmethod
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, meta: Any) -> torch.Tensor:
-        """q: [T, heads, D]; k, v: [T, kv_heads, D]; returns [T, heads, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cache: Any, meta: Any,
+                scale: float | None = None) -> torch.Tensor:
+        """q: [T, heads, D]; k, v: [T, kv_heads, D]; returns [T, heads, D]. `scale` multiplies q.k
+        (default D ** -0.5; Gemma's is query_pre_attn_scalar ** -0.5)."""

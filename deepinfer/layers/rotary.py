@@ -13,8 +13,12 @@ from torch import nn
 from deepinfer.layers import cpu_kernels
 
 
-def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
+def rope_inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scaling. `layer_type`: configs with RoPE parameters per layer
+    type (Gemma 3: `rope_parameters = {"sliding_attention": {...}, "full_attention": {...}}`) pick one."""
     params = getattr(hf_config, "rope_parameters", None) or {}
+    if layer_type is not None:
+        params = params.get(layer_type) or {}
     rope_type = params.get("rope_type", "default")
     if rope_type == "default":
         base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
@@ -25,16 +29,17 @@ def rope_inv_freq(hf_config) -> tuple[torch.Tensor, float]:
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"))
+    kwargs = {} if layer_type is None else {"layer_type": layer_type}
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
     return inv_freq.float(), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):
     """Holds cos/sin for positions [0, max_positions); `lookup(positions)` returns the rows a step needs."""
 
-    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype) -> None:
+    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype, layer_type: str | None = None) -> None:
         super().__init__()
-        inv_freq, scaling = rope_inv_freq(hf_config)
+        inv_freq, scaling = rope_inv_freq(hf_config, layer_type)
         freqs = torch.outer(torch.arange(max_positions, dtype=torch.float), inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos", (emb.cos() * scaling).to(dtype), persistent=False)

@@ -138,7 +138,7 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchAttentionMetadata(batch.slot_mapping, decode_tables.shape[0], decode_tables, None,
                                       torch.cat(lens), [], None)
 
-    def forward(self, q, k, v, cache, meta: TorchAttentionMetadata):
+    def forward(self, q, k, v, cache, meta: TorchAttentionMetadata, scale: float | None = None):
         k_cache, v_cache = cache
         num_blocks, bs, kvh, d = k_cache.shape
         # gathering whole blocks as rows of a 2-D view is ~7x faster than index_select on the 4-D cache
@@ -150,7 +150,7 @@ class TorchAttentionBackend(AttentionBackend):
         nd = meta.num_decodes
         out = q.new_empty(q.shape) if meta.prefills else None
         if nd and meta.decode_context_lens is not None:
-            o = self._kernel_decode(q[:nd].contiguous(), k_rows, v_rows, k_cache, v_cache, meta)
+            o = self._kernel_decode(q[:nd].contiguous(), k_rows, v_rows, k_cache, v_cache, meta, scale)
             if out is None:
                 return o
             out[:nd] = o
@@ -159,7 +159,7 @@ class TorchAttentionBackend(AttentionBackend):
             keys = k_rows.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)
             values = v_rows.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)
             qd = q[:nd].view(nd, kvh, group, d)
-            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask)
+            o = F.scaled_dot_product_attention(qd, keys, values, attn_mask=meta.decode_mask, scale=scale)
             if out is None:
                 return o.reshape(nd, heads, d)
             out[:nd] = o.reshape(nd, heads, d)
@@ -170,18 +170,19 @@ class TorchAttentionBackend(AttentionBackend):
             qp = q[chunk.start:chunk.end].transpose(0, 1)  # [heads, q, d]
             o = F.scaled_dot_product_attention(
                 qp.unsqueeze(0), keys.unsqueeze(0), values.unsqueeze(0),
-                attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=group > 1,
+                attn_mask=chunk.mask, is_causal=chunk.mask is None, enable_gqa=group > 1, scale=scale,
             )
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
 
-    def _kernel_decode(self, q, k_rows, v_rows, k_cache, v_cache, meta: TorchAttentionMetadata) -> torch.Tensor:
+    def _kernel_decode(self, q, k_rows, v_rows, k_cache, v_cache, meta: TorchAttentionMetadata,
+                       scale: float | None = None) -> torch.Tensor:
         """Decode attention with the C kernel; a prefix shared by every decode (a system prompt) is
         attended once for all of them in one flash-attention call, then merged by log-sum-exp with
         the kernel's result over each sequence's own tokens (cascade attention)."""
         nd, heads, d = q.shape
         _, bs, kvh, _ = k_cache.shape
-        scale = d ** -0.5
+        scale = d ** -0.5 if scale is None else scale
         out = torch.empty_like(q)
         skip, lse = 0, None
         if meta.shared_blocks is not None:

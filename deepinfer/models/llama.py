@@ -25,7 +25,11 @@ from deepinfer.layers.rotary import RotaryEmbedding, apply_rotary_qk
 
 
 class DecoderAttention(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend, bias: bool, qk_norm: bool) -> None:
+    """`norm_cls`: the per-head Q/K norm when `qk_norm` (Gemma's adds 1 to its weight); `scale` multiplies
+    q.k in the backend (None: head_dim ** -0.5)."""
+
+    def __init__(self, cfg, backend: AttentionBackend, bias: bool, qk_norm: bool, norm_cls: type = RMSNorm,
+                 scale: float | None = None) -> None:
         super().__init__()
         self.num_heads = cfg.num_attention_heads
         self.num_kv_heads = getattr(cfg, "num_key_value_heads", None) or self.num_heads
@@ -34,8 +38,9 @@ class DecoderAttention(nn.Module):
         self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.q_norm = norm_cls(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.k_norm = norm_cls(self.head_dim, cfg.rms_norm_eps) if qk_norm else None
+        self.scale = scale
         self.backend = backend
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: Any, meta: Any) -> torch.Tensor:
@@ -48,7 +53,7 @@ class DecoderAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(t, self.num_heads, self.head_dim)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(t, self.num_kv_heads, self.head_dim)
         q, k = apply_rotary_qk(q, k, cos, sin)
-        out = self.backend.forward(q, k, v, cache, meta)
+        out = self.backend.forward(q, k, v, cache, meta, scale=self.scale)
         return self.o_proj(out.view(t, self.q_size))
 
 
@@ -133,6 +138,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self.rotary = RotaryEmbedding(cfg, max_positions, dtype)
         self.fused: FusedDecoder | None = None
+        self._set_kv_groups(cfg, max_positions)
+
+    def _set_kv_groups(self, cfg, max_positions: int) -> None:
         self.kv_groups = group_layers(layer_kv_specs(cfg, max_positions))
         # layer index -> its group's index: `forward` hands each layer its group's attention metadata
         self.layer_group = [0] * cfg.num_hidden_layers

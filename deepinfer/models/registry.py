@@ -5,11 +5,13 @@ from __future__ import annotations
 import torch
 
 from deepinfer.layers.attention import AttentionBackend
+from deepinfer.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.models.qwen2 import Qwen2ForCausalLM
 from deepinfer.models.qwen3 import Qwen3ForCausalLM
 
 MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
@@ -29,6 +31,9 @@ def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype:
             cls = MODEL_REGISTRY[arch]
             break
     else:
+        if "Gemma3ForConditionalGeneration" in archs:
+            raise ValueError("Gemma3ForConditionalGeneration (Gemma 3 with its vision tower) is not supported; "
+                             "serve a text-only Gemma3ForCausalLM checkpoint or a Gemma 3 GGUF file")
         raise ValueError(
             f"unsupported model architecture {archs or '(none in config.json)'}; "
             f"supported: {', '.join(supported_architectures())}"

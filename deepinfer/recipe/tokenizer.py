@@ -36,13 +36,44 @@ def eos_token_ids(tokenizer, hf_config, directory: Path) -> frozenset[int]:
     return frozenset(ids)
 
 
+class NoChatTemplate(ValueError):
+    """A chat request for a model without a chat template (base models, e.g. a Gemma 3 GGUF)."""
+
+    def __init__(self) -> None:
+        super().__init__("this model has no chat template: start the server with --chat-template FILE (a Jinja "
+                         "chat template for this model), or send a completion prompt (/v1/completions)")
+
+
+def read_chat_template(spec: str) -> str:
+    """`--chat-template`: a file holding a Jinja chat template, or the template text itself (as in vLLM)."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return path.read_text()
+    if "{{" in spec or "{%" in spec:
+        return spec
+    raise FileNotFoundError(f"chat template {spec!r} is neither a file nor a Jinja template")
+
+
+def use_chat_template(tokenizer, spec: str | None) -> None:
+    """Install `--chat-template` on a tokenizer (replacing the model's own, if it has one): every chat
+    rendering, tool-support and reasoning detection then reads it from `tokenizer.chat_template`."""
+    if spec is None:
+        return
+    if tokenizer is None:
+        raise ValueError("--chat-template needs a model with a tokenizer")
+    tokenizer.chat_template = read_chat_template(spec)
+
+
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                tools: list[dict] | None = None, **template_kwargs: Any) -> list[int]:
-    """Apply the model's chat template and return prompt token ids."""
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this model has no chat template; use a completion prompt instead")
+                tools: list[dict] | None = None, chat_template: str | None = None,
+                **template_kwargs: Any) -> list[int]:
+    """Apply the chat template (`chat_template`, else the tokenizer's) and return prompt token ids;
+    `NoChatTemplate` (a ValueError) when there is none."""
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if not template:
+        raise NoChatTemplate()
     out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, **template_kwargs)
+                                        tokenize=True, chat_template=template, **template_kwargs)
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)

@@ -257,6 +257,9 @@ def serve(engine_config, server_config, customize=None, api_token: str | None = 
     host, store = info["host_tier_bytes"], info["store_root"]
     print(f"deepinfer: KV host tier {f'{host / 2**20:.0f} MiB' if host is not None else 'off'}; "
           f"KV store {store or 'off'}", flush=True)
+    from deepinfer.recipe.tokenizer import use_chat_template
+
+    use_chat_template(engine.tokenizer, server_config.chat_template)  # before the parsers read the template
     recipe = recipe_options(engine.tokenizer, info.get("architectures"), server_config.tool_parser,
                             server_config.reasoning_parser)
     print(f"deepinfer: tool parser {recipe.tool_parser}; reasoning parser {recipe.reasoning_parser or 'none'}",

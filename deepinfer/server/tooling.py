@@ -10,6 +10,7 @@ from typing import Any
 
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.recipe.output import OutputParser
+from deepinfer.recipe.tokenizer import NoChatTemplate
 from deepinfer.recipe.tool_parsers import ToolCall
 from deepinfer.recipe.tools import (
     ToolChoice,
@@ -63,6 +64,8 @@ def render(ctx: ServingContext, messages: list[dict], plan: ToolPlan, param: str
                              add_generation_prompt, **template_kwargs)
     except APIError:
         raise
+    except NoChatTemplate as e:
+        raise APIError(400, str(e), param=param) from e
     except Exception as e:  # template errors (e.g. unsupported role order) are the client's to fix
         raise APIError(400, f"cannot apply the chat template: {e}", param=param) from e
 

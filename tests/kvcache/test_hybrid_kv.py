@@ -149,3 +149,24 @@ def test_running_sequence_releases_blocks_that_leave_the_window():
         assert len(kv.groups[0].tables["r"]) == -(-(n + 1) // bs)
     kv.free(req)
     assert all(g.pool.num_free == g.pool.num_blocks for g in kv.groups)
+
+
+def test_sliding_only_model_never_registers_a_dropped_block():
+    """One sliding group (group 0, as in Mistral): blocks a prefix hit skipped are NO_BLOCK in the table;
+    registering the request's computed blocks must skip them, not name pool block -1 (the last one, here
+    another request's) by an evicted hash."""
+    bs = 4
+    kv = KVCacheManager(8, bs, "m", "l", specs=[SlidingWindow(6)])
+    kv.free(_computed(kv, "a", list(range(24))))
+    b = Request("b", list(range(24)) + [99], GREEDY)
+    assert kv.allocate(b, 1, kv.lookup_prefix(b))
+    assert kv.block_tables["b"][:4] == [NO_BLOCK] * 4
+    c = Request("c", [7] * 10, GREEDY)  # takes the last pool block and evicts two of a's early blocks
+    assert kv.allocate(c, 10, kv.lookup_prefix(c))
+    assert 7 in kv.block_tables["c"]
+    b.num_computed_tokens = 25
+    b.token_ids.append(5)
+    kv.register_computed(b)
+    assert NO_BLOCK not in kv.pool.cached.values()
+    assert all(kv.pool.block_hash[blk] == h for h, blk in kv.pool.cached.items())
+    assert kv.pool.block_hash[7] is None  # c's block: c has registered nothing
