@@ -170,11 +170,22 @@ class CacheConfig:
         parse=functools.partial(parse_size, auto=True),
     )  # None = auto
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of earlier requests that share a prefix.")
+    swa_replay_tokens: int | None = _f(
+        None,
+        "SWA bounded replay (models with sliding-window and full-attention layers): on a prefix hit whose "
+        "sliding-window KV is gone (evicted, or never stored: the host tier and store keep the full layers' "
+        "KV only), recompute the sliding layers over the last N tokens of the hit, attending to the cached "
+        "full-layer KV, instead of the whole prefix. Default: the model's sliding window. 0: off (such a hit "
+        "is recomputed). A replayed token's window is cut at the replay's start, so with stacked sliding "
+        "layers the result is an approximation; N >= the prompt length is exact.",
+    )
 
     def __post_init__(self) -> None:
         _parse_fields(self)
         if self.block_size <= 0 or self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
+        if self.swa_replay_tokens is not None and self.swa_replay_tokens < 0:
+            raise ValueError(f"swa_replay_tokens must be >= 0, got {self.swa_replay_tokens}")
 
 
 @dataclass(frozen=True)

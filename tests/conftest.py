@@ -52,10 +52,12 @@ def default_model_dir() -> Path:
     return resolve_model(None).directory
 
 
-def _build_tiny(arch: str, root: Path, tokenizer_dir: Path) -> Path:
+def _build_tiny(arch: str, root: Path, tokenizer_dir: Path, spec: dict | None = None) -> Path:
+    """A tiny random model of TINY_ARCHS[arch] (or of `spec`, a variant named `arch`) saved with the default
+    model's tokenizer under root / arch."""
     import transformers
 
-    spec = dict(TINY_ARCHS[arch])
+    spec = dict(TINY_ARCHS[arch] if spec is None else spec)
     cls = getattr(transformers, spec.pop("cls"))
     from transformers import AutoTokenizer
 

@@ -55,6 +55,7 @@ def output_to_json(out: RequestOutput) -> dict[str, Any]:
         "request_id": out.request_id, "prompt": out.prompt, "prompt_token_ids": out.prompt_token_ids,
         "finished": out.finished, "num_cached_tokens": out.num_cached_tokens,
         "num_cached_tokens_by_tier": out.num_cached_tokens_by_tier, "metrics": out.metrics,
+        "num_replayed_tokens": out.num_replayed_tokens,
         "outputs": [{
             "index": c.index, "text": c.text, "token_ids": c.token_ids, "cumulative_logprob": c.cumulative_logprob,
             "logprobs": logprobs_to_json(c.logprobs), "finish_reason": c.finish_reason,
@@ -72,6 +73,7 @@ def output_from_json(d: dict[str, Any]) -> RequestOutput:
     return RequestOutput(request_id=d["request_id"], prompt=d["prompt"], prompt_token_ids=list(d["prompt_token_ids"]),
                          outputs=outputs, finished=d["finished"], num_cached_tokens=d["num_cached_tokens"],
                          num_cached_tokens_by_tier=dict(d["num_cached_tokens_by_tier"]), metrics=dict(d["metrics"]),
+                         num_replayed_tokens=d.get("num_replayed_tokens", 0),
                          prompt_logprobs=logprobs_from_json(d.get("prompt_logprobs")))
 
 

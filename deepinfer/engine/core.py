@@ -73,11 +73,12 @@ class EngineCore:
             self.max_model_len = capacity
         # the layout key (dtype, block size, layers, KV heads, head dim) seeds every block hash: blocks of
         # another layout in a shared store can then never match, not only fail a header check
-        kv_layout = layout_of(self.runner.kv_caches).key
+        kv_layout = layout_of(self.runner.tier_caches).key
         # what the weights compute, not where they are: copies at other paths (other hosts) share KV
         self.model_identity = self.files.kv_identity(self.runner.dtype)
         self.kv = KVCacheManager(self.runner.group_num_blocks, bs, self.model_identity, kv_layout,
-                                 config.cache.enable_prefix_caching, [g.spec for g in self.runner.kv_groups])
+                                 config.cache.enable_prefix_caching, [g.spec for g in self.runner.kv_groups],
+                                 config.cache.swa_replay_tokens)
         self.cost_model = CostModel()
         if sc.profile_cost_model:
             self.cost_model.calibrate(profile_steps(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
@@ -88,10 +89,10 @@ class EngineCore:
         # prefix cache, so they are off without it.
         self.tiers: KVTiers | None = None
         if config.cache.enable_prefix_caching and self.kv.supports_tiers:
-            self.tiers = KVTiers.from_config(ks, self.model_identity, self.runner.kv_caches)
+            self.tiers = KVTiers.from_config(ks, self.model_identity, self.runner.tier_caches)
         elif config.cache.enable_prefix_caching:
-            logger.info("KV tiers off: this model has sliding-window layers, which the host tier and store "
-                        "do not hold yet (the device prefix cache still serves them)")
+            logger.info("KV tiers off: this model has sliding-window layers and bounded replay is off (the "
+                        "tiers hold the full layers' KV only; the device prefix cache still serves it)")
         self.kv.attach_tiers(self.tiers)
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model)
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
@@ -136,10 +137,16 @@ class EngineCore:
     def _load_pending(self, plan: SchedulerOutput) -> None:
         """Copy the tier hits of newly admitted requests into their device blocks. A block that does not
         come back verified (evicted, expired, corrupt meanwhile) is recomputed instead: the item starts
-        earlier, computes as many tokens as planned, and the request continues next step."""
-        for item in plan.scheduled:
+        earlier, computes as many tokens as planned, and the request continues next step. A replayed hit
+        that lost blocks below its replay goes back to the queue instead (out of this step)."""
+        for item in list(plan.scheduled):
             if item.request.pending_load is not None:
-                item.start -= self.kv.load_pending(item.request)
+                missing = self.kv.load_pending(item.request)
+                if missing is None:
+                    self.scheduler.requeue(item.request)
+                    plan.scheduled.remove(item)
+                else:
+                    item.start -= missing
 
     def step(self) -> list[CoreOutput]:
         """Schedule, run and apply one step, in turn."""
@@ -161,6 +168,8 @@ class EngineCore:
             wait([ahead.future])
         # synchronous, on this thread, with no step running (overlapping loads with one is future work)
         self._load_pending(plan)
+        if not plan.scheduled:
+            return None
         prepared = self.runner.prepare(plan, self.kv.group_tables)
         self.scheduler.commit(plan)
         if ahead is not None:

@@ -111,7 +111,7 @@ class LLMEngine:
                 "store_root": str(tiers.store.root) if tiers is not None and tiers.store is not None else None,
                 "architectures": list(getattr(core.hf_config, "architectures", None) or []),
                 "model_identity": core.model_identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
-                "kv_layout": list(dataclasses.astuple(layout_of(core.runner.kv_caches)))}
+                "kv_layout": list(dataclasses.astuple(layout_of(core.runner.tier_caches)))}
 
     def compile_grammar(self, params: StructuredOutputParams):
         """Start compiling (or find cached) `params`' grammar; a Future whose `result()` raises
@@ -244,6 +244,7 @@ class LLMEngine:
             "prefix_queries": kv.prefix_queries,
             "prefix_hits": kv.prefix_hits,
             **{f"prefix_hits_{tier}": n for tier, n in kv.tier_hits.items()},
+            "swa_replayed_tokens": kv.replayed_tokens,
             **tier_stats(self.core.tiers),
             "num_preemptions": sched.num_preemptions,
             # load signals for a cluster router: queued prefill compute (cost model) and KV held
@@ -330,7 +331,7 @@ class LLMEngine:
                        [logprobs] if logprobs is not None and token is not None else None,
                        req.finish_reason, req.stop_reason, req.error,
                        (first.num_cached_tokens, first.num_cached_device, first.num_cached_host,
-                        first.num_cached_store) if first.num_cached_tokens >= 0 else None,
+                        first.num_cached_store, first.num_replayed_tokens) if first.num_cached_tokens >= 0 else None,
                        first.first_scheduled_time)
         if request_id in self._prompt_logprobs_due:
             lps = first.prompt_logprobs

@@ -77,7 +77,7 @@ class _Request:
         self.arrival = time.monotonic()
         self.first_token: float | None = None
         self.first_scheduled: float | None = None
-        self.num_cached: tuple[int, int, int, int] | None = None
+        self.num_cached: tuple[int, int, int, int, int] | None = None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.kv_blocks: list | None = None
 
@@ -222,12 +222,12 @@ class OutputProcessor:
                 finish_reason=seq.finish_reason, stop_reason=seq.stop_reason, error=seq.error,
                 delta_text=text[seq.sent_text:], delta_token_ids=tokens[seq.sent_tokens:]))
             seq.sent_text, seq.sent_tokens = len(text), len(tokens)
-        cached = req.num_cached or (0, 0, 0, 0)
+        cached = req.num_cached or (0, 0, 0, 0, 0)
         kv_blocks, req.kv_blocks = req.kv_blocks, None
         return RequestOutput(
             request_id=req.request_id, prompt=req.prompt, prompt_token_ids=req.prompt_ids, outputs=outputs,
             finished=finished, num_cached_tokens=max(cached[0], 0),
-            num_cached_tokens_by_tier=dict(zip(TIERS, cached[1:], strict=True)),
+            num_cached_tokens_by_tier=dict(zip(TIERS, cached[1:4], strict=True)), num_replayed_tokens=cached[4],
             metrics={"arrival": req.arrival, "first_token": req.first_token, "now": time.monotonic(),
                      "first_scheduled": req.first_scheduled},
             prompt_logprobs=req.prompt_logprobs, kv_blocks=kv_blocks)

@@ -47,6 +47,8 @@ class RequestOutput:
     # the same split by where they were found: {"device": .., "host": .., "store": ..}
     num_cached_tokens_by_tier: dict[str, int] = field(default_factory=lambda: {"device": 0, "host": 0, "store": 0})
     metrics: dict = field(default_factory=dict)
+    # cached prompt tokens whose sliding-window KV was recomputed (SWA bounded replay; config.swa_replay_tokens)
+    num_replayed_tokens: int = 0
     # SamplingParams.prompt_logprobs: one entry per prompt token, None for the first (vLLM's shape)
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     # requests added with `stream_kv`: (block hash, payload) of the prompt's full blocks whose KV was
@@ -65,8 +67,9 @@ class TokenDelta:
     finish_reason: str | None = None  # "stop" | "length" | "abort", once the engine finished the sequence
     stop_reason: int | str | None = None  # the stop token id that ended it
     error: str | None = None
-    # prompt tokens served from the prefix cache: (total, device, host, store); None until scheduled
-    num_cached: tuple[int, int, int, int] | None = None
+    # prompt tokens served from the prefix cache: (total, device, host, store, of them replayed for the
+    # sliding-window layers); None until scheduled
+    num_cached: tuple[int, int, int, int, int] | None = None
     first_scheduled: float | None = None  # time.monotonic() of its first step
     prompt_logprobs: list | None = None  # TokenLogprobs per prompt token (None for the first), once, when complete
     kv_blocks: list | None = None  # stream_kv: (block hash, bytes) computed since the previous delta

@@ -73,6 +73,11 @@ class Request:
         self.num_cached_device = 0
         self.num_cached_host = 0
         self.num_cached_store = 0
+        # bounded replay (kvcache/manager.py): positions < replay_end recompute the sliding groups only
+        # (the full groups hold them); sliding-window attention sees no key before kv_floor
+        self.replay_end = 0
+        self.kv_floor = 0
+        self.num_replayed_tokens = 0
         self.pending_load: PendingLoad | None = None
         # (device blocks, lookup limit, host blocks, store blocks) of the last tier lookup while waiting
         self.tier_lookup: tuple[int, int, int, int] | None = None

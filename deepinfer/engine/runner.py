@@ -137,9 +137,16 @@ class ModelRunner:
         # what one sequence can hold: the blocks of a full-attention group (a sliding one needs its window)
         self.num_blocks = min((n for g, n in zip(self.kv_groups, self.group_num_blocks, strict=True)
                                if isinstance(g.spec, FullAttention)), default=self.group_num_blocks[0])
-        # each group's layers get that group's block count; the group numbers its blocks itself
+        # each group's layers get that group's block count; the group numbers its blocks itself. With
+        # sliding groups beside full ones (bounded replay), a full group's caches get one block more that
+        # no table names: the slots of replayed positions, whose KV the full group already holds
+        self.replay_slot_base: list[int | None] = [None] * len(self.kv_groups)
+        hybrid = any(isinstance(g.spec, SlidingWindow) for g in self.kv_groups)
         self.kv_caches: list[Any] = [None] * hf_config.num_hidden_layers
-        for group, n in zip(self.kv_groups, self.group_num_blocks, strict=True):
+        for i, (group, n) in enumerate(zip(self.kv_groups, self.group_num_blocks, strict=True)):
+            if hybrid and isinstance(group.spec, FullAttention):
+                self.replay_slot_base[i] = n * self.block_size
+                n += 1
             caches = self.backend.allocate_cache(len(group.layers), n, self.block_size, self.model.num_kv_heads,
                                                  self.model.head_dim, self.dtype, self.device)
             for layer, cache in zip(group.layers, caches, strict=True):
@@ -180,6 +187,12 @@ class ModelRunner:
         if hasattr(self.model, "enable_fused_decode") and self.model.enable_fused_decode():
             self.model.fused.row_invariant = True
         logger.info("deterministic mode: row-invariant kernels for every step")
+
+    @property
+    def tier_caches(self) -> list[Any]:
+        """The caches of KV group 0's layers (all layers for a dense model): what a block's payload in the
+        host tier and store holds (a sliding group's blocks come back by replay instead)."""
+        return [self.kv_caches[i] for i in self.kv_groups[0].layers]
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -261,29 +274,41 @@ class ModelRunner:
                 logits_rows.append(len(tokens) - 1)
                 sample_reqs.append(req)
         metas = []
-        for group, by_request in zip(self.kv_groups, group_tables, strict=True):
-            tables, slot_mapping = self._slots(step, by_request)
+        floors = [item.request.kv_floor for item in step.scheduled]
+        floors = floors if any(floors) else None
+        for group, by_request, replay_base in zip(self.kv_groups, group_tables, self.replay_slot_base, strict=True):
+            tables, slot_mapping = self._slots(step, by_request, replay_base)
+            window = _window(group.spec)
             metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
-                                                             slot_mapping, bs, _window(group.spec))))
+                                                             slot_mapping, bs, window,
+                                                             floors if window is not None else None)))
         dev = self.device
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
             metas, torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.long, device=dev),
             sample_reqs, len(tokens), time.perf_counter() - started, pending, prompt_rows=prompt_rows)
 
-    def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]]) -> tuple[list[list[int]], torch.Tensor]:
-        """One KV group's block tables for the step's rows, and the flat cache slot of every new token."""
+    def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]],
+               replay_base: int | None = None) -> tuple[list[list[int]], torch.Tensor]:
+        """One KV group's block tables for the step's rows, and the flat cache slot of every new token.
+        `replay_base` (a full group beside sliding ones): replayed positions write to the spare block
+        from there, so the KV the group holds for them stays as it is (and is what their queries read)."""
         bs = self.block_size
         tables: list[list[int]] = []
         slots: list[torch.Tensor | int] = []
         for item in step.scheduled:
-            table = by_request[item.request.request_id]
+            req = item.request
+            table = by_request[req.request_id]
             start = item.start
             if item.num_new_tokens == 1:
                 slots.append(table[start // bs] * bs + start % bs)
             else:
                 pos = torch.arange(start, start + item.num_new_tokens)
                 slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
+            if replay_base is not None and start < req.replay_end:
+                pos = torch.arange(start, start + item.num_new_tokens)
+                own = slots[-1] if isinstance(slots[-1], torch.Tensor) else torch.tensor([slots[-1]])
+                slots[-1] = torch.where(pos < req.replay_end, replay_base + pos % bs, own)
             tables.append(table)
         slot_mapping = torch.cat([s if isinstance(s, torch.Tensor) else torch.tensor([s]) for s in slots])
         return tables, slot_mapping.to(self.device)

@@ -162,7 +162,7 @@ class Scheduler:
                 if computing and hit.num_blocks < (req.num_tokens - 1) // self.kv.block_size and \
                         req.block_hashes[hit.num_blocks] in computing:
                     continue  # a prompt in prefill is computing its next blocks: they are cached once done
-                start = hit.num_blocks * self.kv.block_size
+                start = hit.start(self.kv.block_size)
                 remaining = req.num_tokens - start
                 n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
                 if n <= 0:
@@ -225,7 +225,7 @@ class Scheduler:
         """Tokens `req` would not need to compute now: its computed ones, or its cached prefix if waiting."""
         if req.status is RequestStatus.RUNNING:
             return req.num_computed_tokens
-        return self.kv.lookup_prefix(req).num_blocks * self.kv.block_size
+        return self.kv.lookup_prefix(req).start(self.kv.block_size)
 
     def _newest_unscheduled(self, scheduled_ids: set[str]) -> Request:
         for req in reversed(self.running):
@@ -234,12 +234,18 @@ class Scheduler:
         raise RuntimeError("no request left to preempt")  # unreachable: the current request is unscheduled
 
     def _preempt(self, req: Request) -> None:
-        self.kv.free(req)
-        self.running.remove(req)
+        self.requeue(req)
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
+
+    def requeue(self, req: Request) -> None:
+        """Take a running request back to the head of the queue, its blocks freed (it starts over)."""
+        self.kv.free(req)
+        self.running.remove(req)
+        req.status = RequestStatus.WAITING
+        req.num_computed_tokens = 0
+        req.replay_end = req.kv_floor = 0
         self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ update

@@ -53,7 +53,7 @@ def export_blocks(core: EngineCore, token_ids: Sequence[int], cache_salt: str | 
 def export_hashes(core: EngineCore, hashes: Sequence[bytes]) -> list[tuple[bytes, Any]]:
     """(hash, payload) of the longest leading run of `hashes` held on the device or in the host tier.
     Nothing for a model with sliding-window layers: its payloads are not one block id per position."""
-    if not core.kv.supports_tiers:
+    if not core.kv.supports_export:
         return []
     pool = core.kv.pool
     host = core.tiers.host if core.tiers is not None else None
@@ -90,7 +90,7 @@ def import_blocks(core: EngineCore, blocks: Sequence[tuple[bytes, Any]], hold: l
     `hold`: keep a reference on every device block of `blocks` instead (appended to `hold`), so none is
     evicted before the request that needs them arrives; `release_blocks(core, hold)` drops them."""
     kv = core.kv
-    if not kv.enable_prefix_caching or not kv.supports_tiers:
+    if not kv.enable_prefix_caching or not kv.supports_export:
         return 0
     pool = kv.pool
     found = [pool.lookup(h) for h, _ in blocks]

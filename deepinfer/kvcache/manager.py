@@ -9,6 +9,17 @@ sequence. A prefix hit of L blocks needs all L blocks of every full group and on
 blocks of every sliding group. A dense model is one full-attention group: `pool` and `block_tables`
 are that group's.
 
+SWA bounded replay (`replay_tokens`, models with full and sliding groups): a sliding group's blocks
+churn much faster than the full groups' (its pool is small, and the tiers do not hold them), so a
+prefix whose full-group blocks are cached (device, host tier or store) often lacks the window. Rather
+than recompute the whole prefix, the hit keeps the full groups' L blocks and recomputes only the last
+`replay_tokens` of it (from a block boundary, `PrefixHit.replay_from`): in those positions the full
+groups read their cached KV and write nothing (`Request.replay_end`), the sliding groups write fresh
+blocks, and their attention sees keys from `replay_from` on only (`Request.kv_floor`). With stacked
+sliding layers that is an approximation (a replayed token's window is cut at `replay_from`); it is
+exact when the replay covers every dependency (from position 0, or a single sliding layer). A hit is
+replayed when that computes no more tokens than the longest exact hit.
+
 With KV tiers attached (`attach_tiers`, see `engine_tiers.py`) the prefix cache continues below
 the device: a lookup extends the device match through host memory and the store. A waiting
 request whose match reaches into the store is first prefetched (`prefetch.py`): the lookup
@@ -29,7 +40,7 @@ from typing import TYPE_CHECKING
 from deepinfer.engine.request import PendingLoad, Request
 from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
 from deepinfer.kvcache.pool import BlockPool
-from deepinfer.kvcache.spec import FullAttention, KVSpec
+from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
 
 if TYPE_CHECKING:
     from deepinfer.kvcache.engine_tiers import KVTiers
@@ -53,6 +64,8 @@ class PrefixHit:
     # the store part is still being read in the background: the request is not ready to admit
     prefetching: bool = False
     staged: Staged | None = None  # the prefetch's payloads, once done (num_store of them from the store)
+    # bounded replay: the sliding groups recompute positions replay_from .. num_blocks * block_size - 1
+    replay_from: int | None = None
 
     @property
     def num_load(self) -> int:
@@ -61,6 +74,10 @@ class PrefixHit:
     @property
     def num_blocks(self) -> int:
         return len(self.blocks) + self.num_load
+
+    def start(self, block_size: int) -> int:
+        """The first position the request computes: after the hit, or where its replay begins."""
+        return self.replay_from if self.replay_from is not None else self.num_blocks * block_size
 
 
 @dataclass
@@ -76,11 +93,14 @@ class KVCacheManager:
     """Owns each request's block tables; answers prefix-cache lookups; registers computed blocks.
 
     `specs` (default: one full-attention group) and `num_blocks` (one count, or one per group) describe
-    the layer groups. Host / store tiers and KV export work on models of full-attention groups only
-    (`supports_tiers`)."""
+    the layer groups; `replay_tokens` (None: the largest sliding window; 0: off) bounds a hit's replay
+    (see the module docstring). The host tier and store hold group 0's blocks (`supports_tiers`: models
+    of full-attention groups, or full and sliding groups with replay); KV export takes full-attention
+    models only."""
 
     def __init__(self, num_blocks: int | Sequence[int], block_size: int, model_identity: str, kv_layout: str,
-                 enable_prefix_caching: bool = True, specs: Sequence[KVSpec] = (FullAttention(),)) -> None:
+                 enable_prefix_caching: bool = True, specs: Sequence[KVSpec] = (FullAttention(),),
+                 replay_tokens: int | None = None) -> None:
         if not specs:
             raise ValueError("a model needs at least one KV layer group")
         counts = [num_blocks] * len(specs) if isinstance(num_blocks, int) else list(num_blocks)
@@ -89,7 +109,17 @@ class KVCacheManager:
         self.groups = [_Group(spec, BlockPool(n)) for spec, n in zip(specs, counts, strict=True)]
         self.pool = self.groups[0].pool
         self.block_tables = self.groups[0].tables
-        self.supports_tiers = all(isinstance(g.spec, FullAttention) for g in self.groups)
+        windows = [g.spec.window for g in self.groups if isinstance(g.spec, SlidingWindow)]
+        hybrid = bool(windows) and isinstance(self.groups[0].spec, FullAttention)
+        if replay_tokens is not None and replay_tokens < 0:
+            raise ValueError(f"replay_tokens must be >= 0, got {replay_tokens}")
+        # bounded replay needs a full group to keep the prefix (group 0: `group_layers` puts full first)
+        self.replay_tokens = (max(windows) if replay_tokens is None else replay_tokens) if hybrid else 0
+        self.supports_export = all(isinstance(g.spec, FullAttention) for g in self.groups)
+        # the tiers hold group 0's blocks; a sliding group's then come back by replay
+        self.supports_tiers = all(isinstance(g.spec, FullAttention) for g in self.groups) or (
+            hybrid and self.replay_tokens > 0 and all(isinstance(g.spec, FullAttention | SlidingWindow)
+                                                      for g in self.groups))
         self.block_size = block_size
         self.model_identity = model_identity
         self.kv_layout = kv_layout
@@ -104,6 +134,7 @@ class KVCacheManager:
         self.prefix_queries = 0
         self.prefix_hits = 0
         self.tier_hits = dict.fromkeys(TIERS, 0)
+        self.replayed_tokens = 0  # prompt tokens recomputed for the sliding groups of replayed hits
 
     @property
     def group_tables(self) -> list[dict[str, list[int]]]:
@@ -113,7 +144,8 @@ class KVCacheManager:
     def attach_tiers(self, tiers: KVTiers | None) -> None:
         """Continue prefix lookups through `tiers` and move blocks to and from them (None: detach)."""
         if tiers is not None and not self.supports_tiers:
-            raise ValueError("KV tiers (host cache, store) hold models of full-attention layers only")
+            raise ValueError("KV tiers (host cache, store) hold models of full-attention layers, or of full "
+                             "and sliding-window layers with bounded replay on")
         self.tiers = tiers if self.enable_prefix_caching else None
         self.pool.on_evict = tiers.evicted if self.tiers is not None and tiers.host is not None else None
 
@@ -137,13 +169,18 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def find_cached_prefix(self, req: Request) -> list[list[int]]:
-        """Per layer group, the device blocks holding the longest cached prefix of `req` (at most
+        """Per layer group, the device blocks holding the longest exactly cached prefix of `req` (at most
         num_tokens - 1 tokens: the last token is always recomputed to produce logits), NO_BLOCK where a
         sliding window does not need the block. Takes no reference. Empty for a request that wants
         prompt logprobs: every prompt position's logits must be computed."""
-        empty: list[list[int]] = [[] for _ in self.groups]
+        found, _, exact = self._device_prefix(req)
+        return self._tables(found, exact)
+
+    def _device_prefix(self, req: Request) -> tuple[list[list[int | None]], int, int]:
+        """Per group, the device blocks of `req`'s chain positions (None where missing); how many leading
+        positions every full group holds; and the longest prefix every group serves (<= the former)."""
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
-            return empty
+            return [[] for _ in self.groups], 0, 0
         self.update_hashes(req)
         limit = (req.num_tokens - 1) // self.block_size
         hashes = req.block_hashes[:limit]
@@ -160,14 +197,23 @@ class KVCacheManager:
                 found.append(run)
             else:
                 found.append([g.pool.lookup(h) for h in hashes])
-        length = len(hashes)
+        full = length = len(hashes)
         while length and not all(self._covers(g.spec, f, length) for g, f in zip(self.groups, found, strict=True)):
             length -= 1
+        return found, full, length
+
+    def _tables(self, found: list[list[int | None]], length: int, replay_from: int | None = None) -> list[list[int]]:
+        """The hit's block table per group for a prefix of `length` chain positions; with `replay_from`,
+        the sliding groups get no cached block (they recompute from there) and the others `length`."""
         if length == 0:
-            return empty
+            return [[] for _ in self.groups]
+        bs = self.block_size
         out = []
         for g, f in zip(self.groups, found, strict=True):
-            first = g.spec.first_needed_block(length * self.block_size, self.block_size)
+            if replay_from is not None and isinstance(g.spec, SlidingWindow):
+                out.append([NO_BLOCK] * (replay_from // bs))  # no key before the replay is ever read
+                continue
+            first = g.spec.first_needed_block(length * bs, bs)
             out.append([NO_BLOCK] * first + f[first:length])  # type: ignore[operator]
         return out
 
@@ -177,17 +223,33 @@ class KVCacheManager:
         return all(b is not None for b in found[first:length])
 
     def lookup_prefix(self, req: Request) -> PrefixHit:
-        """The device prefix, continued through the tiers. The tier answer is kept on the request while
-        the device part and the request's length stay the same: a waiting request is looked up every
-        step, and a store lookup reads files. A stale answer only costs a recompute (loads verify).
-        With a prefetcher, store hits start a background read and the hit says `prefetching` until
-        they are staged; then they are memory hits, and whatever the read did not stage is a miss."""
-        first, *others = self.find_cached_prefix(req)
-        hit = PrefixHit(first, others)
+        """The device prefix, continued through the tiers, replayed if that computes less (module
+        docstring). The tier answer is kept on the request while the device part and the request's
+        length stay the same: a waiting request is looked up every step, and a store lookup reads files.
+        A stale answer only costs a recompute (loads verify). With a prefetcher, store hits start a
+        background read and the hit says `prefetching` until they are staged; then they are memory hits,
+        and whatever the read did not stage is a miss."""
+        found, full, exact = self._device_prefix(req)
+        hit = self._tier_hit(req, full)
+        bs = self.block_size
+        total = full + hit.num_load
+        if self.replay_tokens and total > exact:
+            replay_from = max(0, total * bs - self.replay_tokens) // bs * bs
+            if replay_from >= exact * bs:  # no more tokens to compute than the exact hit
+                hit.blocks, *hit.other_groups = self._tables(found, full, replay_from)
+                hit.replay_from = replay_from
+                return hit
+        if exact < full:  # the tier part continues the full groups only: without replay it serves nothing
+            hit = PrefixHit()
+        hit.blocks, *hit.other_groups = self._tables(found, exact)
+        return hit
+
+    def _tier_hit(self, req: Request, start: int) -> PrefixHit:
+        """What the tiers hold of `req`'s chain from position `start` on (blocks not filled in)."""
+        hit = PrefixHit()
         if self.tiers is None or req.params.prompt_logprobs is not None:
             return hit
         limit = (req.num_tokens - 1) // self.block_size
-        start = len(hit.blocks)
         if start >= limit:
             return hit
         prefetcher = self.tiers.prefetcher
@@ -229,16 +291,18 @@ class KVCacheManager:
         new = req.request_id not in self.groups[0].tables
         if new:
             hit = hit or PrefixHit()
-            computed = hit.num_blocks * bs
+            computed = hit.start(bs)
             starts = [hit.blocks, *hit.other_groups] if hit.other_groups else [hit.blocks] * len(self.groups)
             # tier hits get fresh blocks (loaded before the step runs): count them as new blocks
             starts = [list(b) for b in starts]
         else:
             computed = req.num_computed_tokens
             starts = [g.tables[req.request_id] for g in self.groups]
-        end_blocks = self.blocks_needed(computed + num_new_tokens)
         plans = []
         for g, table in zip(self.groups, starts, strict=True):
+            end_blocks = self.blocks_needed(computed + num_new_tokens)
+            if new and isinstance(g.spec, FullAttention):  # its tier hits get blocks now, even past a replay chunk
+                end_blocks = max(end_blocks, hit.num_blocks)
             first = g.spec.first_needed_block(computed, bs)
             drop = [i for i in range(min(first, len(table))) if table[i] != NO_BLOCK]
             if new:  # cached blocks with no other user sit in the free queue: acquiring them uses up free blocks
@@ -272,19 +336,26 @@ class KVCacheManager:
             req.num_cached_host = hit.num_host * bs
             req.num_cached_store = hit.num_store * bs
             req.num_cached_tokens = min(hit.num_blocks * bs, req.num_prompt_tokens)
+            req.num_replayed_tokens = 0
             self.prefix_queries += req.num_prompt_tokens
             # tier hits are counted once loaded: a counter must not go back down
             self.prefix_hits += req.num_cached_device
             self.tier_hits["device"] += req.num_cached_device
+        if hit.replay_from is not None:
+            req.replay_end, req.kv_floor = hit.num_blocks * bs, hit.replay_from
+            req.num_replayed_tokens += req.replay_end - hit.replay_from
+            self.replayed_tokens += req.replay_end - hit.replay_from
         req.pending_load = PendingLoad(len(hit.blocks), hit.num_load, first, hit.staged) if hit.num_load else None
         req.tier_lookup = None
         self._release_prefetch(req)  # the staged payloads, if any, now live on in pending_load
 
-    def load_pending(self, req: Request) -> int:
+    def load_pending(self, req: Request) -> int | None:
         """Bring `req`'s pending tier hits into its device blocks (call before the step that first reads
         them) and make them findable. Returns how many tokens did not load: the caller lowers the step's
         start by that much, so they are recomputed; the request's computed and cached counts are already
-        lowered here."""
+        lowered here. A replayed hit keeps its start while what loaded still reaches it (the positions
+        past the loaded blocks compute normally); else None: the caller frees the request and queues it
+        again (the next lookup no longer finds the blocks that failed)."""
         pending, req.pending_load = req.pending_load, None
         if pending is None or self.tiers is None:
             return 0
@@ -302,6 +373,14 @@ class KVCacheManager:
             self.tier_hits["host"] += from_host * bs
             self.tier_hits["store"] += from_store * bs
         missing = (count - loaded) * bs
+        if req.replay_end and missing:
+            end = (first + loaded) * bs
+            if end < req.kv_floor:
+                return None
+            self.replayed_tokens -= req.replay_end - end
+            req.num_replayed_tokens -= req.replay_end - end
+            req.replay_end = end
+            return 0
         req.num_computed_tokens -= missing
         return missing
 

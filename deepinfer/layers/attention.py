@@ -34,6 +34,9 @@ class AttentionBatch:
     # sliding-window layers: a query at position p sees keys p - window < k <= p only, and table entries
     # of blocks wholly before its window may be invalid (negative); None: full causal attention
     window: int | None = None
+    # sliding-window layers: per sequence, the first key position that has KV (a replayed prefix hit's
+    # start, kvcache/manager.py); keys before it are masked and their table entries never read. None: 0
+    key_floors: list[int] | None = None
 
 
 class AttentionBackend(ABC):

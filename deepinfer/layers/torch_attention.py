@@ -111,15 +111,16 @@ class TorchAttentionBackend(AttentionBackend):
         """Sliding window: every sequence, decodes included, as one SDPA chunk over the blocks from the
         one holding its first query's earliest key, masked to each query's window."""
         bs, dev, w = batch.block_size, self.device, batch.window
+        floors = batch.key_floors or [0] * len(batch.query_lens)
         chunks = []
         start = 0
-        for q, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True):
+        for q, ctx, table, floor in zip(batch.query_lens, batch.context_lens, batch.block_tables, floors, strict=True):
             first_pos = ctx - q
-            lo = max(0, first_pos - w + 1) // bs
+            lo = max(0, first_pos - w + 1, floor) // bs
             n = (ctx + bs - 1) // bs
             keys = torch.arange(lo * bs, ctx)
             qpos = torch.arange(first_pos, ctx)[:, None]
-            mask = ((keys[None, :] <= qpos) & (keys[None, :] > qpos - w)).to(dev)
+            mask = ((keys[None, :] <= qpos) & (keys[None, :] > qpos - w) & (keys[None, :] >= floor)).to(dev)
             chunks.append(_PrefillChunk(start, start + q, torch.tensor(table[lo:n], dtype=torch.long, device=dev),
                                         ctx - lo * bs, mask))
             start += q

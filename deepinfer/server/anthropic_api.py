@@ -78,7 +78,8 @@ def _usage(final: RequestOutput, prompt_len: int, breakpoints: bool) -> dict:
     cached = final.num_cached_tokens
     rest = prompt_len - cached
     return {"input_tokens": 0 if breakpoints else rest, "output_tokens": len(final.outputs[0].token_ids),
-            "cache_read_input_tokens": cached, "cache_creation_input_tokens": rest if breakpoints else 0}
+            "cache_read_input_tokens": cached, "cache_creation_input_tokens": rest if breakpoints else 0,
+            **({"replayed_input_tokens": final.num_replayed_tokens} if final.num_replayed_tokens else {})}
 
 
 def _stop(c: CompletionOutput, called: bool, stops: list[str]) -> tuple[str, str | None]:

@@ -91,10 +91,11 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     finals = await asyncio.gather(*(final_output_or_disconnect(raw, g) for g in gens))
     if any(f is None for f in finals):
         return client_gone()
-    choices, prompt_tokens, completion_tokens, cached = [], 0, 0, 0
+    choices, prompt_tokens, completion_tokens, cached, replayed = [], 0, 0, 0, 0
     for pi, ((text, ids), final) in enumerate(zip(prompts, finals, strict=True)):
         prompt_tokens += len(ids)
         cached += final.num_cached_tokens
+        replayed += final.num_replayed_tokens
         echo = (text if text is not None else engine.tokenizer.decode(ids)) if req.echo else ""
         for c in final.outputs:
             if score_only:
@@ -108,7 +109,7 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
             choices.append({"index": pi * req.n + c.index, "text": echo + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
-                         "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached),
+                         "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached, replayed),
                          "system_fingerprint": None})
 
 
@@ -169,5 +170,6 @@ async def _completion_sse(ctx: ServingContext, req: CompletionRequest, rid: str,
         prompt_tokens = sum(len(ids) for _, ids in prompts)
         completion_tokens = 0 if score_only else sum(len(c.token_ids) for f in finals.values() for c in f.outputs)
         cached = sum(f.num_cached_tokens for f in finals.values())
-        yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached)})
+        replayed = sum(f.num_replayed_tokens for f in finals.values())
+        yield sse({**base, "choices": [], "usage": usage(prompt_tokens, completion_tokens, cached, replayed)})
     yield sse("[DONE]")

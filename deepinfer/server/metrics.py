@@ -47,6 +47,8 @@ class _EngineCollector:
         yield gauge("kv_cache_blocks_total", "KV blocks in the pool.", s["kv_blocks_total"])
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", s["prefix_queries"])
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", s["prefix_hits"])
+        yield counter("swa_replayed_tokens", "Cached prompt tokens whose sliding-window KV was recomputed (SWA "
+                      "bounded replay).", s.get("swa_replayed_tokens", 0))
         by_tier = CounterMetricFamily("deepinfer:prefix_cache_hits_by_tier",
                                       "Prompt tokens served from cache, by where they were found (device cache, "
                                       "host-memory tier, persistent store); sums to prefix_cache_hits.",

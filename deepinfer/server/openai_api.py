@@ -167,7 +167,8 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
 def _usage(ctx: ServingContext, final: RequestOutput, parsers: list[OutputParser]) -> dict:
     """OpenAI usage; with a reasoning parser also `completion_tokens_details.reasoning_tokens`.
     `parsers[i]` has parsed `final.outputs[i]`."""
-    body = usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens)
+    body = usage(len(final.prompt_token_ids), sum(len(c.token_ids) for c in final.outputs), final.num_cached_tokens,
+                 final.num_replayed_tokens)
     if ctx.recipe.reasoning_parser is not None:
         body["completion_tokens_details"] = {"reasoning_tokens": sum(
             p.reasoning_tokens(c.token_ids) for p, c in zip(parsers, final.outputs, strict=True))}

@@ -124,7 +124,9 @@ class _Job:
     def usage(self, final: RequestOutput, parser: OutputParser) -> dict:
         out_tokens = sum(len(c.token_ids) for c in final.outputs)
         return {"input_tokens": len(self.prompt_ids),
-                "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0},
+                "input_tokens_details": {"cached_tokens": final.num_cached_tokens, "cache_write_tokens": 0,
+                                          **({"replayed_tokens": final.num_replayed_tokens}
+                                             if final.num_replayed_tokens else {})},
                 "output_tokens": out_tokens,
                 "output_tokens_details": {"reasoning_tokens": parser.reasoning_tokens(final.outputs[0].token_ids)},
                 "total_tokens": len(self.prompt_ids) + out_tokens}

@@ -101,11 +101,14 @@ def tenant_of(raw: Request) -> str | None:
     return getattr(raw.state, "cache_tenant", None)
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, cached: int, replayed: int = 0) -> dict:
+    """OpenAI's usage object (with DeepSeek's cache hit / miss counts). `replayed`: of the cached tokens,
+    those whose sliding-window KV was recomputed (SWA bounded replay), reported when there are any."""
+    details = {"cached_tokens": cached} | ({"replayed_tokens": replayed} if replayed else {})
     return {
         "prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
-        "prompt_tokens_details": {"cached_tokens": cached},
+        "prompt_tokens_details": details,
         "prompt_cache_hit_tokens": cached, "prompt_cache_miss_tokens": prompt_tokens - cached,
     }
 
@@ -115,7 +118,8 @@ def running_usage(out: RequestOutput | None) -> dict | None:
     (vLLM's extension, which load generators such as guidellm ask for)."""
     if out is None:
         return None
-    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens)
+    return usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs), out.num_cached_tokens,
+                 out.num_replayed_tokens)
 
 
 def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:

@@ -33,13 +33,15 @@ def test_config_declares_two_groups_and_sliding_layers_get_fewer_blocks(tiny_mod
         runner = llm.engine.core.runner
         assert [(g.layers, g.spec) for g in runner.kv_groups] == [((0,), FullAttention()),
                                                                    ((1, 2), SlidingWindow(WINDOW))]
-        assert llm.engine.core.tiers is None  # the host tier / store do not hold sliding groups yet
+        assert llm.engine.core.kv.supports_tiers and llm.engine.core.kv.replay_tokens == WINDOW
         full, sliding = runner.group_num_blocks
         # 4 sequences x (ceil(12 / 16) + 1) blocks + one 2048-token step, twice: 2 * (8 + 128)
         assert sliding == 272 and full > 3 * sliding
         assert [len(g.pool.ref_counts) for g in llm.engine.core.kv.groups] == [full, sliding]
-        assert [runner.kv_caches[i][0].shape[0] for i in range(3)] == [full, sliding, sliding]
-        assert 15 * 2**20 < runner.kv_cache_bytes <= 16 * 2**20  # the budget is spent, not exceeded
+        # the full group's caches have one spare block: where replayed positions' writes go
+        assert [runner.kv_caches[i][0].shape[0] for i in range(3)] == [full + 1, sliding, sliding]
+        spare = runner.kv_caches[0][0][0].numel() * 4 * 2
+        assert 15 * 2**20 < runner.kv_cache_bytes - spare <= 16 * 2**20  # the budget is spent, not exceeded
 
 
 @pytest.mark.parametrize("block_size", [4, 16])
@@ -111,10 +113,10 @@ def _computed(kv: KVCacheManager, rid: str, tokens: list[int]) -> Request:
 
 
 def test_hit_shortens_to_where_the_window_is_still_cached():
-    """A hit of L blocks needs the sliding group's blocks in L's window: when those were evicted, the
-    hit falls back to a shorter prefix whose window is cached (here: none), never past a hole."""
+    """Without replay, a hit of L blocks needs the sliding group's blocks in L's window: when those were
+    evicted, the hit falls back to a shorter prefix whose window is cached (here: none), never past a hole."""
     bs, window = 4, 6
-    kv = KVCacheManager([32, 6], bs, "m", "l", specs=[FullAttention(), SlidingWindow(window)])
+    kv = KVCacheManager([32, 6], bs, "m", "l", specs=[FullAttention(), SlidingWindow(window)], replay_tokens=0)
     a = _computed(kv, "a", list(range(24)))  # 6 blocks, all held by both groups (no step dropped any)
     kv.free(a)
     b = Request("b", list(range(24)) + [99], GREEDY)
@@ -128,6 +130,33 @@ def test_hit_shortens_to_where_the_window_is_still_cached():
     # L = 6..3 would need a window block that is gone; L = 2 needs blocks 0-1 (window of position 8: 3..7)
     hit = kv.lookup_prefix(b)
     assert len(hit.blocks) == 2 and hit.other_groups[0] == [kv.groups[1].pool.lookup(h) for h in b.block_hashes[:2]]
+    assert all(c == 0 for g in kv.groups for c in g.pool.ref_counts)
+
+
+def test_replayed_hit_keeps_the_full_prefix_and_recomputes_only_the_window():
+    """With replay (default: the window), the same evicted case keeps all 6 full blocks and recomputes the
+    sliding group from the last block boundary at least `window` tokens back; the sliding blocks before it
+    are never allocated, and the request's replay fields say which positions the full group skips."""
+    bs, window = 4, 6
+    kv = KVCacheManager([32, 6], bs, "m", "l", specs=[FullAttention(), SlidingWindow(window)])
+    kv.free(_computed(kv, "a", list(range(24))))
+    kv.free(_computed(kv, "c", [7] * 16))  # evicts a's last 4 sliding blocks, as above
+    b = Request("b", list(range(24)) + [99], GREEDY)
+    hit = kv.lookup_prefix(b)
+    assert len(hit.blocks) == 6 and hit.replay_from == 16 and hit.start(bs) == 16  # 24 - 6 = 18, down to 16
+    assert hit.other_groups == [[NO_BLOCK] * 4]
+    assert kv.allocate(b, 9, hit)
+    kv.admit(b, hit)
+    assert (b.replay_end, b.kv_floor, b.num_replayed_tokens, kv.replayed_tokens) == (24, 16, 8, 8)
+    full, sliding = (g.tables["b"] for g in kv.groups)
+    assert full[:6] == hit.blocks and len(full) == 7 and sliding[:4] == [NO_BLOCK] * 4 and len(sliding) == 7
+    # a longer exact hit wins over a replay that would compute more: a replay of 20 tokens starts at 4
+    kv2 = KVCacheManager([32, 6], bs, "m", "l", specs=[FullAttention(), SlidingWindow(window)], replay_tokens=20)
+    kv2.free(_computed(kv2, "a", list(range(24))))
+    kv2.free(_computed(kv2, "c", [7] * 16))
+    hit = kv2.lookup_prefix(Request("b", list(range(24)) + [99], GREEDY))
+    assert hit.replay_from is None and len(hit.blocks) == 2  # 8 exact tokens beat a replay from 4
+    kv.free(b)
     assert all(c == 0 for g in kv.groups for c in g.pool.ref_counts)
 
 
