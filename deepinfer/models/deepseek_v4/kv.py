@@ -9,7 +9,7 @@ group's own block tables) into index tensors every layer of the step shares:
 - where each new token's K=V and compressor rows go;
 - the compression groups this step completes (entry w of ratio m completes at token (w + 1) * m - 1):
   the compressor-row slots each pools and the compressed slot it is written to;
-- per attention segment (all decodes together, each prefill chunk alone), padded: each query's window
+- per attention segment (all single-token rows together, each longer chunk alone), padded: each query's window
   keys and compressed entries, with the causal masks the full forward uses (a query at p sees window
   keys p - window < k <= p and entries w < (p + 1) // m).
 """
@@ -103,9 +103,9 @@ def build_step_meta(specs: list[KVSpec], batches: list[AttentionBatch], device: 
         if rows:
             new_entries[m] = NewEntries(torch.cat(rows).to(device), torch.cat(valid).to(device),
                                         torch.cat(pos).to(device), torch.cat(dest).to(device))
-    # segments: the leading decodes together, then each prefill chunk alone
-    groups = [list(range(base.num_decodes))] if base.num_decodes else []
-    groups += [[i] for i in range(base.num_decodes, len(starts))]
+    # segments: all single-token rows together (wherever they sit in the batch), each longer chunk alone
+    singles = [i for i, q in enumerate(base.query_lens) if q == 1]
+    groups = ([singles] if singles else []) + [[i] for i, q in enumerate(base.query_lens) if q > 1]
     offsets = [0]
     for q in base.query_lens:
         offsets.append(offsets[-1] + q)

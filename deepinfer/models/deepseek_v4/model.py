@@ -123,16 +123,21 @@ class DeepseekV4ForCausalLM(nn.Module):
                         max_num_batched_tokens: int) -> tuple[list[int], int]:
         """Blocks per group from `budget` bytes, and the tokens one sequence can then hold. Window-like
         groups need at most their window (+1 block) per running sequence plus one step's new tokens and
-        get twice that (the rest keeps cached windows); the compressed groups share what is left so that
-        each covers the same number of tokens."""
+        get twice that (the rest keeps cached windows), scaled down to half the budget at most (but never
+        below one sequence's need); the compressed groups share what is left so that each covers the
+        same number of tokens."""
         per_block = self._group_bytes_per_block(block_size, dtype)
         counts = [0] * len(self.kv_groups)
-        left = budget
         step_blocks = -(-max_num_batched_tokens // block_size)
-        for i, g in enumerate(self.kv_groups):
-            if isinstance(g.spec, SlidingWindow | CompressorWindow):
-                counts[i] = 2 * (max_num_seqs * (-(-g.spec.window // block_size) + 1) + step_blocks)
-                left -= counts[i] * per_block[i]
+        windows = [i for i, g in enumerate(self.kv_groups) if isinstance(g.spec, SlidingWindow | CompressorWindow)]
+        want = {i: 2 * (max_num_seqs * (-(-self.kv_groups[i].spec.window // block_size) + 1) + step_blocks)
+                for i in windows}
+        scale = min(1.0, budget / 2 / max(1, sum(want[i] * per_block[i] for i in windows)))
+        left = budget
+        for i in windows:
+            least = -(-self.kv_groups[i].spec.window // block_size) + 1 + step_blocks
+            counts[i] = max(least, int(want[i] * scale))
+            left -= counts[i] * per_block[i]
         compressed = [i for i, g in enumerate(self.kv_groups) if isinstance(g.spec, Compressed)]
         if not compressed:
             return counts, 1 << 40  # nothing grows with the sequence
