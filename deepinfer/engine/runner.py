@@ -293,10 +293,11 @@ class ModelRunner:
                                       [by_request[item.request.request_id] for item in step.scheduled],
                                       num_decodes, no_slots, bs) for by_request in group_tables]
             metas = self.model.prepare_kv(batches)
-        for group, by_request in zip(self.kv_groups if not self.custom_kv else [], group_tables, strict=False):
-            tables, slot_mapping = self._slots(step, by_request)
-            metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
-                                                             slot_mapping, bs, _window(group.spec))))
+        else:
+            for group, by_request in zip(self.kv_groups, group_tables, strict=True):
+                tables, slot_mapping = self._slots(step, by_request)
+                metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
+                                                                 slot_mapping, bs, _window(group.spec))))
         dev = self.device
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
