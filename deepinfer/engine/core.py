@@ -26,7 +26,6 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, StepResult
 from deepinfer.engine.sampler import TokenLogprobs
 from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
-from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import KVTiers, resolve_retention
 from deepinfer.kvcache.manager import KVCacheManager
 from deepinfer.weights import resolve_model
@@ -73,7 +72,7 @@ class EngineCore:
             self.max_model_len = capacity
         # the layout key (dtype, block size, layers, KV heads, head dim) seeds every block hash: blocks of
         # another layout in a shared store can then never match, not only fail a header check
-        kv_layout = layout_of(self.runner.tier_caches).key
+        kv_layout = self.runner.kv_layout_key()
         # what the weights compute, not where they are: copies at other paths (other hosts) share KV
         self.model_identity = self.files.kv_identity(self.runner.dtype)
         self.kv = KVCacheManager(self.runner.group_num_blocks, bs, self.model_identity, kv_layout,

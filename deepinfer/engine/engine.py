@@ -111,7 +111,9 @@ class LLMEngine:
                 "store_root": str(tiers.store.root) if tiers is not None and tiers.store is not None else None,
                 "architectures": list(getattr(core.hf_config, "architectures", None) or []),
                 "model_identity": core.model_identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
-                "kv_layout": list(dataclasses.astuple(layout_of(core.runner.tier_caches)))}
+                # None: a model with its own KV state (DeepSeek-V4), which KV export does not move yet
+                "kv_layout": None if core.runner.custom_kv
+                else list(dataclasses.astuple(layout_of(core.runner.tier_caches)))}
 
     def compile_grammar(self, params: StructuredOutputParams):
         """Start compiling (or find cached) `params`' grammar; a Future whose `result()` raises

@@ -23,6 +23,7 @@ from deepinfer.config import CacheConfig, ModelConfig, resolve_size
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
 from deepinfer.engine.scheduler import SchedulerOutput
+from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
 from deepinfer.layers.attention import AttentionBatch
 from deepinfer.layers.linear import Linear
@@ -122,6 +123,12 @@ class ModelRunner:
             raise ValueError(f"deterministic mode cannot serve {type(self.model).__name__}: {unsupported}")
         self.model.load_weights(files.iter_weights(self.dtype))
         self.model.eval()
+        # a model that keeps its own kinds of KV state (DeepSeek-V4) allocates its caches and builds its
+        # step metadata itself (`allocate_kv_caches`, `prepare_kv`); the backend serves the others
+        self.custom_kv = hasattr(self.model, "allocate_kv_caches")
+        if self.deterministic and self.custom_kv:
+            raise ValueError(f"deterministic mode does not serve {type(self.model).__name__}: its attention (sinks, "
+                             "compressed entries, indexer top-k) and MoE have no row-invariant kernels")
         self.gguf_kernels = self._attach_gguf(model_config.gguf_kernels, files)
         if self.deterministic:
             self._make_row_invariant()
@@ -132,6 +139,20 @@ class ModelRunner:
         self.kv_groups = self.model.kv_groups
         if self.deterministic and any(not isinstance(g.spec, FullAttention) for g in self.kv_groups):
             raise ValueError("deterministic mode does not serve sliding-window layers yet")
+        if self.custom_kv:
+            self.group_num_blocks, capacity = self.model.kv_group_blocks(
+                self._budget_bytes(cache_config), self.block_size, self.dtype, max_num_seqs, max_num_batched_tokens)
+            self.num_blocks = max(1, capacity // self.block_size)
+            self.kv_caches = self.model.allocate_kv_caches(self.group_num_blocks, self.block_size, self.dtype,
+                                                           self.device)
+        else:
+            self._allocate_backend_caches(cache_config, hf_config, max_num_seqs, max_num_batched_tokens)
+        self.sampler = Sampler(model_config.seed)
+        self.prompt_logprobs_chunk = PROMPT_LOGPROBS_CHUNK
+        self._last_sampled: dict[str, int] = {}  # the previous `run`'s tokens (fills pending inputs)
+
+    def _allocate_backend_caches(self, cache_config: CacheConfig, hf_config, max_num_seqs: int,
+                                 max_num_batched_tokens: int) -> None:
         self.group_num_blocks = self._group_blocks(self._num_blocks(cache_config, hf_config), max_num_seqs,
                                                    max_num_batched_tokens)
         # what one sequence can hold: the blocks of a full-attention group (a sliding one needs its window)
@@ -151,9 +172,6 @@ class ModelRunner:
                                                  self.model.head_dim, self.dtype, self.device)
             for layer, cache in zip(group.layers, caches, strict=True):
                 self.kv_caches[layer] = cache
-        self.sampler = Sampler(model_config.seed)
-        self.prompt_logprobs_chunk = PROMPT_LOGPROBS_CHUNK
-        self._last_sampled: dict[str, int] = {}  # the previous `run`'s tokens (fills pending inputs)
 
     def _attach_gguf(self, mode: str, files: ModelFiles) -> bool:
         is_gguf = files.source.suffix == ".gguf"
@@ -196,7 +214,15 @@ class ModelRunner:
 
     @property
     def kv_cache_bytes(self) -> int:
+        if self.custom_kv:
+            return sum(t.numel() * t.element_size() for c in self.kv_caches for t in c.values())
         return sum(t.numel() * t.element_size() for k, v in self.kv_caches for t in (k, v))
+
+    def kv_layout_key(self) -> str:
+        """What seeds every block hash: the KV layout (blocks of another layout can never match)."""
+        if self.custom_kv:
+            return self.model.kv_layout_key(self.block_size, self.dtype)
+        return layout_of(self.tier_caches).key
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -205,6 +231,9 @@ class ModelRunner:
         return 2 * cfg.num_hidden_layers * self.block_size * self.model.num_kv_heads * self.model.head_dim * elem
 
     def _num_blocks(self, cache_config: CacheConfig, hf_config) -> int:
+        return max(1, self._budget_bytes(cache_config) // self.kv_bytes_per_block)
+
+    def _budget_bytes(self, cache_config: CacheConfig) -> int:
         size = cache_config.kv_cache_memory  # None = auto: decided here, from the hardware
         if self.device.type == "cuda":
             available = torch.cuda.mem_get_info(self.device)[0]
@@ -214,7 +243,7 @@ class ModelRunner:
 
             available = psutil.virtual_memory().available
             budget = min(available // 4, 4 * 2**30) if size is None else resolve_size(size, available)
-        return max(1, budget // self.kv_bytes_per_block)
+        return budget
 
     def _group_blocks(self, equal_share: int, max_num_seqs: int, max_num_batched_tokens: int) -> list[int]:
         """Blocks per KV group from a budget of `equal_share` blocks in every layer. A sliding-window group
@@ -274,14 +303,22 @@ class ModelRunner:
                 logits_rows.append(len(tokens) - 1)
                 sample_reqs.append(req)
         metas = []
-        floors = [item.request.kv_floor for item in step.scheduled]
-        floors = floors if any(floors) else None
-        for group, by_request, replay_base in zip(self.kv_groups, group_tables, self.replay_slot_base, strict=True):
-            tables, slot_mapping = self._slots(step, by_request, replay_base)
-            window = _window(group.spec)
-            metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
-                                                             slot_mapping, bs, window,
-                                                             floors if window is not None else None)))
+        if self.custom_kv:  # the model computes its own slots from each group's tables
+            no_slots = torch.zeros(0, dtype=torch.long)
+            batches = [AttentionBatch(query_lens, context_lens,
+                                      [by_request[item.request.request_id] for item in step.scheduled],
+                                      num_decodes, no_slots, bs) for by_request in group_tables]
+            metas = self.model.prepare_kv(batches)
+        else:
+            floors = [item.request.kv_floor for item in step.scheduled]
+            floors = floors if any(floors) else None
+            for group, by_request, replay_base in zip(self.kv_groups, group_tables, self.replay_slot_base,
+                                                      strict=True):
+                tables, slot_mapping = self._slots(step, by_request, replay_base)
+                window = _window(group.spec)
+                metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
+                                                                 slot_mapping, bs, window,
+                                                                 floors if window is not None else None)))
         dev = self.device
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),

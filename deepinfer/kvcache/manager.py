@@ -20,6 +20,14 @@ sliding layers that is an approximation (a replayed token's window is cut at `re
 exact when the replay covers every dependency (from position 0, or a single sliding layer). A hit is
 replayed when that computes no more tokens than the longest exact hit.
 
+DeepSeek-V4's groups follow the same rules through their spec's `num_blocks`, `first_needed_block`
+and `tokens_per_block`: a `CompressorWindow` group (the open compression groups' rows) is kept and
+restored like a sliding window; a `Compressed` group like a full one, except that its block j covers
+`tokens_per_block // block_size` token blocks, is registered once the last of them is computed and
+is named by that token block's hash, and a hit of L token blocks needs its complete blocks only
+(`spec.py` sizes them so no hit ever needs a partly filled one). Group 0 must be token-aligned (its
+table length is the hit length).
+
 With KV tiers attached (`attach_tiers`, see `engine_tiers.py`) the prefix cache continues below
 the device: a lookup extends the device match through host memory and the store. A waiting
 request whose match reaches into the store is first prefetched (`prefetch.py`): the lookup
@@ -40,7 +48,7 @@ from typing import TYPE_CHECKING
 from deepinfer.engine.request import PendingLoad, Request
 from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
 from deepinfer.kvcache.pool import BlockPool
-from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
+from deepinfer.kvcache.spec import Compressed, FullAttention, KVSpec, SlidingWindow
 
 if TYPE_CHECKING:
     from deepinfer.kvcache.engine_tiers import KVTiers
@@ -182,18 +190,22 @@ class KVCacheManager:
         if not self.enable_prefix_caching or req.params.prompt_logprobs is not None:
             return [[] for _ in self.groups], 0, 0
         self.update_hashes(req)
-        limit = (req.num_tokens - 1) // self.block_size
+        bs = self.block_size
+        limit = (req.num_tokens - 1) // bs
         hashes = req.block_hashes[:limit]
         found: list[list[int | None]] = []
         for g in self.groups:
-            if isinstance(g.spec, FullAttention):
+            per = g.spec.tokens_per_block(bs) // bs  # token blocks one of this group's blocks covers
+            if isinstance(g.spec, FullAttention | Compressed):
+                # every block from the first is needed: the run of hits ends the prefix. A block covering
+                # several token blocks is named by the last of them (it is complete only then).
                 run: list[int | None] = []
-                for h in hashes:
-                    b = g.pool.lookup(h)
+                for j in range(len(hashes) // per):
+                    b = g.pool.lookup(hashes[(j + 1) * per - 1])
                     if b is None:
                         break
                     run.append(b)
-                hashes = hashes[:len(run)]  # no group can hit past a full group's miss
+                hashes = hashes[:len(run) * per + per - 1]  # no group can hit past a missing needed block
                 found.append(run)
             else:
                 found.append([g.pool.lookup(h) for h in hashes])
@@ -213,14 +225,17 @@ class KVCacheManager:
             if replay_from is not None and isinstance(g.spec, SlidingWindow):
                 out.append([NO_BLOCK] * (replay_from // bs))  # no key before the replay is ever read
                 continue
+            n = g.spec.num_blocks(length * bs, bs)
             first = g.spec.first_needed_block(length * bs, bs)
-            out.append([NO_BLOCK] * first + f[first:length])  # type: ignore[operator]
+            out.append([NO_BLOCK] * first + f[first:n])  # type: ignore[operator]
         return out
 
     def _covers(self, spec: KVSpec, found: list[int | None], length: int) -> bool:
-        """Whether a group's cached blocks `found` serve a hit of `length` blocks."""
-        first = spec.first_needed_block(length * self.block_size, self.block_size)
-        return all(b is not None for b in found[first:length])
+        """Whether a group's cached blocks `found` serve a hit of `length` token blocks."""
+        bs = self.block_size
+        n = spec.num_blocks(length * bs, bs)
+        first = spec.first_needed_block(length * bs, bs)
+        return len(found) >= n and all(b is not None for b in found[first:n])
 
     def lookup_prefix(self, req: Request) -> PrefixHit:
         """The device prefix, continued through the tiers, replayed if that computes less (module
@@ -300,7 +315,7 @@ class KVCacheManager:
             starts = [g.tables[req.request_id] for g in self.groups]
         plans = []
         for g, table in zip(self.groups, starts, strict=True):
-            end_blocks = self.blocks_needed(computed + num_new_tokens)
+            end_blocks = g.spec.num_blocks(computed + num_new_tokens, bs)
             if new and isinstance(g.spec, FullAttention):  # its tier hits get blocks now, even past a replay chunk
                 end_blocks = max(end_blocks, hit.num_blocks)
             first = g.spec.first_needed_block(computed, bs)
@@ -401,9 +416,11 @@ class KVCacheManager:
                if table[i] != NO_BLOCK and self.pool.register(table[i], req.block_hashes[i])]
         for g in self.groups[1:]:
             t = g.tables[req.request_id]
-            for i in range(done, full):
-                if t[i] != NO_BLOCK:
-                    g.pool.register(t[i], req.block_hashes[i])
+            per = g.spec.tokens_per_block(self.block_size) // self.block_size
+            # a block covering `per` token blocks is complete, and named, with the last of them
+            for j in range(done // per, full // per):
+                if j < len(t) and t[j] != NO_BLOCK:
+                    g.pool.register(t[j], req.block_hashes[(j + 1) * per - 1])
         self._num_registered[req.request_id] = full
         if self.tiers is not None and self.tiers.writer is not None:
             unwritten = self._unwritten.setdefault(req.request_id, [])

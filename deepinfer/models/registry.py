@@ -5,12 +5,14 @@ from __future__ import annotations
 import torch
 
 from deepinfer.layers.attention import AttentionBackend
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.models.qwen2 import Qwen2ForCausalLM
 from deepinfer.models.qwen3 import Qwen3ForCausalLM
 
-MODEL_REGISTRY: dict[str, type[LlamaForCausalLM]] = {
+MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
+    "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -24,7 +26,7 @@ def supported_architectures() -> list[str]:
 
 
 def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype: torch.dtype,
-                device: torch.device) -> LlamaForCausalLM:
+                device: torch.device) -> torch.nn.Module:
     archs = list(getattr(hf_config, "architectures", None) or [])
     for arch in archs:
         if arch in MODEL_REGISTRY:

@@ -93,7 +93,8 @@ class ModelFiles:
         return files
 
     def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF parameter name, tensor in `dtype`) for every tensor in the checkpoint."""
+        """Yield (HF parameter name, tensor) for every tensor in the checkpoint: floating-point ones in
+        `dtype`, integer ones (e.g. a routing table) as stored."""
         from safetensors import safe_open
         from tqdm import tqdm
 
@@ -101,7 +102,8 @@ class ModelFiles:
         handles = [safe_open(str(path), framework="pt") for path in files]
         keys = [(h, k) for h in handles for k in h.keys()]  # noqa: SIM118 - safe_open has no __iter__
         for handle, key in tqdm(keys, desc="loading weights", unit="tensor", leave=False, disable=None):
-            yield key, handle.get_tensor(key).to(dtype)
+            tensor = handle.get_tensor(key)
+            yield key, tensor.to(dtype) if tensor.is_floating_point() else tensor
 
 
 def resolve_model(spec: str | os.PathLike | None) -> ModelFiles:
