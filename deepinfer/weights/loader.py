@@ -147,6 +147,7 @@ def _convert_gguf(gguf_path: Path, digest: str) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
+    _restore_rope_scaling(gguf_path, model.config)
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".tmp-", dir=target.parent))
     try:
@@ -163,3 +164,30 @@ def _convert_gguf(gguf_path: Path, digest: str) -> Path:
         raise
     logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def _restore_rope_scaling(gguf_path: Path, config) -> None:
+    """transformers' GGUF reader (5.x) drops `{arch}.rope.scaling.*` for Gemma 3 (it rebuilds RoPE scaling for
+    gpt-oss only): the 4B / 12B / 27B files carry the global layers' linear factor 8 there. Put it back into
+    `rope_parameters["full_attention"]` (local layers are never scaled, as in llama.cpp and transformers)."""
+    if getattr(config, "model_type", None) != "gemma3_text":
+        return
+    import gguf
+
+    fields = gguf.GGUFReader(str(gguf_path)).fields
+    scaling = {key.rsplit(".", 1)[1]: fields[key].contents() for key in ("gemma3.rope.scaling.type",
+                                                                          "gemma3.rope.scaling.factor")
+               if key in fields}
+    apply_gemma3_rope_scaling(config, scaling.get("type"), scaling.get("factor"))
+
+
+def apply_gemma3_rope_scaling(config, rope_type: str | None, factor: float | None) -> None:
+    """`rope_type` / `factor` as a GGUF stores them (llama.cpp writes "linear" and 8.0 for Gemma 3 4B+)."""
+    if rope_type in (None, "none") or factor in (None, 1.0):
+        return
+    if rope_type != "linear":
+        raise ValueError(f"Gemma 3 GGUF with rope scaling {rope_type!r}: only linear is supported")
+    full = dict(config.rope_parameters["full_attention"])
+    if full.get("rope_type", "default") == "default":  # a reader that already restored it is left alone
+        full.update(rope_type="linear", factor=float(factor))
+        config.rope_parameters = {**config.rope_parameters, "full_attention": full}

@@ -93,3 +93,25 @@ def test_greedy_matches_transformers_on_the_dequantized_weights(gemma3_gguf):
         for i, (gap, same) in enumerate(zip(gaps, exact, strict=True)):
             assert same or gap <= NEAR_TIE, f"token {i} of {o.outputs[0].text!r}: {gap} below the best"
     assert "return" in outs[1].outputs[0].text  # the weights make sense (a wrong norm shift gives noise)
+
+
+def test_gguf_linear_rope_scaling_goes_to_the_global_layers():
+    """transformers' GGUF reader keeps no `gemma3.rope.scaling.*` (the 4B+ files' linear factor 8); the
+    conversion puts it back on the global layers only, which transformers' Gemma 3 then applies."""
+    from transformers import Gemma3TextConfig
+
+    from deepinfer.layers.rotary import rope_inv_freq
+    from deepinfer.weights.loader import apply_gemma3_rope_scaling
+
+    cfg = Gemma3TextConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_attention_heads=2,
+                           num_key_value_heads=1, head_dim=16, num_hidden_layers=6)
+    unscaled = rope_inv_freq(cfg, "full_attention")[0]
+    apply_gemma3_rope_scaling(cfg, "none", None)
+    apply_gemma3_rope_scaling(cfg, "linear", 1.0)
+    assert cfg.rope_parameters["full_attention"]["rope_type"] == "default"
+    apply_gemma3_rope_scaling(cfg, "linear", 8.0)
+    assert cfg.rope_parameters["full_attention"] == {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
+    assert cfg.rope_parameters["sliding_attention"] == {"rope_type": "default", "rope_theta": 1e4}
+    assert torch.allclose(rope_inv_freq(cfg, "full_attention")[0], unscaled / 8)
+    with pytest.raises(ValueError, match="yarn"):
+        apply_gemma3_rope_scaling(cfg, "yarn", 4.0)
