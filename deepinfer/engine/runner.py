@@ -206,11 +206,15 @@ class ModelRunner:
             self.model.fused.row_invariant = True
         logger.info("deterministic mode: row-invariant kernels for every step")
 
+    def group_caches(self, index: int) -> list[Any]:
+        """The caches of KV group `index`'s layers, in layer order."""
+        return [self.kv_caches[i] for i in self.kv_groups[index].layers]
+
     @property
     def tier_caches(self) -> list[Any]:
         """The caches of KV group 0's layers (all layers for a dense model): what a block's payload in the
         host tier and store holds (a sliding group's blocks come back by replay instead)."""
-        return [self.kv_caches[i] for i in self.kv_groups[0].layers]
+        return self.group_caches(0)
 
     @property
     def kv_cache_bytes(self) -> int:

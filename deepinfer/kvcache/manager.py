@@ -102,9 +102,9 @@ class KVCacheManager:
 
     `specs` (default: one full-attention group) and `num_blocks` (one count, or one per group) describe
     the layer groups; `replay_tokens` (None: the largest sliding window; 0: off) bounds a hit's replay
-    (see the module docstring). The host tier and store hold group 0's blocks (`supports_tiers`: models
-    of full-attention groups, or full and sliding groups with replay); KV export takes full-attention
-    models only."""
+    (see the module docstring). The host tier, store and KV export hold group 0's blocks (`supports_tiers`:
+    models of full-attention groups, or full and sliding groups with replay; export adds the window's
+    sliding blocks, `exchange.py`)."""
 
     def __init__(self, num_blocks: int | Sequence[int], block_size: int, model_identity: str, kv_layout: str,
                  enable_prefix_caching: bool = True, specs: Sequence[KVSpec] = (FullAttention(),),
@@ -123,7 +123,6 @@ class KVCacheManager:
             raise ValueError(f"replay_tokens must be >= 0, got {replay_tokens}")
         # bounded replay needs a full group to keep the prefix (group 0: `group_layers` puts full first)
         self.replay_tokens = (max(windows) if replay_tokens is None else replay_tokens) if hybrid else 0
-        self.supports_export = all(isinstance(g.spec, FullAttention) for g in self.groups)
         # the tiers hold group 0's blocks; a sliding group's then come back by replay
         self.supports_tiers = all(isinstance(g.spec, FullAttention) for g in self.groups) or (
             hybrid and self.replay_tokens > 0 and all(isinstance(g.spec, FullAttention | SlidingWindow)
