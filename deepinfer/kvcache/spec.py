@@ -33,13 +33,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 
-@dataclass(frozen=True)
-class FullAttention:
-    """Causal attention over the whole sequence."""
-
-    def first_needed_block(self, start: int, block_size: int) -> int:
-        """The first block a step computing positions `start` .. reads: always block 0."""
-        return 0
+class _TokenAligned:
+    """A spec whose block i holds token positions i * block_size .. (i + 1) * block_size - 1."""
 
     def num_blocks(self, num_tokens: int, block_size: int) -> int:
         """Blocks (table length) holding `num_tokens` tokens' state."""
@@ -49,8 +44,28 @@ class FullAttention:
         return block_size
 
 
+class _Windowed(_TokenAligned):
+    """Token-aligned state read only for the last `window` positions."""
+
+    window: int
+
+    def first_needed_block(self, start: int, block_size: int) -> int:
+        """The first block a step whose earliest query sits at position `start` reads: the one holding
+        key position start - window + 1. Blocks before it are out of every later query's window too."""
+        return max(0, start - self.window + 1) // block_size
+
+
 @dataclass(frozen=True)
-class SlidingWindow:
+class FullAttention(_TokenAligned):
+    """Causal attention over the whole sequence."""
+
+    def first_needed_block(self, start: int, block_size: int) -> int:
+        """The first block a step computing positions `start` .. reads: always block 0."""
+        return 0
+
+
+@dataclass(frozen=True)
+class SlidingWindow(_Windowed):
     """Causal attention over the last `window` positions, the query's own included (HF's semantics:
     query q sees key k iff q - window < k <= q)."""
 
@@ -60,20 +75,9 @@ class SlidingWindow:
         if self.window <= 0:
             raise ValueError(f"a sliding window must be positive, got {self.window}")
 
-    def first_needed_block(self, start: int, block_size: int) -> int:
-        """The first block a step whose earliest query sits at position `start` reads: the one holding
-        key position start - window + 1. Blocks before it are out of every later query's window too."""
-        return max(0, start - self.window + 1) // block_size
-
-    def num_blocks(self, num_tokens: int, block_size: int) -> int:
-        return -(-num_tokens // block_size)
-
-    def tokens_per_block(self, block_size: int) -> int:
-        return block_size
-
 
 @dataclass(frozen=True)
-class CompressorWindow:
+class CompressorWindow(_Windowed):
     """The compressor rows of the last `ratio` tokens (2 * ratio with `overlap`), kept like a window:
     a compression group completing at or after position `start` reads rows from
     floor(start / ratio) * ratio - (ratio if overlap) >= start - window + 1 on."""
@@ -86,17 +90,8 @@ class CompressorWindow:
             raise ValueError(f"a compression ratio must be positive, got {self.ratio}")
 
     @property
-    def window(self) -> int:
+    def window(self) -> int:  # type: ignore[override]
         return self.ratio * (2 if self.overlap else 1)
-
-    def first_needed_block(self, start: int, block_size: int) -> int:
-        return max(0, start - self.window + 1) // block_size
-
-    def num_blocks(self, num_tokens: int, block_size: int) -> int:
-        return -(-num_tokens // block_size)
-
-    def tokens_per_block(self, block_size: int) -> int:
-        return block_size
 
 
 @dataclass(frozen=True)

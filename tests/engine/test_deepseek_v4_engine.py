@@ -14,6 +14,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.engine.request import Request
 from deepinfer.kvcache.manager import NO_BLOCK, KVCacheManager
 from deepinfer.kvcache.spec import Compressed, CompressorWindow, SlidingWindow
+from tests.kvcache.test_hybrid_kv import _computed
 from tests.models.v4_tiny import CSA, HCA, SWA, build_v4, hf_full_logits
 
 TOL = 1e-4
@@ -110,14 +111,6 @@ def test_preemption_recomputes_to_the_same_tokens(v4):
         assert all(g.pool.num_used == 0 for g in llm.engine.core.kv.groups)
     for p, toks in zip(prompts, outs, strict=True):
         assert_full_forward_argmax(hf, p, toks)
-
-
-def _computed(kv: KVCacheManager, rid: str, tokens: list[int]) -> Request:
-    req = Request(rid, tokens, GREEDY)
-    assert kv.allocate(req, len(tokens), kv.lookup_prefix(req))
-    req.num_computed_tokens = len(tokens)
-    kv.register_computed(req)
-    return req
 
 
 def test_compressed_group_rules_without_a_model():
