@@ -55,10 +55,13 @@ def _cold(model, prompts) -> list[list[int]]:
         return [o.outputs[0].token_ids for o in cold.generate(prompts, GREEDY)]
 
 
-def test_default_replay_of_a_single_sliding_layer_is_exact(one_sliding_layer, tmp_path):
+@pytest.mark.parametrize("budget", [None, 8])
+def test_default_replay_of_a_single_sliding_layer_is_exact(one_sliding_layer, tmp_path, budget):
     """One sliding layer: its K/V at a replayed position depends only on full layers below it, which read
-    the stored KV, so replaying the last window (28 .. 39: 40 - 12 = 28, a block boundary) is exact."""
-    outs, stats, prompts = _store_then_hit(one_sliding_layer, tmp_path)
+    the stored KV, so replaying the last window (28 .. 39: 40 - 12 = 28, a block boundary) is exact. With a
+    token budget of 8 the replay itself spans steps (28-35, then 36-39 with the first new tokens)."""
+    kw = {} if budget is None else {"max_num_batched_tokens": budget, "scheduler": "tokens"}
+    outs, stats, prompts = _store_then_hit(one_sliding_layer, tmp_path, **kw)
     first, second = outs
     assert first.num_cached_tokens == PREFIX and first.num_cached_tokens_by_tier["store"] == PREFIX
     assert first.num_replayed_tokens == WINDOW  # positions 28 .. 39
