@@ -23,6 +23,7 @@ pairs during a decode-only stretch keep their profiled value).
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -39,6 +40,8 @@ _OVERHEAD, _TOKEN, _SEQ, _PAIR, _CTX = range(len(TERMS))
 # only until a profile or enough observed steps replace them.
 DEFAULT_COEFFICIENTS = (0.03, 4.5e-4, 5e-4, 2.5e-7, 5e-6)
 OUTLIER = 3.0  # see CostModel._fit
+PROFILE_PREFILL_TOKENS = 32  # profile steps with this many new tokens or more measure a prefill rate
+EXTRAPOLATION_CAP = 3.0  # see CostModel.bounded_prefill_seconds
 
 
 def empty_step() -> np.ndarray:
@@ -147,6 +150,7 @@ class CostModel:
         self.last_predicted = self.last_actual = self.last_error = 0.0
         self.ema_abs_error = self.ema_step_seconds = 0.0
         self._abs_errors: deque[float] = deque(maxlen=window)
+        self.profiled_seconds_per_token = 0.0  # the start-up profile's median rate on fresh prefill chunks
 
     @property
     def coefficients(self) -> dict[str, float]:
@@ -204,11 +208,27 @@ class CostModel:
 
     def calibrate(self, samples: Iterable[tuple[StepWork, float]]) -> None:
         """Fit from start-up profile samples; the result becomes the prior later fits lean on."""
+        rates = []
         for work, seconds in samples:
             self._add(work.features(), seconds)
+            if len(work.chunks) == 1 and work.chunks[0][1] == 0 and work.num_tokens >= PROFILE_PREFILL_TOKENS:
+                rates.append(seconds / work.num_tokens)  # a fresh prefill chunk alone
+        if rates:
+            self.profiled_seconds_per_token = statistics.median(rates)
         if self._y:
             self._fit()
             self.prior = self.coef.copy()
+
+    def bounded_prefill_seconds(self, num_tokens: int) -> float:
+        """The predicted time of one fresh `num_tokens` chunk, at most EXTRAPOLATION_CAP times the median
+        per-token rate the profile measured on fresh prefill chunks: the profile stops early on a busy
+        machine, and a few stretched samples can then give the attention term a slope that makes a chunk
+        far beyond the profiled sizes look minutes long (attention over 2048 fresh tokens costs well under
+        twice the linear layers for any model this serves, so on a quiet machine the cap does not bind)."""
+        predicted = self.predict(StepWork(((num_tokens, 0),)))
+        if self.profiled_seconds_per_token > 0:
+            predicted = min(predicted, EXTRAPOLATION_CAP * self.profiled_seconds_per_token * num_tokens)
+        return predicted
 
     def observe(self, work: StepWork, seconds: float) -> None:
         """Record a measured step: track the prediction error, add it to the window, refit now and then."""

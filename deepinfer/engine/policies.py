@@ -151,7 +151,7 @@ def resolve_step_time_budget(config: SchedulerConfig, cost_model: CostModel, blo
     """The step-time budget in seconds: the configured one, or auto (see AUTO_BUDGET_MIN_DECODE_STEPS)."""
     if config.step_time_budget_ms is not None:
         return config.step_time_budget_ms / 1000
-    full_chunk = cost_model.predict(StepWork(((config.max_num_batched_tokens, 0),)))
+    full_chunk = cost_model.bounded_prefill_seconds(config.max_num_batched_tokens)
     return max(full_chunk, AUTO_BUDGET_MIN_DECODE_STEPS * cost_model.predict(StepWork(((1, block_size),))))
 
 

@@ -82,6 +82,34 @@ def test_stalled_steps_do_not_skew_the_fit():
     np.testing.assert_allclose(cm.prior, cm.coef)  # the profile's fit is what later fits lean on
 
 
+def test_auto_budget_extrapolation_is_capped_by_the_profiled_prefill_rate():
+    """A short profile on a busy machine: the one attention-heavy sample stalled 40x, and few samples
+    (as when the profile stops at its time limit) cannot vote it out. The fit then prices a fresh
+    2048-token chunk at many times what the measured prefill rate implies; the auto budget keeps to
+    EXTRAPOLATION_CAP times the median rate of the fresh prefill samples instead."""
+    from deepinfer.config import SchedulerConfig
+    from deepinfer.engine.cost_model import EXTRAPOLATION_CAP
+    from deepinfer.engine.policies import resolve_step_time_budget
+
+    shapes = [((1, 1, 16),), ((1, 1, 1024),), ((1, 32, 0),), ((1, 128, 0),), ((1, 128, 1024),)]
+    samples = []
+    for shape in shapes:
+        work = StepWork(tuple((new, ctx) for count, new, ctx in shape for _ in range(count)))
+        stall = 40.0 if shape == ((1, 128, 1024),) else 1.0
+        samples.append((work, float(TRUE @ work.features()) * stall))
+    cm = CostModel()
+    cm.calibrate(samples)
+    rate = statistics.median(s / w.num_tokens for w, s in samples if w.chunks in (((32, 0),), ((128, 0),)))
+    unbounded = cm.predict(StepWork(((2048, 0),)))
+    assert unbounded > 2 * EXTRAPOLATION_CAP * rate * 2048  # the skewed fit, as seen on the busy machine
+    # and the cap is not below the true time of that chunk
+    assert EXTRAPOLATION_CAP * rate * 2048 > float(TRUE @ StepWork(((2048, 0),)).features())
+    budget = resolve_step_time_budget(SchedulerConfig(max_num_batched_tokens=2048), cm, 16)
+    assert budget == pytest.approx(EXTRAPOLATION_CAP * rate * 2048)
+    # a profile without prefill samples leaves the prediction alone
+    assert CostModel().bounded_prefill_seconds(2048) == CostModel().predict(StepWork(((2048, 0),)))
+
+
 def test_terms_the_window_does_not_exercise_keep_the_prior():
     rng = random.Random(1)
     cm = CostModel(coefficients=TRUE * 2)
