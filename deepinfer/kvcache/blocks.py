@@ -1,11 +1,19 @@
-"""Moving one KV block between the paged device cache and a flat byte payload.
+"""Moving KV blocks between the paged device cache and flat byte payloads: one module owns the byte order.
 
-Owns the payload byte order: for every layer, that block's K then its V, each a
-contiguous [block_size, kv_heads, head_dim] slab of the cache dtype. The store
-and host tier only see bytes; the runner gathers a block into a payload when it
-offloads it and scatters a payload back before the step that reads it
-(`scatter_blocks` for many at once: one copy per layer and K/V instead of one per
-block, layer and K/V).
+A tier payload is one chain position (token block) of one request's KV. `TierBlocks` says what it holds
+and where those bytes live on the device: the blocks of the *tier groups* (the layer groups kept for the
+whole sequence, `FullAttention` and `Compressed`; window-like groups are rebuilt by bounded replay) that
+are named by that position. A group whose block covers `stride` token blocks (a `Compressed(ratio)` with
+ratio > block_size) names it by the last of them, so position p carries its block (p + 1) // stride - 1
+iff (p + 1) % stride == 0 and nothing otherwise; a token-aligned group carries block p at every position.
+
+Byte order of a payload: the tier groups in order, each present group's block as its tensors list it
+(per layer K then V for attention caches, `[block_size, kv_heads, head_dim]` each; DeepSeek-V4's compressed
+entries then CSA's indexer keys, per layer), each tensor's block a contiguous slab of the cache dtype. A
+dense model (one full group, stride 1) keeps exactly the old layout (`KVLayout`); a model whose positions
+differ in size (V4) gets a `PositionLayout`. The store and host tier only see bytes.
+
+`gather_block` / `scatter_block(s)` are the single-group (dense) forms, used by KV export and tests.
 """
 
 from __future__ import annotations
@@ -15,9 +23,10 @@ from typing import Any
 
 import torch
 
-from deepinfer.kvcache.format import KVLayout
+from deepinfer.kvcache.format import KVLayout, PositionLayout
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v): [num_blocks, block_size, kv_heads, head_dim]
+NO_BLOCK = -1
 
 
 def layout_of(kv_caches: KVCaches) -> KVLayout:
@@ -32,24 +41,40 @@ def gather_block(kv_caches: KVCaches, block_id: int) -> torch.Tensor:
     return torch.cat(parts).cpu()
 
 
+def _as_uint8(payload: Any) -> torch.Tensor:
+    return payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
+
+
+def _scatter(tensors: Sequence[torch.Tensor], block_id: int, flat: torch.Tensor, off: int) -> int:
+    for t in tensors:
+        dst = t[block_id]
+        n = dst.numel() * dst.element_size()
+        if off + n > flat.numel():
+            raise ValueError(f"payload of {flat.numel()} bytes is too short for this KV layout")
+        dst.copy_(flat[off:off + n].view(t.dtype).view(dst.shape), non_blocking=True)
+        off += n
+    return off
+
+
 def scatter_block(kv_caches: KVCaches, block_id: int, payload: Any) -> None:
     """Write a payload made by `gather_block` (bytes, memoryview or uint8 tensor) into `block_id`."""
-    flat = payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
-    off = 0
-    for k, v in kv_caches:
-        for t in (k, v):
-            dst = t[block_id]
-            n = dst.numel() * dst.element_size()
-            if off + n > flat.numel():
-                raise ValueError(f"payload of {flat.numel()} bytes is too short for this KV layout")
-            dst.copy_(flat[off:off + n].view(t.dtype).view(dst.shape), non_blocking=True)
-            off += n
+    flat = _as_uint8(payload)
+    off = _scatter([t for kv in kv_caches for t in kv], block_id, flat, 0)
     if off != flat.numel():
         raise ValueError(f"payload of {flat.numel()} bytes does not match this KV layout ({off} bytes)")
 
 
-def _as_uint8(payload: Any) -> torch.Tensor:
-    return payload if isinstance(payload, torch.Tensor) else torch.frombuffer(payload, dtype=torch.uint8)
+def _scatter_many(tensors: Sequence[torch.Tensor], block_ids: Sequence[int], flat: torch.Tensor) -> None:
+    """Payloads stacked in `flat` [n, bytes] into `block_ids` of `tensors`: one indexed copy per tensor."""
+    sizes = [t[0].numel() * t.element_size() for t in tensors]
+    if flat.shape[1] != sum(sizes):
+        raise ValueError(f"payloads of {flat.shape[1]} bytes do not match this KV layout ({sum(sizes)} bytes)")
+    idx = torch.tensor(list(block_ids), dtype=torch.long, device=tensors[0].device)
+    off = 0
+    for t, n in zip(tensors, sizes, strict=True):
+        src = flat[:, off:off + n].contiguous().view(t.dtype).view(len(block_ids), *t.shape[1:])
+        t.index_copy_(0, idx, src.to(t.device, non_blocking=True))
+        off += n
 
 
 def scatter_blocks(kv_caches: KVCaches, block_ids: Sequence[int], payloads: Sequence[Any]) -> None:
@@ -57,13 +82,88 @@ def scatter_blocks(kv_caches: KVCaches, block_ids: Sequence[int], payloads: Sequ
     layer's K and V take all blocks in one indexed copy. Every payload must have the block's size."""
     if not block_ids:
         return
-    flat = torch.stack([_as_uint8(p) for p in payloads])  # [n, block bytes], one copy
-    sizes = [t[0].numel() * t.element_size() for kv in kv_caches for t in kv]
-    if flat.shape[1] != sum(sizes):
-        raise ValueError(f"payloads of {flat.shape[1]} bytes do not match this KV layout ({sum(sizes)} bytes)")
-    idx = torch.tensor(list(block_ids), dtype=torch.long, device=kv_caches[0][0].device)
-    off = 0
-    for t, n in zip((t for kv in kv_caches for t in kv), sizes, strict=True):
-        src = flat[:, off:off + n].contiguous().view(t.dtype).view(len(block_ids), *t.shape[1:])
-        t.index_copy_(0, idx, src.to(t.device, non_blocking=True))
-        off += n
+    _scatter_many([t for kv in kv_caches for t in kv], block_ids, torch.stack([_as_uint8(p) for p in payloads]))
+
+
+def _describe(shapes: list[str]) -> str:
+    """Block shapes as "n*(unit)" when they repeat a unit n times (one unit per layer), else all of them."""
+    for p in range(1, len(shapes)):
+        if len(shapes) % p == 0 and shapes == shapes[:p] * (len(shapes) // p):
+            return f"{len(shapes) // p}*({'+'.join(shapes[:p])})"
+    return "+".join(shapes)
+
+
+class TierBlocks:
+    """What a chain position's tier payload holds and how it maps to one request's device blocks.
+
+    `groups`: the manager's indices of the tier groups; `strides`: token blocks one of each group's blocks
+    covers; `tensors`: per tier group, the cache tensors of its layers (block index first) in payload
+    order; `layout`: the matching store layout (its key seeds the block hashes)."""
+
+    def __init__(self, groups: Sequence[int], strides: Sequence[int], tensors: Sequence[Sequence[torch.Tensor]],
+                 layout: KVLayout | PositionLayout) -> None:
+        if not (len(groups) == len(strides) == len(tensors)) or not groups:
+            raise ValueError("one stride and one tensor list per tier group, at least one group")
+        self.groups = list(groups)
+        self.strides = list(strides)
+        self.tensors = [list(t) for t in tensors]
+        self.layout = layout
+
+    @classmethod
+    def dense(cls, group: int, kv_caches: KVCaches) -> TierBlocks:
+        """One token-aligned group of attention caches (per layer K, V): the `KVLayout` payload."""
+        return cls([group], [1], [[t for kv in kv_caches for t in kv]], layout_of(kv_caches))
+
+    @classmethod
+    def positional(cls, groups: Sequence[int], strides: Sequence[int], tensors: Sequence[Sequence[torch.Tensor]],
+                   block_size: int) -> TierBlocks:
+        """Groups of any stride over tensors of one dtype: a `PositionLayout` described by the shapes."""
+        dtype = tensors[0][0].dtype
+        described = []
+        for stride, ts in zip(strides, tensors, strict=True):
+            if any(t.dtype != dtype for t in ts):
+                raise ValueError("tier tensors of one dtype only")
+            nbytes = sum(t[0].numel() * t.element_size() for t in ts)
+            described.append((stride, nbytes, _describe(["x".join(map(str, t.shape[1:])) for t in ts])))
+        return cls(groups, strides, tensors, PositionLayout(str(dtype), block_size, tuple(described)))
+
+    def carried(self, pos: int) -> list[tuple[int, int]]:
+        """(tier group k, block index in that group's table) of every block position `pos` carries."""
+        return [(k, (pos + 1) // s - 1) for k, s in enumerate(self.strides) if (pos + 1) % s == 0]
+
+    def device_blocks(self, pos: int, tables: Sequence[Sequence[int]]) -> list[int] | None:
+        """The device blocks of position `pos` in a request's `tables` (one per manager group, in
+        `carried` order), or None where a table does not reach one or holds NO_BLOCK there."""
+        out = []
+        for k, j in self.carried(pos):
+            table = tables[self.groups[k]]
+            if j >= len(table) or table[j] == NO_BLOCK:
+                return None
+            out.append(table[j])
+        return out
+
+    def gather(self, pos: int, blocks: Sequence[int]) -> torch.Tensor:
+        """Position `pos`'s payload from its device `blocks` (`carried` order) as a flat uint8 CPU tensor."""
+        parts = [t[b].reshape(-1).view(torch.uint8)
+                 for (k, _), b in zip(self.carried(pos), blocks, strict=True) for t in self.tensors[k]]
+        return torch.cat(parts).cpu() if parts else torch.zeros(0, dtype=torch.uint8)
+
+    def scatter(self, positions: Sequence[int], blocks: Sequence[Sequence[int]], payloads: Sequence[Any]) -> None:
+        """Write payloads of `positions` into their device `blocks` (per position, `carried` order): per
+        tier group, its blocks' bytes stacked once and copied with one indexed copy per tensor. Raises
+        ValueError for a payload of the wrong size."""
+        per_group: list[tuple[list[int], list[torch.Tensor]]] = [([], []) for _ in self.groups]
+        for pos, blks, payload in zip(positions, blocks, payloads, strict=True):
+            want = self.layout.nbytes(pos)
+            flat = _as_uint8(payload) if want else torch.zeros(0, dtype=torch.uint8)
+            if flat.numel() != want:
+                raise ValueError(f"payload of {flat.numel()} bytes at position {pos}, not {want}")
+            off = 0
+            for (k, _), b in zip(self.carried(pos), blks, strict=True):
+                n = sum(t[0].numel() * t.element_size() for t in self.tensors[k])
+                per_group[k][0].append(b)
+                per_group[k][1].append(flat[off:off + n])
+                off += n
+        for k, (ids, parts) in enumerate(per_group):
+            if ids:
+                _scatter_many(self.tensors[k], ids, torch.stack(parts))
