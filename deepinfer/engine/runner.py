@@ -220,13 +220,16 @@ class ModelRunner:
         groups = [i for i, g in enumerate(self.kv_groups) if whole_sequence(g.spec)]
         if not groups:
             return None
+        windows = [i for i, g in enumerate(self.kv_groups) if not whole_sequence(g.spec)]
         if not self.custom_kv:
             if groups != [0]:
                 raise ValueError("the KV tiers expect one full-attention group, first")
-            return TierBlocks.dense(0, self.tier_caches)
+            return TierBlocks.dense(0, self.tier_caches).with_windows(
+                windows, [[t for i in self.kv_groups[w].layers for t in self.kv_caches[i]] for w in windows])
         bs = self.block_size
         return TierBlocks.positional(groups, [self.kv_groups[i].spec.tokens_per_block(bs) // bs for i in groups],
-                                     [self.model.group_tensors(self.kv_caches, i) for i in groups], bs)
+                                     [self.model.group_tensors(self.kv_caches, i) for i in groups], bs).with_windows(
+            windows, [self.model.group_tensors(self.kv_caches, w) for w in windows])
 
     @property
     def kv_cache_bytes(self) -> int:

@@ -18,6 +18,7 @@ differ in size (V4) gets a `PositionLayout`. The store and host tier only see by
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -27,6 +28,10 @@ from deepinfer.kvcache.format import KVLayout, PositionLayout
 
 KVCaches = Sequence[tuple[torch.Tensor, torch.Tensor]]  # per layer (k, v): [num_blocks, block_size, kv_heads, head_dim]
 NO_BLOCK = -1
+# a KV export payload of a model with several kinds of groups: magic, chain position, bit k set when window
+# group k's block follows the tier payload
+_EXCHANGE = struct.Struct("<4sII")
+_EXCHANGE_MAGIC = b"DIKX"
 
 
 def layout_of(kv_caches: KVCaches) -> KVLayout:
@@ -108,6 +113,15 @@ class TierBlocks:
         self.strides = list(strides)
         self.tensors = [list(t) for t in tensors]
         self.layout = layout
+        # the token-aligned window groups (not in the tiers; KV export ships them): manager index, tensors
+        self.window_groups: list[int] = []
+        self.window_tensors: list[list[torch.Tensor]] = []
+
+    def with_windows(self, groups: Sequence[int], tensors: Sequence[Sequence[torch.Tensor]]) -> TierBlocks:
+        """Also describe the window groups' blocks (one block per token block), for KV export."""
+        self.window_groups = list(groups)
+        self.window_tensors = [list(t) for t in tensors]
+        return self
 
     @classmethod
     def dense(cls, group: int, kv_caches: KVCaches) -> TierBlocks:
@@ -167,3 +181,59 @@ class TierBlocks:
         for k, (ids, parts) in enumerate(per_group):
             if ids:
                 _scatter_many(self.tensors[k], ids, torch.stack(parts))
+
+    # ------------------------------------------------------------------ KV export (every group)
+
+    def _part_nbytes(self, tensors: Sequence[torch.Tensor]) -> int:
+        return sum(t[0].numel() * t.element_size() for t in tensors)
+
+    def pack_exchange(self, pos: int, tier_payload: Any, window_blocks: Sequence[int | None]) -> torch.Tensor:
+        """A KV export payload: position `pos`'s tier payload, then the window groups' blocks that are
+        given (None: not held), behind a header naming the position and which window blocks follow."""
+        mask = sum(1 << k for k, b in enumerate(window_blocks) if b is not None)
+        parts = [torch.frombuffer(bytearray(_EXCHANGE.pack(_EXCHANGE_MAGIC, pos, mask)), dtype=torch.uint8)]
+        if self.layout.nbytes(pos):
+            parts.append(_as_uint8(tier_payload).reshape(-1).cpu())
+        for k, b in enumerate(window_blocks):
+            if b is not None:
+                parts += [t[b].reshape(-1).view(torch.uint8).cpu() for t in self.window_tensors[k]]
+        return torch.cat(parts)
+
+    def unpack_exchange(self, payload: Any) -> tuple[int, torch.Tensor, list[torch.Tensor | None]]:
+        """(position, tier payload, per window group its block bytes or None) of a `pack_exchange`
+        payload; ValueError if it does not fit this model's groups."""
+        flat = _as_uint8(payload).reshape(-1)
+        if flat.numel() < _EXCHANGE.size:
+            raise ValueError("KV export payload shorter than its header")
+        magic, pos, mask = _EXCHANGE.unpack(bytes(flat[:_EXCHANGE.size].numpy()))
+        if magic != _EXCHANGE_MAGIC or mask >> len(self.window_groups):
+            raise ValueError("not a KV export payload of this model's groups")
+        off = _EXCHANGE.size
+        n = self.layout.nbytes(pos)
+        tier = flat[off:off + n]
+        off += n
+        wins: list[torch.Tensor | None] = []
+        for k, ts in enumerate(self.window_tensors):
+            if mask >> k & 1:
+                n = self._part_nbytes(ts)
+                wins.append(flat[off:off + n])
+                off += n
+            else:
+                wins.append(None)
+        if off != flat.numel() or tier.numel() != self.layout.nbytes(pos):
+            raise ValueError(f"KV export payload of {flat.numel()} bytes does not fit position {pos}")
+        return pos, tier, wins
+
+    def tier_parts(self, pos: int, tier_payload: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+        """(tier group k, its block's bytes) of position `pos`'s tier payload, in `carried` order."""
+        out, off = [], 0
+        for k, _ in self.carried(pos):
+            n = self._part_nbytes(self.tensors[k])
+            out.append((k, tier_payload[off:off + n]))
+            off += n
+        return out
+
+    def scatter_part(self, tensors: Sequence[torch.Tensor], block: int, part: torch.Tensor) -> None:
+        """One group's block bytes (`tier_parts`, `unpack_exchange`) into `block` of its `tensors`."""
+        if _scatter(tensors, block, part, 0) != part.numel():
+            raise ValueError("block bytes do not match this group's tensors")
