@@ -177,7 +177,10 @@ class CacheConfig:
         "KV only), recompute the sliding layers over the last N tokens of the hit, attending to the cached "
         "full-layer KV, instead of the whole prefix. Default: the model's sliding window. 0: off (such a hit "
         "is recomputed). A replayed token's window is cut at the replay's start, so with stacked sliding "
-        "layers the result is an approximation; N >= the prompt length is exact.",
+        "layers the result is an approximation; N >= the prompt length is exact. DeepSeek-V4: the stored "
+        "compressed entries stand for the full layers, the sliding window and the compressor rows are "
+        "replayed; N must cover the open compression groups' rows (ratio m: m * overlap + max(0, m - "
+        "block_size)), a smaller N is refused.",
     )
 
     def __post_init__(self) -> None:

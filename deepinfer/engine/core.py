@@ -88,10 +88,10 @@ class EngineCore:
         # prefix cache, so they are off without it.
         self.tiers: KVTiers | None = None
         if config.cache.enable_prefix_caching and self.kv.supports_tiers:
-            self.tiers = KVTiers.from_config(ks, self.model_identity, self.runner.tier_caches)
+            self.tiers = KVTiers.from_config(ks, self.model_identity, self.runner.tier_blocks)
         elif config.cache.enable_prefix_caching:
-            logger.info("KV tiers off: this model has sliding-window layers and bounded replay is off (the "
-                        "tiers hold the full layers' KV only; the device prefix cache still serves it)")
+            logger.info("KV tiers off: this model has window layers and bounded replay is off, or no layer kept "
+                        "for the whole sequence (the tiers hold those only; the device prefix cache still serves it)")
         self.kv.attach_tiers(self.tiers)
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model)
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),

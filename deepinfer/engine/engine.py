@@ -82,7 +82,7 @@ class LLMEngine:
         self._inflight: InFlightStep | None = None
         self.grammars = GrammarCache(self._grammar_backend)
         self._kv_streams: dict[str, list] = {}  # stream_kv requests: id -> [Request, blocks exported]
-        self._kv_holds: dict[str, list] = {}  # import_kv_blocks(hold_key=...) -> (KV group, device block) held
+        self._kv_holds: dict[str, list[tuple[int, int]]] = {}  # import_kv_blocks(hold_key=...) -> (group, block) held
 
     def _grammar_backend(self) -> GrammarBackend:
         return XGrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids,

@@ -23,7 +23,8 @@ from deepinfer.config import CacheConfig, ModelConfig, resolve_size
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
 from deepinfer.engine.scheduler import SchedulerOutput
-from deepinfer.kvcache.blocks import layout_of
+from deepinfer.kvcache.blocks import TierBlocks, layout_of
+from deepinfer.kvcache.manager import whole_sequence
 from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
 from deepinfer.layers.attention import AttentionBatch
 from deepinfer.layers.linear import Linear
@@ -147,6 +148,7 @@ class ModelRunner:
                                                            self.device)
         else:
             self._allocate_backend_caches(cache_config, hf_config, max_num_seqs, max_num_batched_tokens)
+        self.tier_blocks = self._tier_blocks()
         self.sampler = Sampler(model_config.seed)
         self.prompt_logprobs_chunk = PROMPT_LOGPROBS_CHUNK
         self._last_sampled: dict[str, int] = {}  # the previous `run`'s tokens (fills pending inputs)
@@ -216,6 +218,23 @@ class ModelRunner:
         host tier and store holds (a sliding group's blocks come back by replay instead)."""
         return self.group_caches(0)
 
+    def _tier_blocks(self) -> TierBlocks | None:
+        """What a chain position's payload in the host tier and store holds: the blocks of the groups kept
+        for the whole sequence (`kvcache/blocks.py`); None for a model with none (sliding layers only)."""
+        groups = [i for i, g in enumerate(self.kv_groups) if whole_sequence(g.spec)]
+        if not groups:
+            return None
+        windows = [i for i, g in enumerate(self.kv_groups) if not whole_sequence(g.spec)]
+        if not self.custom_kv:
+            if groups != [0]:
+                raise ValueError("the KV tiers expect one full-attention group, first")
+            return TierBlocks.dense(0, self.tier_caches).with_windows(
+                windows, [[t for i in self.kv_groups[w].layers for t in self.kv_caches[i]] for w in windows])
+        bs = self.block_size
+        return TierBlocks.positional(groups, [self.kv_groups[i].spec.tokens_per_block(bs) // bs for i in groups],
+                                     [self.model.group_tensors(self.kv_caches, i) for i in groups], bs).with_windows(
+            windows, [self.model.group_tensors(self.kv_caches, w) for w in windows])
+
     @property
     def kv_cache_bytes(self) -> int:
         if self.custom_kv:
@@ -224,8 +243,8 @@ class ModelRunner:
 
     def kv_layout_key(self) -> str:
         """What seeds every block hash: the KV layout (blocks of another layout can never match)."""
-        if self.custom_kv:
-            return self.model.kv_layout_key(self.block_size, self.dtype)
+        if self.tier_blocks is not None:
+            return self.tier_blocks.layout.key
         return layout_of(self.tier_caches).key
 
     @property
@@ -309,9 +328,13 @@ class ModelRunner:
         metas = []
         if self.custom_kv:  # the model computes its own slots from each group's tables
             no_slots = torch.zeros(0, dtype=torch.long)
+            floors = [item.request.kv_floor for item in step.scheduled]
+            replay = [item.request.replay_end for item in step.scheduled] if any(floors) or any(
+                item.request.replay_end for item in step.scheduled) else None
             batches = [AttentionBatch(query_lens, context_lens,
                                       [by_request[item.request.request_id] for item in step.scheduled],
-                                      num_decodes, no_slots, bs) for by_request in group_tables]
+                                      num_decodes, no_slots, bs, key_floors=floors if replay else None,
+                                      replay_ends=replay) for by_request in group_tables]
             metas = self.model.prepare_kv(batches)
         else:
             floors = [item.request.kv_floor for item in step.scheduled]

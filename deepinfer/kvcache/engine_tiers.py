@@ -14,6 +14,11 @@ store hits, which `TieredKVStore.load` promotes), so it duplicates little of the
 moves are split because `TieredKVStore.offload` does both at the same moment,
 synchronously.
 
+A payload is one chain position of the tier groups' blocks (`blocks.TierBlocks`: every layer's K/V
+for a dense model, the full layers' for one with sliding layers, DeepSeek-V4's compressed entries);
+the manager hands over a request's block tables and this module asks `TierBlocks` which device
+blocks a position's bytes come from and go to.
+
 Loads of store hits are split in two (`StorePrefetcher`, on by default): while the request waits,
 the prefetch thread reads and verifies its store objects into host memory (the scheduler runs other
 requests meanwhile); once they are staged it is admitted, and `load` copies the staged and host-tier
@@ -36,7 +41,7 @@ from typing import Any
 
 from deepinfer.config import KVStoreConfig, resolve_size
 from deepinfer.kvcache import HostKVCache, KVBlockStore, KVLayout, RetentionPolicy, TieredKVStore
-from deepinfer.kvcache.blocks import KVCaches, gather_block, layout_of, scatter_blocks
+from deepinfer.kvcache.blocks import TierBlocks
 from deepinfer.kvcache.host import payload_nbytes
 from deepinfer.kvcache.prefetch import Staged, StorePrefetcher
 from deepinfer.kvcache.writer import StoreWriter
@@ -47,11 +52,11 @@ logger = logging.getLogger(__name__)
 class KVTiers:
     """Host tier and persistent store wired to one engine's paged KV cache."""
 
-    def __init__(self, tiers: TieredKVStore, kv_caches: KVCaches, writer: StoreWriter | None = None,
+    def __init__(self, tiers: TieredKVStore, blocks: TierBlocks, writer: StoreWriter | None = None,
                  prefetch: bool = True, prefetch_wait_s: float = 0.05) -> None:
         self.tiers = tiers
-        self.kv_caches = kv_caches
-        self.block_nbytes = layout_of(kv_caches).block_nbytes
+        self.blocks = blocks
+        self.layout = blocks.layout
         self.writer = writer
         self.prefetcher = (StorePrefetcher(tiers.store, tiers.host, admit_wait_s=prefetch_wait_s)
                            if prefetch and tiers.store is not None else None)
@@ -62,12 +67,12 @@ class KVTiers:
         self._closed = False
 
     @classmethod
-    def from_config(cls, config: KVStoreConfig, model_identity: str, kv_caches: KVCaches) -> KVTiers | None:
+    def from_config(cls, config: KVStoreConfig, model_identity: str, blocks: TierBlocks) -> KVTiers | None:
         """The configured tiers, or None when both are off (host_cache_memory 0, kv_store none)."""
         import psutil
 
         retention = config.retention
-        layout = layout_of(kv_caches)
+        layout = blocks.layout
         host_bytes = resolve_size(config.host_cache_memory, psutil.virtual_memory().available)
         host = HostKVCache(host_bytes) if host_bytes >= layout.block_nbytes else None
         store = _open_store(config, model_identity, layout, retention)
@@ -76,7 +81,7 @@ class KVTiers:
         writer = StoreWriter(store.put) if store is not None else None
         logger.info("KV tiers: host %s, store %s", f"{host_bytes / 2**20:.0f} MiB" if host is not None else "off",
                     store.root if store is not None else "off")
-        return cls(TieredKVStore(host, store), kv_caches, writer, config.kv_store_prefetch,
+        return cls(TieredKVStore(host, store), blocks, writer, config.kv_store_prefetch,
                    config.kv_store_prefetch_wait_ms / 1000)
 
     @property
@@ -101,31 +106,43 @@ class KVTiers:
             self._failed("lookup")
             return 0, 0
 
-    def evicted(self, block: int, block_hash: bytes) -> None:
-        """The device pool is about to reuse `block`, which still holds the KV named `block_hash`."""
+    def evicted(self, block_hash: bytes, pos: int, blocks: list[int] | None) -> None:
+        """A device pool is about to reuse a block of chain position `pos`, named `block_hash`; `blocks`:
+        the position's device blocks (`TierBlocks.carried` order) while they all still hold its KV, None
+        if one is gone (then the position cannot be copied whole)."""
         host = self.tiers.host
         if host is None:
             return
         if block_hash in host:  # loaded from there (or promoted): no copy needed, but it was just used
             host.touch(block_hash)
             return
+        if blocks is None:
+            return
         try:
-            host.insert(block_hash, gather_block(self.kv_caches, block))
+            host.insert(block_hash, self.blocks.gather(pos, blocks))
             self.evicted_to_host += 1
         except Exception:  # noqa: BLE001
             self._failed("host offload")
 
-    def write(self, hashes: Sequence[bytes], blocks: Sequence[int], start: int, retention_class: str | None) -> None:
-        """Queue device blocks `blocks` (chain positions start ..) for the store; copies them now."""
-        if self.writer is None or not blocks:
+    def write(self, hashes: Sequence[bytes], tables: Sequence[Sequence[int]], start: int, count: int,
+              retention_class: str | None) -> None:
+        """Queue chain positions start .. start+count-1 of a request (its block `tables`, one per layer
+        group) for the store; copies them now. Stops before a position whose blocks are not all there."""
+        if self.writer is None or count <= 0:
             return
         try:
-            payloads = [gather_block(self.kv_caches, b) for b in blocks]
+            payloads = []
+            for pos in range(start, start + count):
+                blocks = self.blocks.device_blocks(pos, tables)
+                if blocks is None:
+                    break
+                payloads.append(self.blocks.gather(pos, blocks))
         except Exception:  # noqa: BLE001
             self._failed("gather for the store")
             return
-        # the chain up to the run's end: the store names groups by their first hash
-        self.writer.submit(tuple(hashes[:start + len(blocks)]), payloads, retention_class, start)
+        if payloads:
+            # the chain up to the run's end: the store names groups by their first hash
+            self.writer.submit(tuple(hashes[:start + len(payloads)]), payloads, retention_class, start)
 
     def memory_prefix(self, hashes: Sequence[bytes], start: int, staged: Staged) -> tuple[int, int]:
         """(blocks, of which staged from the store): consecutive chain positions from `start` held in
@@ -140,32 +157,38 @@ class KVTiers:
             from_store += got is not None and got[1] == "store"
         return n, from_store
 
-    def load(self, hashes: Sequence[bytes], blocks: Sequence[int], start: int,
+    def load(self, hashes: Sequence[bytes], tables: Sequence[Sequence[int]], start: int, count: int,
              staged: Staged | None = None) -> tuple[int, int]:
-        """Fill device `blocks` with chain positions start .. from the tiers, in order, stopping at the
-        first block that does not come back verified. With `staged` (a prefetch), from it and the host
-        tier only; else from the host tier, then the store (read here). Returns (from host, from store)."""
+        """Fill a request's device blocks (its `tables`, one per layer group, fresh blocks for these
+        positions) with chain positions start .. start+count-1 from the tiers, in order, stopping at the
+        first position that does not come back verified. With `staged` (a prefetch), from it and the
+        host tier only; else from the host tier, then the store (read here). Returns (from host, from store)."""
         counters = self.tiers.counters
         host_before, store_before = counters["loaded_host_blocks"], counters["loaded_store_blocks"]
         try:
             if staged is None:
-                payloads = self.tiers.load(hashes, start, len(blocks))
+                payloads = self.tiers.load(hashes, start, count)
                 tiers = None
             else:
-                payloads, tiers = self._from_memory(hashes, start, len(blocks), staged)
+                payloads, tiers = self._from_memory(hashes, start, count, staged)
         except Exception:  # noqa: BLE001
             self._failed("load")
             return 0, 0
-        # a payload of another size ends the run: it and what follows are recomputed
-        n, bn = 0, self.block_nbytes
-        while n < min(len(blocks), len(payloads)) and payload_nbytes(payloads[n]) == bn:
+        # a payload of another size, or a position without its blocks, ends the run: it and what follows
+        # are recomputed
+        n, targets = 0, []
+        while n < min(count, len(payloads)):
+            pos = start + n
+            blocks = self.blocks.device_blocks(pos, tables)
+            if blocks is None or payload_nbytes(payloads[n]) != self.layout.nbytes(pos):
+                self.errors += 1
+                logger.error("KV tiers: position %d: a payload of %d bytes, not %d (or no blocks); recomputing "
+                             "from there", pos, payload_nbytes(payloads[n]), self.layout.nbytes(pos))
+                break
+            targets.append(blocks)
             n += 1
-        if n < min(len(blocks), len(payloads)):
-            self.errors += 1
-            logger.error("KV tiers: a payload of %d bytes, not %d; recomputing from there",
-                         payload_nbytes(payloads[n]), bn)
         try:
-            scatter_blocks(self.kv_caches, blocks[:n], payloads[:n])
+            self.blocks.scatter(range(start, start + n), targets, payloads[:n])
         except Exception:  # noqa: BLE001
             self._failed("scatter")
             n = 0

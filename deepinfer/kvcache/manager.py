@@ -25,8 +25,17 @@ and `tokens_per_block`: a `CompressorWindow` group (the open compression groups'
 restored like a sliding window; a `Compressed` group like a full one, except that its block j covers
 `tokens_per_block // block_size` token blocks, is registered once the last of them is computed and
 is named by that token block's hash, and a hit of L token blocks needs its complete blocks only
-(`spec.py` sizes them so no hit ever needs a partly filled one). Group 0 must be token-aligned (its
-table length is the hit length).
+(`spec.py` sizes them so no hit ever needs a partly filled one). Group 0 must be token-aligned.
+
+Tier groups and window groups. The groups kept for the whole sequence (`FullAttention`, `Compressed`)
+are what the tiers hold (`blocks.TierBlocks`: chain position p's payload is their blocks named by p's
+hash); the window-like groups (`SlidingWindow`, `CompressorWindow`) are rebuilt by bounded replay, as
+above. For V4 a replay also rebuilds the compressor rows of the open compression groups, so it must
+start at or before the first row they pool: ratio m (2m rows with overlap) needs m * overlap +
+max(0, m - block_size) tokens before a hit's end (`min_replay_tokens`; `replay_tokens` below it is
+refused). During a V4 replay the compressed groups read their held entries and write none (the model
+skips entries that complete before `Request.replay_end`); windows and rows are written, and window
+attention sees no key before `kv_floor`.
 
 With KV tiers attached (`attach_tiers`, see `engine_tiers.py`) the prefix cache continues below
 the device: a lookup extends the device match through host memory and the store. A waiting
@@ -43,12 +52,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import TYPE_CHECKING
 
 from deepinfer.engine.request import PendingLoad, Request
 from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
 from deepinfer.kvcache.pool import BlockPool
-from deepinfer.kvcache.spec import Compressed, FullAttention, KVSpec, SlidingWindow
+from deepinfer.kvcache.spec import Compressed, CompressorWindow, FullAttention, KVSpec, SlidingWindow
 
 if TYPE_CHECKING:
     from deepinfer.kvcache.engine_tiers import KVTiers
@@ -59,13 +69,28 @@ MAX_CACHED_ROOTS = 1024
 NO_BLOCK = -1  # a sliding-window table entry whose block left the window (never read by attention)
 
 
+def whole_sequence(spec: KVSpec) -> bool:
+    """A group kept for the whole sequence (what the tiers hold), not a window rebuilt by replay."""
+    return isinstance(spec, FullAttention | Compressed)
+
+
+def min_replay_tokens(specs: Sequence[KVSpec], block_size: int) -> int:
+    """The fewest tokens a replay must recompute before a hit's end (a multiple of `block_size`): a
+    compressor's open group starts up to m - block_size tokens back (m > block_size) and, with
+    overlap, pools the m rows before it too. 0 without compressors."""
+    return max((s.ratio * s.overlap + max(0, s.ratio - block_size) for s in specs
+                if isinstance(s, CompressorWindow)), default=0)
+
+
 @dataclass
 class PrefixHit:
     """The longest cached prefix of a request: `blocks` on the device, then `num_host` chain positions
     in host memory, then `num_store` in the persistent store. `blocks` is the first layer group's;
-    `other_groups` the rest's (same length; NO_BLOCK where a sliding window does not need one)."""
+    `other_groups` the rest's (NO_BLOCK where a window does not need one); `num_device`: the chain
+    positions the device part covers."""
 
     blocks: list[int] = field(default_factory=list)
+    num_device: int = 0
     other_groups: list[list[int]] = field(default_factory=list)
     num_host: int = 0
     num_store: int = 0
@@ -81,7 +106,7 @@ class PrefixHit:
 
     @property
     def num_blocks(self) -> int:
-        return len(self.blocks) + self.num_load
+        return self.num_device + self.num_load
 
     def start(self, block_size: int) -> int:
         """The first position the request computes: after the hit, or where its replay begins."""
@@ -101,10 +126,10 @@ class KVCacheManager:
     """Owns each request's block tables; answers prefix-cache lookups; registers computed blocks.
 
     `specs` (default: one full-attention group) and `num_blocks` (one count, or one per group) describe
-    the layer groups; `replay_tokens` (None: the largest sliding window; 0: off) bounds a hit's replay
-    (see the module docstring). The host tier, store and KV export hold group 0's blocks (`supports_tiers`:
-    models of full-attention groups, or full and sliding groups with replay; export adds the window's
-    sliding blocks, `exchange.py`)."""
+    the layer groups; `replay_tokens` (None: the largest sliding window, at least `min_replay_tokens`;
+    0: off) bounds a hit's replay (see the module docstring). The host tier and store hold the tier
+    groups' blocks (`supports_tiers`: models whose groups are all kept whole, or with window groups when
+    replay is on); KV export ships every group (`exchange.py`)."""
 
     def __init__(self, num_blocks: int | Sequence[int], block_size: int, model_identity: str, kv_layout: str,
                  enable_prefix_caching: bool = True, specs: Sequence[KVSpec] = (FullAttention(),),
@@ -115,18 +140,30 @@ class KVCacheManager:
         if len(counts) != len(specs):
             raise ValueError(f"{len(counts)} block counts for {len(specs)} layer groups")
         self.groups = [_Group(spec, BlockPool(n)) for spec, n in zip(specs, counts, strict=True)]
+        if self.groups[0].spec.tokens_per_block(block_size) != block_size:
+            raise ValueError("KV layer group 0 must hold one block per token block")
         self.pool = self.groups[0].pool
         self.block_tables = self.groups[0].tables
+        # the groups the tiers hold, with the token blocks one of their blocks covers
+        self.tier_groups = [i for i, g in enumerate(self.groups) if whole_sequence(g.spec)]
+        self._strides = [g.spec.tokens_per_block(block_size) // block_size for g in self.groups]
         windows = [g.spec.window for g in self.groups if isinstance(g.spec, SlidingWindow)]
-        hybrid = bool(windows) and isinstance(self.groups[0].spec, FullAttention)
+        replayable = bool(self.tier_groups) and len(self.tier_groups) < len(self.groups)
         if replay_tokens is not None and replay_tokens < 0:
             raise ValueError(f"replay_tokens must be >= 0, got {replay_tokens}")
-        # bounded replay needs a full group to keep the prefix (group 0: `group_layers` puts full first)
-        self.replay_tokens = (max(windows) if replay_tokens is None else replay_tokens) if hybrid else 0
-        # the tiers hold group 0's blocks; a sliding group's then come back by replay
-        self.supports_tiers = all(isinstance(g.spec, FullAttention) for g in self.groups) or (
-            hybrid and self.replay_tokens > 0 and all(isinstance(g.spec, FullAttention | SlidingWindow)
-                                                      for g in self.groups))
+        self.min_replay_tokens = min_replay_tokens(specs, block_size)
+        if replayable and replay_tokens and replay_tokens < self.min_replay_tokens:
+            raise ValueError(f"swa_replay_tokens={replay_tokens} is below {self.min_replay_tokens}: a replay must "
+                             "rebuild the compressor rows of the open compression groups (ratio m: up to "
+                             "m - block_size tokens of a group not yet complete, plus m earlier rows with overlap)")
+        # bounded replay needs a group kept whole to hold the prefix
+        default = max([*windows, self.min_replay_tokens])
+        self.replay_tokens = (default if replay_tokens is None else replay_tokens) if replayable else 0
+        self.supports_export = all(isinstance(g.spec, FullAttention) for g in self.groups)
+        # the tiers hold the whole-sequence groups' blocks; the window groups' then come back by replay
+        self.supports_tiers = bool(self.tier_groups) and (not replayable or self.replay_tokens > 0)
+        # chain position of each registered block of a tier group (the host tier copies a position whole)
+        self._block_pos = {i: [0] * self.groups[i].pool.num_blocks for i in self.tier_groups}
         self.block_size = block_size
         self.model_identity = model_identity
         self.kv_layout = kv_layout
@@ -151,10 +188,35 @@ class KVCacheManager:
     def attach_tiers(self, tiers: KVTiers | None) -> None:
         """Continue prefix lookups through `tiers` and move blocks to and from them (None: detach)."""
         if tiers is not None and not self.supports_tiers:
-            raise ValueError("KV tiers (host cache, store) hold models of full-attention layers, or of full "
-                             "and sliding-window layers with bounded replay on")
+            raise ValueError("KV tiers (host cache, store) hold models of full-attention (or compressed) layers, "
+                             "or such layers beside window ones with bounded replay on")
         self.tiers = tiers if self.enable_prefix_caching else None
-        self.pool.on_evict = tiers.evicted if self.tiers is not None and tiers.host is not None else None
+        hook = self.tiers is not None and tiers.host is not None
+        for i in self.tier_groups:
+            self.groups[i].pool.on_evict = partial(self._evicted, i) if hook else None
+
+    def _evicted(self, group: int, block: int, block_hash: bytes) -> None:
+        """A tier group's pool reuses `block`: give the host tier its chain position whole, from every
+        tier group's block of that position while they all still hold it."""
+        assert self.tiers is not None
+        pos = self._block_pos[group][block]
+        blocks: list[int] | None = []
+        for k, _ in self.tiers.blocks.carried(pos):
+            b = self.groups[self.tier_groups[k]].pool.lookup(block_hash)
+            if b is None:
+                blocks = None
+                break
+            blocks.append(b)
+        self.tiers.evicted(block_hash, pos, blocks)
+
+    def _register(self, group: int, block: int, block_hash: bytes, pos: int) -> bool:
+        """Make `block` of `group` findable by `block_hash`, the hash of chain position `pos`."""
+        if not self.groups[group].pool.register(block, block_hash):
+            return False
+        positions = self._block_pos.get(group)
+        if positions is not None:
+            positions[block] = pos
+        return True
 
     def root(self, salt: str | None, tenant: str | None = None) -> bytes:
         """The hash chain's seed for this model, KV layout, tenant and cache salt."""
@@ -215,13 +277,13 @@ class KVCacheManager:
 
     def _tables(self, found: list[list[int | None]], length: int, replay_from: int | None = None) -> list[list[int]]:
         """The hit's block table per group for a prefix of `length` chain positions; with `replay_from`,
-        the sliding groups get no cached block (they recompute from there) and the others `length`."""
-        if length == 0:
+        the window groups get no cached block (they recompute from there) and the others `length`."""
+        if length == 0 and replay_from is None:
             return [[] for _ in self.groups]
         bs = self.block_size
         out = []
         for g, f in zip(self.groups, found, strict=True):
-            if replay_from is not None and isinstance(g.spec, SlidingWindow):
+            if replay_from is not None and not whole_sequence(g.spec):
                 out.append([NO_BLOCK] * (replay_from // bs))  # no key before the replay is ever read
                 continue
             n = g.spec.num_blocks(length * bs, bs)
@@ -248,15 +310,27 @@ class KVCacheManager:
         bs = self.block_size
         total = full + hit.num_load
         if self.replay_tokens and total > exact:
-            replay_from = max(0, total * bs - self.replay_tokens) // bs * bs
+            replay_from = self._replay_start(total * bs)
             if replay_from >= exact * bs:  # no more tokens to compute than the exact hit
                 hit.blocks, *hit.other_groups = self._tables(found, full, replay_from)
+                hit.num_device = full
                 hit.replay_from = replay_from
                 return hit
-        if exact < full:  # the tier part continues the full groups only: without replay it serves nothing
+        if exact < full:  # the tier part continues the whole groups only: without replay it serves nothing
             hit = PrefixHit()
         hit.blocks, *hit.other_groups = self._tables(found, exact)
+        hit.num_device = exact
         return hit
+
+    def _rows_start(self, end: int) -> int:
+        """The first compressor row the open compression groups at token `end` pool (`end` without compressors)."""
+        return min([end, *(max(0, end // s.ratio * s.ratio - s.ratio * s.overlap) for g in self.groups
+                           if isinstance(s := g.spec, CompressorWindow))])
+
+    def _replay_start(self, end: int) -> int:
+        """Where a replay of a hit ending at token `end` starts: `replay_tokens` back, never after the rows
+        the open compression groups pool, at a block boundary."""
+        return min(max(0, end - self.replay_tokens), self._rows_start(end)) // self.block_size * self.block_size
 
     def _tier_hit(self, req: Request, start: int) -> PrefixHit:
         """What the tiers hold of `req`'s chain from position `start` on (blocks not filled in)."""
@@ -315,8 +389,8 @@ class KVCacheManager:
         plans = []
         for g, table in zip(self.groups, starts, strict=True):
             end_blocks = g.spec.num_blocks(computed + num_new_tokens, bs)
-            if new and isinstance(g.spec, FullAttention):  # its tier hits get blocks now, even past a replay chunk
-                end_blocks = max(end_blocks, hit.num_blocks)
+            if new and whole_sequence(g.spec):  # its tier hits get blocks now, even past a replay chunk
+                end_blocks = max(end_blocks, g.spec.num_blocks(hit.num_blocks * bs, bs))
             first = g.spec.first_needed_block(computed, bs)
             drop = [i for i in range(min(first, len(table))) if table[i] != NO_BLOCK]
             if new:  # cached blocks with no other user sit in the free queue: acquiring them uses up free blocks
@@ -346,7 +420,7 @@ class KVCacheManager:
         first = req.num_cached_tokens < 0
         bs = self.block_size
         if first:
-            req.num_cached_device = len(hit.blocks) * bs
+            req.num_cached_device = hit.num_device * bs
             req.num_cached_host = hit.num_host * bs
             req.num_cached_store = hit.num_store * bs
             req.num_cached_tokens = min(hit.num_blocks * bs, req.num_prompt_tokens)
@@ -359,7 +433,7 @@ class KVCacheManager:
             req.replay_end, req.kv_floor = hit.num_blocks * bs, hit.replay_from
             req.num_replayed_tokens += req.replay_end - hit.replay_from
             self.replayed_tokens += req.replay_end - hit.replay_from
-        req.pending_load = PendingLoad(len(hit.blocks), hit.num_load, first, hit.staged) if hit.num_load else None
+        req.pending_load = PendingLoad(hit.num_device, hit.num_load, first, hit.staged) if hit.num_load else None
         req.tier_lookup = None
         self._release_prefetch(req)  # the staged payloads, if any, now live on in pending_load
 
@@ -373,12 +447,15 @@ class KVCacheManager:
         pending, req.pending_load = req.pending_load, None
         if pending is None or self.tiers is None:
             return 0
-        table = self.block_tables[req.request_id]
+        tables = [g.tables[req.request_id] for g in self.groups]
         first, count = pending.first_block, pending.num_blocks
-        from_host, from_store = self.tiers.load(req.block_hashes, table[first:first + count], first, pending.staged)
+        from_host, from_store = self.tiers.load(req.block_hashes, tables, first, count, pending.staged)
         loaded = from_host + from_store
         for i in range(first, first + loaded):
-            self.pool.register(table[i], req.block_hashes[i])
+            for gi in self.tier_groups:
+                per = self._strides[gi]
+                if (i + 1) % per == 0:
+                    self._register(gi, tables[gi][(i + 1) // per - 1], req.block_hashes[i], i)
         bs = self.block_size
         if pending.first_admission:
             req.num_cached_host, req.num_cached_store = from_host * bs, from_store * bs
@@ -389,7 +466,7 @@ class KVCacheManager:
         missing = (count - loaded) * bs
         if req.replay_end and missing:
             end = (first + loaded) * bs
-            if end < req.kv_floor:
+            if end < req.kv_floor or self._rows_start(end) < req.kv_floor:  # the replay no longer reaches it
                 return None
             self.replayed_tokens -= req.replay_end - end
             req.num_replayed_tokens -= req.replay_end - end
@@ -409,24 +486,32 @@ class KVCacheManager:
         self.update_hashes(req)
         full = min(req.num_computed_tokens // self.block_size, len(req.block_hashes))
         done = self._num_registered.get(req.request_id, 0)
-        # a sliding group 0 (a model of sliding layers only) has NO_BLOCK where blocks left the window or a
-        # prefix hit skipped them: registering -1 would name the pool's last block by this hash
-        new = [i for i in range(done, full)
-               if table[i] != NO_BLOCK and self.pool.register(table[i], req.block_hashes[i])]
-        for g in self.groups[1:]:
-            t = g.tables[req.request_id]
-            per = g.spec.tokens_per_block(self.block_size) // self.block_size
-            # a block covering `per` token blocks is complete, and named, with the last of them
+        hashes = req.block_hashes
+        fresh: set[int] = set()  # positions whose tier blocks this request registered first
+        registered0: set[int] = set()
+        for gi, g in enumerate(self.groups):
+            t = table if gi == 0 else g.tables[req.request_id]
+            per = self._strides[gi]
+            # a block covering `per` token blocks is complete, and named, with the last of them. NO_BLOCK
+            # where a window dropped the block or a prefix hit skipped it: registering -1 would name the
+            # pool's last block by this hash
             for j in range(done // per, full // per):
-                if j < len(t) and t[j] != NO_BLOCK:
-                    g.pool.register(t[j], req.block_hashes[(j + 1) * per - 1])
+                pos = (j + 1) * per - 1
+                if j < len(t) and t[j] != NO_BLOCK and self._register(gi, t[j], hashes[pos], pos):
+                    if gi in self._block_pos:
+                        fresh.add(pos)
+                    elif gi == 0:
+                        registered0.add(pos)
+        # a position carrying no tier block (between a compressed group's blocks) is written when group 0's
+        # block there is new: the tiers must hold every position of a chain
+        fresh.update(p for p in registered0 if not any((p + 1) % self._strides[gi] == 0 for gi in self.tier_groups))
         self._num_registered[req.request_id] = full
         if self.tiers is not None and self.tiers.writer is not None:
             unwritten = self._unwritten.setdefault(req.request_id, [])
-            unwritten.extend(new)
-            self._write(req, table, full - full % self.tiers.group_blocks)
+            unwritten.extend(sorted(fresh))
+            self._write(req, full - full % self.tiers.group_blocks)
 
-    def _write(self, req: Request, table: list[int], upto: int) -> None:
+    def _write(self, req: Request, upto: int) -> None:
         """Hand `req`'s unwritten positions below `upto` to the store, one call per consecutive run."""
         unwritten = self._unwritten.get(req.request_id)
         if not unwritten or self.tiers is None:
@@ -435,12 +520,13 @@ class KVCacheManager:
         if not ready:
             return
         self._unwritten[req.request_id] = [i for i in unwritten if i >= upto]
+        tables = [g.tables.get(req.request_id, []) for g in self.groups]
         run_start = prev = ready[0]
         for i in [*ready[1:], None]:
             if i is not None and i == prev + 1:
                 prev = i
                 continue
-            self.tiers.write(req.block_hashes, table[run_start:prev + 1], run_start, req.retention_class)
+            self.tiers.write(req.block_hashes, tables, run_start, prev + 1 - run_start, req.retention_class)
             if i is not None:
                 run_start = prev = i
 
@@ -451,13 +537,14 @@ class KVCacheManager:
     def free(self, req: Request) -> None:
         """Release everything `req` holds: its blocks (written to the store first), a pending load, a
         prefetch (also for a request that was never admitted)."""
-        table = self.block_tables.pop(req.request_id, None)
+        table = self.block_tables.get(req.request_id)
         self._num_registered.pop(req.request_id, None)
         req.pending_load = None
         self._release_prefetch(req)
         if table:
             # the blocks still hold their KV until reallocated: copy the rest out for the store first
-            self._write(req, table, len(table))
+            self._write(req, len(table))
+        self.block_tables.pop(req.request_id, None)
         for g in self.groups:
             t = table if g is self.groups[0] else g.tables.pop(req.request_id, None)
             if t:

@@ -96,7 +96,7 @@ class StorePrefetcher:
         the prefetcher is closed; a request that already has a prefetch keeps it (True)."""
         if request_id in self._jobs:
             return True
-        nbytes = (num_host + num_store) * self.store.layout.block_nbytes
+        nbytes = self.store.layout.run_nbytes(first, num_host + num_store)
         if self._closed or (self._jobs and self._staged_bytes + nbytes > self.max_staged_bytes):
             self.counters["refused"] += 1
             return False

@@ -252,8 +252,8 @@ def read_header(f: BinaryIO) -> SegmentHeader:
 
 def verify_payload(f: BinaryIO, hdr: SegmentHeader) -> None:
     f.seek(hdr.header_len)
-    for crc in hdr.crcs:
-        if block_crc(f.read(hdr.block_nbytes)) != crc:
+    for i, crc in enumerate(hdr.crcs):
+        if block_crc(f.read(hdr.size(i))) != crc:
             raise CorruptSegment("payload CRC mismatch")
 
 

@@ -143,8 +143,9 @@ class KVBlockStore(KVTier):
             return None
         try:
             hdr = read_header(f)
-            if (hdr.model_identity, hdr.kv_layout, hdr.dtype, hdr.block_nbytes) != (
-                    self.model_identity, self.layout.key, self.layout.dtype, self.layout.block_nbytes):
+            if (hdr.model_identity, hdr.kv_layout, hdr.dtype) != (
+                    self.model_identity, self.layout.key, self.layout.dtype) or any(
+                    hdr.size(i) != self.layout.nbytes(hdr.first_pos + i) for i in range(hdr.nblocks)):
                 raise CorruptSegment("segment of another model identity or KV layout")
             if self.clock() >= hdr.expires:
                 self._discard(path, "expired", f.fileno())
@@ -232,31 +233,35 @@ class KVBlockStore(KVTier):
 
     def load(self, hashes: Sequence[bytes], start: int = 0, count: int | None = None) -> list[memoryview]:
         """Payloads of the longest valid run of blocks from position `start` (at most `count`), in
-        order; [] on a miss. Each payload is a view of `layout.block_nbytes` fresh bytes (the caller's)."""
+        order; [] on a miss. Each payload is a view of `layout.nbytes(position)` fresh bytes (the caller's)."""
         limit = len(hashes) if count is None else min(len(hashes), start + count)
         out: list[memoryview] = []
         now = self.clock()
-        bn = self.layout.block_nbytes
+        nbytes = 0
         try:
             for path, f, hdr, p, e in self._iter_runs(hashes, start, limit):
-                buf = bytearray((e - p) * bn)
-                f.seek(hdr.header_len + (p - hdr.first_pos) * bn)
+                lo = p - hdr.first_pos
+                sizes = [hdr.size(lo + i) for i in range(e - p)]
+                buf = bytearray(sum(sizes))
+                f.seek(hdr.header_len + hdr.offset(lo))
                 if f.readinto(buf) != len(buf):
                     self._discard(path, "corrupt", f.fileno())
                     break
                 view = memoryview(buf)  # writable: torch.frombuffer can wrap it without a copy
-                blocks = [view[i * bn:(i + 1) * bn] for i in range(e - p)]
+                offs = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+                blocks = [view[offs[i]:offs[i + 1]] for i in range(e - p)]
                 if any(block_crc(b) != hdr.crcs[p - hdr.first_pos + i] for i, b in enumerate(blocks)):
                     logger.warning("KV store: dropping %s: payload CRC mismatch", path)
                     self._discard(path, "corrupt", f.fileno())
                     break
                 out.extend(blocks)
+                nbytes += len(buf)
                 self._touch(f.fileno(), now, p)
         except OSError:
             self.counters["read_errors"] += 1
         self.counters["get_blocks"] += len(out)
         self.counters["get_misses" if not out else "gets"] += 1
-        self.counters["bytes_read"] += len(out) * bn
+        self.counters["bytes_read"] += nbytes
         return out
 
     def _touch(self, fd: int, now: float, pos: int) -> None:
@@ -284,8 +289,8 @@ class KVBlockStore(KVTier):
         while p < end:
             a = p - p % self.segment_blocks
             e = min(end, a + self.segment_blocks)
-            budget -= (e - p) * self.layout.block_nbytes + SegmentHeader.length_for(
-                e - p, self.model_identity, self.layout.key, self.layout.dtype, cls)
+            budget -= self.layout.run_nbytes(p, e - p) + SegmentHeader.length_for(
+                e - p, self.model_identity, self.layout.key, self.layout.dtype, cls, not self.layout.uniform)
             if budget < 0:
                 self.counters["dropped_capacity"] += 1
                 break
@@ -306,9 +311,10 @@ class KVBlockStore(KVTier):
         if first_pos // self.segment_blocks != (first_pos + n - 1) // self.segment_blocks:
             raise ValueError(f"run {first_pos}..{first_pos + n - 1} crosses a group boundary")
         bufs = [as_buffer(p) for p in payloads]
+        sizes = [self.layout.nbytes(first_pos + i) for i in range(n)]
+        if any(b.nbytes != size for b, size in zip(bufs, sizes, strict=True)):
+            raise ValueError(f"payloads of {[b.nbytes for b in bufs]} bytes, not {sizes} ({self.layout.key})")
         bn = self.layout.block_nbytes
-        if any(b.nbytes != bn for b in bufs):
-            raise ValueError(f"every payload must be {bn} bytes ({self.layout.key})")
         gdir = group_dir(self.root, group_hash)
         path = gdir / segment_name(hashes[-1], n)
         if check_present and path.exists():
@@ -316,7 +322,8 @@ class KVBlockStore(KVTier):
         now = self.clock()
         cls = self.retention.resolve(retention_class)
         hdr = SegmentHeader(self.model_identity, self.layout.key, self.layout.dtype, cls, now,
-                            now + self.retention.ttl(cls), first_pos, bn, list(hashes), [block_crc(b) for b in bufs])
+                            now + self.retention.ttl(cls), first_pos, bn, list(hashes), [block_crc(b) for b in bufs],
+                            sizes=None if self.layout.uniform else sizes)
         head = hdr.encode()
         try:
             made = self.space.reserve(hdr.file_len, lambda: self._mkstemp(gdir, path.name, hdr.file_len))

@@ -1,7 +1,8 @@
 """The interface every KV tier below the device pool implements: lookup / load / put by chained hash.
 
-A tier holds block payloads (the K and V of one block position for every layer, as
-`blocks.gather_block` lays them out) named by the chained block hashes of `hashing.py`.
+A tier holds block payloads (one chain position of the groups kept for the whole sequence: the K and
+V of every layer for a dense model, DeepSeek-V4's compressed entries; `blocks.TierBlocks` lays them
+out) named by the chained block hashes of `hashing.py`.
 Positions are chain positions: block i of a prefix is `hashes[i]`, and a hash names its
 whole prefix, so a tier answers for runs of consecutive positions, never single blocks.
 """

@@ -37,6 +37,9 @@ class AttentionBatch:
     # sliding-window layers: per sequence, the first key position that has KV (a replayed prefix hit's
     # start, kvcache/manager.py); keys before it are masked and their table entries never read. None: 0
     key_floors: list[int] | None = None
+    # models with their own KV state (DeepSeek-V4): per sequence, the end of a replayed prefix hit; state
+    # kept for the whole sequence that positions before it complete is held, and not written again
+    replay_ends: list[int] | None = None
 
 
 class AttentionBackend(ABC):

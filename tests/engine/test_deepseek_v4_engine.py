@@ -54,7 +54,10 @@ def test_groups_and_what_stays_off(v4):
         assert [(g.layers, g.spec) for g in core.runner.kv_groups] == [
             ((0, 1, 2, 3), SlidingWindow(6)), ((1, 3), CompressorWindow(4, True)), ((1, 3), Compressed(4)),
             ((2,), CompressorWindow(8, False)), ((2,), Compressed(8))]
-        assert core.tiers is None and not core.kv.supports_tiers
+        # the tiers would hold the compressed groups (the LLM class has no store by default); bounded replay
+        # defaults to the window, at least the open compression groups' rows (4 for both ratios here)
+        assert core.tiers is None and core.kv.supports_tiers and core.kv.tier_groups == [2, 4]
+        assert (core.kv.replay_tokens, core.kv.min_replay_tokens) == (6, 4)
         assert core.runner.kv_cache_bytes <= 4 * 2**20
     with pytest.raises(ValueError, match="deterministic mode does not serve DeepseekV4ForCausalLM"):
         LLM(str(path), dtype="float32", kv_cache_memory="4MiB", deterministic=True)

@@ -239,9 +239,9 @@ class _RecordingTiers:
     def lookup(self, hashes, start):
         return 0, 0
 
-    def write(self, hashes, blocks, start, retention_class):
-        assert len(hashes) >= start + len(blocks)  # the chain reaches the run (KVTiers cuts it)
-        self.writes.append((start, list(blocks), retention_class))
+    def write(self, hashes, tables, start, count, retention_class):
+        assert len(hashes) >= start + count  # the chain reaches the run (KVTiers cuts it)
+        self.writes.append((start, list(tables[0][start:start + count]), retention_class))
 
 
 def test_store_writes_cut_at_segment_boundaries_and_only_what_a_request_computed():

@@ -12,6 +12,11 @@ group's own block tables) into index tensors every layer of the step shares:
 - per attention segment (all single-token rows together, each longer chunk alone), padded: each query's window
   keys and compressed entries, with the causal masks the full forward uses (a query at p sees window
   keys p - window < k <= p and entries w < (p + 1) // m).
+
+A replayed prefix hit (`kvcache/manager.py`: the compressed entries are held, the window and compressor
+rows are not) comes with `replay_ends` and `key_floors`: its groups completing before the replay's end
+are held entries, so they are not pooled again (their rows before the floor do not exist), and window
+keys below the floor are never read.
 """
 
 from __future__ import annotations
@@ -76,6 +81,8 @@ def build_step_meta(specs: list[KVSpec], batches: list[AttentionBatch], device: 
     comp_gi = {s.ratio: i for i, s in enumerate(specs) if isinstance(s, Compressed)}
     overlap = {s.ratio: s.overlap for s in specs if isinstance(s, CompressorWindow)}
     starts = [c - q for q, c in zip(base.query_lens, base.context_lens, strict=True)]
+    floors = base.key_floors or [0] * len(starts)
+    replay_ends = base.replay_ends or [0] * len(starts)
     new_positions = [torch.arange(s, c) for s, c in zip(starts, base.context_lens, strict=True)]
 
     def token_slots(gi: int) -> torch.Tensor:
@@ -91,7 +98,7 @@ def build_step_meta(specs: list[KVSpec], batches: list[AttentionBatch], device: 
         span = 2 * m if overlap[m] else m
         rows, valid, pos, dest = [], [], [], []
         for i, (s, c) in enumerate(zip(starts, base.context_lens, strict=True)):
-            ws = torch.arange(s // m, c // m)
+            ws = torch.arange(min(max(s, replay_ends[i]), c) // m, c // m)  # held entries are not written again
             if not len(ws):
                 continue
             tok = (ws[:, None] + 1) * m - span + torch.arange(span)[None, :]  # [n, span] pooled tokens
@@ -112,7 +119,7 @@ def build_step_meta(specs: list[KVSpec], batches: list[AttentionBatch], device: 
     segments = []
     for seqs in groups:
         qmax = max(base.query_lens[i] for i in seqs)
-        lo = [max(0, starts[i] - window + 1) for i in seqs]
+        lo = [max(0, starts[i] - window + 1, floors[i]) for i in seqs]
         kmax = max(base.context_lens[i] - lo_i for i, lo_i in zip(seqs, lo, strict=True))
         b = len(seqs)
         rows = torch.zeros(b, qmax, dtype=torch.long)

@@ -168,11 +168,12 @@ class DeepseekV4ForCausalLM(nn.Module):
                         caches[i]["icomp"] = torch.zeros(n, epb, attn.indexer.head_dim, dtype=dtype, device=device)
         return caches
 
-    def kv_layout_key(self, block_size: int, dtype: torch.dtype) -> str:
-        """What seeds every block hash: blocks of another layout can never match."""
-        c = self.config
-        return (f"deepseek_v4:{dtype}:{block_size}:{c.num_hidden_layers}:{c.head_dim}:{c.sliding_window}:"
-                f"{','.join(c.layer_types)}:{sorted(c.compress_rates.items())}:{c.index_head_dim}")
+    def group_tensors(self, caches: list[dict[str, torch.Tensor]], group: int) -> list[torch.Tensor]:
+        """The cache tensors of KV group `group`'s layers (block index first), in tier payload order: per
+        layer the compressed entries, then CSA's indexer keys (`kvcache/blocks.py`)."""
+        g = self.kv_groups[group]
+        names = {SlidingWindow: ("window",), CompressorWindow: ("rows",), Compressed: ("comp", "icomp")}[type(g.spec)]
+        return [caches[i][n] for i in g.layers for n in names if n in caches[i]]
 
     def prepare_kv(self, batches: list[AttentionBatch]) -> list[Any]:
         """The step's metadata (one object every layer shares), once per group as the runner expects."""
