@@ -1,12 +1,14 @@
-"""A 1 prefill + 1 decode cluster on a model with full and sliding-window layers (tiny random Qwen2, window
-12, fp32) answers token-identically to a unified server: the prefill worker ships the full layer's blocks and
-the window's sliding blocks, and the decode worker continues from them without a replay."""
+"""A 1 prefill + 1 decode cluster on models with several kinds of KV groups answers token-identically to a
+unified server (fp32): full and sliding-window layers (tiny random Qwen2, window 12), and DeepSeek-V4 (window,
+compressor rows, compressed entries). The prefill worker ships every group's blocks of each position it still
+holds, and the decode worker continues from them without a replay."""
 
 from __future__ import annotations
 
 import random
 
 import openai
+import pytest
 
 from tests.server_utils import cluster_workers, metric, running_cluster, running_server
 
@@ -14,8 +16,17 @@ FLAGS = ("--dtype", "float32", "--kv-cache-memory", "32MiB", "--no-profile-cost-
          "--block-size", "4")
 
 
-def test_sliding_window_model_through_prefill_and_decode_workers(tiny_models, tmp_path):
-    model = str(tiny_models["qwen2_swa"])
+def _v4(tmp_path, default_model_dir) -> str:
+    from tests.models.v4_tiny import build_v4
+
+    path = tmp_path / "tiny-v4"
+    build_v4(path, seed=5, tokenizer_dir=default_model_dir)
+    return str(path)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_swa", "deepseek_v4"])
+def test_hybrid_kv_models_through_prefill_and_decode_workers(arch, tiny_models, default_model_dir, tmp_path):
+    model = str(tiny_models[arch]) if arch in tiny_models else _v4(tmp_path, default_model_dir)
     rng = random.Random(11)
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (9, 37, 83)]
 
