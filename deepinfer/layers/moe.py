@@ -4,8 +4,10 @@ routed experts' SwiGLU MLPs computed grouped by expert.
 Routing (`SoftmaxTopKRouter`), what transformers' Qwen3-MoE and Mixtral routers compute, step by step:
   1. router logits = x @ gate^T in the model dtype (F.linear, as transformers);
   2. probabilities = softmax over all experts, in float32;
-  3. the k largest probabilities, in descending order; ties go to the lower expert id (a stable
-     descending sort; `torch.topk` on CPU breaks ties in an order that depends on the row length);
+  3. the k largest probabilities, in descending order, by `torch.topk` as transformers picks them: exact
+     ties (frequent with bf16 logits) are broken the same way as the reference. That order is not "lower id
+     first" (it depends on the row's length and values) but it is a function of the row alone: the same
+     row picks the same experts in any batch, at any thread count (tests/layers/test_moe.py pins this);
   4. when `renormalize`, the k probabilities are divided by their sum, in float32 (Mixtral always: its
      "softmax over the top-k logits" is computed this way by transformers; Qwen3-MoE when `norm_topk_prob`);
   5. the weights are returned in `weight_dtype`'s choice: the model dtype (Qwen3-MoE casts them back to
@@ -15,8 +17,9 @@ Experts (`RoutedExperts`): weights stacked per projection, `w13` [n_local, 2I, H
 and `w2` [n_local, H, I]. The (token, expert) pairs are sorted by expert id (stably: each expert's tokens
 stay in token order), each active expert multiplies all its tokens in one matmul pair, the outputs are
 scaled by the routing weights and added back into the tokens' rows (`index_add_`) expert by expert in
-ascending id: the same products and the same order of additions as transformers' per-expert loop, so fp32
-results are bit-identical to it. No Python loop runs per token; one runs per active expert.
+ascending id: the same matmuls (same rows, same order) and the same order of additions as transformers'
+per-expert loop; SiLU * up goes through the CPU kernel the dense MLP uses (`silu_and_mul`: bf16 identical to
+torch's, fp32 within 1 ulp). No Python loop runs per token; one runs per active expert.
 
 Expert parallelism (not built yet): an expert module holds the experts `local_experts` (global ids) and
 its `forward` takes (tokens, global expert ids, weights), skipping pairs whose expert it does not hold, so
@@ -43,8 +46,7 @@ def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
     """Router logits [T, E] -> (expert ids [T, k] int64, weights [T, k] in `weight_dtype`); see the module
     docstring for the numerics."""
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
-    ids = torch.sort(probs, dim=-1, descending=True, stable=True).indices[:, :top_k]
-    weights = probs.gather(1, ids)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return ids, weights.to(weight_dtype)
