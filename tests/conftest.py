@@ -41,6 +41,15 @@ TINY_ARCHS = {
                                                    "sliding_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                     "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}}),
+    # Qwen3-MoE: 8 experts, top 2 renormalised; layer 1 dense (mlp_only_layers) with its own intermediate size
+    "qwen3_moe": dict(cls="Qwen3MoeConfig", hidden_size=64, intermediate_size=96, moe_intermediate_size=40,
+                      num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+                      mlp_only_layers=[1], num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                      num_hidden_layers=3, tie_word_embeddings=False),
+    # Mixtral: 4 experts, top 2, every layer sparse (no sliding window, as Mixtral 8x7B's config)
+    "mixtral": dict(cls="MixtralConfig", hidden_size=64, intermediate_size=56, num_local_experts=4,
+                    num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                    tie_word_embeddings=False),
 }
 
 

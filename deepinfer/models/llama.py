@@ -72,10 +72,13 @@ class GatedMLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg, backend: AttentionBackend, attn_bias: bool, qk_norm: bool, mlp_bias: bool) -> None:
+    """`mlp`: the feed-forward block, any module mapping [T, hidden] -> [T, hidden] (dense `GatedMLP`, or a
+    mixture of experts)."""
+
+    def __init__(self, cfg, backend: AttentionBackend, attn_bias: bool, qk_norm: bool, mlp: nn.Module) -> None:
         super().__init__()
         self.self_attn = DecoderAttention(cfg, backend, attn_bias, qk_norm)
-        self.mlp = GatedMLP(cfg, mlp_bias)
+        self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -130,7 +133,8 @@ class LlamaForCausalLM(nn.Module):
         mlp_bias = getattr(cfg, "mlp_bias", False)
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
-            DecoderLayer(cfg, backend, attn_bias, self.qk_norm, mlp_bias) for _ in range(cfg.num_hidden_layers)
+            DecoderLayer(cfg, backend, attn_bias, self.qk_norm, self.make_mlp(cfg, i, mlp_bias))
+            for i in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
@@ -139,6 +143,10 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg, max_positions, dtype)
         self.fused: FusedDecoder | None = None
         self._set_kv_groups(cfg, max_positions)
+
+    def make_mlp(self, cfg, layer: int, bias: bool) -> nn.Module:
+        """Layer `layer`'s feed-forward block (subclasses with mixture-of-experts layers override this)."""
+        return GatedMLP(cfg, bias)
 
     def _set_kv_groups(self, cfg, max_positions: int) -> None:
         self.kv_groups = group_layers(layer_kv_specs(cfg, max_positions))
@@ -216,7 +224,7 @@ class LlamaForCausalLM(nn.Module):
                 if part in name:
                     name = name.replace(part, f".{fused}.")
                     param = params[name]
-                    offset, size = self._shard_range(fused, shard)
+                    offset, size = self._shard_range(fused, param, shard)
                     with torch.no_grad():
                         param.narrow(0, offset, size).copy_(tensor)
                     loaded.add(f"{name}#{shard}")
@@ -231,7 +239,10 @@ class LlamaForCausalLM(nn.Module):
                     params[name].copy_(tensor)
                 loaded.add(name)
         expected = set()
+        elsewhere = self._params_loaded_elsewhere()
         for name in params:
+            if name in elsewhere:
+                continue
             if ".qkv_proj." in name:
                 expected |= {f"{name}#{i}" for i in range(3)}
             elif ".gate_up_proj." in name:
@@ -241,6 +252,10 @@ class LlamaForCausalLM(nn.Module):
         missing = expected - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
+
+    def _params_loaded_elsewhere(self) -> set[str]:
+        """Parameters `load_weights` does not fill nor check (a subclass loads and checks them itself)."""
+        return set()
 
     def attach_gguf(self, tensors: dict[str, QuantizedWeight]) -> int:
         """Attach a GGUF file's quantized blocks to the matching projections; returns how many."""
@@ -260,9 +275,12 @@ class LlamaForCausalLM(nn.Module):
                 (layer.self_attn.qkv_proj, [get(b + "attn_q.weight", attn.num_heads),
                                             get(b + "attn_k.weight", attn.num_kv_heads), get(b + "attn_v.weight")]),
                 (layer.self_attn.o_proj, [get(b + "attn_output.weight")]),
-                (layer.mlp.gate_up_proj, [get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]),
-                (layer.mlp.down_proj, [get(b + "ffn_down.weight")]),
             ]
+            if isinstance(layer.mlp, GatedMLP):  # a mixture of experts multiplies its dense weights
+                targets += [
+                    (layer.mlp.gate_up_proj, [get(b + "ffn_gate.weight"), get(b + "ffn_up.weight")]),
+                    (layer.mlp.down_proj, [get(b + "ffn_down.weight")]),
+                ]
         head = "token_embd.weight" if self.tie_word_embeddings else "output.weight"
         targets.append((self.lm_head, [get(head)]))
         attached = 0
@@ -273,10 +291,10 @@ class LlamaForCausalLM(nn.Module):
             attached += 1
         return attached
 
-    def _shard_range(self, fused: str, shard: int) -> tuple[int, int]:
+    def _shard_range(self, fused: str, param: torch.Tensor, shard: int) -> tuple[int, int]:
         attn = self.layers[0].self_attn
         if fused.endswith("qkv_proj"):
             sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:
-            sizes = [self.layers[0].mlp.intermediate] * 2
+        else:  # gate_up: two halves (a model's dense layers need not be layer 0's size)
+            sizes = [param.shape[0] // 2] * 2
         return sum(sizes[:shard]), sizes[shard]

@@ -8,16 +8,20 @@ from deepinfer.layers.attention import AttentionBackend
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.gemma3 import Gemma3ForCausalLM
 from deepinfer.models.llama import LlamaForCausalLM
+from deepinfer.models.mixtral import MixtralForCausalLM
 from deepinfer.models.qwen2 import Qwen2ForCausalLM
 from deepinfer.models.qwen3 import Qwen3ForCausalLM
+from deepinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
 }
 
 

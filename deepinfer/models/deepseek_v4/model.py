@@ -217,7 +217,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors in; raises on an unknown or missing tensor (MTP layers are skipped)."""
         params = dict(self.named_parameters())
-        params.update(self.named_buffers())
+        persistent = set(self.state_dict())  # not the experts' `slot_of` (derived, not in checkpoints)
+        params.update((n, b) for n, b in self.named_buffers() if n in persistent)
         loaded: set[str] = set()
         for ckpt_name, tensor in weights:
             target = _our_name(ckpt_name)
@@ -228,9 +229,8 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} has no matching parameter")
             dst = params[name]
             if part is not None:  # one expert's slice of a stacked expert parameter
-                expert, lo, n = part
-                inter = self.config.moe_intermediate_size
-                dst = dst[expert].narrow(0, lo * inter, inter) if n == "w13" else dst[expert]
+                expert, proj = part
+                dst = self.get_submodule(name.removesuffix(".w13").removesuffix(".w2")).expert_weight(expert, proj)
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             with torch.no_grad():
@@ -241,7 +241,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise ValueError(f"checkpoint is missing {len(missing)} tensors, e.g. {sorted(missing)[:3]}")
         experts = self.config.n_routed_experts
         for name in params:
-            if name.endswith(".ffn.w13") or name.endswith(".ffn.w2"):
+            if name.endswith(".ffn.experts.w13") or name.endswith(".ffn.experts.w2"):
                 n = sum(1 for k in loaded if k.startswith(name + "#"))
                 want = 2 * experts if name.endswith("w13") else experts
                 if n != want:
@@ -266,8 +266,8 @@ def _our_name(ckpt: str) -> tuple[str, tuple | None] | None:
         head, rest = name.split(".ffn.experts.")
         expert, w, _ = rest.split(".")
         if w == "w2":
-            return f"{head}.ffn.w2", (int(expert), 0, "w2")
-        return f"{head}.ffn.w13", (int(expert), 0 if w == "w1" else 1, "w13")
+            return f"{head}.ffn.experts.w2", (int(expert), "down")
+        return f"{head}.ffn.experts.w13", (int(expert), "gate" if w == "w1" else "up")
     name = name.replace(".ffn.gate.weight", ".ffn.gate_weight").replace(".ffn.gate.bias", ".ffn.gate_bias")
     name = name.replace(".ffn.gate.tid2eid", ".ffn.tid2eid").replace(".ffn.shared_experts.", ".ffn.shared.")
     if name.endswith(_BARE):

@@ -8,8 +8,10 @@ Either way the picked scores are normalised to sum to one and multiplied by `rou
 (the reference normalises whatever `norm_topk_prob` says). Expert MLPs are SwiGLU with the gate
 clamped above and the up projection clamped both ways at `swiglu_limit`.
 
-Experts run grouped: the (token, expert) pairs are sorted by expert and each expert multiplies all
-its tokens in one matmul, so the cost is one pair of matmuls per active expert, not per token.
+Experts run grouped (`layers/moe.py`'s `RoutedExperts`, shared with Qwen3-MoE and Mixtral): the (token,
+expert) pairs are sorted by expert and each expert multiplies all its tokens in one matmul, so the cost is
+one pair of matmuls per active expert, not per token. The routing weights are cast to the model dtype
+before they scale the expert outputs.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.layers.linear import Linear
+from deepinfer.layers.moe import RoutedExperts
 
 
 def _score(logits: torch.Tensor, func: str) -> torch.Tensor:
@@ -64,8 +67,7 @@ class MoE(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
         else:
             self.register_buffer("gate_bias", torch.zeros(e, dtype=torch.float32))
-        self.w13 = nn.Parameter(torch.zeros(e, 2 * inter, d))  # per expert: [gate; up]
-        self.w2 = nn.Parameter(torch.zeros(e, d, inter))
+        self.experts = RoutedExperts(e, d, inter, swiglu_limit=self.limit)  # w13 [e, 2I, d] (gate; up), w2 [e, d, I]
         self.shared = SharedExpert(d, inter, self.limit)
         self.num_experts = e
 
@@ -81,19 +83,4 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         idx, weights = self.route(x, input_ids)
-        out = torch.zeros_like(x)
-        experts = idx.reshape(-1)
-        order = torch.argsort(experts, stable=True)
-        tokens = order // self.top_k
-        w = weights.reshape(-1)[order]
-        counts = torch.bincount(experts, minlength=self.num_experts).tolist()
-        start = 0
-        for e, n in enumerate(counts):
-            if not n:
-                continue
-            t = tokens[start:start + n]
-            gate, up = F.linear(x[t], self.w13[e]).chunk(2, dim=-1)
-            h = F.linear(_swiglu(gate, up, self.limit), self.w2[e]) * w[start:start + n, None].to(x.dtype)
-            out.index_add_(0, t, h)
-            start += n
-        return out + self.shared(x)
+        return self.experts(x, idx, weights.to(x.dtype)) + self.shared(x)

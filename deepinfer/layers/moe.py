@@ -1,0 +1,178 @@
+"""Mixture-of-experts building blocks: a softmax top-k router with its numerics spelled out, and the
+routed experts' SwiGLU MLPs computed grouped by expert.
+
+Routing (`SoftmaxTopKRouter`), what transformers' Qwen3-MoE and Mixtral routers compute, step by step:
+  1. router logits = x @ gate^T in the model dtype (F.linear, as transformers);
+  2. probabilities = softmax over all experts, in float32;
+  3. the k largest probabilities, in descending order, by `torch.topk` as transformers picks them: exact
+     ties (frequent with bf16 logits) are broken the same way as the reference. That order is not "lower id
+     first" (it depends on the row's length and values) but it is a function of the row alone: the same
+     row picks the same experts in any batch, at any thread count (tests/layers/test_moe.py pins this);
+  4. when `renormalize`, the k probabilities are divided by their sum, in float32 (Mixtral always: its
+     "softmax over the top-k logits" is computed this way by transformers; Qwen3-MoE when `norm_topk_prob`);
+  5. the weights are returned in `weight_dtype`'s choice: the model dtype (Qwen3-MoE casts them back to
+     the logits' dtype) or float32 (Mixtral keeps them), which is the dtype the expert outputs are scaled in.
+
+Experts (`RoutedExperts`): weights stacked per projection, `w13` [n_local, 2I, H] (gate rows, then up rows)
+and `w2` [n_local, H, I]. The (token, expert) pairs are sorted by expert id (stably: each expert's tokens
+stay in token order), each active expert multiplies all its tokens in one matmul pair, the outputs are
+scaled by the routing weights and added back into the tokens' rows (`index_add_`) expert by expert in
+ascending id: the same matmuls (same rows, same order) and the same order of additions as transformers'
+per-expert loop; SiLU * up goes through the CPU kernel the dense MLP uses (`silu_and_mul`: bf16 identical to
+torch's, fp32 within 1 ulp). No Python loop runs per token; one runs per active expert.
+
+Expert parallelism (not built yet): an expert module holds the experts `local_experts` (global ids) and
+its `forward` takes (tokens, global expert ids, weights), skipping pairs whose expert it does not hold, so
+a dispatch (send each pair to the rank holding its expert) and a combine (sum the ranks' partial outputs)
+can wrap it without changing the compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers.activation import silu_and_mul
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+def softmax_topk(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 weight_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (expert ids [T, k] int64, weights [T, k] in `weight_dtype`); see the module
+    docstring for the numerics."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights.to(weight_dtype)
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """`weight` [E, H] (transformers' `mlp.gate.weight`); forward(x [T, H]) -> (ids [T, k], weights [T, k]).
+    `float32_weights`: return the weights in float32 (Mixtral) instead of the model dtype (Qwen3-MoE)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, renormalize: bool,
+                 float32_weights: bool) -> None:
+        super().__init__()
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"num_experts_per_tok={top_k} with {num_experts} experts")
+        self.weight = nn.Parameter(torch.zeros(num_experts, hidden))
+        self.top_k = top_k
+        self.renormalize = renormalize
+        self.float32_weights = float32_weights
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = F.linear(x, self.weight)
+        return softmax_topk(logits, self.top_k, self.renormalize,
+                            torch.float32 if self.float32_weights else logits.dtype)
+
+
+@dataclass
+class ExpertGroups:
+    """The (token, expert) pairs a module holds, sorted by expert: `tokens[i]` is pair i's row of x,
+    `weights[i]` its routing weight; `counts[s]` pairs belong to local slot s, in slot order."""
+
+    tokens: torch.Tensor
+    weights: torch.Tensor
+    counts: list[int]
+
+
+class RoutedExperts(nn.Module):
+    """The routed experts' SwiGLU MLPs (silu(gate) * up, then down), stacked per projection.
+
+    `local_experts`: the global ids of the experts held here, ascending (default: all `num_experts`);
+    slot s of `w13` / `w2` is expert `local_experts[s]`. `swiglu_limit` (DeepSeek-V4): the gate is clamped
+    above and the up projection both ways at that value before the product."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int,
+                 local_experts: Sequence[int] | None = None, swiglu_limit: float | None = None) -> None:
+        super().__init__()
+        local = list(range(num_experts) if local_experts is None else local_experts)
+        if local != sorted(set(local)) or (local and not 0 <= local[0] <= local[-1] < num_experts):
+            raise ValueError(f"local_experts must be distinct ascending ids below {num_experts}, got {local}")
+        self.num_experts = num_experts
+        self.local_experts = tuple(local)
+        self.hidden = hidden
+        self.intermediate = intermediate
+        self.swiglu_limit = swiglu_limit
+        self.w13 = nn.Parameter(torch.zeros(len(local), 2 * intermediate, hidden))
+        self.w2 = nn.Parameter(torch.zeros(len(local), hidden, intermediate))
+        slot = torch.full((num_experts,), -1, dtype=torch.long)
+        slot[list(local)] = torch.arange(len(local))
+        self.register_buffer("slot_of", slot, persistent=False)  # global id -> local slot, -1: held elsewhere
+
+    # ------------------------------------------------------------------ weights
+
+    def expert_weight(self, expert: int, proj: str) -> torch.Tensor | None:
+        """The view of global expert `expert`'s `proj` ("gate" [I, H], "up" [I, H], "down" [H, I]) to copy a
+        checkpoint tensor into; None when the expert is held elsewhere."""
+        if not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} out of range ({self.num_experts} experts)")
+        s = int(self.slot_of[expert])
+        if s < 0:
+            return None
+        if proj == "down":
+            return self.w2[s]
+        return self.w13[s].narrow(0, PROJECTIONS.index(proj) * self.intermediate, self.intermediate)
+
+    # ------------------------------------------------------------------ compute
+
+    def group(self, expert_ids: torch.Tensor, weights: torch.Tensor) -> ExpertGroups:
+        """Sort the pairs (token t, its j-th expert) by local slot; pairs of experts held elsewhere are dropped."""
+        k = expert_ids.shape[-1]
+        slots = self.slot_of[expert_ids.reshape(-1)]
+        order = torch.argsort(slots, stable=True)  # slot -1 (held elsewhere) first, then slot by slot
+        counts = torch.bincount(slots + 1, minlength=len(self.local_experts) + 1).tolist()
+        order = order[counts[0]:]
+        return ExpertGroups(order // k, weights.reshape(-1)[order], counts[1:])
+
+    def compute(self, x: torch.Tensor, groups: ExpertGroups) -> torch.Tensor:
+        """sum over pairs of weight * expert(x[token]) into [T, H] (x's dtype): one gate/up and one down
+        matmul per active expert; the product with the weight is taken in the weights' and outputs'
+        promoted dtype (float32 weights: float32), then rounded to x's dtype before it is added."""
+        out = torch.zeros_like(x)
+        start = 0
+        for s, n in enumerate(groups.counts):
+            if not n:
+                continue
+            t = groups.tokens[start:start + n]
+            h = self._act(F.linear(x[t], self.w13[s]))
+            h = F.linear(h, self.w2[s]) * groups.weights[start:start + n, None]
+            out.index_add_(0, t, h.to(out.dtype))
+            start += n
+        return out
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, H]; expert_ids [T, k] global ids; weights [T, k] -> [T, H]: each token's weighted sum over
+        its experts held here."""
+        return self.compute(x, self.group(expert_ids, weights))
+
+    def _act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        if self.swiglu_limit is None:
+            return silu_and_mul(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        lim = self.swiglu_limit
+        return F.silu(gate.clamp(max=lim)) * up.clamp(min=-lim, max=lim)
+
+    def extra_repr(self) -> str:
+        return (f"experts={len(self.local_experts)}/{self.num_experts}, hidden={self.hidden}, "
+                f"intermediate={self.intermediate}, swiglu_limit={self.swiglu_limit}")
+
+
+class SparseMoeBlock(nn.Module):
+    """Router + routed experts, no shared expert (Qwen3-MoE's `mlp`, Mixtral's `block_sparse_moe`)."""
+
+    def __init__(self, hidden: int, num_experts: int, top_k: int, intermediate: int, renormalize: bool,
+                 float32_weights: bool, local_experts: Sequence[int] | None = None) -> None:
+        super().__init__()
+        self.gate = SoftmaxTopKRouter(hidden, num_experts, top_k, renormalize, float32_weights)
+        self.experts = RoutedExperts(num_experts, hidden, intermediate, local_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids, weights = self.gate(x)
+        return self.experts(x, ids, weights)
