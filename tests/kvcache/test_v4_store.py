@@ -15,6 +15,7 @@ from deepinfer.kvcache.exchange import export_blocks, import_blocks, prompt_bloc
 from deepinfer.kvcache.format import PositionLayout, SegmentHeader
 from deepinfer.kvcache.space import iter_files, read_header, verify_payload
 from tests.engine.test_deepseek_v4_engine import SPEC, assert_full_forward_argmax
+from tests.kvcache.test_kv_exchange import _run
 from tests.models.v4_tiny import build_v4
 
 BS = 4
@@ -193,16 +194,6 @@ def test_payload_bytes_follow_the_tier_groups(v4):
                 assert torch.equal(t[list(src)], t[list(dst)])
 
 
-def _continue(llm: LLM, prompt: list[int], params: SamplingParams, **kw):
-    engine = llm.engine
-    engine.add_request(prompt, params, prompt_token_ids=prompt, **kw)
-    final = None
-    while engine.has_unfinished():
-        for out in engine.step():
-            final = out
-    return final
-
-
 @pytest.mark.parametrize("arch", ["v4", "qwen2_swa"])
 def test_export_ships_every_group_and_decode_continues_like_one_engine(arch, v4, tiny_models):
     """Prefill here, decode there: the export carries each position's tier part plus the window groups'
@@ -215,13 +206,13 @@ def test_export_ships_every_group_and_decode_continues_like_one_engine(arch, v4,
     full = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
     with _llm(path, None, kv_cache_memory="8MiB") as unified, _llm(path, None, kv_cache_memory="8MiB") as prefill, \
             _llm(path, None, kv_cache_memory="8MiB") as decode:
-        ref = _continue(unified, prompt, full).outputs[0].token_ids
-        first = _continue(prefill, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        ref = _run(unified, prompt, full).outputs[0].token_ids
+        first = _run(prefill, prompt, SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
         assert first.outputs[0].token_ids == ref[:1]
         blocks = export_blocks(prefill.engine.core, prompt, None)
         assert len(blocks) == 43 // BS
         assert import_blocks(decode.engine.core, blocks) == len(blocks)
-        out = _continue(decode, prompt, full, output_prefix=first.outputs[0].token_ids)
+        out = _run(decode, prompt, full, output_prefix=first.outputs[0].token_ids)
         assert out.outputs[0].token_ids == ref
         assert out.num_cached_tokens == 40 and out.num_replayed_tokens == 0
         for llm in (unified, prefill, decode):
