@@ -337,15 +337,13 @@ class ModelRunner:
                                       replay_ends=replay) for by_request in group_tables]
             metas = self.model.prepare_kv(batches)
         else:
-            floors = [item.request.kv_floor for item in step.scheduled]
-            floors = floors if any(floors) else None
             for group, by_request, replay_base in zip(self.kv_groups, group_tables, self.replay_slot_base,
                                                       strict=True):
                 tables, slot_mapping = self._slots(step, by_request, replay_base)
                 window = _window(group.spec)
+                floors = [item.request.kv_floor for item in step.scheduled] if window is not None else None
                 metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
-                                                                 slot_mapping, bs, window,
-                                                                 floors if window is not None else None)))
+                                                                 slot_mapping, bs, window, floors)))
         dev = self.device
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
@@ -364,15 +362,15 @@ class ModelRunner:
             req = item.request
             table = by_request[req.request_id]
             start = item.start
+            replay_end = req.replay_end if replay_base is not None else 0
             if item.num_new_tokens == 1:
-                slots.append(table[start // bs] * bs + start % bs)
+                slots.append((replay_base if start < replay_end else table[start // bs] * bs) + start % bs)
             else:
                 pos = torch.arange(start, start + item.num_new_tokens)
-                slots.append(torch.tensor(table, dtype=torch.long)[pos // bs] * bs + pos % bs)
-            if replay_base is not None and start < req.replay_end:
-                pos = torch.arange(start, start + item.num_new_tokens)
-                own = slots[-1] if isinstance(slots[-1], torch.Tensor) else torch.tensor([slots[-1]])
-                slots[-1] = torch.where(pos < req.replay_end, replay_base + pos % bs, own)
+                block_starts = torch.tensor(table, dtype=torch.long)[pos // bs] * bs
+                if start < replay_end:
+                    block_starts = torch.where(pos < replay_end, replay_base, block_starts)
+                slots.append(block_starts + pos % bs)
             tables.append(table)
         slot_mapping = torch.cat([s if isinstance(s, torch.Tensor) else torch.tensor([s]) for s in slots])
         return tables, slot_mapping.to(self.device)
