@@ -18,6 +18,7 @@ from deepinfer.cluster.auth import CLUSTER_TOKEN_HEADER
 # tests can call /internal/* on routers and workers
 CLUSTER_TOKEN = "deepinfer-test-cluster-token"
 INTERNAL = {CLUSTER_TOKEN_HEADER: CLUSTER_TOKEN}
+KEY = "test-key"  # the API key of tests/server/conftest.py's shared server
 
 
 def free_port() -> int:

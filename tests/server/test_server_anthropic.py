@@ -10,9 +10,8 @@ import anthropic
 import httpx
 import pytest
 
-from tests.server_utils import metric, running_server
+from tests.server_utils import KEY, metric
 
-KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 GREEDY = {"temperature": 0}
@@ -27,12 +26,6 @@ for _i, _city in enumerate(("Paris", "Rome")):
 FEW_SHOT.append({"role": "user", "content": "What is the weather in London?"})
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("srv") / "server.log"
-    with running_server("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
-                        "--dtype", "float32", log=log) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,8 @@ import jsonschema
 import openai
 import pytest
 
-from tests.server_utils import running_server
+from tests.server_utils import KEY
 
-KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 GREEDY = {"temperature": 0}
 # a nested model as Pydantic writes it: the argument's type lives in the root `$defs`
@@ -30,12 +29,6 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 ANSWER_SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("srv") / "server.log"
-    with running_server("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
-                        "--dtype", "float32", log=log) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")

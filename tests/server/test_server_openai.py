@@ -9,19 +9,12 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import metric, running_server
+from tests.server_utils import KEY, metric
 
-KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    log = tmp_path_factory.mktemp("srv") / "server.log"
-    with running_server("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
-                        "--dtype", "float32", log=log) as base:
-        yield base
 
 
 @pytest.fixture(scope="module")

@@ -11,18 +11,14 @@ import pytest
 from pydantic import BaseModel, Field
 
 from tests.engine.test_structured import SCHEMAS
-from tests.server_utils import running_server
+from tests.server_utils import KEY
 
-KEY = "test-key"
 MODEL = "SmolLM2-135M-Instruct"
 
 
 @pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    log = tmp_path_factory.mktemp("srv") / "server.log"
-    with running_server("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
-                        "--dtype", "float32", log=log) as base:
-        yield openai.OpenAI(base_url=f"{base}/v1", api_key=KEY, max_retries=0, timeout=120)
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key=KEY, max_retries=0, timeout=120)
 
 
 def _ask(what: str) -> list[dict]:
