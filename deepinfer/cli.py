@@ -1,4 +1,4 @@
-"""`deepinfer` command line: serve | router | generate | chat | cache | bench simulate. Flags are generated from the config dataclasses."""
+"""`deepinfer` command line: serve | router | generate | chat | cache | bench simulate|economics|plot. Flags are generated from the config dataclasses."""
 
 from __future__ import annotations
 
@@ -228,6 +228,21 @@ def cmd_bench_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_economics(args: argparse.Namespace) -> int:
+    from deepinfer.bench.economics import EconomicsConfig, run
+
+    print(run(config_from_args(EconomicsConfig, args)))
+    return 0
+
+
+def cmd_bench_plot(args: argparse.Namespace) -> int:
+    from deepinfer.bench.plots import render_files
+
+    for src, png in render_files(args.results, out_dir=args.out_dir):
+        print(f"{src} -> {png}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="LLM inference serving.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (default: INFO).")
@@ -283,6 +298,20 @@ def build_parser() -> argparse.ArgumentParser:
                              "(cost model + shared store hit model) and compare routing policies side by side.")
     simulate_arguments(sim)
     sim.set_defaults(func=cmd_bench_simulate)
+
+    from deepinfer.bench.economics import EconomicsConfig
+
+    econ = benches.add_parser("economics", help="Price a measured run (flags or a benchmark results JSON) or the "
+                              "seeds' published figures: tokens/day, revenue and cost per accelerator-hour, margin, "
+                              "payback, every step of the arithmetic shown.")
+    add_config_arguments(econ, EconomicsConfig)
+    econ.set_defaults(func=cmd_bench_economics)
+
+    plot = benches.add_parser("plot", help="Render PNG plots from benchmark results JSON files (needs matplotlib: "
+                              "the `bench` extra).")
+    plot.add_argument("results", nargs="+", help="Results JSON files (benchmarks/results/*.json).")
+    plot.add_argument("--out-dir", default=None, help="Where the PNGs go (default: next to each JSON).")
+    plot.set_defaults(func=cmd_bench_plot)
     return parser
 
 
