@@ -376,6 +376,10 @@ def main() -> None:
         if args.json:  # after each workload, so an interrupted run keeps what it measured
             with open(args.json, "w") as f:
                 json.dump({"args": vars(args), "results": results}, f, indent=2)
+    if args.json:
+        from deepinfer.bench.plots import plot_after_run
+
+        plot_after_run(args.json)  # hit rate by tier, TTFT and tok/s per configuration, next to the JSON
     sample = (f"first {args.trace_requests} requests" if args.trace_sample == "head" else
               f"{args.conv_fraction:g} of the conversations of the first {args.trace_minutes:g} min")
     time_scale = args.time_scale if args.time_scale is not None else (2.0 if args.trace_sample == "head" else 1 / 15)

@@ -14,7 +14,7 @@
 #   GUIDELLM (default: guidellm on PATH)  OUT_DIR (benchmarks/results)
 #   GUIDELLM_WORKERS (1: client worker processes; guidellm's default of 10 is too many for 2 cores)
 #
-# Writes OUT_DIR/guidellm_<model>_c<streams>_<stamp>.{json,csv,log} and prints guidellm's tables.
+# Writes OUT_DIR/guidellm_<model>_c<streams>_<stamp>.{json,csv,log} (and _ttft.png) and prints guidellm's tables.
 # Synthetic requests carry max_tokens=OUTPUT_TOKENS + ignore_eos, so output lengths are exact.
 set -euo pipefail
 
@@ -87,4 +87,8 @@ set +e
 rc=${PIPESTATUS[0]}
 set -e
 echo "results: $BASE.json $BASE.csv (console log: $BASE.log) rc=$rc"
+# the TTFT distribution next to the JSON (deepinfer's plotter; a note, not a failure, without matplotlib)
+if [[ -f $BASE.json ]]; then
+    python3 -c 'import sys; from deepinfer.bench.plots import plot_after_run; plot_after_run(sys.argv[1])' "$BASE.json" || true
+fi
 exit "$rc"

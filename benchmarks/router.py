@@ -275,6 +275,9 @@ def main() -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"args": vars(args), "runs": rows, "medians": med}, f, indent=2)
+        from deepinfer.bench.plots import plot_after_run
+
+        plot_after_run(args.json_out)  # TTFT / ITL per policy, next to the JSON
     return 0
 
 

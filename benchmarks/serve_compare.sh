@@ -38,7 +38,8 @@ wait_health() {  # url pid
 }
 
 SUMMARY=$(mktemp)
-trap 'rm -f "$SUMMARY"' EXIT
+JSONS=$(mktemp)  # each run's guidellm JSON, for the plots at the end
+trap 'rm -f "$SUMMARY" "$JSONS"' EXIT
 
 run_one() {  # label port cmd...
     local label=$1 port=$2
@@ -59,6 +60,7 @@ run_one() {  # label port cmd...
         rs && $2 ~ /concurrent@/ {comp = $8 + 0; inc = $9 + 0; err = $10 + 0; rs = 0}
         st && $2 ~ /concurrent@/ {tps = $7 + 0; st = 0}
         END {printf "%s %.1f %d %d\n", label, tps, comp, inc + err}' "$out" >>"$SUMMARY"
+    sed -n 's/^results: \([^ ]*\.json\) .*/\1/p' "$out" >>"$JSONS"
     rm -f "$out"
 }
 
@@ -99,3 +101,9 @@ awk '
         for (i = 1; i <= k; i++) for (j = i + 1; j <= k; j++) if (b[j] < b[i]) {t = b[i]; b[i] = b[j]; b[j] = t}
         return k % 2 ? b[(k + 1) / 2] : (b[k / 2] + b[k / 2 + 1]) / 2
     }' "$SUMMARY"
+# throughput and TTFT against streams per engine, and the TTFT distributions, over this run's guidellm JSONs
+# (benchmarks/results/serve_compare_c<STREAMS>_{streams,ttft}.png; a note, not a failure, without matplotlib)
+if [[ -s $JSONS ]]; then
+    mapfile -t files <"$JSONS"
+    python3 -m deepinfer.cli bench plot "${files[@]}" --name "serve_compare_c$STREAMS" --out-dir "$HERE/results" || true
+fi

@@ -399,6 +399,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(pairs if args.compare and len(pairs) > 1 else sums if args.compare else sums[0], f, indent=2)
+        from deepinfer.bench.plots import plot_after_run
+
+        plot_after_run(args.json_out)  # TTFT distribution per server, next to the JSON
     failed = sum(s["failed"] for s in sums)
     print(f"failed requests: {failed}")
     return 1 if failed else 0

@@ -361,6 +361,9 @@ def main() -> None:
     if args.json_out:
         meta = {"config": vars(args), "loadavg_start": load0, "loadavg_end": os.getloadavg()}
         Path(args.json_out).write_text(json.dumps({**meta, "results": results}, indent=1))
+        from deepinfer.bench.plots import plot_after_run
+
+        plot_after_run(args.json_out)  # tok/s per workload and engine, next to the JSON
 
 
 if __name__ == "__main__":

@@ -238,7 +238,7 @@ def cmd_bench_economics(args: argparse.Namespace) -> int:
 def cmd_bench_plot(args: argparse.Namespace) -> int:
     from deepinfer.bench.plots import render_files
 
-    for src, png in render_files(args.results, out_dir=args.out_dir):
+    for src, png in render_files(args.results, out_dir=args.out_dir, name=args.name):
         print(f"{src} -> {png}")
     return 0
 
@@ -311,6 +311,8 @@ def build_parser() -> argparse.ArgumentParser:
                               "the `bench` extra).")
     plot.add_argument("results", nargs="+", help="Results JSON files (benchmarks/results/*.json).")
     plot.add_argument("--out-dir", default=None, help="Where the PNGs go (default: next to each JSON).")
+    plot.add_argument("--name", default=None, help="Prefix of the plots drawn over all serving results given "
+                      "(<name>_streams.png, <name>_ttft.png; default: serving).")
     plot.set_defaults(func=cmd_bench_plot)
     return parser
 
