@@ -162,11 +162,13 @@ VERDICTS = ("agrees", "disagrees", "partly", "unchecked")
 def fmt(value: float, unit: str = "") -> str:
     """A number for the report: `$` amounts with cents (or thousands separators), token counts with T/B/M."""
     if unit == "$":
+        if abs(value) < 0.01 and value:
+            return f"${value:.3g}"  # a short measured run earns fractions of a cent
         return f"${value:,.2f}" if abs(value) < 1e5 else f"${value:,.0f}"
     if unit == "$/M":
         return f"${value:.4g}/M"
     if unit == "$/h":
-        return f"${value:,.2f}/h"
+        return f"${value:,.2f}/h" if abs(value) >= 1 else f"${value:.4f}/h"  # a CPU VM earns cents an hour
     if unit == "%":
         return f"{100 * value:.1f}%"
     if unit == "tokens" or unit == "tok/s":

@@ -129,7 +129,7 @@ def test_cpu_vm_price_is_stated_when_not_given(tmp_path, capsys):
     rc, out, _ = _cli(capsys, "--input-tokens", "1000", "--output-tokens", "100", "--wall-s", "2")
     assert rc == 0
     assert "m7a.large" in out and "$0.11592" in out
-    assert _summary(out, "cost per accelerator-hour") == "$0.12/h"
+    assert _summary(out, "cost per accelerator-hour") == "$0.1159/h"
 
 
 def test_loss_making_run_has_negative_margin_and_no_payback():
