@@ -1,6 +1,8 @@
 """Benchmarks that run inside deepinfer, without a server: `deepinfer bench ...`.
 
 `simulate`: routing policies compared on a replayed request trace against modelled prefill and decode
-workers (`deepinfer bench simulate`). The measured, side-by-side benchmarks that drive real engines and
-servers live in the repository's `benchmarks/` directory.
+workers (`deepinfer bench simulate`). `economics`: a measured run, or the production figures DeepSeek
+published, priced with every step of the arithmetic shown (`deepinfer bench economics`). `plots`: PNGs of
+the benchmark scripts' results JSONs (`deepinfer bench plot`; matplotlib, the `bench` extra). The measured,
+side-by-side benchmarks that drive real engines and servers live in the repository's `benchmarks/` directory.
 """

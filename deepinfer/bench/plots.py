@@ -21,7 +21,7 @@ import json
 import re
 import statistics
 import sys
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -201,6 +201,7 @@ def plot_ttft_cdf(runs: Sequence[ServingRun], path: Path, title: str) -> Path:
     several = len({r.source for r in runs}) > 1
     colors = {e: f"C{i % 10}" for i, e in enumerate(dict.fromkeys(r.engine for r in runs))}
     seen: dict[str, int] = defaultdict(int)  # runs of one engine share its colour and vary the line style
+    runs_of = Counter(r.engine for r in runs if r.ttft_ms)
     for r in runs:
         if not r.ttft_ms:
             continue
@@ -208,7 +209,8 @@ def plot_ttft_cdf(runs: Sequence[ServingRun], path: Path, title: str) -> Path:
         seen[r.engine] += 1
         xs = sorted(v / 1000 for v in r.ttft_ms)
         ys = [(i + 1) / len(xs) for i in range(len(xs))]
-        label = f"{r.engine}, {r.streams} streams (median {statistics.median(xs):.2f} s)"
+        label = f"{r.engine}" + (f" run {seen[r.engine]}" if runs_of[r.engine] > 1 else "")
+        label += f", {r.streams} streams (median {statistics.median(xs):.2f} s)"
         if several:
             label += f" [{Path(r.source).stem[-15:]}]"
         ax.step(xs, ys, where="post", label=label, color=colors[r.engine], ls=style)
