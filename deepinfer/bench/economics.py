@@ -7,8 +7,8 @@ per worker, revenue per accelerator-hour, cost, margin and payback days, each fi
 formula, the formula with the numbers substituted, and the result, so the printed report can be checked by hand.
 
 A run comes from flags or from a results JSON the repository's benchmarks write (`load_run`:
-benchmarks/throughput.py, benchmarks/serve_load.py, benchmarks/agentic.py; the only one of them that counts
-cached input tokens is agentic.py, from its hit rate).
+benchmarks/throughput.py, serve_load.py, agentic.py, guidellm_run.sh; cached input tokens come from
+agentic.py's hit rate and guidellm's per-request `cached_tokens`, the others do not count them).
 
 `--seeds` prices the production figures DeepSeek published with its release (`SeedFigures`, as the three
 reports in ../shared/seeds quote them) and adds a consistency section (`seed_consistency`): each published
@@ -45,7 +45,8 @@ class EconomicsConfig:
 
     seeds: bool = _f(False, "Price DeepSeek's published production figures (../shared/seeds) and print the "
                      "consistency section: which published numbers follow from which.")
-    results: str | None = _f(None, "A results JSON from benchmarks/throughput.py, serve_load.py or agentic.py.")
+    results: str | None = _f(None, "A results JSON from benchmarks/throughput.py, serve_load.py, agentic.py or "
+                             "guidellm_run.sh.")
     engine: str = _f("deepinfer", "throughput.py results: the engine's row to price.")
     workload: str | None = _f(None, "throughput.py / agentic.py results: the workload (default: the first).")
     label: str | None = _f(None, "serve_load.py --compare results: the server label (default: the first); "
@@ -234,13 +235,21 @@ def price_run(run: MeasuredRun, prices: Prices) -> Economics:
 
 def load_run(path: str | Path, *, engine: str = "deepinfer", workload: str | None = None,
              label: str | None = None, accelerators: float = 1.0, hardware: str | None = None) -> MeasuredRun:
-    """The run recorded in a benchmark results JSON (throughput.py, serve_load.py or agentic.py)."""
+    """The run recorded in a benchmark results JSON (throughput.py, serve_load.py, agentic.py or guidellm)."""
     path = Path(path)
     try:
         data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e})") from e
     hw = hardware or "unspecified (the results JSON does not record it; pass --hardware)"
+    if isinstance(data, dict) and isinstance(data.get("benchmarks"), list) and data["benchmarks"]:  # guidellm
+        b = data["benchmarks"][0]
+        ok = b["requests"]["successful"]
+        streams = b["config"]["strategy"].get("streams", "?")
+        return MeasuredRun(sum(r.get("prompt_tokens") or 0 for r in ok), sum(r.get("cached_tokens") or 0 for r in ok),
+                           sum(r.get("output_tokens") or 0 for r in ok), b["duration"], accelerators, hw,
+                           f"{path} (guidellm: {len(ok)} successful requests at {streams} streams over its "
+                           f"{b['duration']:.1f} s; cached tokens as the server reported them)")
     if isinstance(data, dict) and isinstance(data.get("results"), list):  # throughput.py
         rows = [r for r in data["results"] if r.get("engine") == engine]
         if workload is not None:
@@ -269,7 +278,7 @@ def load_run(path: str | Path, *, engine: str = "deepinfer", workload: str | Non
                            f"{r['hit_pct']:.1f}%, output = output_tok_per_s * wall_s)")
     summaries = _serve_load_summaries(data)
     if summaries is None:
-        raise ValueError(f"{path}: not a results JSON of throughput.py, serve_load.py or agentic.py")
+        raise ValueError(f"{path}: not a results JSON of throughput.py, serve_load.py, agentic.py or guidellm")
     if label is not None:
         summaries = [s for s in summaries if s.get("label") == label]
         if not summaries:

@@ -155,3 +155,28 @@ def test_unknown_results_file_shape_is_a_clear_error(tmp_path, capsys):
     path.write_text(json.dumps({"hello": 1}))
     rc, _, err = _cli(capsys, "--results", str(path))
     assert rc == 2 and "not a results JSON" in err
+
+
+def test_guidellm_and_serve_load_results_count_completed_requests(tmp_path):
+    guidellm = {"config": {}, "benchmarks": [{
+        "config": {"strategy": {"streams": 4}}, "duration": 20.0,
+        "requests": {"successful": [{"prompt_tokens": 158, "cached_tokens": 100, "output_tokens": 64}] * 3,
+                     "errored": [{"prompt_tokens": 158, "output_tokens": 0}]}}]}
+    serve_load = [[{"label": "deepinfer", "concurrency": 8, "wall_s": 10.0, "requests": [
+        {"ok": True, "prompt_tokens": 150, "output_tokens": 64}, {"ok": False, "prompt_tokens": 150,
+                                                                  "output_tokens": 3}]},
+                   {"label": "vllm", "concurrency": 8, "wall_s": 5.0, "requests": [
+                       {"ok": True, "prompt_tokens": 150, "output_tokens": 64}]}]]
+    (tmp_path / "g.json").write_text(json.dumps(guidellm))
+    (tmp_path / "s.json").write_text(json.dumps(serve_load))
+    from deepinfer.bench.economics import load_run
+
+    g = load_run(tmp_path / "g.json")
+    assert (g.input_tokens, g.cached_input_tokens, g.output_tokens, g.wall_s) == (474, 300, 192, 20.0)
+    s = load_run(tmp_path / "s.json", label="vllm")
+    assert (s.input_tokens, s.output_tokens, s.wall_s) == (150, 64, 5.0)
+    s = load_run(tmp_path / "s.json")  # the first label; the failed request earns nothing
+    assert (s.input_tokens, s.output_tokens, s.wall_s) == (150, 64, 10.0)
+    e = price_run(g, Prices(0.15, 0.015, 0.60, 0.1))
+    assert e.revenue_per_accelerator_hour == pytest.approx(
+        (174 * 0.15 + 300 * 0.015 + 192 * 0.60) / 1e6 / 20.0 * 3600)
