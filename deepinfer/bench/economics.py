@@ -242,6 +242,14 @@ def load_run(path: str | Path, *, engine: str = "deepinfer", workload: str | Non
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e})") from e
     hw = hardware or "unspecified (the results JSON does not record it; pass --hardware)"
+    try:
+        return _run_from(data, path, engine, workload, label, accelerators, hw)
+    except (KeyError, TypeError, AttributeError) as e:  # the right shape, a field missing or of the wrong type
+        raise ValueError(f"{path}: a results JSON without the expected fields ({type(e).__name__}: {e})") from e
+
+
+def _run_from(data: Any, path: Path, engine: str, workload: str | None, label: str | None, accelerators: float,
+              hw: str) -> MeasuredRun:
     if isinstance(data, dict) and isinstance(data.get("benchmarks"), list) and data["benchmarks"]:  # guidellm
         b = data["benchmarks"][0]
         ok = b["requests"]["successful"]
@@ -457,10 +465,12 @@ def seed_consistency(s: SeedFigures, cost: float) -> tuple[Check, ...]:
     checks.append(Check(f"${s.revenue_per_accelerator_hour:g}/h from {fmt(s.prefill_tok_s, 'tok/s')} prefill, "
                         f"{fmt(s.decode_tok_s, 'tok/s')} decode, {100 * s.cache_hit:.0f}% hits and list prices",
                         steps, "partly" if free <= s.revenue_per_accelerator_hour <= full else "disagrees",
-                        f"follows only with a cached-input price the seeds do not state: free hits give "
-                        f"${free:.2f}/h, hits at the full input price ${full:.0f}/h (the $22M/day reading); "
-                        f"${s.revenue_per_accelerator_hour:g}/h needs cached input at ${solved:.4f}/M "
-                        f"({100 * solved / s.price_input:.1f}% of the input price)"))
+                        (f"follows only with a cached-input price the seeds do not state: free hits give "
+                         f"${free:.2f}/h, hits at the full input price ${full:.0f}/h (the $22M/day reading); "
+                         f"${s.revenue_per_accelerator_hour:g}/h needs cached input at ${solved:.4f}/M "
+                         f"({100 * solved / s.price_input:.1f}% of the input price)") if free <= s.revenue_per_accelerator_hour
+                        <= full else f"no cached-input price gives ${s.revenue_per_accelerator_hour:g}/h: free hits "
+                        f"already give ${free:.2f}/h and hits at the input price ${full:.0f}/h"))
 
     # 6. margin at $38/h and $5-8 all-in
     m_low = 1 - s.cost_low / s.revenue_per_accelerator_hour
@@ -530,10 +540,17 @@ def seed_report(s: SeedFigures, cost: float, capital: float | None, cached_price
     """The seeds' cluster day priced (cached input at `cached_price`, default: solved from their $/h)."""
     run = seed_run(s)
     solved = _cached_price_for(s, run, s.revenue_per_accelerator_hour)
-    prices = Prices(s.price_input, solved if cached_price is None else cached_price, s.price_output, cost, capital,
-                    "the seeds' off-peak list prices; cached input " + (
-                        f"${solved:.4f}/M, solved from their ${s.revenue_per_accelerator_hour:g}/h (they state "
-                        "no cached-input price)" if cached_price is None else f"${cached_price:g}/M as given"))
+    if cached_price is not None:
+        cached, note = cached_price, f"${cached_price:g}/M as given"
+    elif solved >= 0:
+        cached, note = solved, (f"${solved:.4f}/M, solved from their ${s.revenue_per_accelerator_hour:g}/h (they "
+                                "state no cached-input price)")
+    else:  # the other prices alone already earn more than the headline: no price reproduces it
+        cached, note = 0.0, (f"free: no cached-input price gives ${s.revenue_per_accelerator_hour:g}/h with these "
+                             "prices (consistency [5])")
+    prices = Prices(s.price_input, cached, s.price_output, cost, capital,
+                    f"${s.price_input:g} / ${s.price_output:g} (the seeds' off-peak list prices unless given); "
+                    f"cached input {note}")
     return SeedReport(seed_split(s), price_run(run, prices), solved, seed_consistency(s, cost))
 
 
@@ -572,7 +589,8 @@ def render_checks(checks: tuple[Check, ...]) -> str:
 def run(cfg: EconomicsConfig) -> str:
     """The report `deepinfer bench economics` prints."""
     if cfg.seeds:
-        s = SeedFigures()
+        # the seeds' own prices are the flags' defaults; other --price-input / --price-output explore the checks
+        s = replace(SeedFigures(), price_input=cfg.price_input, price_output=cfg.price_output)
         report = seed_report(s, 6.5 if cfg.accelerator_hour_usd is None else cfg.accelerator_hour_usd,
                              cfg.capital_usd, cfg.price_cached_input)
         p, d = report.split

@@ -264,7 +264,14 @@ def render_file(path: str | Path, out_dir: str | Path | None = None) -> list[Pat
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not JSON ({e})") from e
     out = Path(out_dir) if out_dir is not None else path.parent
-    stem, kind = path.stem, kind_of(data)
+    try:
+        return _render(data, path.stem, out)
+    except (KeyError, TypeError, AttributeError) as e:  # the right shape, a field missing or of the wrong type
+        raise ValueError(f"{path}: a results JSON without the expected fields ({type(e).__name__}: {e})") from e
+
+
+def _render(data: Any, stem: str, out: Path) -> list[Path]:
+    kind = kind_of(data)
     title = f"{stem} ({kind})"
     if kind == "throughput":
         return [plot_throughput(data, out / f"{stem}.png", title)]
@@ -273,7 +280,7 @@ def render_file(path: str | Path, out_dir: str | Path | None = None) -> list[Pat
     if kind == "agentic":
         return [plot_agentic(data, out / f"{stem}.png", title)]
     if kind in ("serve_load", "guidellm"):
-        return [plot_ttft_cdf(serving_runs(data, str(path)), out / f"{stem}_ttft.png", f"{stem}: TTFT distribution")]
+        return [plot_ttft_cdf(serving_runs(data, stem), out / f"{stem}_ttft.png", f"{stem}: TTFT distribution")]
     return []
 
 

@@ -155,6 +155,9 @@ def test_unknown_results_file_shape_is_a_clear_error(tmp_path, capsys):
     path.write_text(json.dumps({"hello": 1}))
     rc, _, err = _cli(capsys, "--results", str(path))
     assert rc == 2 and "not a results JSON" in err
+    path.write_text(json.dumps({"results": [{"engine": "deepinfer", "workload": "chat"}]}))  # fields missing
+    rc, _, err = _cli(capsys, "--results", str(path))
+    assert rc == 2 and "without the expected fields" in err
 
 
 def test_guidellm_and_serve_load_results_count_completed_requests(tmp_path):

@@ -88,6 +88,9 @@ def test_cli_plot_and_its_errors(tmp_path, capsys):
     bad.write_text("{not json")
     assert main(["bench", "plot", str(bad)]) == 2
     assert "not JSON" in capsys.readouterr().err
+    bad.write_text(json.dumps({"results": [{"engine": "deepinfer", "workload": "chat"}]}))  # fields missing
+    assert main(["bench", "plot", str(bad)]) == 2
+    assert "without the expected fields" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("name", ["throughput_di_vllm_amx.json", "router_skewed_pinned_rate1_s8b.json"])
