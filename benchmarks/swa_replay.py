@@ -631,6 +631,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if args.json:
             Path(args.json).parent.mkdir(parents=True, exist_ok=True)
             Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+            from deepinfer.bench.plots import plot_after_run
+
+            plot_after_run(args.json)  # prefill tokens and TTFT per turn for each mode, next to the JSON
         return results
     finally:
         if not args.workdir:

@@ -7,6 +7,7 @@ One place knows the shapes the repository's benchmark scripts write (`kind_of`) 
     guidellm        TTFT distribution (guidellm_run.sh's JSON; the engine named from serve_compare.sh's port)
     router.py       TTFT and ITL p50 / p99 per routing policy (medians of the repeats)
     agentic.py      prefix-cache comparison per workload: hit rate by tier, TTFT, output tok/s per configuration
+    swa_replay.py   cache modes per model: prefill tokens computed and TTFT per conversation turn
 
 Given several serving results at once (serve_load.py and guidellm), `render_files` also draws throughput and
 TTFT against streams for each engine (`<name>_streams.png`) and their TTFT distributions on one axis
@@ -62,6 +63,9 @@ def kind_of(data: Any) -> str | None:
             return "throughput"
         if isinstance(data.get("runs"), dict) and isinstance(data.get("medians"), dict):
             return "router"
+        models = data.get("models")
+        if isinstance(models, dict) and models and all(isinstance(m, dict) and "modes" in m for m in models.values()):
+            return "swa_replay"
         results = data.get("results")
         if isinstance(results, dict) and results and all(
                 isinstance(v, dict) and v and all(isinstance(c, dict) and "hit_pct" in c for c in v.values())
@@ -194,6 +198,30 @@ def plot_agentic(data: dict[str, Any], path: Path, title: str) -> Path:
     return _save(fig, path)
 
 
+def plot_swa_replay(data: dict[str, Any], path: Path, title: str) -> Path:
+    """Per model: prefill tokens computed and TTFT per conversation turn, one line per mode (recompute,
+    bounded replay + store, all layers' KV kept); modes that did not run (no per-turn data) are left out."""
+    plt = _pyplot()
+    models = data["models"]
+    fig, axes = plt.subplots(len(models), 2, figsize=(10, 3.4 * len(models)), squeeze=False)
+    for row, (name, m) in zip(axes, models.items(), strict=True):
+        for i, (key, mode) in enumerate(m["modes"].items()):  # a mode keeps its colour across models
+            if "computed_per_turn" not in mode:
+                continue
+            turns = range(1, len(mode["computed_per_turn"]) + 1)
+            label = f"{key}: {mode.get('name', key)}"
+            row[0].plot(turns, mode["computed_per_turn"], "o-", color=f"C{i}", label=label)
+            row[1].plot(turns, [v / 1000 for v in mode["ttft_ms_per_turn"]], "o-", color=f"C{i}", label=label)
+        row[0].set_ylabel(f"{name}: prefill tokens computed")
+        row[1].set_ylabel("TTFT (s)")
+        for ax in row:
+            ax.set_xlabel("conversation turn")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.suptitle(title)
+    return _save(fig, path)
+
+
 def plot_ttft_cdf(runs: Sequence[ServingRun], path: Path, title: str) -> Path:
     """Empirical CDF of per-request TTFT, one line per run (engine, streams, source)."""
     plt = _pyplot()
@@ -279,6 +307,8 @@ def _render(data: Any, stem: str, out: Path) -> list[Path]:
         return [plot_router(data, out / f"{stem}.png", title)]
     if kind == "agentic":
         return [plot_agentic(data, out / f"{stem}.png", title)]
+    if kind == "swa_replay":
+        return [plot_swa_replay(data, out / f"{stem}.png", title)]
     if kind in ("serve_load", "guidellm"):
         return [plot_ttft_cdf(serving_runs(data, stem), out / f"{stem}_ttft.png", f"{stem}: TTFT distribution")]
     return []

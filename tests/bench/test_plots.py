@@ -27,6 +27,10 @@ THROUGHPUT = {"config": {}, "results": [
 ROUTER = {"args": {}, "runs": {"round_robin": [], "deepinfer": []}, "medians": {
     p: {"ttft_p50": a, "ttft_p99": b, "itl_p50": 0.05, "itl_p99": 0.9, "prefill_imbalance": 1.0,
         "decode_imbalance": 1.0} for p, a, b in (("round_robin", 0.9, 25.0), ("deepinfer", 0.4, 6.6))}}
+SWA_REPLAY = {"args": {}, "models": {"m": {"modes": {
+    "a": {"name": "recompute", "computed_per_turn": [700, 950, 1200], "ttft_ms_per_turn": [3000, 5000, 7000]},
+    "b": {"name": "replay + store", "status": "n/a"},  # a mode that did not run: left out, not a crash
+    "c": {"name": "all KV kept", "computed_per_turn": [700, 240, 220], "ttft_ms_per_turn": [3000, 900, 800]}}}}}
 AGENTIC = {"args": {}, "results": {"mooncake": {
     c: {"requests": 10, "prompt_tokens": 1000, "ideal_hit_pct": 24.0, "hit_pct": h, "hit_device_pct": 6.0,
         "hit_host_pct": 0.0, "hit_store_pct": h - 6.0, "ttft_mean_ms": 8000.0, "ttft_p50_ms": 9000.0,
@@ -44,22 +48,23 @@ def _check_png(path: Path, width: int, height: int) -> None:
 
 
 def test_each_results_shape_renders_a_png(tmp_path):
-    files = {"throughput.json": THROUGHPUT, "router.json": ROUTER, "agentic.json": AGENTIC,
+    files = {"throughput.json": THROUGHPUT, "router.json": ROUTER, "agentic.json": AGENTIC, "swa.json": SWA_REPLAY,
              "serve_a.json": _serve_load("deepinfer", 8, 250.0, [0.2, 0.5, 0.7, 1.1]),
              "serve_b.json": [_serve_load("deepinfer", 32, 400.0, [0.9, 1.5, 2.0, 4.0]),
                               _serve_load("vllm", 32, 380.0, [0.6, 0.8, 1.2, 2.5])]}
     for name, data in files.items():
         (tmp_path / name).write_text(json.dumps(data))
     assert [kind_of(json.loads((tmp_path / n).read_text())) for n in files] == [
-        "throughput", "router", "agentic", "serve_load", "serve_load"]
+        "throughput", "router", "agentic", "swa_replay", "serve_load", "serve_load"]
     out = tmp_path / "plots"
     done = dict((Path(png).name, src) for src, png in render_files([tmp_path / n for n in files], out_dir=out,
                                                                      name="t"))
-    assert set(done) == {"throughput.png", "router.png", "agentic.png", "serve_a_ttft.png", "serve_b_ttft.png",
+    assert set(done) == {"throughput.png", "router.png", "agentic.png", "swa.png", "serve_a_ttft.png", "serve_b_ttft.png",
                          "t_streams.png", "t_ttft.png"}
     _check_png(out / "throughput.png", 700, 400)  # figsize (7, 4) at 100 dpi
     _check_png(out / "router.png", 900, 400)
     _check_png(out / "agentic.png", 1100, 320)
+    _check_png(out / "swa.png", 1000, 340)
     _check_png(out / "serve_b_ttft.png", 700, 400)
     _check_png(out / "t_streams.png", 1000, 400)
     _check_png(out / "t_ttft.png", 700, 400)
