@@ -58,10 +58,10 @@ class EconomicsConfig:
     accelerators: float = _f(1.0, "Accelerators in the measured worker (a CPU VM counts as one).")
     hardware: str | None = _f(None, "The hardware the run measured, for the report (results JSONs do not "
                               "record it).")
-    price_input: float = _f(0.15, "$ per million uncached input tokens (default: the seeds' off-peak $0.15).")
+    price_input: float = _f(0.15, "$ per million uncached input tokens (the default is the seeds' off-peak price).")
     price_cached_input: float | None = _f(None, "$ per million cached input tokens (default: as --price-input, "
                                           "i.e. no cache discount; with --seeds: solved from their $38/h).")
-    price_output: float = _f(0.60, "$ per million output tokens (default: the seeds' off-peak $0.60).")
+    price_output: float = _f(0.60, "$ per million output tokens (the default is the seeds' off-peak price).")
     accelerator_hour_usd: float | None = _f(None, "All-in cost per accelerator-hour (default: with --seeds "
                                             "$6.50, the middle of their $5-8; else this CPU VM's cloud price, "
                                             f"${CPU_VM_HOUR_USD}/h).")
