@@ -154,6 +154,10 @@ class Check:
     verdict: str  # one of VERDICTS
     finding: str
 
+    def __post_init__(self) -> None:
+        if self.verdict not in VERDICTS:
+            raise ValueError(f"verdict {self.verdict!r} is not one of {VERDICTS}")
+
 
 # agrees: follows from the other published inputs; disagrees: contradicts them; partly: holds for part of a
 # published range or only with an input the seeds do not state; unchecked: needs an input they do not publish
