@@ -1,4 +1,4 @@
-"""`deepinfer` command line: serve | router | generate | chat | cache | bench simulate. Flags are generated from the config dataclasses."""
+"""`deepinfer` command line: serve | router | generate | chat | cache | bench simulate | bench eplb. Flags are generated from the config dataclasses."""
 
 from __future__ import annotations
 
@@ -228,6 +228,14 @@ def cmd_bench_simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_eplb(args: argparse.Namespace) -> int:
+    from deepinfer.bench.eplb import EplbSimConfig, run
+
+    report, _ = run(config_from_args(EplbSimConfig, args))
+    print(report)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="LLM inference serving.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (default: INFO).")
@@ -283,6 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
                              "(cost model + shared store hit model) and compare routing policies side by side.")
     simulate_arguments(sim)
     sim.set_defaults(func=cmd_bench_simulate)
+    from deepinfer.bench.eplb import add_arguments as eplb_arguments
+
+    eplb = benches.add_parser("eplb", help="Expert-parallel load balancing at 64-128 ranks by simulation: replay "
+                              "(recorded or Zipf) routing, scaled to 256 experts, against modelled ranks and compare "
+                              "step time, waiting and imbalance across redundant expert counts.")
+    eplb_arguments(eplb)
+    eplb.set_defaults(func=cmd_bench_eplb)
     return parser
 
 

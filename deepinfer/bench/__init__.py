@@ -1,6 +1,8 @@
 """Benchmarks that run inside deepinfer, without a server: `deepinfer bench ...`.
 
 `simulate`: routing policies compared on a replayed request trace against modelled prefill and decode
-workers (`deepinfer bench simulate`). The measured, side-by-side benchmarks that drive real engines and
+workers (`deepinfer bench simulate`). `eplb`: expert-parallel load balancing at 64-128 ranks, routing
+(recorded from a real MoE run, `eplb_trace.py`, or a Zipf prior) replayed against modelled ranks across
+redundant expert counts (`deepinfer bench eplb`). The measured, side-by-side benchmarks that drive real engines and
 servers live in the repository's `benchmarks/` directory.
 """
