@@ -284,7 +284,8 @@ def simulate(cfg: EplbSimConfig, counts: np.ndarray, tokens: np.ndarray, ranks: 
     for t in range(steps):
         if redundant is not None and t > 0 and t % cfg.interval == 0:
             load = window.window_load().numpy()
-            new = [balanced_placement(load[layer], ranks, r, num_nodes=cfg.num_nodes) for layer in range(layers)]
+            new = [balanced_placement(load[layer], ranks, r, num_nodes=cfg.num_nodes, previous=old)
+                   for layer, old in enumerate(placements)]
             moved += sum(moved_slots(old, p) for old, p in zip(placements, new, strict=True))
             rebalances += 1
             placements, mats = new, [share_matrix(p) for p in new]

@@ -15,12 +15,16 @@ them; the expected load of each replica is the expert's load divided by its repl
      slots used, then the lower rank): greedy longest-processing-time with a per-rank slot capacity. If
      only ranks already holding the expert have free slots (possible for the last, lightest replicas), a
      replica of another expert on a rank without it moves to the free slot and this one takes its place.
-  3. each rank's experts are laid out in ascending id (what `RoutedExperts.local_experts` wants).
+  3. with `previous` (the placement being replaced): ranks are interchangeable for balance, so the packed
+     rank sets are matched to the ranks that already hold most of each set (greedily, largest overlap
+     first; ties: lower ids), which keeps the loads and cuts the weights a switch moves;
+  4. each rank's experts are laid out in ascending id (what `RoutedExperts.local_experts` wants).
 
 With `num_nodes` (the hierarchical variant, for ranks grouped in nodes with a faster link inside a node):
 the logical experts are first packed onto nodes by LPT (E / nodes each, balancing node load), then each
 node replicates with its share of the redundant slots (R / nodes) and packs onto its own ranks as above,
-so all of an expert's replicas (and its dispatch traffic) stay inside one node.
+so all of an expert's replicas (and its dispatch traffic) stay inside one node (with `previous`, each node's
+rank sets are matched to that node's ranks).
 
 Switching placements moves weights: `moved_slots` counts the expert weights a switch has to bring onto
 ranks (an expert that stays on a rank costs nothing), and `keep_slots` reorders each rank's slots of a new
@@ -185,17 +189,41 @@ def _flat(ranks: list[list[int]]) -> tuple[int, ...]:
     return tuple(e for held in ranks for e in sorted(held))
 
 
+def _match_previous(sets: list[list[int]], previous: Placement, first_rank: int) -> list[list[int]]:
+    """Reorder `sets` (for ranks first_rank, first_rank + 1, ...) so each goes to the rank of `previous` holding
+    most of its experts: greedy matching by largest overlap, ties to the lower set then rank."""
+    ranks = range(first_rank, first_rank + len(sets))
+    held = {r: set(previous.rank_experts(r)) for r in ranks}
+    pairs = sorted(((len(set(s) & held[r]), i, r) for i, s in enumerate(sets) for r in ranks),
+                   key=lambda t: (-t[0], t[1], t[2]))
+    out: dict[int, list[int]] = {}
+    used: set[int] = set()
+    for _, i, r in pairs:
+        if i not in used and r not in out:
+            out[r] = sets[i]
+            used.add(i)
+    return [out[r] for r in ranks]
+
+
 def balanced_placement(load: Sequence[float], num_ranks: int, num_redundant: int = 0, *,
-                       num_nodes: int | None = None) -> Placement:
+                       num_nodes: int | None = None, previous: Placement | None = None) -> Placement:
     """A placement for per-expert `load` (tokens over a window): the `num_redundant` extra slots replicate the
     hottest experts and the replicas are packed so each rank's expected load is balanced (see the module
-    docstring). `num_nodes`: the hierarchical variant (experts to nodes first, replicas stay in their node)."""
+    docstring). `num_nodes`: the hierarchical variant (experts to nodes first, replicas stay in their node).
+    `previous`: the placement being replaced; the result keeps as many experts on their ranks as it can
+    without changing any rank's load set."""
     loads = _loads(load)
     e = len(loads)
     slots = _check_sizes(e, num_ranks, num_redundant)
+    if previous is not None and (previous.num_experts, previous.num_ranks) != (e, num_ranks):
+        raise ValueError(f"previous placement has {previous.num_experts} experts on {previous.num_ranks} ranks, "
+                         f"not {e} on {num_ranks}")
     if num_nodes is None or num_nodes == 1:
         counts = _replicate(loads, num_redundant, num_ranks)
-        return Placement(e, num_ranks, _flat(_pack(loads, counts, num_ranks, slots)))
+        packed = _pack(loads, counts, num_ranks, slots)
+        if previous is not None:
+            packed = _match_previous(packed, previous, 0)
+        return Placement(e, num_ranks, _flat(packed))
     if num_nodes <= 0 or num_ranks % num_nodes or e % num_nodes or num_redundant % num_nodes:
         raise ValueError(f"num_nodes={num_nodes} must divide num_ranks ({num_ranks}), the experts ({e}) and the "
                          f"redundant slots ({num_redundant})")
@@ -210,8 +238,10 @@ def balanced_placement(load: Sequence[float], num_ranks: int, num_redundant: int
         members = sorted(members)
         sub = [loads[x] for x in members]
         counts = _replicate(sub, per_node_extra, per_node_ranks)
-        for held in _pack(sub, counts, per_node_ranks, slots):
-            ranks.append([members[i] for i in held])
+        node_sets = [[members[i] for i in held] for held in _pack(sub, counts, per_node_ranks, slots)]
+        if previous is not None:
+            node_sets = _match_previous(node_sets, previous, len(ranks))
+        ranks.extend(node_sets)
     return Placement(e, num_ranks, _flat(ranks))
 
 

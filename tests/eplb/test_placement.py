@@ -178,3 +178,29 @@ def test_moved_slots_and_keep_slots():
         assert stay == 16 + 4 - moved_slots(a, b)  # every expert that stays on its rank stays in its slot
     with pytest.raises(ValueError, match="differ"):
         moved_slots(old, initial_placement(4, 2, 2))
+
+
+def test_previous_placement_keeps_experts_on_their_ranks():
+    rng = random.Random(9)
+    fewer = 0
+    for _ in range(40):
+        a_load, b_load = _random_load(rng, 64), _random_load(rng, 64)
+        old = balanced_placement(a_load, 8, 8)
+        fresh = balanced_placement(b_load, 8, 8)
+        kept = balanced_placement(b_load, 8, 8, previous=old)
+        # the same rank sets (so the same loads), only on other ranks, and never more to move
+        assert sorted(map(sorted, (kept.rank_experts(r) for r in range(8)))) == \
+            sorted(map(sorted, (fresh.rank_experts(r) for r in range(8))))
+        assert sorted(rank_loads(kept, b_load)) == pytest.approx(sorted(rank_loads(fresh, b_load)))
+        assert moved_slots(old, kept) <= moved_slots(old, fresh)
+        fewer += moved_slots(old, kept) < moved_slots(old, fresh)
+        assert moved_slots(old, balanced_placement(a_load, 8, 8, previous=old)) == 0  # same load: nothing moves
+    assert fewer >= 20
+    # hierarchical: the sets stay in their node
+    load = _random_load(rng, 32)
+    old = balanced_placement(load[::-1], 8, 8, num_nodes=2)
+    p = balanced_placement(load, 8, 8, num_nodes=2, previous=old)
+    for x in range(32):
+        assert len({s // p.slots_per_rank // 4 for s in p.replicas(x)}) == 1
+    with pytest.raises(ValueError, match="previous placement"):
+        balanced_placement(load, 8, 8, previous=initial_placement(32, 4, 0))
