@@ -373,8 +373,10 @@ def run(cfg: EplbSimConfig) -> tuple[str, list[Row]]:
                 continue
             rows.append(simulate(cfg, counts, tokens, n, r, costs))
         source += f"; {n} ranks: {what}"
-    head = (f"routing: {source}; {cfg.experts} experts top-{cfg.top_k}, {cfg.layers} MoE layers, drift "
-            f"{cfg.drift:g} (correlation {cfg.drift_steps:g} steps); EPLB window {cfg.window}, interval "
+    shape = (f"{counts.shape[2]} experts, {counts.shape[1]} MoE layers as recorded" if cfg.replay_direct else
+             f"{cfg.experts} experts top-{cfg.top_k}, {cfg.layers} MoE layers, drift {cfg.drift:g} (correlation "
+             f"{cfg.drift_steps:g} steps)")
+    head = (f"routing: {source}; {shape}; EPLB window {cfg.window}, interval "
             f"{cfg.interval}, {cfg.steps} steps ({cfg.interval} warm-up){', ' + str(cfg.num_nodes) + ' nodes' if cfg.num_nodes else ''}\n"
             f"costs: t_token {costs.token_s * 1e6:.4f} us, t_slot {costs.slot_s * 1e6:.2f} us ({costs.source}); "
             f"all-to-all {cfg.link_gbps:g} GB/s, {cfg.a2a_latency_us:g} us per phase; expert H={cfg.hidden} "
