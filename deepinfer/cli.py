@@ -1,4 +1,4 @@
-"""`deepinfer` command line: serve | router | generate | chat | cache | bench simulate|economics|plot. Flags are generated from the config dataclasses."""
+"""`deepinfer` command line: serve | router | generate | chat | cache | bench simulate|eplb|economics|plot. Flags are generated from the config dataclasses."""
 
 from __future__ import annotations
 
@@ -243,6 +243,14 @@ def cmd_bench_plot(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench_eplb(args: argparse.Namespace) -> int:
+    from deepinfer.bench.eplb import EplbSimConfig, run
+
+    report, _ = run(config_from_args(EplbSimConfig, args))
+    print(report)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="deepinfer", description="LLM inference serving.")
     parser.add_argument("--log-level", default="INFO", help="Logging level (default: INFO).")
@@ -314,6 +322,14 @@ def build_parser() -> argparse.ArgumentParser:
     plot.add_argument("--name", default=None, help="Prefix of the plots drawn over all serving results given "
                       "(<name>_streams.png, <name>_ttft.png; default: serving).")
     plot.set_defaults(func=cmd_bench_plot)
+
+    from deepinfer.bench.eplb import add_arguments as eplb_arguments
+
+    eplb = benches.add_parser("eplb", help="Expert-parallel load balancing at 64-128 ranks by simulation: replay "
+                              "(recorded or Zipf) routing, scaled to 256 experts, against modelled ranks and compare "
+                              "step time, waiting and imbalance across redundant expert counts.")
+    eplb_arguments(eplb)
+    eplb.set_defaults(func=cmd_bench_eplb)
     return parser
 
 
