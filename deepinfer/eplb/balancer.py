@@ -1,0 +1,103 @@
+"""The engine-side expert load balancer: counts expert load per step, re-places experts every interval.
+
+Per step (a step counts when any rank ran a forward) each MoE layer's counters are read: tokens of this
+rank's batch routed to each logical expert, pairs this rank's slots computed, and their compute time. They
+enter a sliding window of `eplb_window_steps` steps. Every `eplb_step_interval` steps, on every rank at the
+same step:
+
+  1. the window's per-expert counts are all-reduced (int64: every rank gets the same numbers), and so are
+     the per-rank expert tokens of the interval just ended (imbalance = max / mean, for /metrics);
+  2. with `enable_eplb`, each layer gets `balanced_placement(load, ranks, num_redundant)` (a deterministic
+     function of the same numbers, so every rank computes the same placement without sending it);
+  3. each layer switches (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds
+     come from the rank that holds them, by all_to_all over the process group. Not from the checkpoint:
+     the checkpoint may be a GGUF or a safetensors directory on a slow mount, and a rank holds 1/N of the
+     experts in memory, never the whole file; the peer already has the tensor in the dtype and layout used.
+
+The switch runs between two steps on all ranks together (the step loop calls `end_step` at the same point
+on every rank), so no step ever mixes two placements; the move itself blocks serving for its duration (a
+few ms for the benchmark's model; measured and reported as `eplb_last_rebalance_seconds`).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.config import ParallelConfig
+from deepinfer.eplb.placement import balanced_placement
+from deepinfer.layers.ep_moe import ExpertParallelExperts
+
+
+class ExpertBalancer:
+    def __init__(self, config: ParallelConfig, layers: list[ExpertParallelExperts], rank: int, world: int,
+                 group: dist.ProcessGroup | None) -> None:
+        self.config = config
+        self.layers = layers
+        self.rank, self.world, self.group = rank, world, group
+        self.steps = 0
+        self.window: collections.deque = collections.deque(maxlen=config.eplb_window_steps)
+        self.interval_pairs = 0  # pairs this rank computed since the last interval
+        self.total_pairs = 0
+        self.total_compute_seconds = 0.0
+        self.rebalances = 0
+        self.last_rebalance_time = 0.0  # wall clock (time.time()) of the last switch, 0 = never
+        self.last_rebalance_seconds = 0.0
+        self.imbalance = 1.0  # max / mean of per-rank expert tokens over the last interval
+        self.imbalance_first: float | None = None  # over the first interval (the initial placement)
+        self.rank_pairs: list[int] = [0] * world  # per-rank expert tokens over the last interval
+
+    def end_step(self) -> None:
+        """Called once per step on every rank (after the step's forwards)."""
+        routed = []
+        for layer in self.layers:
+            counts, pairs, seconds = layer.stats.take()
+            routed.append(counts)
+            self.interval_pairs += pairs
+            self.total_pairs += pairs
+            self.total_compute_seconds += seconds
+        self.window.append(torch.stack(routed) if routed else torch.zeros(0, dtype=torch.long))
+        self.steps += 1
+        if self.steps % self.config.eplb_step_interval == 0:
+            self._interval()
+
+    def _all_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        if self.world > 1:
+            dist.all_reduce(t, group=self.group)
+        return t
+
+    def _interval(self) -> None:
+        per_rank = torch.zeros(self.world, dtype=torch.long)
+        per_rank[self.rank] = self.interval_pairs
+        self.rank_pairs = self._all_reduce(per_rank).tolist()
+        self.interval_pairs = 0
+        mean = sum(self.rank_pairs) / self.world
+        self.imbalance = max(self.rank_pairs) / mean if mean else 1.0
+        if self.imbalance_first is None:
+            self.imbalance_first = self.imbalance
+        if not self.config.enable_eplb or not self.layers:
+            return
+        started = time.perf_counter()
+        load = self._all_reduce(torch.stack(list(self.window)).sum(0))  # [layers, experts]
+        for layer, row in zip(self.layers, load.tolist(), strict=True):
+            new = balanced_placement([float(x) for x in row], self.world, self.config.num_redundant_experts)
+            if new != layer.placement:
+                layer.apply_placement(new)
+        self.rebalances += 1
+        self.last_rebalance_time = time.time()
+        self.last_rebalance_seconds = time.perf_counter() - started
+
+    def stats(self) -> dict:
+        """What /metrics shows; per-rank values are this rank's, the rest agree on every rank."""
+        return {"rank": self.rank, "expert_tokens_total": self.total_pairs,
+                "expert_compute_seconds_total": self.total_compute_seconds, "steps": self.steps,
+                "imbalance": self.imbalance, "imbalance_first": self.imbalance_first,
+                "rank_expert_tokens_interval": list(self.rank_pairs), "rebalances": self.rebalances,
+                "last_rebalance_time": self.last_rebalance_time,
+                "last_rebalance_seconds": self.last_rebalance_seconds,
+                "replicas": [[len(layer.placement.replicas(e)) for e in range(layer.num_logical)]
+                             for layer in self.layers],
+                "placement": [list(layer.placement.physical_to_logical) for layer in self.layers]}
