@@ -148,7 +148,7 @@ class ExpertParallelExperts(RoutedExperts):
             pair_out[order] = back
         # combine: each token's terms in ascending logical expert id, from zeros (the single-process order)
         by_expert = torch.argsort(expert_ids, dim=1, stable=True)
-        terms = pair_out.view(t, k, -1).gather(1, by_expert[:, :, None].expand(t, k, pair_out.shape[-1]))
+        terms = pair_out.view(t, k, self.hidden).gather(1, by_expert[:, :, None].expand(t, k, self.hidden))
         out = torch.zeros_like(x)
         for j in range(k):
             out += terms[:, j]
