@@ -9,10 +9,12 @@ same step:
      the per-rank expert tokens of the interval just ended (imbalance = max / mean, for /metrics);
   2. with `enable_eplb`, each layer gets `balanced_placement(load, ranks, num_redundant)` (a deterministic
      function of the same numbers, so every rank computes the same placement without sending it);
-  3. each layer switches (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds
+  3. a layer whose new placement lowers its busiest rank's expected load (window load) by at least
+     `MIN_GAIN` switches (otherwise sampling noise would move weights every interval for nothing): (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds
      come from the rank that holds them, by all_to_all over the process group. Not from the checkpoint:
      the checkpoint may be a GGUF or a safetensors directory on a slow mount, and a rank holds 1/N of the
      experts in memory, never the whole file; the peer already has the tensor in the dtype and layout used.
+     All ranks decide the same, from the same all-reduced numbers.
 
 The switch runs between two steps on all ranks together (the step loop calls `end_step` at the same point
 on every rank), so no step ever mixes two placements; the move itself blocks serving for its duration (a
@@ -28,8 +30,11 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.config import ParallelConfig
-from deepinfer.eplb.placement import balanced_placement
+from deepinfer.eplb.placement import balanced_placement, rank_loads
 from deepinfer.layers.ep_moe import ExpertParallelExperts
+
+# a layer's experts move only when the new placement lowers its busiest rank's expected load by this much
+MIN_GAIN = 0.05
 
 
 class ExpertBalancer:
@@ -49,6 +54,7 @@ class ExpertBalancer:
         self.imbalance = 1.0  # max / mean of per-rank expert tokens over the last interval
         self.imbalance_first: float | None = None  # over the first interval (the initial placement)
         self.rank_pairs: list[int] = [0] * world  # per-rank expert tokens over the last interval
+        self.window_sum: torch.Tensor | None = None  # [layers, experts]: this rank's routed pairs in the window
 
     def end_step(self) -> None:
         """Called once per step on every rank (after the step's forwards)."""
@@ -59,7 +65,11 @@ class ExpertBalancer:
             self.interval_pairs += pairs
             self.total_pairs += pairs
             self.total_compute_seconds += seconds
-        self.window.append(torch.stack(routed) if routed else torch.zeros(0, dtype=torch.long))
+        step = torch.stack(routed) if routed else torch.zeros(0, dtype=torch.long)
+        if len(self.window) == self.window.maxlen:
+            self.window_sum -= self.window[0]
+        self.window.append(step)
+        self.window_sum = step.clone() if self.window_sum is None else self.window_sum + step
         self.steps += 1
         if self.steps % self.config.eplb_step_interval == 0:
             self._interval()
@@ -81,11 +91,17 @@ class ExpertBalancer:
         if not self.config.enable_eplb or not self.layers:
             return
         started = time.perf_counter()
-        load = self._all_reduce(torch.stack(list(self.window)).sum(0))  # [layers, experts]
+        load = self._all_reduce(self.window_sum.clone())  # [layers, experts], all ranks' pairs
+        moved = 0
         for layer, row in zip(self.layers, load.tolist(), strict=True):
-            new = balanced_placement([float(x) for x in row], self.world, self.config.num_redundant_experts)
-            if new != layer.placement:
+            row = [float(x) for x in row]
+            new = balanced_placement(row, self.world, self.config.num_redundant_experts)
+            # switch only for a real gain: a placement that is only as good churns weights for nothing
+            if new != layer.placement and max(rank_loads(new, row)) < (1 - MIN_GAIN) * max(rank_loads(layer.placement, row)):
                 layer.apply_placement(new)
+                moved += 1
+        if not moved:
+            return
         self.rebalances += 1
         self.last_rebalance_time = time.time()
         self.last_rebalance_seconds = time.perf_counter() - started
@@ -100,4 +116,5 @@ class ExpertBalancer:
                 "last_rebalance_seconds": self.last_rebalance_seconds,
                 "replicas": [[len(layer.placement.replicas(e)) for e in range(layer.num_logical)]
                              for layer in self.layers],
-                "placement": [list(layer.placement.physical_to_logical) for layer in self.layers]}
+                "placement": [list(layer.placement.physical_to_logical) for layer in self.layers],
+                "window_routed": self.window_sum.tolist() if self.window_sum is not None else []}

@@ -50,7 +50,7 @@ def test_output_identical_one_process_ep2_and_ep2_with_eplb(arch, tiny_models, v
     assert [r["expert_tokens_total"] > 0 for r in stats["ranks"]] == [True, True]  # both ranks computed experts
     balanced, eplb = _generate(path, expert_parallel_size=2, enable_eplb=True, num_redundant_experts=2,
                                eplb_step_interval=3, eplb_window_steps=4)
-    assert eplb["rebalances"] >= 3  # re-placed mid-generation (17+ steps)
+    assert eplb["rebalances"] >= 1  # re-placed mid-generation (every 3 steps where it gains)
     assert all(len(row) == len(eplb["replicas"][0]) + 2 for row in eplb["placement"])  # 2 redundant slots
     assert ep == single
     assert balanced == single
