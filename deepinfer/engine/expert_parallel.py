@@ -109,12 +109,13 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ step protocol
 
-    def _sync(self, flag: int) -> int:
-        t = torch.tensor([flag], dtype=torch.long, device=self.device)
+    def _sync(self, flag: int, stopping: bool = False) -> tuple[int, int]:
+        """All-reduce (forward flag, stopping flag): (ranks entering a forward, ranks asked to stop)."""
+        t = torch.tensor([flag, int(stopping)], dtype=torch.long, device=self.device)
         dist.all_reduce(t, group=self.group)
-        n = int(t.item())
+        n, stops = t.tolist()
         self._forwards += n > 0
-        return n
+        return n, stops
 
     def _on_forward(self, module: nn.Module, args: tuple) -> None:
         if self.world > 1:
@@ -122,19 +123,24 @@ class ExpertParallel:
         else:
             self._forwards += 1
 
-    def finish_tick(self) -> bool:
-        """End this rank's part of a step (every rank calls it once per loop turn); True if any rank ran a
-        forward in it."""
+    def finish_tick(self, stopping: bool = False) -> bool:
+        """End this rank's part of a step (every rank calls it once per loop turn). `stopping`: this rank
+        was asked to shut down; True once every rank was, at the same turn on all of them (so none leaves
+        while a peer still waits in a collective)."""
+        stops = int(stopping)
         if self.world > 1:
             with torch.inference_mode():
-                while self._sync(0):
+                while True:
+                    n, stops = self._sync(0, stopping)
+                    if not n:
+                        break
                     for layer in self.layers:
                         layer.idle()
         ran = self._forwards > 0
         self._forwards = 0
         if ran and self.balancer is not None:
             self.balancer.end_step()
-        return ran
+        return stops == self.world
 
     def stats(self) -> dict:
         return self.balancer.stats() if self.balancer is not None else {}

@@ -246,6 +246,7 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
     # one polls its commands briefly: a peer with work waits for it at most that long
     ep = engine.expert_parallel if engine.expert_parallel is not None and engine.expert_parallel.world > 1 else None
     idle_poll = 0.02 if ep is not None else 0.5
+    stopping = False  # expert-parallel: shut down once every rank was asked to (see finish_tick)
     adds_seen = 0
     compiled: queue.SimpleQueue = queue.SimpleQueue()  # (call id, ok, error) of grammars compiled meanwhile
     compiling = 0
@@ -254,12 +255,15 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
         results: list[tuple[int, bool, Any]] = []
         changed = False
         busy = engine.has_unfinished()
-        if commands.poll(0 if busy else 0.005 if compiling else idle_poll):
+        if not stopping and commands.poll(0 if busy else 0.005 if compiling else idle_poll):
             while True:
                 kind, payload = commands.recv()
                 changed = True
                 if kind == "shutdown":
-                    return
+                    if ep is None:
+                        return
+                    stopping = True
+                    break
                 if kind == "add":
                     adds_seen += 1
                     try:
@@ -288,9 +292,9 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
         if engine.has_unfinished():
             deltas = engine.step_tokens()
             changed = True
-        if ep is not None:
-            ep.finish_tick()
-        if changed:
+        if ep is not None and ep.finish_tick(stopping):
+            return
+        if changed and not stopping:
             outputs.send((deltas, rejected, engine.stats(), adds_seen, results))
 
 
