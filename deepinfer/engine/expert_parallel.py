@@ -10,7 +10,8 @@ Lifecycle (one per engine; `LLMEngine` makes it when `ParallelConfig.expert_para
                                       those experts from the checkpoint)
     .after_load()                     replicas within a rank get their weights
     per step: model forwards ...      a forward pre-hook announces each forward (see below)
-              .finish_tick()          idle ranks join the others' forwards; then EPLB's `end_step`
+              .finish_tick()          idle ranks join the others' forwards; all switch to EPLB's moved
+                                      weights when every rank has them; then EPLB's `end_step`
 
 Step protocol (ranks > 1). Attention is data-parallel, so ranks run different requests and may run a
 different number of forwards in a step (none, one, or several). Every forward starts with an all_reduce of
@@ -63,6 +64,7 @@ class ExpertParallel:
         self.world = world
         self.device = device
         self.group = None
+        self.move_group = None
         if world > 1:
             backend = "nccl" if device.type == "cuda" else "gloo"
             if device.type == "cuda":
@@ -71,7 +73,10 @@ class ExpertParallel:
                                     rank=self.rank, world_size=world,
                                     timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
             self.group = dist.group.WORLD
+            # EPLB moves weights on a thread of its own, over a group of its own (see eplb/balancer.py)
+            self.move_group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         self.comm = ExpertComm(self.group, self.rank, world) if world > 1 else None
+        self.move_comm = ExpertComm(self.move_group, self.rank, world) if world > 1 else None
         self.layers: list[ExpertParallelExperts] = []
         self.balancer: ExpertBalancer | None = None
         self._forwards = 0  # forwards (any rank's, ranks > 1) in the current step
@@ -92,7 +97,7 @@ class ExpertParallel:
             setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
             self.layers.append(layer)
         model.register_forward_pre_hook(self._on_forward)
-        self.balancer = ExpertBalancer(self.config, self.layers, self.rank, self.world, self.group)
+        self.balancer = ExpertBalancer(self.config, self.layers, self.rank, self.world, self.group, self.move_comm)
         logger.info("expert parallel rank %d/%d: %d MoE layers, %d slots each (%d experts, %d redundant)",
                     self.rank, self.world, len(self.layers), self.layers[0].placement.slots_per_rank,
                     self.layers[0].num_logical, r)
@@ -109,13 +114,14 @@ class ExpertParallel:
 
     # ------------------------------------------------------------------ step protocol
 
-    def _sync(self, flag: int, stopping: bool = False) -> tuple[int, int]:
-        """All-reduce (forward flag, stopping flag): (ranks entering a forward, ranks asked to stop)."""
-        t = torch.tensor([flag, int(stopping)], dtype=torch.long, device=self.device)
+    def _sync(self, flag: int, stopping: bool = False, moved: bool = False) -> tuple[int, int, int]:
+        """All-reduce (forward, stopping, EPLB move done) flags: how many ranks are entering a forward, were
+        asked to stop, have their moved expert weights ready."""
+        t = torch.tensor([flag, int(stopping), int(moved)], dtype=torch.long, device=self.device)
         dist.all_reduce(t, group=self.group)
-        n, stops = t.tolist()
+        n, stops, moves = t.tolist()
         self._forwards += n > 0
-        return n, stops
+        return n, stops, moves
 
     def _on_forward(self, module: nn.Module, args: tuple) -> None:
         if self.world > 1:
@@ -131,11 +137,13 @@ class ExpertParallel:
         if self.world > 1:
             with torch.inference_mode():
                 while True:
-                    n, stops = self._sync(0, stopping)
+                    n, stops, moves = self._sync(0, stopping, self.balancer is not None and self.balancer.move_ready)
                     if not n:
                         break
                     for layer in self.layers:
                         layer.idle()
+            if moves == self.world:  # every rank's moved weights are in place: all switch at this step
+                self.balancer.switch()
         ran = self._forwards > 0
         self._forwards = 0
         if ran and self.balancer is not None:

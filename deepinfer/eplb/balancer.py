@@ -10,20 +10,24 @@ same step:
   2. with `enable_eplb`, each layer gets `balanced_placement(load, ranks, num_redundant)` (a deterministic
      function of the same numbers, so every rank computes the same placement without sending it);
   3. a layer whose new placement lowers its busiest rank's expected load (window load) by at least
-     `MIN_GAIN` switches (otherwise sampling noise would move weights every interval for nothing): (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds
+     `MIN_GAIN` is re-placed (otherwise sampling noise would move weights every interval for nothing): (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds
      come from the rank that holds them, by all_to_all over the process group. Not from the checkpoint:
      the checkpoint may be a GGUF or a safetensors directory on a slow mount, and a rank holds 1/N of the
      experts in memory, never the whole file; the peer already has the tensor in the dtype and layout used.
      All ranks decide the same, from the same all-reduced numbers.
 
-The switch runs between two steps on all ranks together (the step loop calls `end_step` at the same point
-on every rank), so no step ever mixes two placements; the move itself blocks serving for its duration (a
-few ms for the benchmark's model; measured and reported as `eplb_last_rebalance_seconds`).
+The move runs on a thread while serving continues (ranks > 1: its all_to_all goes over a second process
+group, `move_comm`, so it never interleaves with the MoE exchanges of the step loop); the new weights land
+in new tensors, the old ones stay in use. The switch happens between two steps on all ranks together: the
+step protocol's last all_reduce of each step carries "my move is done", and when every rank's is, every
+rank swaps in the same step (`switch`). No step mixes two placements. One rank: moved and switched at once.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
+import threading
 import time
 
 import torch
@@ -31,7 +35,9 @@ import torch.distributed as dist
 
 from deepinfer.config import ParallelConfig
 from deepinfer.eplb.placement import balanced_placement, rank_loads
-from deepinfer.layers.ep_moe import ExpertParallelExperts
+from deepinfer.layers.ep_moe import ExpertComm, ExpertParallelExperts
+
+logger = logging.getLogger(__name__)
 
 # a layer's experts move only when the new placement lowers its busiest rank's expected load by this much
 MIN_GAIN = 0.05
@@ -39,8 +45,16 @@ MIN_GAIN = 0.05
 
 class ExpertBalancer:
     def __init__(self, config: ParallelConfig, layers: list[ExpertParallelExperts], rank: int, world: int,
-                 group: dist.ProcessGroup | None) -> None:
+                 group: dist.ProcessGroup | None, move_comm: ExpertComm | None = None) -> None:
+        """`group`: the all-reduces of counts (step loop's thread); `move_comm`: the weight moves (their
+        thread)."""
         self.config = config
+        self.move_comm = move_comm
+        self.pending: list[tuple[ExpertParallelExperts, object]] | None = None  # (layer, new placement)
+        self._moved: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._move_done = threading.Event()
+        self._move_error: BaseException | None = None
+        self._move_started = 0.0
         self.layers = layers
         self.rank, self.world, self.group = rank, world, group
         self.steps = 0
@@ -88,23 +102,50 @@ class ExpertBalancer:
         self.imbalance = max(self.rank_pairs) / mean if mean else 1.0
         if self.imbalance_first is None:
             self.imbalance_first = self.imbalance
-        if not self.config.enable_eplb or not self.layers:
+        if not self.config.enable_eplb or not self.layers or self.pending is not None:
             return
-        started = time.perf_counter()
         load = self._all_reduce(self.window_sum.clone())  # [layers, experts], all ranks' pairs
-        moved = 0
+        changes = []
         for layer, row in zip(self.layers, load.tolist(), strict=True):
             row = [float(x) for x in row]
             new = balanced_placement(row, self.world, self.config.num_redundant_experts)
-            # switch only for a real gain: a placement that is only as good churns weights for nothing
-            if new != layer.placement and max(rank_loads(new, row)) < (1 - MIN_GAIN) * max(rank_loads(layer.placement, row)):
-                layer.apply_placement(new)
-                moved += 1
-        if not moved:
+            busiest, now = max(rank_loads(new, row)), max(rank_loads(layer.placement, row))
+            if new != layer.placement and busiest < (1 - MIN_GAIN) * now:
+                changes.append((layer, new))
+        if not changes:
             return
+        self.pending = changes
+        self._move_started = time.perf_counter()
+        self._move_done.clear()
+        if self.world == 1:
+            self._move()
+            self.switch()
+        else:
+            threading.Thread(target=self._move, name="deepinfer-eplb-move", daemon=True).start()
+
+    def _move(self) -> None:
+        try:
+            self._moved = [layer.prepare_placement(new, self.move_comm) for layer, new in self.pending]
+        except BaseException as e:  # noqa: BLE001 - raised on the step loop's thread by `switch`
+            self._move_error = e
+        finally:
+            self._move_done.set()
+
+    @property
+    def move_ready(self) -> bool:
+        """A re-placement is pending and this rank's weights for it are in place."""
+        return self.pending is not None and self._move_done.is_set()
+
+    def switch(self) -> None:
+        """Take the moved weights (every rank at the same step; see the module docstring)."""
+        if self._move_error is not None:
+            raise RuntimeError("moving expert weights between ranks failed") from self._move_error
+        for (layer, new), (w13, w2, _) in zip(self.pending, self._moved, strict=True):
+            layer.switch_placement(new, w13, w2)
+        self.pending, self._moved = None, []
         self.rebalances += 1
         self.last_rebalance_time = time.time()
-        self.last_rebalance_seconds = time.perf_counter() - started
+        self.last_rebalance_seconds = time.perf_counter() - self._move_started
 
     def stats(self) -> dict:
         """What /metrics shows; per-rank values are this rank's, the rest agree on every rank."""

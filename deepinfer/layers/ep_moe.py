@@ -170,10 +170,12 @@ class ExpertParallelExperts(RoutedExperts):
     # ------------------------------------------------------------------ re-placement
 
     @torch.no_grad()
-    def apply_placement(self, new: Placement) -> int:
-        """Switch to `new` (every rank calls this at the same point, between steps): each slot whose expert
-        this rank did not hold gets its weights from the lowest rank that held it, by one all_to_all;
-        the others copy locally. Returns the experts received."""
+    def prepare_placement(self, new: Placement, comm: ExpertComm | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's slot weights under `new`, in new tensors: each slot whose expert this rank does not
+        hold gets its weights from the lowest rank that holds it, by one all_to_all on `comm` (every rank
+        calls this for the same layers in the same order); the others copy locally. Reads the current
+        weights only, so forwards may run meanwhile (the balancer runs it on a thread). Returns (w13, w2,
+        experts received)."""
         old, r = self.placement, self.rank
         s = old.slots_per_rank
         if new.num_experts != old.num_experts or len(new.physical_to_logical) != len(old.physical_to_logical):
@@ -191,22 +193,31 @@ class ExpertParallelExperts(RoutedExperts):
                 w13[i].copy_(self.w13[old_local[e]])
                 w2[i].copy_(self.w2[old_local[e]])
         received = 0
-        if self.comm is not None:
+        if comm is not None:
             width = self.w13[0].numel() + self.w2[0].numel()
             sends = [[e for _, e in wants[q] if source[e] == r] for q in range(world)]
             rows = [torch.cat([self.w13[old_local[e]].reshape(-1), self.w2[old_local[e]].reshape(-1)])
                     for q in range(world) for e in sends[q]]
             send_buf = torch.stack(rows) if rows else self.w13.new_zeros((0, width))
             recv_from = [[(p, e) for p, e in wants[r] if source[e] == q] for q in range(world)]
-            got = self.comm.exchange(send_buf, [len(x) for x in sends], [len(x) for x in recv_from])
+            got = comm.exchange(send_buf, [len(x) for x in sends], [len(x) for x in recv_from])
             n13 = self.w13[0].numel()
             for row, (p, _) in zip(got, (pe for q in range(world) for pe in recv_from[q]), strict=True):
                 w13[p - r * s].copy_(row[:n13].view_as(self.w13[0]))
                 w2[p - r * s].copy_(row[n13:].view_as(self.w2[0]))
                 received += 1
+        return w13, w2, received
+
+    def switch_placement(self, new: Placement, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Take `prepare_placement`'s weights (between two forwards, on every rank at the same step)."""
         self.w13.data = w13
         self.w2.data = w2
         self._set_placement(new)
+
+    def apply_placement(self, new: Placement) -> int:
+        """Prepare and switch at once (every rank calls it at the same point); returns experts received."""
+        w13, w2, received = self.prepare_placement(new, self.comm)
+        self.switch_placement(new, w13, w2)
         return received
 
     def extra_repr(self) -> str:
