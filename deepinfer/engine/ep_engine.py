@@ -71,6 +71,7 @@ class ExpertParallelEngine(EngineClient):
                       "max_num_seqs": sum(int(r.facts.get("max_num_seqs", 1)) for r in self.ranks)}
         self.validator = first.validator
         self._placed: dict[str, ProcessEngine] = {}
+        self._turn = 0
         self._closing = False
         self._stop = threading.Event()
         self._watcher = threading.Thread(target=self._watch, name="deepinfer-ep-watch", daemon=True)
@@ -118,11 +119,15 @@ class ExpertParallelEngine(EngineClient):
     # ------------------------------------------------------------------ requests
 
     def _pick(self) -> ProcessEngine:
-        def load(r: ProcessEngine) -> int:
-            s = r.stats()
-            return int(s.get("num_running", 0)) + r.num_waiting() + len(r._streams)
+        """The rank with the fewest open requests; ties rotate (an idle server spreads its requests)."""
+        self._turn = (self._turn + 1) % len(self.ranks)
+        n = len(self.ranks)
 
-        return min(self.ranks, key=load)
+        def load(i: int) -> tuple[int, int]:
+            r = self.ranks[i]
+            return int(r.stats().get("num_running", 0)) + r.num_waiting() + len(r._streams), (i - self._turn) % n
+
+        return self.ranks[min(range(n), key=load)]
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        **kwargs: Any) -> AsyncIterator[RequestOutput]:

@@ -80,6 +80,7 @@ class ExpertParallel:
         self.layers: list[ExpertParallelExperts] = []
         self.balancer: ExpertBalancer | None = None
         self._forwards = 0  # forwards (any rank's, ranks > 1) in the current step
+        self.last_tick_ran = False  # the last finished step ran a forward on some rank
 
     # ------------------------------------------------------------------ model
 
@@ -145,6 +146,7 @@ class ExpertParallel:
             if moves == self.world:  # every rank's moved weights are in place: all switch at this step
                 self.balancer.switch()
         ran = self._forwards > 0
+        self.last_tick_ran = ran
         self._forwards = 0
         if ran and self.balancer is not None:
             self.balancer.end_step()

@@ -292,8 +292,10 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
         if engine.has_unfinished():
             deltas = engine.step_tokens()
             changed = True
-        if ep is not None and ep.finish_tick(stopping):
-            return
+        if ep is not None:
+            if ep.finish_tick(stopping):
+                return
+            changed = changed or ep.last_tick_ran  # its experts worked for the others: fresh stats for /metrics
         if changed and not stopping:
             outputs.send((deltas, rejected, engine.stats(), adds_seen, results))
 

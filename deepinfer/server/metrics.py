@@ -109,8 +109,8 @@ def _expert_metrics(e: dict, model: str, gauge: Callable[[str, str, float], Gaug
     yield counter("eplb_rebalances", "Expert re-placements done.", e["rebalances"])
     yield gauge("eplb_last_rebalance_timestamp_seconds", "Unix time of the last expert re-placement (0: never).",
                 e["last_rebalance_time"])
-    yield gauge("eplb_last_rebalance_duration_seconds", "How long the last re-placement (weights moved between "
-                "ranks) held the step loop.", e["last_rebalance_seconds"])
+    yield gauge("eplb_last_rebalance_duration_seconds", "Time from the last re-placement's decision to its switch "
+                "(the weights move between ranks meanwhile, beside serving).", e["last_rebalance_seconds"])
     replicas = GaugeMetricFamily("deepinfer:eplb_expert_replicas", "Physical copies of each logical expert, per "
                                  "MoE layer (its index among the MoE layers).", labels=["model_name", "layer", "expert"])
     for layer, row in enumerate(e["replicas"]):
