@@ -58,8 +58,10 @@ def test_output_identical_one_process_ep2_and_ep2_with_eplb(arch, tiny_models, v
 
 def _skew_gates(src: Path, dst: Path) -> None:
     """Copy a tiny Qwen3-MoE checkpoint with every sparse layer's gate rewritten so that experts 0 and 2 (or
-    1 and 3: the sign of x . u decides) are each token's top two: all experts of rank 0 under EP=2's
-    contiguous split, so rank 0 computes every pair until EPLB moves experts."""
+    1 and 3: the sign of x . u decides) are each token's top two: all on rank 0 under EP=2's contiguous
+    split. With 2 redundant slots the initial placement also puts experts 0 and 1 on rank 1 (its redundant
+    slots copy the first experts), so rank 0 computes about 3/4 of the pairs (imbalance ~1.5) until EPLB
+    re-places them."""
     import shutil
 
     shutil.copytree(src, dst)
@@ -91,9 +93,9 @@ def test_forced_skew_rebalances_evens_the_ranks_and_keeps_the_output(tiny_models
     initial = [list(range(8)) + [0, 1]] * 2
     assert stats["placement"] != initial  # the replica map changed
     assert any(n > 1 for n in stats["replicas"][0][:4])  # a hot expert got a replica
-    assert stats["imbalance_first"] >= 1.5  # the first interval: rank 0 held every chosen expert
-    assert stats["imbalance"] <= 1.3  # the last interval, after re-placement
-    assert stats["imbalance"] < stats["imbalance_first"]
+    assert stats["imbalance_first"] >= 1.35  # the first interval, initial placement (measured 1.49-1.5)
+    assert stats["imbalance"] <= 1.2  # the last interval, after re-placement (measured ~1.03)
+    assert stats["imbalance"] < stats["imbalance_first"] - 0.2
 
 
 @pytest.mark.slow
