@@ -12,6 +12,7 @@ from deepinfer.config import (
     KVStoreConfig,
     LimitsConfig,
     ModelConfig,
+    ParallelConfig,
     RouterConfig,
     SchedulerConfig,
     ServerConfig,
@@ -21,7 +22,7 @@ from deepinfer.config import (
     parse_size,
 )
 
-ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, KVStoreConfig)
+ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, KVStoreConfig, ParallelConfig)
 
 
 def _sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -313,6 +313,45 @@ class KVStoreConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Expert parallelism (EP) and expert-parallel load balancing (EPLB) for mixture-of-experts models."""
+
+    expert_parallel_size: int = _f(
+        1,
+        "Engine ranks (processes on torch.distributed: gloo on CPU, NCCL on CUDA) that split the routed experts "
+        "of an MoE model; each keeps a full copy of everything else and runs its own requests (data-parallel "
+        "attention); MoE layers exchange tokens by all-to-all. 1 = one process.",
+    )
+    enable_eplb: bool = _f(
+        False,
+        "Expert-parallel load balancing: count tokens per expert over a sliding window of steps and every "
+        "--eplb-step-interval steps re-place the experts (replicas for the hottest) so each rank's load evens out.",
+    )
+    num_redundant_experts: int = _f(
+        0,
+        "Extra expert slots per MoE layer, in all ranks together, that hold replicas of hot experts (with "
+        "--enable-eplb; the experts plus these must split evenly over the ranks).",
+    )
+    eplb_window_steps: int = _f(1000, "Steps of expert load the balancer looks back over.")
+    eplb_step_interval: int = _f(3000, "Steps between two re-placements of the experts.")
+
+    def __post_init__(self) -> None:
+        if self.expert_parallel_size < 1:
+            raise ValueError(f"expert_parallel_size must be >= 1, got {self.expert_parallel_size}")
+        if self.num_redundant_experts < 0:
+            raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("num_redundant_experts needs enable_eplb")
+        if self.eplb_window_steps < 1 or self.eplb_step_interval < 1:
+            raise ValueError("eplb_window_steps and eplb_step_interval must be >= 1")
+
+    @property
+    def expert_parallel(self) -> bool:
+        """Whether MoE layers run through the expert-parallel path (more than one rank, or EPLB on one)."""
+        return self.expert_parallel_size > 1 or self.enable_eplb
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; built from keyword arguments or from CLI flags."""
 
@@ -320,6 +359,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -335,6 +375,7 @@ class EngineConfig:
             cache=CacheConfig(**parts["cache"]),
             scheduler=SchedulerConfig(**parts["scheduler"]),
             kvstore=KVStoreConfig(**parts["kvstore"]),
+            parallel=ParallelConfig(**parts["parallel"]),
         )
 
 
@@ -546,7 +587,7 @@ class RouterConfig:
 
 
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                              "kvstore": KVStoreConfig}
+                              "kvstore": KVStoreConfig, "parallel": ParallelConfig}
 
 
 # ---------------------------------------------------------------- CLI generation
@@ -605,4 +646,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         cache=config_from_args(CacheConfig, args),
         scheduler=config_from_args(SchedulerConfig, args),
         kvstore=config_from_args(KVStoreConfig, args),
+        parallel=config_from_args(ParallelConfig, args),
     )

@@ -22,6 +22,7 @@ import torch
 from deepinfer.config import EngineConfig
 from deepinfer.engine.cost_model import CostModel, StepWork
 from deepinfer.engine.cost_profile import profile_steps
+from deepinfer.engine.expert_parallel import ExpertParallel
 from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, StepResult
 from deepinfer.engine.sampler import TokenLogprobs
@@ -50,7 +51,8 @@ class CoreOutput:
 class EngineCore:
     """Token-level engine: owns the scheduler, the KV manager and the model runner."""
 
-    def __init__(self, config: EngineConfig, policy: PrefillPolicy | None = None) -> None:
+    def __init__(self, config: EngineConfig, policy: PrefillPolicy | None = None,
+                 expert_parallel: ExpertParallel | None = None) -> None:
         from transformers import AutoConfig
 
         self.config = config
@@ -60,7 +62,7 @@ class EngineCore:
         self.max_model_len = config.model.max_model_len or model_len
         sc = config.scheduler
         self.runner = ModelRunner(config.model, config.cache, self.files, self.hf_config, self.max_model_len,
-                                  sc.max_num_seqs, sc.max_num_batched_tokens)
+                                  sc.max_num_seqs, sc.max_num_batched_tokens, expert_parallel)
         bs = config.cache.block_size
         capacity = self.runner.num_blocks * bs
         if capacity < self.max_model_len:
@@ -82,6 +84,8 @@ class EngineCore:
         if sc.profile_cost_model:
             self.cost_model.calibrate(profile_steps(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
                                                     sc.max_num_batched_tokens))
+            if expert_parallel is not None:
+                expert_parallel.reset()
         ks = config.kvstore
         self.retention = ks.retention
         # attached after the profile: its synthetic steps must not reach the tiers. The tiers extend the

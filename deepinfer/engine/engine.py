@@ -31,10 +31,12 @@ import torch
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.core import CoreOutput, EngineCore, InFlightStep
+from deepinfer.engine.expert_parallel import ExpertParallel, RankInfo
 from deepinfer.engine.grammar import GrammarCache
 from deepinfer.engine.output_processor import OutputProcessor, sequence_ids
 from deepinfer.engine.outputs import Logprob, RequestOutput, TokenDelta
 from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.runner import resolve_device
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import PrefillPolicy
 from deepinfer.engine.structured import GrammarBackend, StructuredOutputParams, XGrammarBackend
@@ -64,8 +66,13 @@ class LLMEngine:
     """Validation, tokenization and request bookkeeping around EngineCore; outputs through an OutputProcessor
     (`process_outputs`), else as token deltas (`step_tokens`) for a processor elsewhere."""
 
-    def __init__(self, config: EngineConfig, policy: PrefillPolicy | None = None, process_outputs: bool = True) -> None:
-        self.core = EngineCore(config, policy)
+    def __init__(self, config: EngineConfig, policy: PrefillPolicy | None = None, process_outputs: bool = True,
+                 rank: RankInfo | None = None) -> None:
+        """`rank`: this engine's place among expert-parallel ranks (started by `ExpertParallelEngine`)."""
+        # expert parallelism / EPLB: the MoE layers' share of experts and the step protocol (expert_parallel.py)
+        self.expert_parallel = ExpertParallel(config.parallel, rank, resolve_device(config.model.device)) \
+            if config.parallel.expert_parallel else None
+        self.core = EngineCore(config, policy, self.expert_parallel)
         self.tokenizer = load_tokenizer(self.core.files) if self.core.files.has_tokenizer() else None
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.core.hf_config, self.core.files.directory)
         self.vocab_size = self.core.hf_config.vocab_size
@@ -79,6 +86,8 @@ class LLMEngine:
         self._ids = itertools.count()
         mode = config.scheduler.overlap_host_work
         self.overlap = mode == "on" or (mode == "auto" and self.core.runner.device.type == "cuda")
+        # the expert-parallel step protocol and EPLB's switches run between steps on this thread
+        self.overlap = self.overlap and self.expert_parallel is None
         self._inflight: InFlightStep | None = None
         self.grammars = GrammarCache(self._grammar_backend)
         self._kv_streams: dict[str, list] = {}  # stream_kv requests: id -> [Request, blocks exported]
@@ -233,6 +242,8 @@ class LLMEngine:
         self._inflight = None
         self.grammars.close()
         self.core.close()
+        if self.expert_parallel is not None:
+            self.expert_parallel.close()
 
     def stats(self) -> dict[str, float]:
         """A snapshot of scheduler and cache state for metrics."""
@@ -258,6 +269,7 @@ class LLMEngine:
             "step_idle_gap_last_seconds": self.core.idle_gap_last,
             "step_idle_gaps": self.core.num_idle_gaps,
             **self.core.cost_model.stats(sched.step_time_budget),
+            **({"eplb": self.expert_parallel.stats()} if self.expert_parallel is not None else {}),
         }
 
     def _queued_prefill_seconds(self) -> float:
@@ -321,6 +333,8 @@ class LLMEngine:
                 ended.append(request_id)
         if self._kv_streams:
             self._attach_kv(deltas)
+        if self.expert_parallel is not None and self.expert_parallel.world == 1:
+            self.expert_parallel.finish_tick()  # EPLB on one rank: count the step (ranks > 1: the rank loop)
         for request_id in ended:
             seqs = self._seqs.get(request_id)
             if seqs is not None and all(r.finished for r in seqs):

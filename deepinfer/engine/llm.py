@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine import LLMEngine
+from deepinfer.engine.ep_engine import ExpertParallelEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.recipe.tokenizer import render_chat
@@ -31,7 +33,14 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("kv_store", "none")
-        self.engine = LLMEngine(EngineConfig.from_kwargs(model=model, **kwargs))
+        config = EngineConfig.from_kwargs(model=model, **kwargs)
+        # expert_parallel_size > 1: the ranks are processes behind one client (`ExpertParallelEngine`)
+        self.ranks: ExpertParallelEngine | None = None
+        if config.parallel.expert_parallel_size > 1:
+            self.ranks = ExpertParallelEngine(config)
+            self.engine = None
+        else:
+            self.engine = LLMEngine(config)
 
     def __enter__(self) -> LLM:
         return self
@@ -41,10 +50,17 @@ class LLM:
 
     def close(self) -> None:
         """Finish pending KV store writes and release the KV tiers."""
-        self.engine.close()
+        if self.ranks is not None:
+            self.ranks.shutdown()
+        else:
+            self.engine.close()
 
     def get_tokenizer(self):
-        return self.engine.tokenizer
+        return (self.ranks or self.engine).tokenizer
+
+    def stats(self) -> dict:
+        """The engine's (or the merged ranks') stats snapshot, as /metrics reads it."""
+        return (self.ranks or self.engine).stats()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -58,6 +74,8 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        if self.ranks is not None:
+            return self._generate_on_ranks(prompts, params_list, cache_salt, retention_class)
         # validate everything before starting anything, so a bad prompt fails the call cleanly
         validator = self.engine.validator
         tokenized = [self.engine.tokenize(self._prompt_of(p)) for p in prompts]
@@ -81,11 +99,42 @@ class LLM:
              chat_template: str | None = None) -> list[RequestOutput]:
         """`chat_template`: Jinja text used instead of the model's (needed for models without one)."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
+        tok = self.get_tokenizer()
         prompts = [render_chat(tok, conv, add_generation_prompt, tools, chat_template,
                                **(chat_template_kwargs or {}))
                    for conv in conversations]
         return self.generate(prompts, sampling_params)
+
+    def _generate_on_ranks(self, prompts: list[PromptType], params_list: list[SamplingParams],
+                           cache_salt: str | None, retention_class: str | None) -> list[RequestOutput]:
+        """Expert parallelism: every prompt through the ranks' client at once; the final outputs in order."""
+        client = self.ranks
+        tok = client.tokenizer
+        tokenized = []
+        for p in prompts:
+            prompt = self._prompt_of(p)
+            if isinstance(prompt, str):
+                if tok is None:
+                    raise ValueError("this model has no tokenizer; pass token ids")
+                prompt = list(tok.encode(prompt, add_special_tokens=True))
+            client.validator.check_prompt(prompt)
+            tokenized.append(prompt)
+        for sp in params_list:
+            client.validator.check_params(sp)
+
+        async def one(ids: list[int], sp: SamplingParams, text: str | None) -> RequestOutput:
+            last = None
+            async for out in client.generate(ids, sp, prompt=text, cache_salt=cache_salt,
+                                             retention_class=retention_class):
+                last = out
+            return last
+
+        async def run_all() -> list[RequestOutput]:
+            return list(await asyncio.gather(*(
+                one(ids, sp, p if isinstance(p, str) else None)
+                for ids, sp, p in zip(tokenized, params_list, (self._prompt_of(p) for p in prompts), strict=True))))
+
+        return asyncio.run(run_all())
 
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}

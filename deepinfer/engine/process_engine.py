@@ -38,6 +38,7 @@ from typing import Any
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.engine_client import EngineClient, EngineDeadError, run_engine_call, settle_from_thread
+from deepinfer.engine.expert_parallel import RankInfo
 from deepinfer.engine.output_processor import OutputProcessor
 from deepinfer.engine.structured import StructuredOutputParams
 from deepinfer.engine.validation import RequestValidator
@@ -65,14 +66,16 @@ class EngineInfo:
 
 
 class ProcessEngine(EngineClient):
-    def __init__(self, config: EngineConfig, log_level: int | None = None) -> None:
+    def __init__(self, config: EngineConfig, log_level: int | None = None, rank: RankInfo | None = None) -> None:
+        """`rank`: one expert-parallel rank of several (`ExpertParallelEngine` starts them)."""
         super().__init__(config.scheduler.max_queue)
         ctx = multiprocessing.get_context("spawn")  # fork would copy the server's threads and locks
         cmd_recv, self._cmd_send = ctx.Pipe(duplex=False)
         self._out_recv, out_send = ctx.Pipe(duplex=False)
         level = log_level if log_level is not None else logging.getLogger().getEffectiveLevel()
-        self._proc = ctx.Process(target=_engine_main, args=(config, cmd_recv, out_send, level),
-                                 name="deepinfer-engine", daemon=True)
+        self._proc = ctx.Process(target=_engine_main, args=(config, cmd_recv, out_send, level, rank),
+                                 name="deepinfer-engine" if rank is None else f"deepinfer-engine-rank{rank.rank}",
+                                 daemon=True)
         self._proc.start()
         cmd_recv.close()
         out_send.close()
@@ -215,14 +218,15 @@ class ProcessEngine(EngineClient):
 # ---------------------------------------------------------------- engine process
 
 
-def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int) -> None:
+def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection, log_level: int,
+                 rank: RankInfo | None = None) -> None:
     # Ctrl-C reaches the whole process group; the server decides when the engine stops
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from deepinfer.engine.engine import LLMEngine
 
     try:
-        engine = LLMEngine(config, process_outputs=False)  # the output processor runs in the server process
+        engine = LLMEngine(config, process_outputs=False, rank=rank)  # the output processor runs in the server process
     except BaseException:  # noqa: BLE001 - reported to the server, which fails its start-up
         outputs.send(("failed", traceback.format_exc()))
         return
@@ -238,6 +242,11 @@ def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection
 
 
 def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
+    # an expert-parallel rank ends every loop turn with the others (`ExpertParallel.finish_tick`), so an idle
+    # one polls its commands briefly: a peer with work waits for it at most that long
+    ep = engine.expert_parallel if engine.expert_parallel is not None and engine.expert_parallel.world > 1 else None
+    idle_poll = 0.02 if ep is not None else 0.5
+    stopping = False  # expert-parallel: shut down once every rank was asked to (see finish_tick)
     adds_seen = 0
     compiled: queue.SimpleQueue = queue.SimpleQueue()  # (call id, ok, error) of grammars compiled meanwhile
     compiling = 0
@@ -246,12 +255,15 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
         results: list[tuple[int, bool, Any]] = []
         changed = False
         busy = engine.has_unfinished()
-        if commands.poll(0 if busy else 0.005 if compiling else 0.5):
+        if not stopping and commands.poll(0 if busy else 0.005 if compiling else idle_poll):
             while True:
                 kind, payload = commands.recv()
                 changed = True
                 if kind == "shutdown":
-                    return
+                    if ep is None:
+                        return
+                    stopping = True
+                    break
                 if kind == "add":
                     adds_seen += 1
                     try:
@@ -280,7 +292,11 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
         if engine.has_unfinished():
             deltas = engine.step_tokens()
             changed = True
-        if changed:
+        if ep is not None:
+            if ep.finish_tick(stopping):
+                return
+            changed = changed or ep.last_tick_ran  # its experts worked for the others: fresh stats for /metrics
+        if changed and not stopping:
             outputs.send((deltas, rejected, engine.stats(), adds_seen, results))
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from deepinfer.config import CacheConfig, ModelConfig, resolve_size
+from deepinfer.engine.expert_parallel import ExpertParallel
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
 from deepinfer.engine.scheduler import SchedulerOutput
@@ -105,9 +106,11 @@ class PreparedStep:
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, cache_config: CacheConfig, files: ModelFiles, hf_config,
-                 max_model_len: int, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048) -> None:
+                 max_model_len: int, max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 expert_parallel: ExpertParallel | None = None) -> None:
         """`max_num_seqs` and `max_num_batched_tokens` (the scheduler's limits) bound what a sliding-window
-        group can hold at once, so its layers get fewer blocks than the full-attention ones."""
+        group can hold at once, so its layers get fewer blocks than the full-attention ones.
+        `expert_parallel`: this rank's share of the routed experts (swapped in before the weights load)."""
         self.device = resolve_device(model_config.device)
         self.dtype = resolve_dtype(model_config.dtype, self.device)
         if model_config.num_threads:
@@ -122,7 +125,11 @@ class ModelRunner:
         unsupported = getattr(self.model, "deterministic_unsupported", None)
         if self.deterministic and unsupported:
             raise ValueError(f"deterministic mode cannot serve {type(self.model).__name__}: {unsupported}")
+        if expert_parallel is not None:
+            expert_parallel.attach(self.model)
         self.model.load_weights(files.iter_weights(self.dtype))
+        if expert_parallel is not None:
+            expert_parallel.after_load()
         self.model.eval()
         # a model that keeps its own kinds of KV state (DeepSeek-V4) allocates its caches and builds its
         # step metadata itself (`allocate_kv_caches`, `prepare_kv`); the backend serves the others

@@ -3,9 +3,12 @@
 - `placement.py`: the `Placement` of one layer's logical experts on physical slots of ranks, the initial
   (contiguous) placement, the balanced one computed from a window of expert loads, and a helper that keeps
   experts in their slots across a switch (less weight movement);
-- `stats.py`: the sliding window of per-step, per-expert token counts the rebalancer reads.
+- `stats.py`: the sliding window of per-step, per-expert token counts the rebalancer reads;
+- `balancer.py`: the engine-side balancer of expert parallelism (counts all-reduced across ranks, a new
+  placement per MoE layer every interval, switched between steps on all ranks; imbalance and replica map
+  for /metrics).
 
-Pure Python / torch: no distributed code here (the runtime all-reduces counts before recording them).
+`placement.py` and `stats.py` are pure Python / torch, no distributed code (the runtime all-reduces counts before recording them).
 The at-scale simulation that replays routing through these is `deepinfer/bench/eplb.py`.
 """
 

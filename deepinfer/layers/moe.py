@@ -21,10 +21,10 @@ ascending id: the same matmuls (same rows, same order) and the same order of add
 per-expert loop; SiLU * up goes through the CPU kernel the dense MLP uses (`silu_and_mul`: bf16 identical to
 torch's, fp32 within 1 ulp). No Python loop runs per token; one runs per active expert.
 
-Expert parallelism (not built yet): an expert module holds the experts `local_experts` (global ids) and
-its `forward` takes (tokens, global expert ids, weights), skipping pairs whose expert it does not hold, so
-a dispatch (send each pair to the rank holding its expert) and a combine (sum the ranks' partial outputs)
-can wrap it without changing the compute.
+Expert parallelism (`layers/ep_moe.py`): an expert module holds the experts `local_experts` (global ids)
+and its `forward` takes (tokens, global expert ids, weights), skipping pairs whose expert it does not hold;
+`ExpertParallelExperts` subclasses it with physical slot ids as its "experts" and wraps the compute in an
+all-to-all dispatch and combine.
 """
 
 from __future__ import annotations
@@ -107,6 +107,11 @@ class RoutedExperts(nn.Module):
         self.register_buffer("slot_of", slot, persistent=False)  # global id -> local slot, -1: held elsewhere
 
     # ------------------------------------------------------------------ weights
+
+    @property
+    def held_experts(self) -> tuple[int, ...]:
+        """The global ids of the experts whose weights load here (`ExpertParallelExperts`: its slots' experts)."""
+        return self.local_experts
 
     def expert_weight(self, expert: int, proj: str) -> torch.Tensor | None:
         """The view of global expert `expert`'s `proj` ("gate" [I, H], "up" [I, H], "down" [H, I]) to copy a

@@ -4,7 +4,8 @@ router and routed SwiGLU experts (`layers/moe.py`) in place of the dense MLP, on
 Subclasses say which layers are sparse (`is_sparse`), how the router weighs (`renormalize`, `float32_weights`)
 and how checkpoint names map (`_rename`, `_EXPERT_PROJ`). Checkpoints store one tensor per expert and
 projection (`...experts.E.gate_proj.weight`, Mixtral's `w1` / `w3` / `w2`); they are copied into the stacked
-parameters of the experts this process holds (`local_experts`, all of them until expert parallelism), and
+parameters of the experts this process holds (`held_experts`: all of them, or this rank's with expert
+parallelism), and
 transformers' own stacked names (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) load too.
 """
 
@@ -112,6 +113,6 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
 
         super().load_weights(rest())
         for layer, ex in experts.items():
-            missing = [(e, p) for e in ex.local_experts for p in ("gate", "up", "down") if (layer, e, p) not in loaded]
+            missing = [(e, p) for e in ex.held_experts for p in ("gate", "up", "down") if (layer, e, p) not in loaded]
             if missing:
                 raise ValueError(f"checkpoint is missing layer {layer}'s expert tensors, e.g. {missing[:3]}")

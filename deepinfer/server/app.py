@@ -280,6 +280,10 @@ def serve(engine_config, server_config, customize=None, api_token: str | None = 
 
 
 def start_engine(engine_config, in_own_process: bool) -> EngineClient:
+    if engine_config.parallel.expert_parallel_size > 1:  # the ranks are processes, whatever in_own_process says
+        from deepinfer.engine.ep_engine import ExpertParallelEngine
+
+        return ExpertParallelEngine(engine_config)
     if in_own_process:
         from deepinfer.engine.process_engine import ProcessEngine
 

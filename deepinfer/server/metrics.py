@@ -86,6 +86,37 @@ class _EngineCollector:
         for term in TERMS:
             coef.add_metric([self.model_name, term], s[f"cost_coef_{term}"])
         yield coef
+        if "eplb" in s:
+            yield from _expert_metrics(s["eplb"], self.model_name, gauge, counter)
+
+
+def _expert_metrics(e: dict, model: str, gauge: Callable[[str, str, float], GaugeMetricFamily],
+                    counter: Callable[[str, str, float], CounterMetricFamily]) -> Iterator[Any]:
+    """Expert parallelism / EPLB (`deepinfer/eplb/balancer.py`): per-rank load, imbalance, replica map."""
+    ranks = e.get("ranks") or [e]
+    tokens = CounterMetricFamily("deepinfer:eplb_rank_expert_tokens", "(token, expert) pairs each rank's experts "
+                                 "computed.", labels=["model_name", "rank"])
+    seconds = CounterMetricFamily("deepinfer:eplb_rank_expert_compute_seconds", "Time each rank spent computing "
+                                  "its experts' pairs.", labels=["model_name", "rank"])
+    for r in ranks:
+        if r:
+            tokens.add_metric([model, str(r["rank"])], r["expert_tokens_total"])
+            seconds.add_metric([model, str(r["rank"])], r["expert_compute_seconds_total"])
+    yield tokens
+    yield seconds
+    yield gauge("eplb_imbalance", "max / mean of per-rank expert tokens over the last balancer interval "
+                "(1 = even).", e["imbalance"])
+    yield counter("eplb_rebalances", "Expert re-placements done.", e["rebalances"])
+    yield gauge("eplb_last_rebalance_timestamp_seconds", "Unix time of the last expert re-placement (0: never).",
+                e["last_rebalance_time"])
+    yield gauge("eplb_last_rebalance_duration_seconds", "Time from the last re-placement's decision to its switch "
+                "(the weights move between ranks meanwhile, beside serving).", e["last_rebalance_seconds"])
+    replicas = GaugeMetricFamily("deepinfer:eplb_expert_replicas", "Physical copies of each logical expert, per "
+                                 "MoE layer (its index among the MoE layers).", labels=["model_name", "layer", "expert"])
+    for layer, row in enumerate(e["replicas"]):
+        for expert, n in enumerate(row):
+            replicas.add_metric([model, str(layer), str(expert)], n)
+    yield replicas
 
 
 def _kv_tier_metrics(s: dict, gauge: Callable[[str, str, float], GaugeMetricFamily],

@@ -231,6 +231,9 @@ class DeepseekV4ForCausalLM(nn.Module):
             if part is not None:  # one expert's slice of a stacked expert parameter
                 expert, proj = part
                 dst = self.get_submodule(name.removesuffix(".w13").removesuffix(".w2")).expert_weight(expert, proj)
+                if dst is None:  # held by another expert-parallel rank
+                    loaded.add(f"{name}#{part}")
+                    continue
             if tuple(dst.shape) != tuple(tensor.shape):
                 raise ValueError(f"{ckpt_name}: checkpoint shape {tuple(tensor.shape)} != {tuple(dst.shape)}")
             with torch.no_grad():

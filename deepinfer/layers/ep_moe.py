@@ -1,0 +1,224 @@
+"""Routed experts split over expert-parallel ranks: all-to-all dispatch and combine around `RoutedExperts`.
+
+An `ExpertParallelExperts` replaces a model's `RoutedExperts` (same `forward(x, expert_ids, weights)`, same
+`expert_weight(expert, proj)` for the loaders). It holds this rank's *physical slots* of a `Placement`
+(`deepinfer/eplb/placement.py`): slot p lives on rank p // slots_per_rank and holds logical expert
+`physical_to_logical[p]`; a hot expert may have several slots (replicas), on several ranks or on one.
+
+One forward, on every rank at once (ranks without tokens pass empty tensors and still take part):
+
+    (token t, its j-th expert e) pairs ──▶ slot: replicas(e)[t % #replicas]   (deterministic: no randomness)
+      ──▶ sort pairs by the slot's rank ──▶ all_to_all: pair counts, then rows of x and (slot, weight)
+      ──▶ each rank runs its slots' pairs grouped by slot (`RoutedExperts.compute`, one output row per pair)
+      ──▶ all_to_all back ──▶ each token sums its k pair outputs in ascending logical expert id
+
+The last step adds in the order the single-process layer does (its `index_add_` goes expert by expert in
+ascending id, starting from zeros), so the sum of a token's expert outputs is the same float whichever rank
+computed each term; only an expert matmul's row count differs with the batch (as it does between batches in
+one process). A replica changes which rank computes a term, never its value.
+
+Load statistics (for EPLB and /metrics) accumulate in `ExpertStats`: tokens routed to each logical expert by
+this rank's batch, pairs computed here, and the time spent computing them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from deepinfer.eplb.placement import Placement
+from deepinfer.layers.moe import RoutedExperts
+
+
+class ExpertComm:
+    """The all-to-all exchanges of one process group (gloo on CPU, NCCL on CUDA)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, rank: int, world: int) -> None:
+        self.group, self.rank, self.world = group, rank, world
+
+    def exchange_counts(self, send_counts: torch.Tensor) -> list[int]:
+        """send_counts [world] int64 (rows for each rank) -> rows each rank sends here."""
+        recv = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv, send_counts, group=self.group)
+        return recv.tolist()
+
+    def exchange(self, rows: torch.Tensor, send_counts: Sequence[int], recv_counts: Sequence[int]) -> torch.Tensor:
+        """Rows grouped by destination rank -> rows received, grouped by source rank."""
+        out = rows.new_empty((sum(recv_counts), *rows.shape[1:]))
+        dist.all_to_all_single(out, rows.contiguous(), list(recv_counts), list(send_counts), group=self.group)
+        return out
+
+
+@dataclass
+class ExpertStats:
+    """Counters one MoE layer accumulates between two reads by the balancer."""
+
+    routed: torch.Tensor  # [num_logical] int64: pairs of this rank's tokens routed to each logical expert
+    computed_pairs: int = 0  # pairs this rank's slots computed (its expert tokens)
+    compute_seconds: float = 0.0
+
+    def take(self) -> tuple[torch.Tensor, int, float]:
+        out = (self.routed.clone(), self.computed_pairs, self.compute_seconds)
+        self.routed.zero_()
+        self.computed_pairs, self.compute_seconds = 0, 0.0
+        return out
+
+
+class ExpertParallelExperts(RoutedExperts):
+    """This rank's physical slots of one MoE layer's experts; see the module docstring. `comm` None: one rank
+    (EPLB replicas without expert parallelism)."""
+
+    def __init__(self, base: RoutedExperts, placement: Placement, rank: int, comm: ExpertComm | None) -> None:
+        if placement.num_experts != base.num_experts:
+            raise ValueError(f"placement for {placement.num_experts} experts on a layer of {base.num_experts}")
+        s = placement.slots_per_rank
+        super().__init__(len(placement.physical_to_logical), base.hidden, base.intermediate,
+                         local_experts=range(rank * s, (rank + 1) * s), swiglu_limit=base.swiglu_limit)
+        self.to(device=base.w13.device, dtype=base.w13.dtype)
+        self.num_logical = base.num_experts
+        self.rank = rank
+        self.comm = comm
+        self.stats = ExpertStats(torch.zeros(self.num_logical, dtype=torch.long))
+        self._set_placement(placement)
+
+    def _set_placement(self, placement: Placement) -> None:
+        self.placement = placement
+        reps = [placement.replicas(e) for e in range(self.num_logical)]
+        if any(not r for r in reps):
+            raise ValueError("a placement must hold every expert at least once")
+        width = max(len(r) for r in reps)
+        table = torch.tensor([list(r) + [r[0]] * (width - len(r)) for r in reps], dtype=torch.long)
+        self.replica_table = table.to(self.w13.device)  # [logical, max replicas] physical slots
+        self.replica_count = torch.tensor([len(r) for r in reps], dtype=torch.long, device=self.w13.device)
+
+    @property
+    def held_experts(self) -> tuple[int, ...]:
+        """The logical experts this rank holds (the loaders check each was in the checkpoint)."""
+        return tuple(sorted(set(self.placement.rank_experts(self.rank))))
+
+    def expert_weight(self, expert: int, proj: str) -> torch.Tensor | None:
+        """The first local slot holding logical `expert` (`fill_replicas` copies it to the others)."""
+        if not 0 <= expert < self.num_logical:
+            raise ValueError(f"expert {expert} out of range ({self.num_logical} experts)")
+        slots = self._local_slots(expert)
+        return super().expert_weight(slots[0], proj) if slots else None
+
+    def _local_slots(self, expert: int) -> list[int]:
+        s = self.placement.slots_per_rank
+        return [self.rank * s + i for i, e in enumerate(self.placement.rank_experts(self.rank)) if e == expert]
+
+    @torch.no_grad()
+    def fill_replicas(self) -> None:
+        """After loading: a logical expert held in several local slots gets its weights in all of them."""
+        s = self.placement.slots_per_rank
+        for expert in self.held_experts:
+            first, *rest = (p - self.rank * s for p in self._local_slots(expert))
+            for i in rest:
+                self.w13[i].copy_(self.w13[first])
+                self.w2[i].copy_(self.w2[first])
+
+    # ------------------------------------------------------------------ compute
+
+    def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t, k = expert_ids.shape
+        flat = expert_ids.reshape(-1)
+        token = torch.arange(t, device=x.device).repeat_interleave(k)
+        if t:
+            self.stats.routed += torch.bincount(flat, minlength=self.num_logical).to(self.stats.routed.device)
+        slot = self.replica_table[flat, token % self.replica_count[flat]]
+        w = weights.reshape(-1)
+        if self.comm is None:
+            pair_out = self._compute_pairs(x[token], slot, w)
+        else:
+            dest = slot // self.placement.slots_per_rank
+            order = torch.argsort(dest, stable=True)
+            send = torch.bincount(dest, minlength=self.comm.world)
+            recv = self.comm.exchange_counts(send)
+            send = send.tolist()
+            meta = torch.stack([slot[order].to(torch.float32), w[order].to(torch.float32)], dim=1)
+            x_in = self.comm.exchange(x[token[order]], send, recv)
+            meta_in = self.comm.exchange(meta, send, recv)
+            y = self._compute_pairs(x_in, meta_in[:, 0].long(), meta_in[:, 1].to(w.dtype))
+            back = self.comm.exchange(y, recv, send)
+            pair_out = torch.empty_like(back)
+            pair_out[order] = back
+        # combine: each token's terms in ascending logical expert id, from zeros (the single-process order)
+        by_expert = torch.argsort(expert_ids, dim=1, stable=True)
+        terms = pair_out.view(t, k, self.hidden).gather(1, by_expert[:, :, None].expand(t, k, self.hidden))
+        out = torch.zeros_like(x)
+        for j in range(k):
+            out += terms[:, j]
+        return out
+
+    def _compute_pairs(self, x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """One output row per pair: pair i's expert(x[i]) * w[i] in x's dtype."""
+        started = time.perf_counter()
+        out = self.compute(x, self.group(slot[:, None], w[:, None]))
+        self.stats.compute_seconds += time.perf_counter() - started
+        self.stats.computed_pairs += int(slot.shape[0])
+        return out
+
+    def idle(self) -> None:
+        """Take part in one forward's exchanges with no tokens (a rank with nothing to run this step)."""
+        x = self.w13.new_zeros((0, self.hidden))
+        self.forward(x, torch.zeros((0, 1), dtype=torch.long, device=x.device), x.new_zeros((0, 1)))
+
+    # ------------------------------------------------------------------ re-placement
+
+    @torch.no_grad()
+    def prepare_placement(self, new: Placement, comm: ExpertComm | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """This rank's slot weights under `new`, in new tensors: each slot whose expert this rank does not
+        hold gets its weights from the lowest rank that holds it, by one all_to_all on `comm` (every rank
+        calls this for the same layers in the same order); the others copy locally. Reads the current
+        weights only, so forwards may run meanwhile (the balancer runs it on a thread). Returns (w13, w2,
+        experts received)."""
+        old, r = self.placement, self.rank
+        s = old.slots_per_rank
+        if new.num_experts != old.num_experts or len(new.physical_to_logical) != len(old.physical_to_logical):
+            raise ValueError("a new placement must keep the layer's experts and slot count")
+        world = old.num_ranks
+        held = [set(old.rank_experts(q)) for q in range(world)]
+        source = {e: min(q for q in range(world) if e in held[q]) for e in range(old.num_experts)}
+        # what each rank needs from whom, in slot order: the same lists on every rank
+        wants = [[(p, new.physical_to_logical[p]) for p in range(q * s, (q + 1) * s)
+                  if new.physical_to_logical[p] not in held[q]] for q in range(world)]
+        old_local = {e: self._local_slots(e)[0] - r * s for e in held[r]}
+        w13, w2 = torch.empty_like(self.w13), torch.empty_like(self.w2)
+        for i, e in enumerate(new.rank_experts(r)):
+            if e in held[r]:
+                w13[i].copy_(self.w13[old_local[e]])
+                w2[i].copy_(self.w2[old_local[e]])
+        received = 0
+        if comm is not None:
+            width = self.w13[0].numel() + self.w2[0].numel()
+            sends = [[e for _, e in wants[q] if source[e] == r] for q in range(world)]
+            rows = [torch.cat([self.w13[old_local[e]].reshape(-1), self.w2[old_local[e]].reshape(-1)])
+                    for q in range(world) for e in sends[q]]
+            send_buf = torch.stack(rows) if rows else self.w13.new_zeros((0, width))
+            recv_from = [[(p, e) for p, e in wants[r] if source[e] == q] for q in range(world)]
+            got = comm.exchange(send_buf, [len(x) for x in sends], [len(x) for x in recv_from])
+            n13 = self.w13[0].numel()
+            for row, (p, _) in zip(got, (pe for q in range(world) for pe in recv_from[q]), strict=True):
+                w13[p - r * s].copy_(row[:n13].view_as(self.w13[0]))
+                w2[p - r * s].copy_(row[n13:].view_as(self.w2[0]))
+                received += 1
+        return w13, w2, received
+
+    def switch_placement(self, new: Placement, w13: torch.Tensor, w2: torch.Tensor) -> None:
+        """Take `prepare_placement`'s weights (between two forwards, on every rank at the same step)."""
+        self.w13.data = w13
+        self.w2.data = w2
+        self._set_placement(new)
+
+    def apply_placement(self, new: Placement) -> int:
+        """Prepare and switch at once (every rank calls it at the same point); returns experts received."""
+        w13, w2, received = self.prepare_placement(new, self.comm)
+        self.switch_placement(new, w13, w2)
+        return received
+
+    def extra_repr(self) -> str:
+        return f"rank={self.rank}, slots={self.placement.rank_experts(self.rank)}, " + super().extra_repr()

@@ -1,0 +1,118 @@
+"""ExpertParallelExperts against the single-process RoutedExperts, whatever the placement, the replicas, the
+rank that computes a pair, or a switch of placement (real gloo processes for 2 ranks).
+
+Bit-identical where every expert's matmul sees the same rows as the reference (one rank, no replicas: the
+combine adds in the reference's order); otherwise within fp32 rounding, because a replica (or another
+rank's tokens) changes an expert matmul's row count, and BLAS may round a row differently with the row
+count (as it does between two batches in one process)."""
+
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from deepinfer.eplb.placement import Placement, balanced_placement, initial_placement
+from deepinfer.layers.ep_moe import ExpertComm, ExpertParallelExperts
+from deepinfer.layers.moe import RoutedExperts
+
+E, H, INTER, K = 8, 16, 12, 2
+
+
+def _reference(seed: int = 0) -> RoutedExperts:
+    torch.manual_seed(seed)
+    ref = RoutedExperts(E, H, INTER)
+    with torch.no_grad():
+        ref.w13.normal_()
+        ref.w2.normal_()
+    return ref
+
+
+def _copy_in(ref: RoutedExperts, ep: ExpertParallelExperts) -> None:
+    with torch.no_grad():
+        for e in range(E):
+            for proj in ("gate", "up", "down"):
+                dst = ep.expert_weight(e, proj)
+                if dst is not None:
+                    dst.copy_(ref.expert_weight(e, proj))
+    ep.fill_replicas()
+
+
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-4)
+
+
+def _batch(t: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(t, H, generator=g)
+    ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(t)]) if t else torch.zeros(0, K).long()
+    w = torch.rand(t, K, generator=g)
+    return x, ids, w
+
+
+@torch.inference_mode()
+def test_one_rank_with_replicas_and_a_switch_matches_routed_experts():
+    ref = _reference()
+    x, ids, w = _batch(9, 1)
+    plain = ExpertParallelExperts(RoutedExperts(E, H, INTER), initial_placement(E, 1, 0), 0, None)
+    _copy_in(ref, plain)
+    assert torch.equal(plain(x, ids, w), ref(x, ids, w))  # same matmuls, same order of additions
+    ep = ExpertParallelExperts(RoutedExperts(E, H, INTER), initial_placement(E, 1, 3), 0, None)
+    _copy_in(ref, ep)
+    assert ep.placement.replicas(0) == (0, 8) and ep.held_experts == tuple(range(E))
+    assert _close(ep(x, ids, w), ref(x, ids, w))
+    ep.apply_placement(balanced_placement([50, 1, 1, 1, 1, 1, 1, 30], 1, 3))
+    assert len(ep.placement.replicas(0)) == 3 and len(ep.placement.replicas(7)) == 2
+    assert _close(ep(x, ids, w), ref(x, ids, w))
+    assert ep.stats.take()[1] == 2 * 9 * K  # pairs computed over the two forwards
+
+
+def _rank_main(rank: int, port: int, results) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=60))
+    try:
+        with torch.inference_mode():
+            ref = _reference()
+            ep = ExpertParallelExperts(RoutedExperts(E, H, INTER), initial_placement(E, 2, 2), rank,
+                                       ExpertComm(None, rank, 2))
+            _copy_in(ref, ep)
+            out = []
+            for placement in (None, Placement(E, 2, (7, 6, 5, 0, 0, 1, 2, 3, 4, 0))):
+                if placement is not None:
+                    ep.apply_placement(placement)  # experts move between the ranks
+                for t in (6, 0, 3) if rank == 0 else (2, 5, 0):  # ranks with no tokens still take part
+                    x, ids, w = _batch(t, 10 * rank + t)
+                    out.append(_close(ep(x, ids, w), ref(x, ids, w)))
+            results[rank] = (out, ep.placement.rank_experts(rank), ep.held_experts)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow  # two spawned processes: ~8 s
+def test_two_ranks_dispatch_combine_and_move_experts():
+    from tests.server_utils import free_port
+
+    with mp.Manager() as manager:
+        results = manager.dict()
+        mp.spawn(_rank_main, args=(free_port(), results), nprocs=2)
+        assert results[0] == ([True] * 6, (7, 6, 5, 0, 0), (0, 5, 6, 7))
+        assert results[1] == ([True] * 6, (1, 2, 3, 4, 0), (0, 1, 2, 3, 4))
+
+
+def test_placement_and_config_validation(tiny_models):
+    from deepinfer.config import EngineConfig, ParallelConfig
+    from deepinfer.engine.engine import LLMEngine
+
+    with pytest.raises(ValueError, match="split evenly"):
+        initial_placement(8, 3, 0)
+    with pytest.raises(ValueError, match="needs enable_eplb"):
+        ParallelConfig(num_redundant_experts=2)
+    with pytest.raises(ValueError, match="needs that many engine ranks"):
+        LLMEngine(EngineConfig.from_kwargs(model=str(tiny_models["qwen3_moe"]), expert_parallel_size=2))
+    with pytest.raises(ValueError, match="mixture-of-experts model"):
+        LLMEngine(EngineConfig.from_kwargs(model=str(tiny_models["llama"]), enable_eplb=True, kv_store="none",
+                                           kv_cache_memory="16MiB", profile_cost_model=False))
