@@ -342,6 +342,9 @@ class ParallelConfig:
             raise ValueError(f"num_redundant_experts must be >= 0, got {self.num_redundant_experts}")
         if self.num_redundant_experts and not self.enable_eplb:
             raise ValueError("num_redundant_experts needs enable_eplb")
+        if self.num_redundant_experts and self.expert_parallel_size == 1:
+            # a replica on the rank that already holds its expert takes memory and relieves nothing
+            raise ValueError("num_redundant_experts needs expert_parallel_size >= 2 (replicas go to other ranks)")
         if self.eplb_window_steps < 1 or self.eplb_step_interval < 1:
             raise ValueError("eplb_window_steps and eplb_step_interval must be >= 1")
 

@@ -25,7 +25,6 @@ rank swaps in the same step (`switch`). No step mixes two placements. One rank: 
 
 from __future__ import annotations
 
-import collections
 import logging
 import threading
 import time
@@ -35,6 +34,7 @@ import torch.distributed as dist
 
 from deepinfer.config import ParallelConfig
 from deepinfer.eplb.placement import balanced_placement, rank_loads
+from deepinfer.eplb.stats import ExpertLoadWindow
 from deepinfer.layers.ep_moe import ExpertComm, ExpertParallelExperts
 
 logger = logging.getLogger(__name__)
@@ -58,7 +58,8 @@ class ExpertBalancer:
         self.layers = layers
         self.rank, self.world, self.group = rank, world, group
         self.steps = 0
-        self.window: collections.deque = collections.deque(maxlen=config.eplb_window_steps)
+        self.window = (ExpertLoadWindow(len(layers), layers[0].num_logical, config.eplb_window_steps)
+                       if layers else None)  # this rank's routed pairs per layer and expert
         self.interval_pairs = 0  # pairs this rank computed since the last interval
         self.total_pairs = 0
         self.total_compute_seconds = 0.0
@@ -68,7 +69,6 @@ class ExpertBalancer:
         self.imbalance = 1.0  # max / mean of per-rank expert tokens over the last interval
         self.imbalance_first: float | None = None  # over the first interval (the initial placement)
         self.rank_pairs: list[int] = [0] * world  # per-rank expert tokens over the last interval
-        self.window_sum: torch.Tensor | None = None  # [layers, experts]: this rank's routed pairs in the window
 
     def end_step(self) -> None:
         """Called once per step on every rank (after the step's forwards)."""
@@ -79,11 +79,8 @@ class ExpertBalancer:
             self.interval_pairs += pairs
             self.total_pairs += pairs
             self.total_compute_seconds += seconds
-        step = torch.stack(routed) if routed else torch.zeros(0, dtype=torch.long)
-        if len(self.window) == self.window.maxlen:
-            self.window_sum -= self.window[0]
-        self.window.append(step)
-        self.window_sum = step.clone() if self.window_sum is None else self.window_sum + step
+        if self.window is not None:
+            self.window.record(torch.stack(routed))
         self.steps += 1
         if self.steps % self.config.eplb_step_interval == 0:
             self._interval()
@@ -104,11 +101,11 @@ class ExpertBalancer:
             self.imbalance_first = self.imbalance
         if not self.config.enable_eplb or not self.layers or self.pending is not None:
             return
-        load = self._all_reduce(self.window_sum.clone())  # [layers, experts], all ranks' pairs
+        load = self._all_reduce(self.window.window_load())  # [layers, experts], all ranks' pairs
         changes = []
         for layer, row in zip(self.layers, load.tolist(), strict=True):
             row = [float(x) for x in row]
-            new = balanced_placement(row, self.world, self.config.num_redundant_experts)
+            new = balanced_placement(row, self.world, self.config.num_redundant_experts, previous=layer.placement)
             busiest, now = max(rank_loads(new, row)), max(rank_loads(layer.placement, row))
             if new != layer.placement and busiest < (1 - MIN_GAIN) * now:
                 changes.append((layer, new))
@@ -158,4 +155,4 @@ class ExpertBalancer:
                 "replicas": [[len(layer.placement.replicas(e)) for e in range(layer.num_logical)]
                              for layer in self.layers],
                 "placement": [list(layer.placement.physical_to_logical) for layer in self.layers],
-                "window_routed": self.window_sum.tolist() if self.window_sum is not None else []}
+                "window_routed": self.window.window_load().tolist() if self.window is not None else []}
