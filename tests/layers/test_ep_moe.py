@@ -80,7 +80,7 @@ def _rank_main(rank: int, port: int, results) -> None:
                                        ExpertComm(None, rank, 2))
             _copy_in(ref, ep)
             out = []
-            for placement in (None, Placement(E, 2, (7, 6, 5, 0, 0, 1, 2, 3, 4, 0))):
+            for placement in (None, Placement(E, 2, (7, 6, 5, 0, 1, 1, 2, 3, 4, 0))):
                 if placement is not None:
                     ep.apply_placement(placement)  # experts move between the ranks
                 for t in (6, 0, 3) if rank == 0 else (2, 5, 0):  # ranks with no tokens still take part
@@ -98,7 +98,7 @@ def test_two_ranks_dispatch_combine_and_move_experts():
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_rank_main, args=(free_port(), results), nprocs=2)
-        assert results[0] == ([True] * 6, (7, 6, 5, 0, 0), (0, 5, 6, 7))
+        assert results[0] == ([True] * 6, (7, 6, 5, 0, 1), (0, 1, 5, 6, 7))
         assert results[1] == ([True] * 6, (1, 2, 3, 4, 0), (0, 1, 2, 3, 4))
 
 
