@@ -10,6 +10,10 @@ more than one token), end-to-end latency and the usage chunk's token counts.  A 
 failed on an HTTP error, an in-band error event, a missing ``[DONE]`` or usage chunk, or fewer
 tokens than asked; the failure count is printed and the exit status is 1 when it is non-zero.
 
+``--contention N`` keeps N processes spinning (``python -c "while True: pass"``) beside the server for
+the timed part of each run (not the warm-up): the co-located-load case of issue #22. Run once without
+and once with it (or ``--compare`` two server commands under it) to see what the load costs.
+
 Prompts repeat for a given seed: change ``--seed`` between runs against one live server, or the
 prefix cache will serve whole prompts from the previous run.
 
@@ -44,6 +48,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
+from spinners import spinning  # a sibling module: the script's directory is on sys.path
 
 _WORD_TEXT = (
     "time year people way day man thing woman life child world school state family student group "
@@ -193,10 +198,11 @@ async def run_load(args: argparse.Namespace, server_sid: int | None = None) -> d
             for p in pending:  # one shared iterator: each prompt goes to exactly one worker
                 results.append(await one_request(client, args, model, p, args.output_tokens))
 
-        cpu0 = session_cpu(server_sid) if server_sid is not None else None
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(args.concurrency)))
-        wall = time.perf_counter() - t0
+        with spinning(args.contention):
+            cpu0 = session_cpu(server_sid) if server_sid is not None else None
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(args.concurrency)))
+            wall = time.perf_counter() - t0
         cpu = {k: v - cpu0[k] for k, v in session_cpu(server_sid).items()} if cpu0 is not None else None
     good = [r for r in results if r.ok]
     ttfts = [r.ttft for r in good]
@@ -208,7 +214,8 @@ async def run_load(args: argparse.Namespace, server_sid: int | None = None) -> d
         "model": model, "base_url": args.base_url, "endpoint": args.endpoint, "concurrency": args.concurrency,
         "num_requests": args.num_requests, "prompt_tokens_target": args.prompt_tokens,
         "output_tokens_target": args.output_tokens, "shared_prefix_tokens": args.shared_prefix_tokens,
-        "seed": args.seed, "wall_s": wall, "completed": len(good), "failed": len(results) - len(good),
+        "seed": args.seed, "contention": args.contention, "wall_s": wall, "completed": len(good),
+        "failed": len(results) - len(good),
         "failure_reasons": dict(reasons),
         "failure_examples": [r.error for r in results if not r.ok][:3],
         "mean_prompt_tokens": sum(r.prompt_tokens for r in good) / max(len(good), 1),
@@ -242,7 +249,7 @@ METRICS = [
 def print_summary(s: dict[str, Any]) -> None:
     print(f"model={s['model']} url={s['base_url']} endpoint={s['endpoint']} concurrency={s['concurrency']} "
           f"requests={s['num_requests']} prompt~{s['prompt_tokens_target']} output={s['output_tokens_target']} "
-          f"shared_prefix={s['shared_prefix_tokens']} wall={s['wall_s']:.2f}s")
+          f"shared_prefix={s['shared_prefix_tokens']} wall={s['wall_s']:.2f}s contention={s.get('contention', 0)}")
     for key, name, fmt in METRICS:
         print(f"  {name:<22} {fmt.format(s[key])}")
     if s["failed"]:
@@ -320,6 +327,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--shared-prefix-tokens", type=int, default=0, help="common prompt head, in words")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--contention", type=int, default=0,
+                   help="processes kept spinning beside the server during the timed load (co-located load)")
     p.add_argument("--warmup", type=int, default=1, help="untimed 4-token requests sent first")
     p.add_argument("--request-timeout", type=float, default=600.0)
     p.add_argument("--server-cmd", action="append", default=[],

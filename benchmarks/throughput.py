@@ -11,6 +11,16 @@ index, so a prefix cache can reuse the genuinely shared prefix but never a whole
 prompt from an earlier run.  All engines get identical token ids.  Reported
 numbers are generated tokens / wall seconds, median of ``--repeats`` runs.
 
+``--contention N`` adds the co-located-load case (issue #22): every timed repeat runs twice, quiet and
+then with N processes spinning (``python -c "while True: pass"``, started just before and killed just
+after that run), so quiet and contended runs interleave in time; the table prints the contended
+median next to the quiet one and their ratio. vLLM's runner does the same inside its process.
+
+Next to each tok/s the table prints its fraction of the machine's bound, measured in the same run
+(``hw_bounds.py``): batched workloads against matmul FLOP/s in the engine's dtype (model FLOPs per
+token), single stream against streaming-read bandwidth (the weight bytes that engine reads per
+token: the GGUF's for deepinfer's default model, the HF copy's in its dtype for vLLM / HF).
+
 Usage (system python; vLLM runs in its own venv through a subprocess)::
 
     HF_HUB_OFFLINE=1 python benchmarks/throughput.py \\
@@ -37,6 +47,14 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# the vLLM subprocess gets the environment as the user gave it, not as deepinfer sets it for itself
+# (deepinfer sets OMP_WAIT_POLICY on import: deepinfer/openmp_env.py)
+USER_ENV = dict(os.environ)
+
+import hw_bounds  # noqa: E402 - sibling modules (the script's directory is on sys.path); neither loads torch
+from spinners import spinning  # noqa: E402
+
+import deepinfer  # noqa: E402,F401 - before anything loads torch, so this process gets its OpenMP settings
 
 HERE = Path(__file__).resolve().parent
 
@@ -106,6 +124,7 @@ Runs = dict[str, list[Prompts]]  # workload -> [warm-up prompts, repeat 1 prompt
 
 
 def build_runs(tok: Any, num_prompts: int, repeats: int) -> Runs:
+    """`repeats` timed runs after one warm-up, each with its own prompts (see the module docstring)."""
     def encode(msgs: list[dict[str, str]]) -> list[int]:
         text = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
         return list(tok(text, add_special_tokens=False)["input_ids"])
@@ -126,11 +145,18 @@ def build_runs(tok: Any, num_prompts: int, repeats: int) -> Runs:
 
 
 def summarize(
-    engine: str, name: str, walls: list[float], outs: list[list[int]], prompts: Prompts
+    engine: str, name: str, walls: list[float], outs: list[list[int]], prompts: Prompts, contention: int = 0
 ) -> dict[str, Any]:
+    """With `contention`, `walls` alternate quiet, contended, quiet, ... (see `time_runs`)."""
+    contended = walls[1::2] if contention else []
+    walls = walls[::2] if contention else walls
     wall = statistics.median(walls)
     ntok = sum(len(o) for o in outs)
-    return {
+    extra = {}
+    if contended:
+        extra = {"contention": contention, "contended_walls": contended,
+                 "contended_tok_per_s": ntok / statistics.median(contended)}
+    return {**extra,
         "engine": engine,
         "workload": name,
         "num_prompts": len(prompts),
@@ -147,18 +173,28 @@ def summarize(
 Gen = Callable[[Prompts], list[list[int]]]
 
 
-def time_runs(engine: str, runs: Runs, gen: Gen, warmup: Gen | None = None) -> list[dict[str, Any]]:
+def time_runs(engine: str, runs: Runs, gen: Gen, warmup: Gen | None = None,
+              contention: int = 0) -> list[dict[str, Any]]:
+    """Warm up, then time each run; with `contention`, every second run has that many spinners beside it."""
     results = []
     for name, plist in runs.items():
         (warmup or gen)(plist[0])
         walls, outs = [], []
-        for prompts in plist[1:]:
-            t = time.perf_counter()
-            outs = gen(prompts)
-            walls.append(time.perf_counter() - t)
-        results.append(summarize(engine, name, walls, outs, plist[-1]))
-        print(f"  {engine:9s} {name:7s} {results[-1]['tok_per_s']:8.1f} tok/s", file=sys.stderr, flush=True)
+        for i, prompts in enumerate(plist[1:]):
+            with spinning(contention if i % 2 else 0):
+                t = time.perf_counter()
+                outs = gen(prompts)
+                walls.append(time.perf_counter() - t)
+        results.append(summarize(engine, name, walls, outs, plist[-1], contention))
+        print(f"  {engine:9s} {name:7s} {contended_note(results[-1])}", file=sys.stderr, flush=True)
     return results
+
+
+def contended_note(r: dict[str, Any]) -> str:
+    note = f"{r['tok_per_s']:8.1f} tok/s"
+    if "contended_tok_per_s" in r:
+        note += f", with {r['contention']} spinning: {r['contended_tok_per_s']:8.1f} tok/s"
+    return note
 
 
 def run_deepinfer(args: argparse.Namespace, runs: Runs, llm: Any) -> list[dict[str, Any]]:
@@ -170,7 +206,9 @@ def run_deepinfer(args: argparse.Namespace, runs: Runs, llm: Any) -> list[dict[s
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    return time_runs("deepinfer", runs, gen)
+    results = time_runs("deepinfer", runs, gen, contention=args.contention)
+    dtype = str(llm.engine.core.runner.dtype).removeprefix("torch.")
+    return [{**r, "dtype": dtype} for r in results]
 
 
 def run_hf(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
@@ -202,9 +240,10 @@ def run_hf(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
         return res
 
     # HF has no compile step or cache to warm: a short warm-up (one batch, 8 tokens) is enough.
-    results = time_runs("hf", runs, gen, lambda ps: gen(ps[: args.hf_batch_size], 8))
+    results = time_runs("hf", runs, gen, lambda ps: gen(ps[: args.hf_batch_size], 8), args.contention)
     for r in results:
         r["load_s"] = load_s
+        r["dtype"] = "float32"
     return results
 
 
@@ -219,9 +258,10 @@ def run_vllm(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
         "max_model_len": 2048,
         "kv_cache_gib": args.vllm_kv_gib,
         "return_token_ids": True,
+        "contention": args.contention,
         "workloads": [{"name": n, "runs": p} for n, p in runs.items()],
     }
-    env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
+    env = dict(USER_ENV, HF_HUB_OFFLINE="1", VLLM_HOST_IP="127.0.0.1", VLLM_CPU_NUM_OF_RESERVED_CPU="0")
     env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{len(os.sched_getaffinity(0)) - 1}")
     venv = Path(args.vllm_python).parent.parent  # LD_PRELOAD tcmalloc + iomp as vLLM's CPU docs recommend
     preload = [
@@ -251,16 +291,36 @@ def run_vllm(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
     res = json.loads(lines[-1])
     out = []
     for name, w in res["workloads"].items():
-        r = summarize("vllm", name, w["walls"], w["token_ids"], runs[name][-1])
+        r = summarize("vllm", name, w["walls"], w["token_ids"], runs[name][-1], args.contention)
         r["load_s"] = res["load_s"]
+        r["dtype"] = str(res["dtype"]).removeprefix("torch.")
         out.append(r)
-        print(f"  vllm      {name:7s} {r['tok_per_s']:8.1f} tok/s", file=sys.stderr, flush=True)
+        print(f"  vllm      {name:7s} {contended_note(r)}", file=sys.stderr, flush=True)
     return out
 
 
-def print_table(results: list[dict[str, Any]]) -> None:
+def bound_fraction(r: dict[str, Any], bounds: tuple[Any, Any] | None, args: argparse.Namespace,
+                   tok_per_s: float) -> str:
+    """`tok_per_s` as a fraction of the machine's bound for `r`'s engine and workload ('-' unmeasured)."""
+    if bounds is None:
+        return "-"
+    machine, cost = bounds
+    dtype = r.get("dtype", "float32")
+    if dtype not in machine.flops:
+        return "-"
+    gguf = r["engine"] == "deepinfer" and (args.deepinfer_model is None or args.deepinfer_model.endswith(".gguf"))
+    frac, kind = hw_bounds.fraction(tok_per_s, r["workload"] == "single", machine, cost, dtype, gguf)
+    return f"{frac:.2f} {kind}"
+
+
+def print_table(results: list[dict[str, Any]], bounds: tuple[Any, Any] | None = None,
+                args: argparse.Namespace | None = None) -> None:
     base = {r["workload"]: r for r in results if r["engine"] == "deepinfer"}
-    hdr = f"{'engine':10s} {'workload':8s} {'prompts':>7s} {'prompt_tok':>10s} {'gen_tok':>8s} {'wall_s':>8s} {'tok/s':>9s} {'best':>9s} {'load_s':>7s} {'deepinfer/x':>11s} {'same_ids':>8s}"
+    contended = any("contended_tok_per_s" in r for r in results)
+    hdr = (f"{'engine':10s} {'workload':8s} {'prompts':>7s} {'prompt_tok':>10s} {'gen_tok':>8s} {'wall_s':>8s} "
+           f"{'tok/s':>9s} {'of bound':>9s} {'best':>9s} {'load_s':>7s} {'deepinfer/x':>11s} {'same_ids':>8s}")
+    if contended:
+        hdr += f" {'contended':>9s} {'of bound':>9s} {'c/quiet':>7s} {'deepinfer/x':>11s}"
     print(hdr)
     print("-" * len(hdr))
     for r in results:
@@ -268,13 +328,28 @@ def print_table(results: list[dict[str, Any]]) -> None:
         ratio = f"{b['tok_per_s'] / r['tok_per_s']:.2f}x" if b else "-"
         same = "-" if not b else ("yes" if b["first_ids"] == r["first_ids"] else "no")
         load = f"{r['load_s']:.1f}" if "load_s" in r else "-"
-        print(
+        line = (
             f"{r['engine']:10s} {r['workload']:8s} {r['num_prompts']:7d} {r['prompt_tokens']:10d} "
-            f"{r['generated_tokens']:8d} {r['wall_s']:8.2f} {r['tok_per_s']:9.1f} {r['best_tok_per_s']:9.1f} {load:>7s} {ratio:>11s} {same:>8s}"
+            f"{r['generated_tokens']:8d} {r['wall_s']:8.2f} {r['tok_per_s']:9.1f} "
+            f"{bound_fraction(r, bounds, args, r['tok_per_s']):>9s} {r['best_tok_per_s']:9.1f} {load:>7s} "
+            f"{ratio:>11s} {same:>8s}"
         )
+        if "contended_tok_per_s" in r:
+            c = r["contended_tok_per_s"]
+            cratio = f"{b['contended_tok_per_s'] / c:.2f}x" if b and "contended_tok_per_s" in b else "-"
+            line += (f" {c:9.1f} {bound_fraction(r, bounds, args, c):>9s} {c / r['tok_per_s']:7.2f} "
+                     f"{cratio:>11s}")
+        print(line)
     single = {r["engine"]: r["tok_per_s"] for r in results if r["workload"] == "single"}
     if single:
         print("single-stream decode tok/s: " + ", ".join(f"{e}={v:.1f}" for e, v in single.items()))
+    if bounds is not None:
+        print(hw_bounds.describe(*bounds))
+        print("of bound: tok/s over the bound (cmp: matmul FLOP/s in the engine's dtype / model FLOPs per "
+              "token; mem: streaming-read bandwidth / weight bytes per token)")
+    if contended:
+        print("contended: with --contention processes spinning beside each timed run (median); c/quiet: "
+              "contended over quiet tok/s")
 
 
 def main() -> None:
@@ -301,6 +376,10 @@ def main() -> None:
     ap.add_argument("--vllm-timeout", type=int, default=3600)
     ap.add_argument("--vllm-log", default=None, help="save the vLLM runner's stdout/stderr here")
     ap.add_argument("--json-out", default=None)
+    ap.add_argument("--contention", type=int, default=0,
+                    help="also time every repeat with N processes spinning beside it (co-located load)")
+    ap.add_argument("--no-bounds", action="store_true",
+                    help="skip measuring the machine's matmul FLOP/s and read bandwidth (the 'of bound' column)")
     args = ap.parse_args()
 
     load0 = os.getloadavg()
@@ -335,9 +414,20 @@ def main() -> None:
         tok = llm.get_tokenizer()
     else:
         sys.exit(f"no tokenizer: {args.model_dir} missing and deepinfer not selected")
-    runs = build_runs(tok, args.num_prompts, args.repeats)
+    runs = build_runs(tok, args.num_prompts, args.repeats * (2 if args.contention else 1))
     wanted = args.workloads.split(",")
     runs = {k: v for k, v in runs.items() if k in wanted}
+
+    bounds = None
+    if not args.no_bounds:  # measured on the quiet machine before any engine runs
+        gguf_file = None
+        if "deepinfer" in engines:
+            from deepinfer.weights import resolve_model
+
+            src = resolve_model(args.deepinfer_model).source
+            gguf_file = str(src) if src.suffix == ".gguf" else None
+        bounds = (hw_bounds.measure_machine(), hw_bounds.model_cost(args.model_dir, gguf_file))
+        print(hw_bounds.describe(*bounds), file=sys.stderr, flush=True)
 
     results: list[dict[str, Any]] = []
     for engine in engines:
@@ -354,7 +444,7 @@ def main() -> None:
         else:
             sys.exit(f"unknown engine {engine!r}")
         results.extend(res)
-    print_table(results)
+    print_table(results, bounds, args)
     print(
         f"load average (1/5/15 min) at end: {os.getloadavg()} -- >0.5 means something else competed for CPU"
     )

@@ -16,7 +16,10 @@ Run it with the *vLLM venv's* python (it must not import deepinfer)::
      "enforce_eager": false, "repeats": 3, "warmup": true,
      "max_num_seqs": 256, "max_num_batched_tokens": null,
      "enable_prefix_caching": true, "max_model_len": 2048,
-     "kv_cache_gib": 4, "return_token_ids": false}
+     "kv_cache_gib": 4, "return_token_ids": false, "contention": 0}
+
+``contention`` N > 0: every second timed run (the 2nd, 4th, ...) has N processes spinning beside
+it (``benchmarks/spinners.py``); the caller splits the walls into quiet and contended.
 
 A workload gives either ``prompts`` (used for the warm-up and every repeat) or
 ``runs`` (``runs[0]`` is the warm-up, ``runs[1:]`` the timed repeats).
@@ -34,7 +37,11 @@ import os
 import statistics
 import sys
 import time
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/spinners.py (standard library only)
+from spinners import spinning  # noqa: E402
 
 
 def _run(spec: dict[str, Any]) -> dict[str, Any]:
@@ -87,12 +94,14 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         walls: list[float] = []
         ntok = 0
         outs: list[Any] = []
-        for prompts in timed:
+        contention = int(spec.get("contention", 0))
+        for i, prompts in enumerate(timed):
             if spec.get("reset_prefix_cache", False):
                 llm.reset_prefix_cache()
-            t = time.perf_counter()
-            outs = llm.generate(prompts, params, use_tqdm=False)
-            walls.append(time.perf_counter() - t)
+            with spinning(contention if i % 2 else 0):
+                t = time.perf_counter()
+                outs = llm.generate(prompts, params, use_tqdm=False)
+                walls.append(time.perf_counter() - t)
             ntok = sum(len(o.outputs[0].token_ids) for o in outs)
         wall = statistics.median(walls)
         res: dict[str, Any] = {
@@ -109,7 +118,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         print(f"[vllm_runner] {wl['name']}: {res['tok_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
     return {
         "engine": "vllm",
-        "dtype": kwargs["dtype"],
+        "dtype": str(llm.llm_engine.model_config.dtype),  # resolved ("auto" -> what vLLM picked)
         "enforce_eager": kwargs["enforce_eager"],
         "load_s": load_s,
         "workloads": results,

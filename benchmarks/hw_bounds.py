@@ -1,0 +1,112 @@
+"""What the hardware allows, measured in the same run as a benchmark: the fraction of the bound.
+
+* compute: the best FLOP/s of a large square matmul in the engine's dtype (torch, all threads);
+* memory: the best streaming-read bandwidth (a sum over a 512 MiB fp32 tensor).
+
+A model's cost per token: FLOPs = 2 x the parameters each token multiplies (the input embedding is a
+lookup and not counted unless it doubles as the tied output head); weight bytes = what one decode
+step reads from memory, the GGUF's tensor bytes for a GGUF, else parameters x the dtype's size.
+Batched decode is bounded by compute (peak / FLOPs per token), single-stream by memory (bandwidth /
+weight bytes per token); `fraction` is measured tok/s over that bound. Attention and KV reads are
+left out, so the bounds are upper bounds and the fractions are conservative.
+
+torch is imported inside the functions: a benchmark imports deepinfer (which sets the OpenMP wait
+policy) before torch loads, whatever order its imports are in.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class Machine:
+    flops: dict[str, float]  # dtype name -> best matmul FLOP/s
+    read_bytes_per_s: float
+
+
+@dataclass(frozen=True)
+class ModelCost:
+    params: float  # parameters each token multiplies
+    gguf_bytes: float | None  # the GGUF's tensor bytes, for an engine that reads the GGUF's blocks
+
+    @property
+    def flops_per_token(self) -> float:
+        return 2.0 * self.params
+
+    def weight_bytes(self, dtype: str, gguf: bool) -> float:
+        if gguf and self.gguf_bytes:
+            return self.gguf_bytes
+        import torch
+
+        return self.params * torch.empty(0, dtype=getattr(torch, dtype)).element_size()
+
+
+def _best(fn, repeats: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def measure_machine(dtypes: tuple[str, ...] = ("bfloat16", "float32"), n: int = 2048,
+                    read_mib: int = 512, repeats: int = 5) -> Machine:
+    import torch
+
+    flops = {}
+    for name in dtypes:
+        dt = getattr(torch, name)
+        a, b = torch.randn(n, n).to(dt), torch.randn(n, n).to(dt)
+        flops[name] = 2 * n**3 / _best(lambda a=a, b=b: torch.mm(a, b), repeats)
+    x = torch.ones(read_mib * 2**20 // 4)
+    bw = x.numel() * 4 / _best(lambda x=x: x.sum(), repeats)
+    del x
+    return Machine(flops, bw)
+
+
+def model_cost(hf_dir: str, gguf_file: str | None) -> ModelCost:
+    """Parameters from the HF copy's tensors; the GGUF's tensor bytes when given one."""
+    import torch
+    from safetensors import safe_open
+
+    cfg = json.loads(Path(hf_dir, "config.json").read_text())
+    tied = bool(cfg.get("tie_word_embeddings", False))
+    numel = {}
+    for f in sorted(Path(hf_dir).glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as h:
+            for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
+                shape = h.get_slice(k).get_shape()
+                numel[k] = int(torch.tensor(shape).prod()) if shape else 1
+    multiplied = sum(v for k, v in numel.items() if tied or "embed_tokens" not in k)
+    gguf_bytes = None
+    if gguf_file:
+        import gguf
+
+        gguf_bytes = float(sum(int(t.n_bytes) for t in gguf.GGUFReader(gguf_file).tensors))
+    return ModelCost(float(multiplied), gguf_bytes)
+
+
+def fraction(tok_per_s: float, single_stream: bool, machine: Machine, cost: ModelCost, dtype: str,
+             gguf: bool) -> tuple[float, str]:
+    """(tok/s over the bound, which bound) for one result in `dtype` ('bfloat16', 'float32');
+    `gguf`: the engine reads the GGUF's quantized blocks rather than dtype weights."""
+    if single_stream:
+        bound = machine.read_bytes_per_s / cost.weight_bytes(dtype, gguf)
+        return tok_per_s / bound, "mem"
+    bound = machine.flops[dtype] / cost.flops_per_token
+    return tok_per_s / bound, "cmp"
+
+
+def describe(machine: Machine, cost: ModelCost) -> str:
+    fl = ", ".join(f"{k} matmul {v / 1e9:.0f} GFLOP/s" for k, v in machine.flops.items())
+    wb = f"bf16 {cost.weight_bytes('bfloat16', False) / 1e6:.1f} MB"
+    if cost.gguf_bytes:
+        wb += f", GGUF {cost.gguf_bytes / 1e6:.1f} MB"
+    return (f"machine: {fl}, streaming read {machine.read_bytes_per_s / 1e9:.1f} GB/s; model: "
+            f"{cost.flops_per_token / 1e9:.3f} GFLOP/token, weight bytes per token: {wb}")
