@@ -15,13 +15,14 @@ from deepinfer.config import (
     RouterConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     add_config_arguments,
     config_from_args,
     engine_config_from_args,
     parse_size,
 )
 
-ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, KVStoreConfig)
+ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, KVStoreConfig, SpeculativeConfig)
 
 
 def _sampling_arguments(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,121 @@
+"""Draft length: how many of a proposal's tokens each request verifies this step.
+
+Per request, a running (EWMA) estimate `a` of the probability that a draft token is kept given the ones
+before it were; with the proposer's own confidence c_j where it has one, token j is kept with estimated
+probability sqrt(a * c_j) (a heuristic blend: both must be high). With per-token probabilities p_1..p_k,
+the expected tokens a step emits for the request is 1 + sum_j prod_{i<=j} p_i (= (1 - a^(k+1)) / (1 - a)
+for p_i = a).
+
+Per step, from the cost model (`cost_model.py`): the price of verifying one more token of request r at
+its context length, at the step's current size, is the predicted step time with it minus without it
+(at least the per-token coefficient). Starting from k = 0 everywhere (one decode token each), the policy
+adds draft tokens one at a time, best expected gain per second first, while the step's expected tokens
+per second still rises: a token whose expected gain is p and price dt is added iff
+(T + p) / (S + dt) > T / S, i.e. p / dt > T / S. On an idle accelerator (batch 1) a token costs little
+next to the step's fixed overhead and k goes to the longest useful draft; when the batch is
+compute-bound each token costs its full share and k falls, down to 0.
+
+`adaptive=False`: every request verifies its whole proposal (up to `num_speculative_tokens`).
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from deepinfer.engine.cost_model import CostModel, chunk_features, empty_step
+
+
+@dataclass
+class AcceptanceStats:
+    """One request's running acceptance estimate and totals."""
+
+    rate: float  # EWMA of the per-token acceptance probability
+    num_steps: int = 0  # verification steps with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def observe(self, drafted: int, accepted: int, alpha: float) -> None:
+        if drafted <= 0:
+            return
+        self.num_steps += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        # tokens tried: each kept one, plus the one that was rejected (if any)
+        tried = accepted + (accepted < drafted)
+        self.rate += alpha * (accepted / tried - self.rate)
+
+    def relax(self, prior: float, weight: float) -> None:
+        """A step without drafts: drift back towards the prior, so a request that was unlucky early is
+        tried again later instead of never."""
+        self.rate += weight * (prior - self.rate)
+
+
+@dataclass
+class Candidate:
+    """A decoding request that may verify drafts this step."""
+
+    context: int  # tokens in its KV cache before this step (the decode's position)
+    accept_probs: list[float]  # estimated keep probability of each proposed token, in order
+
+
+class DraftLengthPolicy:
+    def __init__(self, cost_model: CostModel, adaptive: bool = True) -> None:
+        self.cost_model = cost_model
+        self.adaptive = adaptive
+
+    @staticmethod
+    def accept_probs(rate: float, confidence: tuple[float, ...] | None, n: int) -> list[float]:
+        if confidence is None:
+            return [rate] * n
+        return [math.sqrt(max(0.0, rate * c)) for c in confidence[:n]]
+
+    def choose(self, cands: list[Candidate], base: list[tuple[int, int]]) -> list[int]:
+        """Draft tokens to verify per candidate. `base`: (new tokens, context) of the work already in the
+        step (every decode, candidates included with one token each)."""
+        if not self.adaptive:
+            return [len(c.accept_probs) for c in cands]
+        coef = self.cost_model.coef
+        step = empty_step()
+        for n, p in base:
+            step += chunk_features(n, p)
+        tokens = float(len(base))
+        seconds = max(float(coef @ step), 1e-9)
+        floor = max(float(coef[1]), 1e-9)  # one token through the linear layers
+
+        def price(c: Candidate, k: int) -> float:  # verifying draft k+1 (the chunk grows from k+1 to k+2)
+            diff = coef @ (chunk_features(k + 2, c.context) - chunk_features(k + 1, c.context))
+            return max(float(diff), floor)
+
+        ks = [0] * len(cands)
+        gains = [1.0] * len(cands)  # probability that all drafts chosen so far are kept
+        heap: list[tuple[float, int]] = []
+
+        def push(i: int) -> None:
+            c, k = cands[i], ks[i]
+            if k < len(c.accept_probs):
+                gain = gains[i] * c.accept_probs[k]
+                heapq.heappush(heap, (-gain / price(c, k), i))
+
+        for i in range(len(cands)):
+            push(i)
+        while heap:
+            _, i = heapq.heappop(heap)
+            c, k = cands[i], ks[i]
+            gain, dt = gains[i] * c.accept_probs[k], price(c, k)
+            if gain * seconds <= tokens * dt:  # best remaining token lowers tokens per second: stop
+                break
+            tokens += gain
+            seconds += dt
+            gains[i] = gain
+            ks[i] = k + 1
+            push(i)
+        return ks
+
+
+def expected_tokens(probs: list[float] | np.ndarray) -> float:
+    """Expected tokens one verification emits: 1 + sum_j prod_{i<=j} p_i."""
+    return 1.0 + float(np.cumprod(np.asarray(probs, dtype=float)).sum()) if len(probs) else 1.0
