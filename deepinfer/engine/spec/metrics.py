@@ -41,8 +41,9 @@ class SpecMetrics:
         """Mean tokens emitted per verification (accepted drafts + 1)."""
         return self.num_emitted_tokens / self.num_verifications if self.num_verifications else 0.0
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         return {
+            "spec_proposer": self.proposer,
             "spec_verifications": self.num_verifications,
             "spec_draft_tokens": self.num_draft_tokens,
             "spec_accepted_tokens": self.num_accepted_tokens,
