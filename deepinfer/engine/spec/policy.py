@@ -1,10 +1,12 @@
 """Draft length: how many of a proposal's tokens each request verifies this step.
 
-Per request, a running (EWMA) estimate `a` of the probability that a draft token is kept given the ones
-before it were; with the proposer's own confidence c_j where it has one, token j is kept with estimated
-probability sqrt(a * c_j) (a heuristic blend: both must be high). With per-token probabilities p_1..p_k,
-the expected tokens a step emits for the request is 1 + sum_j prod_{i<=j} p_i (= (1 - a^(k+1)) / (1 - a)
-for p_i = a).
+Per request, running (EWMA) estimates a_j of the probability that draft token j is kept given that
+tokens 1..j-1 were, one per draft position (a single rate a for all positions would assume independent
+tokens; measured on code edits, a draft whose first token is right is usually right for many tokens, so
+a_1 is low and a_2.. high: one rate made k too short). With the proposer's own confidence c_j where it
+has one, token j is kept with estimated probability sqrt(a_j * c_j) (a heuristic blend: both must be
+high). With per-token probabilities p_1..p_k, the expected tokens a step emits for the request is
+1 + sum_j prod_{i<=j} p_i (= (1 - a^(k+1)) / (1 - a) when every p_i = a).
 
 Per step, from the cost model (`cost_model.py`): the price of verifying one more token of request r at
 its context length, at the step's current size, is the predicted step time with it minus without it
@@ -31,12 +33,16 @@ from deepinfer.engine.cost_model import CostModel, chunk_features, empty_step
 
 @dataclass
 class AcceptanceStats:
-    """One request's running acceptance estimate and totals."""
+    """One request's running acceptance estimates (per draft position) and totals."""
 
-    rate: float  # EWMA of the per-token acceptance probability
+    rates: list[float]  # rates[j]: EWMA of P(draft j+1 kept | drafts 1..j kept)
     num_steps: int = 0  # verification steps with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+
+    @classmethod
+    def new(cls, prior: float, k_max: int) -> AcceptanceStats:
+        return cls([prior] * k_max)
 
     def observe(self, drafted: int, accepted: int, alpha: float) -> None:
         if drafted <= 0:
@@ -44,14 +50,16 @@ class AcceptanceStats:
         self.num_steps += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        # tokens tried: each kept one, plus the one that was rejected (if any)
-        tried = accepted + (accepted < drafted)
-        self.rate += alpha * (accepted / tried - self.rate)
+        # positions 1..accepted were kept; position accepted + 1 (if drafted) was tried and rejected;
+        # later positions were never tried and tell nothing
+        for j in range(min(drafted, accepted + 1, len(self.rates))):
+            self.rates[j] += alpha * ((1.0 if j < accepted else 0.0) - self.rates[j])
 
     def relax(self, prior: float, weight: float) -> None:
         """A step without drafts: drift back towards the prior, so a request that was unlucky early is
         tried again later instead of never."""
-        self.rate += weight * (prior - self.rate)
+        for j in range(len(self.rates)):
+            self.rates[j] += weight * (prior - self.rates[j])
 
 
 @dataclass
@@ -68,10 +76,11 @@ class DraftLengthPolicy:
         self.adaptive = adaptive
 
     @staticmethod
-    def accept_probs(rate: float, confidence: tuple[float, ...] | None, n: int) -> list[float]:
+    def accept_probs(rates: list[float], confidence: tuple[float, ...] | None, n: int) -> list[float]:
+        rates = rates[:n]
         if confidence is None:
-            return [rate] * n
-        return [math.sqrt(max(0.0, rate * c)) for c in confidence[:n]]
+            return list(rates)
+        return [math.sqrt(max(0.0, r * c)) for r, c in zip(rates, confidence, strict=False)]
 
     def choose(self, cands: list[Candidate], base: list[tuple[int, int]]) -> list[int]:
         """Draft tokens to verify per candidate. `base`: (new tokens, context) of the work already in the

@@ -44,7 +44,7 @@ class Speculator:
 
     def _state(self, req: Request) -> AcceptanceStats:
         if req.spec is None:
-            req.spec = AcceptanceStats(self.method.initial_acceptance)
+            req.spec = AcceptanceStats.new(self.method.initial_acceptance, self.k_max)
         return req.spec
 
     def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
@@ -66,7 +66,7 @@ class Speculator:
             cands.append((r, d))
         states = [self._state(r) for r in decodes]
         ks = self.policy.choose(
-            [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.rate, d.confidence, len(d)))
+            [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.rates, d.confidence, len(d)))
              for (r, d), s in zip(cands, states, strict=True)],
             [(1, r.num_computed_tokens) for r in decodes])
         out = {}
