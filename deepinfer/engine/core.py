@@ -231,6 +231,11 @@ class EngineCore:
             self.idle_gap_last = gap
             self.num_idle_gaps += 1
         self.cost_model.observe(StepWork.from_output(plan), result.seconds)
+        if self.speculator is not None and all(
+                item.draft_token_ids or item.start + item.num_new_tokens == item.request.num_tokens
+                for item in plan.scheduled) and all(
+                item.num_new_tokens == 1 or item.draft_token_ids for item in plan.scheduled):
+            self.speculator.observe_step(len(plan.scheduled), plan.num_tokens, result.seconds)
         for item in plan.scheduled:  # their KV is now written: what a KV exporter may read
             kept = len(result.accepted.get(item.request.request_id, ())) if item.draft_token_ids else item.num_new_tokens - 1
             item.request.num_kv_done_tokens = item.start + 1 + kept

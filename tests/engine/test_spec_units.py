@@ -57,14 +57,16 @@ def test_suffix_recent_requests_are_indexed_and_bounded():
 def test_policy_long_drafts_when_cheap_none_when_compute_bound():
     cm = CostModel()
     pol = DraftLengthPolicy(cm)
+    pol.measured.num_observed = pol.measured.EXPLORE_STEPS  # past exploring: the cost model prices
     one = pol.choose([Candidate(100, [0.8] * 5)], [(1, 100)])
     assert one == [5]
     # 64 decodes with a per-token cost that dominates the step: a 0.3 acceptance is not worth verifying
-    heavy = CostModel((0.001, 2e-3, 1e-4, 1e-8, 1e-7))
-    ks = DraftLengthPolicy(heavy).choose([Candidate(100, [0.3] * 5)] * 64, [(1, 100)] * 64)
+    heavy = DraftLengthPolicy(CostModel((0.001, 2e-3, 1e-4, 1e-8, 1e-7)))
+    heavy.measured.num_observed = heavy.measured.EXPLORE_STEPS
+    ks = heavy.choose([Candidate(100, [0.3] * 5)] * 64, [(1, 100)] * 64)
     assert ks == [0] * 64
     # but a confident request still gets a draft in the same batch
-    ks = DraftLengthPolicy(heavy).choose([Candidate(100, [0.99] * 5)] + [Candidate(100, [0.3] * 5)] * 63,
+    ks = heavy.choose([Candidate(100, [0.99] * 5)] + [Candidate(100, [0.3] * 5)] * 63,
                                          [(1, 100)] * 64)
     assert ks[0] > 0 and ks[1:] == [0] * 63
     assert DraftLengthPolicy(cm, adaptive=False).choose([Candidate(5, [0.0] * 3)], [(1, 5)]) == [3]
@@ -141,3 +143,20 @@ def test_config_parsing():
 
     with pytest.raises(ValueError, match="not implemented yet"):
         build_proposer(cfg.speculative.speculative_config)
+
+
+def test_measured_price_replaces_a_misfitted_cost_model():
+    """A cost model that puts a step's whole time on its tokens (as a busy machine's fit did) prices a draft
+    like a whole decode; measured decode steps (fixed 30 ms + 1 ms per extra token) price it at 1 ms."""
+    misfit = CostModel((0.0, 0.03, 0.0, 1e-8, 1e-7))
+    pol = DraftLengthPolicy(misfit)
+    cands, base = [Candidate(100, [0.6, 0.6, 0.6, 0.6, 0.6])], [(1, 100)]
+    assert pol.choose(cands, base) == [5]  # exploring: whole proposals, so the steps vary in tokens
+    pol.measured.num_observed = pol.measured.EXPLORE_STEPS
+    assert pol.choose(cands, base) == [0]
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        extra = int(rng.integers(0, 6))
+        pol.measured.observe(1, 1 + extra, 0.03 + 0.001 * extra)
+    assert pol.measured.coef is not None
+    assert pol.choose(cands, base) == [5]

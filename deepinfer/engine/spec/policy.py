@@ -17,6 +17,16 @@ per second still rises: a token whose expected gain is p and price dt is added i
 next to the step's fixed overhead and k goes to the longest useful draft; when the batch is
 compute-bound each token costs its full share and k falls, down to 0.
 
+The price comes from `DecodePrice` when it can: a fit of measured decode-phase steps (every request in
+them decoding or verifying) as seconds = a + c * requests + b * tokens, so b is what one more verified
+token really costs. The engine's cost model is fitted on prefill chunks too, where a token costs its full
+compute; at small batch a few more rows of a decode step cost far less (the weights are read once per
+step), and on a busy 2-core machine the cost model's fit put all of a step's time on its tokens (0 fixed
+overhead, measured), which made every draft look as dear as a whole decode. Until the measured steps vary
+enough in tokens per request to separate b from c, the policy explores: it verifies whole proposals
+(that variation is what the fit needs) for the first `EXPLORE_STEPS` decode steps, and the cost model
+prices after that if the fit still cannot separate them.
+
 `adaptive=False`: every request verifies its whole proposal (up to `num_speculative_tokens`).
 """
 
@@ -24,11 +34,58 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from dataclasses import dataclass
 
 import numpy as np
 
-from deepinfer.engine.cost_model import CostModel, chunk_features, empty_step
+from deepinfer.engine.cost_model import CostModel, chunk_features, empty_step, nnls
+
+
+class DecodePrice:
+    """seconds = a + c * requests + b * tokens over recent decode-phase steps (nonnegative least squares)."""
+
+    MIN_SPREAD = 0.25  # std of (tokens - requests) / requests the window needs before b is trusted
+    EXPLORE_STEPS = 64
+
+    def __init__(self, window: int = 128, refit_every: int = 8) -> None:
+        self._rows: deque[tuple[float, float, float]] = deque(maxlen=window)
+        self._since = 0
+        self.refit_every = refit_every
+        self.coef: np.ndarray | None = None  # (a, c, b) once the window separates them
+        self.num_observed = 0
+
+    @property
+    def exploring(self) -> bool:
+        return self.coef is None and self.num_observed < self.EXPLORE_STEPS
+
+    def observe(self, num_requests: int, num_tokens: int, seconds: float) -> None:
+        if num_requests <= 0 or seconds <= 0:
+            return
+        self._rows.append((float(num_requests), float(num_tokens), seconds))
+        self.num_observed += 1
+        self._since += 1
+        if self._since >= self.refit_every:
+            self._fit()
+
+    def _fit(self) -> None:
+        self._since = 0
+        rows = np.array(self._rows)
+        req, tok, sec = rows.T
+        if len(rows) < 16 or np.std((tok - req) / req) < self.MIN_SPREAD:
+            return
+        x = np.stack([np.ones_like(req), req, tok], axis=1) / sec[:, None]  # relative error, as the cost model
+        scale = np.linalg.norm(x, axis=0)
+        scale[scale == 0] = 1.0
+        coef = nnls(x / scale, np.ones(len(sec))) / scale
+        self.coef = coef if coef[2] > 0 else None
+
+    def step(self, num_requests: int, num_tokens: int) -> tuple[float, float] | None:
+        """(predicted seconds of a step, seconds per extra token), or None before a usable fit."""
+        if self.coef is None:
+            return None
+        a, c, b = self.coef
+        return float(a + c * num_requests + b * num_tokens), float(b)
 
 
 @dataclass
@@ -74,6 +131,7 @@ class DraftLengthPolicy:
     def __init__(self, cost_model: CostModel, adaptive: bool = True) -> None:
         self.cost_model = cost_model
         self.adaptive = adaptive
+        self.measured = DecodePrice()
 
     @staticmethod
     def accept_probs(rates: list[float], confidence: tuple[float, ...] | None, n: int) -> list[float]:
@@ -85,19 +143,27 @@ class DraftLengthPolicy:
     def choose(self, cands: list[Candidate], base: list[tuple[int, int]]) -> list[int]:
         """Draft tokens to verify per candidate. `base`: (new tokens, context) of the work already in the
         step (every decode, candidates included with one token each)."""
-        if not self.adaptive:
+        if not self.adaptive or self.measured.exploring:
             return [len(c.accept_probs) for c in cands]
         coef = self.cost_model.coef
-        step = empty_step()
-        for n, p in base:
-            step += chunk_features(n, p)
         tokens = float(len(base))
-        seconds = max(float(coef @ step), 1e-9)
-        floor = max(float(coef[1]), 1e-9)  # one token through the linear layers
+        measured = self.measured.step(len(base), sum(n for n, _ in base))
+        if measured is not None:
+            seconds, per_token = measured
+            seconds = max(seconds, 1e-9)
 
-        def price(c: Candidate, k: int) -> float:  # verifying draft k+1 (the chunk grows from k+1 to k+2)
-            diff = coef @ (chunk_features(k + 2, c.context) - chunk_features(k + 1, c.context))
-            return max(float(diff), floor)
+            def price(c: Candidate, k: int) -> float:
+                return max(per_token, 1e-9)
+        else:
+            step = empty_step()
+            for n, p in base:
+                step += chunk_features(n, p)
+            seconds = max(float(coef @ step), 1e-9)
+            floor = max(float(coef[1]), 1e-9)  # one token through the linear layers
+
+            def price(c: Candidate, k: int) -> float:  # verifying draft k+1 (the chunk grows from k+1 to k+2)
+                diff = coef @ (chunk_features(k + 2, c.context) - chunk_features(k + 1, c.context))
+                return max(float(diff), floor)
 
         ks = [0] * len(cands)
         gains = [1.0] * len(cands)  # probability that all drafts chosen so far are kept

@@ -78,6 +78,10 @@ class Speculator:
                 s.relax(self.method.initial_acceptance, self.method.acceptance_ewma / 4)
         return out
 
+    def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
+        """A finished step in which every request decoded or verified drafts (prices verification)."""
+        self.policy.measured.observe(num_requests, num_tokens, seconds)
+
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         self._state(req).observe(drafted, accepted, self.method.acceptance_ewma)
         self.metrics.verified(drafted, accepted)
