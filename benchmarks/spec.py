@@ -88,7 +88,9 @@ def build_workloads(llm: LLM, batch: int) -> dict[str, list]:
     tok = llm.get_tokenizer()
 
     def chat(text: str) -> list[int]:
-        return tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True)
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+        return tok.encode(rendered, add_special_tokens=False)
 
     return {
         "code_edit": [{"prompt": code_edit_prompt(i)} for i in range(batch)],
