@@ -47,6 +47,9 @@ class DecodePrice:
 
     MIN_SPREAD = 0.25  # std of (tokens - requests) / requests the window needs before b is trusted
     EXPLORE_STEPS = 64
+    # after that, every this many steps verify whole proposals anyway: once the policy settles on k = 0
+    # the window would lose the spread the fit needs and its price would never be revised
+    EXPLORE_EVERY = 16
 
     def __init__(self, window: int = 128, refit_every: int = 8) -> None:
         self._rows: deque[tuple[float, float, float]] = deque(maxlen=window)
@@ -132,6 +135,7 @@ class DraftLengthPolicy:
         self.cost_model = cost_model
         self.adaptive = adaptive
         self.measured = DecodePrice()
+        self._steps = 0
 
     @staticmethod
     def accept_probs(rates: list[float], confidence: tuple[float, ...] | None, n: int) -> list[float]:
@@ -143,7 +147,8 @@ class DraftLengthPolicy:
     def choose(self, cands: list[Candidate], base: list[tuple[int, int]]) -> list[int]:
         """Draft tokens to verify per candidate. `base`: (new tokens, context) of the work already in the
         step (every decode, candidates included with one token each)."""
-        if not self.adaptive or self.measured.exploring:
+        self._steps += 1
+        if not self.adaptive or self.measured.exploring or self._steps % DecodePrice.EXPLORE_EVERY == 0:
             return [len(c.accept_probs) for c in cands]
         coef = self.cost_model.coef
         tokens = float(len(base))
