@@ -16,13 +16,14 @@ from deepinfer.config import (
     RouterConfig,
     SchedulerConfig,
     ServerConfig,
+    SpeculativeConfig,
     add_config_arguments,
     config_from_args,
     engine_config_from_args,
     parse_size,
 )
 
-ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, KVStoreConfig, ParallelConfig)
+ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, KVStoreConfig, ParallelConfig, SpeculativeConfig)
 
 
 def _sampling_arguments(p: argparse.ArgumentParser) -> None:

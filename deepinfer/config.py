@@ -191,6 +191,84 @@ class CacheConfig:
             raise ValueError(f"swa_replay_tokens must be >= 0, got {self.swa_replay_tokens}")
 
 
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "mtp")
+SPECULATIVE_IMPLEMENTED = ("ngram", "suffix")
+
+
+@dataclass(frozen=True)
+class SpeculativeMethod:
+    """One speculative decoding setup, the parsed form of `--speculative-config` (vLLM's JSON shape)."""
+
+    method: str  # ngram | suffix | draft_model | mtp
+    num_speculative_tokens: int  # K_MAX: the most draft tokens one request verifies per step
+    adaptive: bool = True  # choose k per request and step (engine/spec/policy.py); False: always the whole draft
+    prompt_lookup_min: int = 2  # ngram: shortest suffix looked up
+    prompt_lookup_max: int = 5  # ngram: longest suffix looked up
+    suffix_max_depth: int = 8  # suffix: longest context indexed
+    suffix_min_match: int = 2  # suffix: shortest context a draft may follow
+    suffix_min_confidence: float = 0.1  # suffix: stop drafting when the draft's joint confidence falls below
+    suffix_recent_requests: int = 0  # suffix: also index this many recently finished requests
+    acceptance_ewma: float = 0.3  # weight of the newest step in a request's acceptance estimate
+    initial_acceptance: float = 0.6  # a new request's acceptance estimate (and what an idle estimate drifts to)
+    model: str | None = None  # draft_model: the draft model's directory
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        if not isinstance(self.num_speculative_tokens, int) or not 1 <= self.num_speculative_tokens <= 64:
+            raise ValueError(f"num_speculative_tokens must be an integer in 1..64, got {self.num_speculative_tokens!r}")
+        if not 0 < self.acceptance_ewma <= 1:
+            raise ValueError(f"acceptance_ewma must be in (0, 1], got {self.acceptance_ewma}")
+        if not 0 <= self.initial_acceptance <= 1:
+            raise ValueError(f"initial_acceptance must be in [0, 1], got {self.initial_acceptance}")
+
+
+def parse_speculative(value: str | dict | SpeculativeMethod | None) -> SpeculativeMethod | None:
+    """`--speculative-config` JSON text, a dict (`LLM(speculative_config={...})`), or None / "" / "none"
+    (off) -> a `SpeculativeMethod`. Unknown keys are refused by name."""
+    if value is None or isinstance(value, SpeculativeMethod):
+        return value
+    if isinstance(value, str):
+        if value.strip().lower() in ("", "none", "off"):
+            return None
+        import json
+
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config is not valid JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(SpeculativeMethod)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"unknown speculative_config keys {unknown}; valid: {sorted(known)}")
+    if "method" not in value or "num_speculative_tokens" not in value:
+        raise ValueError("speculative_config needs \"method\" and \"num_speculative_tokens\"")
+    return SpeculativeMethod(**value)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (engine/spec/)."""
+
+    speculative_config: SpeculativeMethod | None = _f(
+        None,
+        'Speculative decoding, as JSON: {"method": "ngram" | "suffix" | "draft_model" | "mtp", '
+        '"num_speculative_tokens": K_MAX, "adaptive": true, ...} (vLLM\'s shape; other keys: prompt_lookup_min, '
+        "prompt_lookup_max, suffix_max_depth, suffix_min_match, suffix_min_confidence, suffix_recent_requests, "
+        "acceptance_ewma, initial_acceptance, model). adaptive = the draft length is chosen per request and "
+        "step from its acceptance rate and the cost model's price of verifying more tokens (down to 0 when "
+        "the batch is compute-bound); false = always the whole draft. draft_model and mtp are not "
+        "implemented yet. Default: off.",
+        parse=parse_speculative,
+    )
+
+    def __post_init__(self) -> None:
+        _parse_fields(self)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How requests share each engine step."""
@@ -363,6 +441,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -379,7 +458,14 @@ class EngineConfig:
             scheduler=SchedulerConfig(**parts["scheduler"]),
             kvstore=KVStoreConfig(**parts["kvstore"]),
             parallel=ParallelConfig(**parts["parallel"]),
+            speculative=SpeculativeConfig(**parts["speculative"]),
         )
+
+    def __post_init__(self) -> None:
+        if self.speculative.speculative_config is not None and self.parallel.expert_parallel_size > 1:
+            # each rank would speculate on its own, but the step protocol's forwards are not built for
+            # verification batches yet, and nothing tests the combination
+            raise ValueError("speculative_config does not combine with expert_parallel_size > 1 yet")
 
 
 @dataclass(frozen=True)
@@ -590,7 +676,8 @@ class RouterConfig:
 
 
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
-                              "kvstore": KVStoreConfig, "parallel": ParallelConfig}
+                              "kvstore": KVStoreConfig, "parallel": ParallelConfig,
+                              "speculative": SpeculativeConfig}
 
 
 # ---------------------------------------------------------------- CLI generation
@@ -650,4 +737,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         scheduler=config_from_args(SchedulerConfig, args),
         kvstore=config_from_args(KVStoreConfig, args),
         parallel=config_from_args(ParallelConfig, args),
+        speculative=config_from_args(SpeculativeConfig, args),
     )

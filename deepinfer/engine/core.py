@@ -27,6 +27,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.runner import ModelRunner, StepResult
 from deepinfer.engine.sampler import TokenLogprobs
 from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
+from deepinfer.engine.spec import Speculator
 from deepinfer.kvcache.engine_tiers import KVTiers, resolve_retention
 from deepinfer.kvcache.manager import KVCacheManager
 from deepinfer.weights import resolve_model
@@ -43,9 +44,12 @@ class InFlightStep:
 
 @dataclass
 class CoreOutput:
+    """What one step appended to a request: usually one token; with speculative decoding, the kept drafts
+    and the target's token (cut at a stop condition). `logprobs`: one per token, if the request asked."""
+
     request: Request
-    new_token_id: int | None
-    logprobs: TokenLogprobs | None
+    new_token_ids: list[int]
+    logprobs: list[TokenLogprobs] | None
 
 
 class EngineCore:
@@ -97,7 +101,8 @@ class EngineCore:
             logger.info("KV tiers off: this model has window layers and bounded replay is off, or no layer kept "
                         "for the whole sequence (the tiers hold those only; the device prefix cache still serves it)")
         self.kv.attach_tiers(self.tiers)
-        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model)
+        self.speculator = self._speculator()
+        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model, self.speculator)
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
                     bs, self.runner.kv_cache_bytes / 2**20)
         logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)
@@ -108,6 +113,19 @@ class EngineCore:
         self.idle_gap_last = 0.0
         self.num_idle_gaps = 0
         self.num_steps_ahead = 0  # steps prepared with inputs the still-running step was sampling
+
+    def _speculator(self) -> Speculator | None:
+        method = self.config.speculative.speculative_config
+        if method is None:
+            return None
+        if self.runner.custom_kv:
+            # DeepSeek-V4 writes compressed entries (and the indexer's keys) when a position completes a
+            # compression group, from the compressor rows of that group: a verification step that ran
+            # rejected drafts through a group's last position would leave an entry computed from them, and
+            # that state is not rolled back yet. Refused rather than silently inexact.
+            raise ValueError(f"speculative decoding is not supported for {type(self.runner.model).__name__} yet: "
+                             "its compressed KV state cannot be rolled back past rejected draft tokens")
+        return Speculator(method, self.cost_model)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
@@ -217,10 +235,24 @@ class EngineCore:
             self.idle_gap_last = gap
             self.num_idle_gaps += 1
         self.cost_model.observe(StepWork.from_output(plan), result.seconds)
+        if self.speculator is not None and all(
+                item.draft_token_ids or item.start + item.num_new_tokens == item.request.num_tokens
+                for item in plan.scheduled) and all(
+                item.num_new_tokens == 1 or item.draft_token_ids for item in plan.scheduled):
+            self.speculator.observe_step(len(plan.scheduled), plan.num_tokens, result.seconds)
         for item in plan.scheduled:  # their KV is now written: what a KV exporter may read
-            item.request.num_kv_done_tokens = item.start + item.num_new_tokens
-        advanced = self.scheduler.update(plan, result.sampled)
+            kept = len(result.accepted.get(item.request.request_id, ())) if item.draft_token_ids else item.num_new_tokens - 1
+            item.request.num_kv_done_tokens = item.start + 1 + kept
+        before = {item.request.request_id: len(item.request.token_ids) for item in plan.scheduled}
+        advanced = self.scheduler.update(plan, result.sampled, result.accepted)
         self.num_steps += 1
         # a gap counts only between steps that follow each other while work is pending
         self._last_run_ended = result.run_ended if self.scheduler.has_unfinished() else None
-        return [CoreOutput(r, result.sampled[r.request_id], result.logprobs.get(r.request_id)) for r in advanced]
+        outputs = []
+        for r in advanced:
+            rid = r.request_id
+            new = r.token_ids[before[rid]:]
+            lp = result.logprobs.get(rid)
+            lps = None if lp is None else [*result.accepted_logprobs.get(rid, []), lp][:len(new)]
+            outputs.append(CoreOutput(r, new, lps))
+        return outputs

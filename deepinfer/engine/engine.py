@@ -88,6 +88,11 @@ class LLMEngine:
         self.overlap = mode == "on" or (mode == "auto" and self.core.runner.device.type == "cuda")
         # the expert-parallel step protocol and EPLB's switches run between steps on this thread
         self.overlap = self.overlap and self.expert_parallel is None
+        if self.overlap and self.core.speculator is not None:
+            # a step scheduled ahead would have to propose drafts after a token it does not know yet
+            if mode == "on":
+                raise ValueError("overlap_host_work=on does not combine with speculative decoding yet")
+            self.overlap = False
         self._inflight: InFlightStep | None = None
         self.grammars = GrammarCache(self._grammar_backend)
         self._kv_streams: dict[str, list] = {}  # stream_kv requests: id -> [Request, blocks exported]
@@ -270,6 +275,7 @@ class LLMEngine:
             "step_idle_gaps": self.core.num_idle_gaps,
             **self.core.cost_model.stats(sched.step_time_budget),
             **({"eplb": self.expert_parallel.stats()} if self.expert_parallel is not None else {}),
+            **(self.core.speculator.stats() if self.core.speculator is not None else {}),
         }
 
     def _queued_prefill_seconds(self) -> float:
@@ -318,7 +324,7 @@ class LLMEngine:
                 self._inflight = core.launch(ahead=inflight)
                 outputs = core.complete(inflight, next_step=self._inflight)
         # requests the scheduler ended without a token (a grammar that failed to compile)
-        outputs += [CoreOutput(r, None, None) for r in core.scheduler.take_failed()]
+        outputs += [CoreOutput(r, [], None) for r in core.scheduler.take_failed()]
         if not outputs and self._inflight is None:
             self._wait_idle()
         deltas = []
@@ -328,7 +334,7 @@ class LLMEngine:
             request_id = self._seq_request.get(req.request_id)
             if request_id is None:
                 continue
-            deltas.append(self._delta(request_id, req, out.new_token_id, out.logprobs))
+            deltas.append(self._delta(request_id, req, out.new_token_ids, out.logprobs))
             if req.finished:
                 ended.append(request_id)
         if self._kv_streams:
@@ -341,14 +347,15 @@ class LLMEngine:
                 self._forget(request_id)
         return deltas
 
-    def _delta(self, request_id: str, req: Request, token: int | None, logprobs) -> TokenDelta:
+    def _delta(self, request_id: str, req: Request, tokens: list[int] | None, logprobs) -> TokenDelta:
         first = self._seqs[request_id][0]  # cache facts are the first sequence's (its siblings share its prompt)
-        d = TokenDelta(req.request_id, [token] if token is not None else [],
-                       [logprobs] if logprobs is not None and token is not None else None,
+        d = TokenDelta(req.request_id, list(tokens or []), list(logprobs) if logprobs and tokens else None,
                        req.finish_reason, req.stop_reason, req.error,
                        (first.num_cached_tokens, first.num_cached_device, first.num_cached_host,
                         first.num_cached_store, first.num_replayed_tokens) if first.num_cached_tokens >= 0 else None,
                        first.first_scheduled_time)
+        if req.spec is not None:
+            d.spec = (req.spec.num_steps, req.spec.num_draft_tokens, req.spec.num_accepted_tokens)
         if request_id in self._prompt_logprobs_due:
             lps = first.prompt_logprobs
             if lps is not None and all(lp is not None for lp in lps[1:]):

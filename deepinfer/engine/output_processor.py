@@ -64,7 +64,7 @@ class _Sequence:
 
 class _Request:
     __slots__ = ("request_id", "prompt", "prompt_ids", "params", "seqs", "stream", "arrival", "first_token",
-                 "first_scheduled", "num_cached", "prompt_logprobs", "kv_blocks")
+                 "first_scheduled", "num_cached", "prompt_logprobs", "kv_blocks", "spec")
 
     def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
                  seqs: list[_Sequence], stream: bool) -> None:
@@ -80,6 +80,7 @@ class _Request:
         self.num_cached: tuple[int, int, int, int, int] | None = None
         self.prompt_logprobs: list[dict[int, Logprob] | None] | None = None
         self.kv_blocks: list | None = None
+        self.spec: dict[str, tuple[int, int, int]] = {}  # speculative decoding totals per sequence
 
     @property
     def finished(self) -> bool:
@@ -171,7 +172,10 @@ class OutputProcessor:
         if d.prompt_logprobs is not None and req.prompt_logprobs is None:
             req.prompt_logprobs = [None] + [self._entry(tid, lp) for tid, lp in
                                             zip(req.prompt_ids[1:], d.prompt_logprobs[1:], strict=True)]
+        if d.spec is not None:
+            req.spec[d.seq_id] = d.spec
         tokens = d.new_token_ids
+        lps = d.new_logprobs
         if tokens:
             if req.first_token is None:
                 req.first_token = time.monotonic()
@@ -189,8 +193,13 @@ class OutputProcessor:
                     seq.finish_reason, seq.stop_reason = "stop", stop
                     if d.finish_reason is None:  # the engine still runs it: one finish, which frees it
                         self.finish(d.seq_id, stop)
-            if seq.logprobs is not None and d.new_logprobs is not None:
-                for token, lp in zip(tokens, d.new_logprobs, strict=True):
+                    if k < last:  # a step that emitted several tokens (speculative decoding): none after it
+                        del seq.token_ids[len(seq.token_ids) - (last - k):]
+                        tokens = tokens[:k + 1]
+                        lps = lps[:k + 1] if lps is not None else None
+                    break
+            if seq.logprobs is not None and lps is not None:
+                for token, lp in zip(tokens, lps, strict=True):
                     seq.logprobs.append(self._entry(token, lp))
                     seq.cumulative_logprob += lp.logprob
         if seq.finish_reason is None and d.finish_reason is not None:
@@ -229,5 +238,15 @@ class OutputProcessor:
             finished=finished, num_cached_tokens=max(cached[0], 0),
             num_cached_tokens_by_tier=dict(zip(TIERS, cached[1:4], strict=True)), num_replayed_tokens=cached[4],
             metrics={"arrival": req.arrival, "first_token": req.first_token, "now": time.monotonic(),
-                     "first_scheduled": req.first_scheduled},
+                     "first_scheduled": req.first_scheduled, **_spec_metrics(req.spec)},
             prompt_logprobs=req.prompt_logprobs, kv_blocks=kv_blocks)
+
+
+def _spec_metrics(per_seq: dict[str, tuple[int, int, int]]) -> dict[str, float]:
+    """A request's speculative decoding totals (its sequences summed), as `RequestOutput.metrics` entries."""
+    if not per_seq:
+        return {}
+    steps, drafted, accepted = (sum(v[i] for v in per_seq.values()) for i in range(3))
+    return {"spec_verifications": steps, "spec_draft_tokens": drafted, "spec_accepted_tokens": accepted,
+            "spec_acceptance_rate": accepted / drafted if drafted else 0.0,
+            "spec_mean_accepted_length": (accepted + steps) / steps if steps else 0.0}

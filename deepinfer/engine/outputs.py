@@ -73,3 +73,5 @@ class TokenDelta:
     first_scheduled: float | None = None  # time.monotonic() of its first step
     prompt_logprobs: list | None = None  # TokenLogprobs per prompt token (None for the first), once, when complete
     kv_blocks: list | None = None  # stream_kv: (block hash, bytes) computed since the previous delta
+    # speculative decoding, the sequence's totals so far: (verification steps, draft tokens, accepted tokens)
+    spec: tuple[int, int, int] | None = None

@@ -10,12 +10,15 @@ from __future__ import annotations
 
 import enum
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
 from deepinfer.engine.grammar import RequestGrammar
 from deepinfer.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from deepinfer.engine.spec.policy import AcceptanceStats
 
 
 class PendingLoad(NamedTuple):
@@ -94,6 +97,7 @@ class Request:
         # position i - 1 (a recompute after preemption writes the same entries again); entry 0 stays None
         self.prompt_logprobs: list | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
+        self.spec: AcceptanceStats | None = None  # speculative decoding: acceptance estimate and totals
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -7,6 +7,13 @@ touches no scheduler state, so it can run on its own thread while the host sched
 and post-processes). A step may be prepared before the previous one has produced its
 tokens: those inputs are placeholders that `run` fills from the previous run's samples.
 `execute` is both halves, in order.
+
+Speculative decoding: a scheduled request with draft tokens runs its last token and the drafts; for
+attention each of those rows is a decode of its own (same block table, context one longer per row: the
+step writes every row's K/V before attending, so row j sees rows < j), which keeps verification on the
+batched decode kernels (per-request prefill attention measured ~10x slower at batch 8). All its rows'
+logits are kept (after the plainly sampled rows) and `spec.verify` decides per
+request which drafts the target keeps and which token follows them (`StepResult.accepted`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from deepinfer.engine.expert_parallel import ExpertParallel
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
 from deepinfer.engine.scheduler import SchedulerOutput
+from deepinfer.engine.spec.verify import verify
 from deepinfer.kvcache.blocks import TierBlocks, layout_of
 from deepinfer.kvcache.manager import whole_sequence
 from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
@@ -34,6 +42,11 @@ from deepinfer.models import build_model
 from deepinfer.weights import ModelFiles
 
 logger = logging.getLogger(__name__)
+
+
+def _attention_rows(item) -> int:
+    """Attention sequences a scheduled item is: one, or one per token when it verifies drafts."""
+    return item.num_new_tokens if item.draft_token_ids else 1
 
 
 def _window(spec: KVSpec) -> int | None:
@@ -80,6 +93,10 @@ class StepResult:
     seconds: float  # prepare + run
     run_started: float = 0.0  # time.perf_counter() at the start and end of `run`
     run_ended: float = 0.0
+    # speculative decoding: per request that verified drafts, the drafts kept (before `sampled`'s token)
+    # and their logprobs (when the request asked for logprobs)
+    accepted: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
 
 
 @dataclass
@@ -102,6 +119,10 @@ class PreparedStep:
     # prompt logprobs: (request, prompt index, prompt token) per logits row after the sampled rows; the
     # row is the position before that index, whose logits predict the token there
     prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+    # speculative decoding: (request, its first row among the verify rows, drafts); its 1 + len(drafts)
+    # logits rows follow the sampled rows
+    verify_items: list[tuple[Request, int, list[int]]] = field(default_factory=list)
+    num_verify_rows: int = 0
 
 
 class ModelRunner:
@@ -311,11 +332,15 @@ class ModelRunner:
         prompt_rows: list[tuple[Request, int, int]] = []
         prompt_logits_rows: list[int] = []
         pending: list[tuple[int, str]] = []
+        verify_rows: list[int] = []
+        verify_items: list[tuple[Request, int, list[int]]] = []
         num_decodes = 0
         for item in step.scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
             end = start + n
             known = req.token_ids[start:end]
+            if item.draft_token_ids:  # the last known token, then the drafts to verify
+                known = req.token_ids[start:start + 1] + item.draft_token_ids
             if req.prompt_logprobs is not None:
                 # positions start .. end-1 predict tokens start+1 .. end: those still inside the prompt
                 for pos in range(start, min(end, req.num_prompt_tokens - 1)):
@@ -325,11 +350,19 @@ class ModelRunner:
             if len(known) < n:  # the last token is still being sampled by the step before this one
                 pending.append((len(tokens), req.request_id))
                 tokens.append(0)
-            num_decodes += n == 1
             positions.extend(range(start, end))
-            query_lens.append(n)
-            context_lens.append(end)
-            if end == req.num_tokens:
+            if item.draft_token_ids:  # one decode row per token (see the module docstring)
+                num_decodes += n
+                query_lens.extend([1] * n)
+                context_lens.extend(range(start + 1, end + 1))
+            else:
+                num_decodes += n == 1
+                query_lens.append(n)
+                context_lens.append(end)
+            if item.draft_token_ids:
+                verify_items.append((req, len(verify_rows), item.draft_token_ids))
+                verify_rows.extend(range(len(tokens) - n, len(tokens)))
+            elif end == req.num_tokens:
                 logits_rows.append(len(tokens) - 1)
                 sample_reqs.append(req)
         metas = []
@@ -348,14 +381,16 @@ class ModelRunner:
                                                       strict=True):
                 tables, slot_mapping = self._slots(step, by_request, replay_base)
                 window = _window(group.spec)
-                floors = [item.request.kv_floor for item in step.scheduled] if window is not None else None
+                floors = [item.request.kv_floor for item in step.scheduled
+                          for _ in range(_attention_rows(item))] if window is not None else None
                 metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
                                                                  slot_mapping, bs, window, floors)))
         dev = self.device
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
-            metas, torch.tensor(logits_rows + prompt_logits_rows, dtype=torch.long, device=dev),
-            sample_reqs, len(tokens), time.perf_counter() - started, pending, prompt_rows=prompt_rows)
+            metas, torch.tensor(logits_rows + verify_rows + prompt_logits_rows, dtype=torch.long, device=dev),
+            sample_reqs, len(tokens), time.perf_counter() - started, pending, prompt_rows=prompt_rows,
+            verify_items=verify_items, num_verify_rows=len(verify_rows))
 
     def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]],
                replay_base: int | None = None) -> tuple[list[list[int]], torch.Tensor]:
@@ -378,7 +413,7 @@ class ModelRunner:
                 if start < replay_end:
                     block_starts = torch.where(pos < replay_end, replay_base, block_starts)
                 slots.append(block_starts + pos % bs)
-            tables.append(table)
+            tables.extend([table] * _attention_rows(item))
         slot_mapping = torch.cat([s if isinstance(s, torch.Tensor) else torch.tensor([s]) for s in slots])
         return tables, slot_mapping.to(self.device)
 
@@ -390,11 +425,12 @@ class ModelRunner:
         for row, request_id in step.pending_tokens:
             step.input_ids[row] = self._last_sampled[request_id]
         num_sampled = len(step.sample_reqs)
+        num_scored = num_sampled + step.num_verify_rows
         hidden = None
         if step.prompt_rows:  # the sampled rows' logits now, the prompt rows' chunk by chunk below
             hidden = self.model.hidden_states(step.input_ids, step.positions, self.kv_caches, step.metas,
                                               step.logits_indices)
-            logits = self.model.compute_logits(hidden[:num_sampled])
+            logits = self.model.compute_logits(hidden[:num_scored])
         else:
             logits = self.model(step.input_ids, step.positions, self.kv_caches, step.metas, step.logits_indices)
         sampled: dict[str, int] = {}
@@ -402,16 +438,27 @@ class ModelRunner:
         if step.ready is not None:
             step.ready.wait()
         if hidden is not None:
-            self._prompt_logprobs(hidden[num_sampled:], step.prompt_rows)
+            self._prompt_logprobs(hidden[num_scored:], step.prompt_rows)
         if step.sample_reqs:
-            out = self.sampler(logits.cpu(), step.sample_reqs)
+            out = self.sampler(logits[:num_sampled].cpu(), step.sample_reqs)
             for req, tok, lp in zip(step.sample_reqs, out.token_ids, out.logprobs, strict=True):
                 sampled[req.request_id] = tok
                 if lp is not None:
                     logprobs[req.request_id] = lp
+        accepted: dict[str, list[int]] = {}
+        accepted_logprobs: dict[str, list[TokenLogprobs]] = {}
+        if step.verify_items:
+            verdicts = verify(self.sampler, logits[num_sampled:num_scored].cpu(), step.verify_items)
+            for (req, _, _), v in zip(step.verify_items, verdicts, strict=True):
+                sampled[req.request_id] = v.token
+                accepted[req.request_id] = v.accepted
+                if v.logprobs is not None:
+                    logprobs[req.request_id] = v.logprobs[-1]
+                    accepted_logprobs[req.request_id] = v.logprobs[:-1]
         ended = time.perf_counter()
         self._last_sampled = sampled
-        return StepResult(sampled, logprobs, step.num_tokens, step.prepare_seconds + ended - started, started, ended)
+        return StepResult(sampled, logprobs, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
+                          accepted, accepted_logprobs)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
         """The prompt logprobs of `rows` from their final hidden states, `prompt_logprobs_chunk` rows at a

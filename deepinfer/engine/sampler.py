@@ -43,11 +43,7 @@ class Sampler:
         logits = logits.float()
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
-        logits = self._apply_penalties(logits, reqs)
-        logits = self._apply_logit_bias(logits, reqs)
-        logits = self._apply_min_tokens(logits, reqs)
-        self._apply_grammar(logits, reqs)
-        token_ids = self._choose(logits, reqs)
+        token_ids = self._choose(self.process(logits, reqs), reqs)
         tokens = torch.tensor(token_ids, dtype=torch.long)
         logprobs: list[TokenLogprobs | None] = [None] * len(reqs)
         if raw_logprobs is not None:
@@ -61,6 +57,33 @@ class Sampler:
                                             list(zip(top_ids[j, :kk].tolist(), top_vals[j, :kk].tolist(),
                                                      strict=True)))
         return SamplerOutput(token_ids, logprobs)
+
+    def process(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Penalties, logit bias, min_tokens and grammar masks: the logits the tokens are chosen from
+        (float32; may be `logits` itself, changed in place by the grammar mask)."""
+        logits = self._apply_penalties(logits, reqs)
+        logits = self._apply_logit_bias(logits, reqs)
+        logits = self._apply_min_tokens(logits, reqs)
+        self._apply_grammar(logits, reqs)
+        return logits
+
+    def greedy(self, logits: torch.Tensor) -> list[int]:
+        """Each row's argmax (the kernel `_choose` uses, so ties break the same way)."""
+        return argmax_rows(logits).tolist()
+
+    def target_probs(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """The distribution `_choose` samples random rows from, over the whole vocabulary: softmax at the
+        row's temperature, then min-p / top-k / top-p, renormalised. (For speculative verification.)"""
+        temp = torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32).unsqueeze(1)
+        probs = torch.softmax(logits / temp, dim=-1)
+        if any(_needs_filter(r) for r in reqs):
+            weights, ids = self._filter(probs, reqs)
+            probs = torch.zeros_like(probs).scatter_(1, ids, weights) if ids is not None else weights
+        return probs / probs.sum(dim=-1, keepdim=True)
+
+    def uniforms(self, reqs: list[Request]) -> torch.Tensor:
+        """One uniform in [0, 1) per request (seeded requests from their own generator)."""
+        return self._uniforms(reqs)
 
     # ------------------------------------------------------------------ steps
 

@@ -15,6 +15,11 @@ prefix reaches into the store waits (skipped, not blocking the queue) while thos
 the background (`kvcache/prefetch.py`); every step starts the reads of all waiting requests, so a request
 deep in the queue is staged by the time its turn comes.
 
+Speculative decoding (`spec/`, optional): a decoding request may be scheduled with 1 + k tokens, its
+last token and k draft tokens from the `Speculator`, when its blocks fit without preempting anyone (else
+it decodes one token); `update` appends the tokens the runner's verification kept, rewinds
+`num_computed_tokens` to them and frees the blocks only rejected positions used (`KVCacheManager.truncate`).
+
 Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
 whose grammar failed is finished with `Request.error` and reported through `take_failed`. `update`
 advances a request's grammar matcher once per appended token, and the grammar's termination ends it.
@@ -25,6 +30,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from deepinfer.config import SchedulerConfig
 from deepinfer.engine.cost_model import CostModel
@@ -38,6 +44,9 @@ from deepinfer.engine.policies import (
 from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.kvcache.manager import KVCacheManager, PrefixHit
 
+if TYPE_CHECKING:
+    from deepinfer.engine.spec.speculator import Speculator
+
 __all__ = ["ComputeBudgetPolicy", "PrefillPolicy", "ScheduledRequest", "Scheduler", "SchedulerOutput",
            "TokenBudgetPolicy"]
 
@@ -47,6 +56,8 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start: int  # num_computed_tokens when scheduled
+    # speculative decoding: draft tokens verified after the request's last token (num_new_tokens = 1 + k)
+    draft_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -66,9 +77,10 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
-                 policy: PrefillPolicy | None = None, cost_model: CostModel | None = None) -> None:
+                 policy: PrefillPolicy | None = None, cost_model: CostModel | None = None,
+                 speculator: Speculator | None = None) -> None:
         """`policy` defaults to the one `config.scheduler` names, built on `cost_model` (default: an
-        uncalibrated CostModel)."""
+        uncalibrated CostModel); `speculator`: speculative decoding (None: off)."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -81,6 +93,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.failed: list[Request] = []  # ended by the engine with `Request.error`, not yet reported
+        self.speculator = speculator
 
     # ------------------------------------------------------------------ queue
 
@@ -124,14 +137,26 @@ class Scheduler:
         prefill_chunks: list[ScheduledRequest] = []
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not self._ends_pending(r)]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
+        drafts = self.speculator.propose(decodes, self.max_model_len) if self.speculator is not None else {}
+        verifying: list[ScheduledRequest] = []
         for req in decodes:  # oldest first; never held back by the time budget
             if budget == 0:
                 break
-            if req.status is RequestStatus.RUNNING and self._allocate_running(req, 1, out, scheduled_ids):
-                out.scheduled.append(ScheduledRequest(req, 1, req.num_computed_tokens))
-                scheduled_ids.add(req.request_id)
-                policy.add_work(1, req.num_computed_tokens)
-                budget -= 1
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            draft = drafts.get(req.request_id, [])[:budget - 1]
+            # drafts only where their blocks fit as they are: speculation never preempts anyone
+            if draft and self.kv.allocate(req, 1 + len(draft)):
+                item = ScheduledRequest(req, 1 + len(draft), req.num_computed_tokens, draft)
+                verifying.append(item)  # after every one-token row: the attention backend wants decodes first
+            elif self._allocate_running(req, 1, out, scheduled_ids):
+                item = ScheduledRequest(req, 1, req.num_computed_tokens)
+                out.scheduled.append(item)
+            else:
+                continue
+            scheduled_ids.add(req.request_id)
+            policy.add_work(item.num_new_tokens, req.num_computed_tokens)
+            budget -= item.num_new_tokens
         admitting = not out.preempted
         computing = self._blocks_in_prefill(prefills) if self.waiting else set()  # only waiting prompts ask
         for req in policy.prefill_order(prefills, self.waiting, self._estimated_start):
@@ -179,6 +204,7 @@ class Scheduler:
         # single-token work (decodes, 1-token prompt tails) first, then multi-token chunks
         ones = [s for s in prefill_chunks if s.num_new_tokens == 1]
         out.scheduled.extend(ones)
+        out.scheduled.extend(verifying)
         out.scheduled.extend(s for s in prefill_chunks if s.num_new_tokens != 1)
         return out
 
@@ -265,15 +291,18 @@ class Scheduler:
         for item in out.scheduled:
             req = item.request
             end = item.start + item.num_new_tokens
-            if end == req.num_tokens:
+            if end == req.num_tokens or item.draft_token_ids:
                 req.num_pending_tokens += 1
-            req.num_computed_tokens = end
+            req.num_computed_tokens = end  # verified drafts: rewound to the kept ones by `update`
 
-    def update(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update(self, out: SchedulerOutput, sampled: dict[str, int],
+               accepted: dict[str, list[int]] | None = None) -> list[Request]:
         """Apply a finished (committed) step: append sampled tokens, publish computed blocks, finish
         requests that hit a stop condition. Returns the requests that got a new token. Requests
         finished while it ran are skipped; one preempted by a step scheduled ahead of this result
-        still gets its token (it was sampled from valid KV), so output never depends on timing."""
+        still gets its token (it was sampled from valid KV), so output never depends on timing.
+        `accepted`: per request that verified drafts, the drafts kept (appended before its sampled
+        token; a stop condition met by one of them ends the request there)."""
         if not out.committed:  # schedule() -> update() with nothing in between (the step ran inline)
             self.commit(out)
         advanced = []
@@ -282,26 +311,45 @@ class Scheduler:
             token = sampled.get(req.request_id)
             if token is not None:
                 req.num_pending_tokens = max(0, req.num_pending_tokens - 1)
+            kept: list[int] = []
+            if item.draft_token_ids:
+                kept = (accepted or {}).get(req.request_id, []) if token is not None else []
+                if self.speculator is not None and token is not None:
+                    self.speculator.verified(req, len(item.draft_token_ids), len(kept))
+                if req.status is RequestStatus.RUNNING and not req.finished:
+                    # KV is valid for the last token and the kept drafts only: roll the rest back
+                    req.num_computed_tokens = item.start + 1 + len(kept)
+                    self.kv.truncate(req, req.num_computed_tokens)
             if req.finished:
                 continue  # aborted (or stopped by a stop string) while the step ran
-            if req.status is RequestStatus.RUNNING:
+            if req.status is RequestStatus.RUNNING and not kept:
                 self.kv.register_computed(req)
             if token is None:
                 continue
-            req.token_ids.append(token)
             advanced.append(req)
-            status = self._stop_status(req, token)
-            if req.grammar is not None:
-                # the one place a structured request's matcher advances: once per appended token
-                if not req.grammar.accept(token):
-                    # only when no token satisfied both the grammar and another rule (e.g. min_tokens)
-                    req.error = f"token {token} violates the request's grammar; no allowed token was left"
-                    status = RequestStatus.FINISHED_ABORTED
-                elif status is None and req.grammar.terminated:
-                    status = RequestStatus.FINISHED_STOPPED
-            if status is not None:
-                self._finish(req, status)
+            for t in [*kept, token]:
+                req.token_ids.append(t)
+                if self._append_ends(req, t):
+                    break
+            if kept and req.status is RequestStatus.RUNNING:
+                self.kv.register_computed(req)  # after appending: the kept drafts' blocks are named by them
         return advanced
+
+    def _append_ends(self, req: Request, token: int) -> bool:
+        """Stop checks and grammar for a token just appended; finishes `req` and returns True if it ends it."""
+        status = self._stop_status(req, token)
+        if req.grammar is not None:
+            # the one place a structured request's matcher advances: once per appended token
+            if not req.grammar.accept(token):
+                # only when no token satisfied both the grammar and another rule (e.g. min_tokens)
+                req.error = f"token {token} violates the request's grammar; no allowed token was left"
+                status = RequestStatus.FINISHED_ABORTED
+            elif status is None and req.grammar.terminated:
+                status = RequestStatus.FINISHED_STOPPED
+        if status is not None:
+            self._finish(req, status)
+            return True
+        return False
 
     def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
         if req.num_output_tokens >= req.params.min_tokens:
@@ -324,6 +372,8 @@ class Scheduler:
             self._finish(req, status)
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
+        if self.speculator is not None:
+            self.speculator.finished(req)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.kv.free(req)

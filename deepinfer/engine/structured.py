@@ -91,6 +91,10 @@ class GrammarMatcher(ABC):
     def is_terminated(self) -> bool:
         """True once the grammar has accepted a stop token: the output is complete."""
 
+    @abstractmethod
+    def rollback(self, num_tokens: int) -> None:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding tries drafts on the matcher)."""
+
 
 class GrammarBackend(ABC):
     """A grammar library behind one interface.
@@ -136,6 +140,9 @@ class _XGrammarMatcher(GrammarMatcher):
 
     def is_terminated(self) -> bool:
         return bool(self.inner.is_terminated())
+
+    def rollback(self, num_tokens: int) -> None:
+        self.inner.rollback(num_tokens)  # matchers are built with unlimited rollback (xgrammar's default)
 
 
 class XGrammarBackend(GrammarBackend):

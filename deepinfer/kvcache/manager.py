@@ -414,6 +414,21 @@ class KVCacheManager:
                 table.extend(g.pool.allocate(need))
         return True
 
+    def truncate(self, req: Request, num_tokens: int) -> None:
+        """Release the blocks past the first `num_tokens` positions of every group (speculative decoding:
+        positions allocated for draft tokens the target rejected). Blocks below stay as they are, so a
+        sliding window keeps every entry its next query needs; registered (cached) blocks are never past
+        the computed tokens, so none is released here while still named."""
+        bs = self.block_size
+        for g in self.groups:
+            table = g.tables.get(req.request_id)
+            if table is None:
+                continue
+            keep = g.spec.num_blocks(num_tokens, bs)
+            if len(table) > keep:
+                g.pool.release([b for b in reversed(table[keep:]) if b != NO_BLOCK])
+                del table[keep:]
+
     def admit(self, req: Request, hit: PrefixHit) -> None:
         """`req` was allocated with `hit`: on its first admission, count its cached prompt tokens (tier
         hits provisionally, until `load_pending` knows what loaded); queue the load of its tier hits."""

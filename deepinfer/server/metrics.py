@@ -13,7 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 from deepinfer.engine.cost_model import TERMS
 
@@ -88,6 +88,8 @@ class _EngineCollector:
         yield coef
         if "eplb" in s:
             yield from _expert_metrics(s["eplb"], self.model_name, gauge, counter)
+        if "spec_proposer" in s:
+            yield from _spec_metrics(s, self.model_name)
 
 
 def _expert_metrics(e: dict, model: str, gauge: Callable[[str, str, float], GaugeMetricFamily],
@@ -117,6 +119,44 @@ def _expert_metrics(e: dict, model: str, gauge: Callable[[str, str, float], Gaug
         for expert, n in enumerate(row):
             replicas.add_metric([model, str(layer), str(expert)], n)
     yield replicas
+
+
+def _spec_metrics(s: dict, model_name: str) -> Iterator[Any]:
+    """Speculative decoding, labelled by proposer: counters, acceptance rate, mean accepted length, and the
+    histogram of the draft length chosen per decoding request-step (k = 0: no drafts verified)."""
+    labels = ["model_name", "proposer"]
+    values = [model_name, str(s["spec_proposer"])]
+    for name, key, doc in (("spec_decode_verifications", "spec_verifications",
+                            "Request-steps that verified at least one draft token."),
+                           ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
+                           ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."),
+                           ("spec_decode_num_emitted_tokens", "spec_emitted_tokens",
+                            "Tokens emitted by verifications (accepted drafts + the target's token).")):
+        c = CounterMetricFamily(f"deepinfer:{name}", doc, labels=labels)
+        c.add_metric(values, s[key])
+        yield c
+    for name, key, doc in (("spec_decode_acceptance_rate", "spec_acceptance_rate",
+                            "Accepted / verified draft tokens since start."),
+                           ("spec_decode_mean_accepted_length", "spec_mean_accepted_length",
+                            "Mean tokens emitted per verification (accepted drafts + 1).")):
+        g = GaugeMetricFamily(f"deepinfer:{name}", doc, labels=labels)
+        g.add_metric(values, s[key])
+        yield g
+    counts = []
+    k = 0
+    while f"spec_k_chosen_{k}" in s:
+        counts.append(s[f"spec_k_chosen_{k}"])
+        k += 1
+    h = HistogramMetricFamily("deepinfer:spec_decode_draft_length", "Draft length chosen per decoding "
+                              "request-step (adaptive: per request and step; 0 = no drafts).", labels=labels)
+    total = 0
+    buckets = []
+    for k, n in enumerate(counts):
+        total += n
+        buckets.append((str(float(k)), total))
+    buckets.append(("+Inf", total))
+    h.add_metric(values, buckets, sum(k * n for k, n in enumerate(counts)))
+    yield h
 
 
 def _kv_tier_metrics(s: dict, gauge: Callable[[str, str, float], GaugeMetricFamily],

@@ -1,0 +1,178 @@
+"""Speculative decoding: no speculation vs a fixed draft length (k = 5) vs the adaptive draft length,
+side by side in one run, on three workloads at several batch sizes (default model).
+
+Workloads (greedy, so all three engines emit the same tokens; tok/s = generated tokens / wall time):
+  code_edit  few-shot "rename an identifier" completions: the output repeats most of the prompt's code
+  json       chat prompts asking to extract fields of a short text as JSON
+  chat       open chat questions (little repetition: speculation should cost nothing here)
+
+The three engines live in this process, built from one config that differs only in
+`speculative_config`; each (workload, batch) row runs every engine once per repeat, in an order that
+rotates between repeats (A/B interleaved: a load change on a shared machine hits all three), and the
+table reports medians over repeats and the ratios to no speculation.
+
+    HF_HUB_OFFLINE=1 python benchmarks/spec.py --batches 1 8 32 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from deepinfer import LLM, SamplingParams  # noqa: E402
+
+SNIPPETS = [
+    ("items", "products", '''def compute_total(items, tax_rate):
+    subtotal = 0
+    for item in items:
+        subtotal += item.price * item.quantity
+    tax = subtotal * tax_rate
+    return subtotal + tax
+'''),
+    ("user", "account", '''def describe(user):
+    name = user.first_name + " " + user.last_name
+    if user.is_admin:
+        return name + " (admin)"
+    return name + " <" + user.email + ">"
+'''),
+    ("values", "samples", '''def normalize(values):
+    low = min(values)
+    high = max(values)
+    span = high - low
+    if span == 0:
+        return [0.0 for v in values]
+    return [(v - low) / span for v in values]
+'''),
+    ("path", "filename", '''def read_lines(path):
+    lines = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                lines.append(line)
+    return lines
+'''),
+]
+EXAMPLE = ("count", "total", '''def add_all(numbers):
+    count = 0
+    for n in numbers:
+        count += n
+    return count
+''')
+TEXTS = [
+    "Maria Lopez is a 34-year-old architect who moved to Lisbon in 2019.",
+    "Born in 1990, Kenji Tanaka (now 35) works as a nurse in Osaka.",
+    "The new CFO, Priya Raman, 41, will relocate from Chennai to London next month.",
+    "Tom Becker, aged 58, has run a bakery in Hamburg for twenty years.",
+]
+QUESTIONS = [
+    "What are some good ways to stay focused while studying?",
+    "Explain why the sky is blue in simple terms.",
+    "Give me three ideas for a weekend trip with kids.",
+    "How do I start learning to play the guitar?",
+]
+
+
+def code_edit_prompt(i: int) -> str:
+    old, new, code = SNIPPETS[i % len(SNIPPETS)]
+    eo, en, ecode = EXAMPLE
+    return (f"# Original:\n{ecode}\n# The same code with `{eo}` renamed to `{en}`:\n{ecode.replace(eo, en)}\n"
+            f"# Original:\n{code}\n# The same code with `{old}` renamed to `{new}`:\n")
+
+
+def build_workloads(llm: LLM, batch: int) -> dict[str, list]:
+    tok = llm.get_tokenizer()
+
+    def chat(text: str) -> list[int]:
+        rendered = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                           tokenize=False)
+        return tok.encode(rendered, add_special_tokens=False)
+
+    return {
+        "code_edit": [{"prompt": code_edit_prompt(i)} for i in range(batch)],
+        "json": [{"prompt_token_ids": chat('Extract the person\'s name, age and city as JSON with keys "name", '
+                                           f'"age", "city".\n\nText: {TEXTS[i % len(TEXTS)]}')} for i in range(batch)],
+        "chat": [{"prompt_token_ids": chat(QUESTIONS[i % len(QUESTIONS)])} for i in range(batch)],
+    }
+
+
+def run_once(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, int, list]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    started = time.perf_counter()
+    outs = llm.generate(prompts, params)
+    wall = time.perf_counter() - started
+    tokens = sum(len(o.outputs[0].token_ids) for o in outs)
+    return tokens / wall, tokens, [list(o.outputs[0].token_ids) for o in outs]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default=None, help="default: the built-in GGUF")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--workloads", nargs="+", default=["code_edit", "json", "chat"])
+    ap.add_argument("--max-tokens", type=int, default=96)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
+    ap.add_argument("--k-max", type=int, default=8, help="adaptive: the longest draft it may choose")
+    args = ap.parse_args()
+
+    common = dict(kv_cache_memory="768MiB", max_num_seqs=max(args.batches))
+    configs = {
+        "none": None,
+        "k5": {"method": args.method, "num_speculative_tokens": 5, "adaptive": False},
+        "adaptive": {"method": args.method, "num_speculative_tokens": args.k_max, "adaptive": True},
+    }
+    engines = {name: LLM(args.model, speculative_config=cfg, **common) for name, cfg in configs.items()}
+    names = list(engines)
+    for llm in engines.values():  # warm-up (kernels, caches) outside the measurement
+        run_once(llm, ["Hello"], 4)
+    rows = []
+    for workload in args.workloads:
+        for batch in args.batches:
+            prompts = build_workloads(engines["none"], batch)[workload]
+            rates: dict[str, list[float]] = {n: [] for n in names}
+            accept: dict[str, list[float]] = {n: [] for n in names}
+            ref = None
+            for rep in range(args.repeats):
+                order = names[rep % len(names):] + names[:rep % len(names)]
+                for name in order:
+                    llm = engines[name]
+                    before = llm.engine.stats()
+                    rate, _, outs = run_once(llm, [p for p in prompts], args.max_tokens)
+                    after = llm.engine.stats()
+                    rates[name].append(rate)
+                    if "spec_draft_tokens" in after:
+                        d = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+                        a = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+                        accept[name].append(a / d if d else 0.0)
+                    if ref is None:
+                        ref = outs
+                    elif outs != ref:
+                        print(f"  note: {name} output differs from the first run's on {workload} x{batch} "
+                              "(floating-point batch-shape effects)")
+            med = {n: statistics.median(rates[n]) for n in names}
+            row = (workload, batch, med["none"], med["k5"], med["adaptive"], med["k5"] / med["none"],
+                   med["adaptive"] / med["none"], med["adaptive"] / med["k5"],
+                   statistics.median(accept["k5"]) if accept["k5"] else 0.0,
+                   statistics.median(accept["adaptive"]) if accept["adaptive"] else 0.0)
+            rows.append(row)
+            print("{:<10} b={:<3} none {:7.1f}  k5 {:7.1f}  adaptive {:7.1f} tok/s | k5/none {:.2f}  "
+                  "adaptive/none {:.2f}  adaptive/k5 {:.2f} | accept k5 {:.2f} adaptive {:.2f}".format(*row),
+                  flush=True)
+    print(f"\nmethod={args.method}, max_tokens={args.max_tokens}, repeats={args.repeats} (medians, engines "
+          "interleaved in rotating order)")
+    print("| workload | batch | none tok/s | k=5 tok/s | adaptive tok/s | k=5 / none | adaptive / none | "
+          "adaptive / k=5 | acceptance k=5 | acceptance adaptive |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |".format(*r))
+    for llm in engines.values():
+        llm.close()
+
+
+if __name__ == "__main__":
+    main()

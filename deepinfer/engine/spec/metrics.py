@@ -1,0 +1,54 @@
+"""Speculative decoding counters, per proposer: verification steps, draft tokens, accepted tokens, and
+histograms of the draft length chosen (k) and of the tokens each verification emitted. Read by
+`LLMEngine.stats()` (and so `/metrics`); per request, `Request.spec` carries its own totals."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecMetrics:
+    proposer: str
+    max_k: int
+    num_verifications: int = 0  # request-steps that verified at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0  # accepted + the target's token, over verifications
+    k_chosen: list[int] = field(default_factory=list)  # count per k = 0..max_k, over decode request-steps
+
+    def __post_init__(self) -> None:
+        if not self.k_chosen:
+            self.k_chosen = [0] * (self.max_k + 1)
+
+    def chose(self, k: int) -> None:
+        self.k_chosen[min(k, self.max_k)] += 1
+
+    def verified(self, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        self.num_verifications += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        self.num_emitted_tokens += accepted + 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Mean tokens emitted per verification (accepted drafts + 1)."""
+        return self.num_emitted_tokens / self.num_verifications if self.num_verifications else 0.0
+
+    def stats(self) -> dict[str, float | str]:
+        return {
+            "spec_proposer": self.proposer,
+            "spec_verifications": self.num_verifications,
+            "spec_draft_tokens": self.num_draft_tokens,
+            "spec_accepted_tokens": self.num_accepted_tokens,
+            "spec_emitted_tokens": self.num_emitted_tokens,
+            "spec_acceptance_rate": self.acceptance_rate,
+            "spec_mean_accepted_length": self.mean_accepted_length,
+            **{f"spec_k_chosen_{k}": n for k, n in enumerate(self.k_chosen)},
+        }

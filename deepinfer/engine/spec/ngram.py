@@ -1,0 +1,47 @@
+"""Prompt-lookup n-gram proposer: find the request's last n tokens earlier in its own tokens (prompt and
+output so far) and propose what followed them there.
+
+For n from `max_n` down to `min_n`, the most recent earlier occurrence of the last n tokens wins; the
+draft is the tokens after it (up to k). Stateless and pure CPU: one vectorised scan of the sequence per
+request per step (numpy), so no index to keep in sync with preemption or rollback. No confidence: a
+match says nothing about how likely the continuation is.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from deepinfer.engine.request import Request
+from deepinfer.engine.spec.proposer import Draft, Proposer
+
+
+class NgramProposer(Proposer):
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 5, max_lookback: int = 8192) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"n-gram sizes need 1 <= prompt_lookup_min <= prompt_lookup_max, got {min_n}, {max_n}")
+        self.min_n, self.max_n = min_n, max_n
+        self.max_lookback = max_lookback  # scan at most this many recent tokens (bounded cost per step)
+
+    def propose(self, req: Request, max_tokens: int) -> Draft:
+        return Draft(tuple(find_continuation(req.token_ids[-self.max_lookback:], self.min_n, self.max_n, max_tokens)))
+
+
+def find_continuation(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The up to `k` tokens after the most recent earlier occurrence of the longest suffix of `tokens`
+    (length `max_n` down to `min_n`) that occurs earlier; [] if none does."""
+    n_tok = len(tokens)
+    if k <= 0 or n_tok <= min_n:
+        return []
+    arr = np.asarray(tokens, dtype=np.int64)
+    for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
+        tail = arr[n_tok - n:]
+        # candidate starts i with arr[i:i+n] == tail and i + n < n_tok (something follows it)
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:n_tok - 1], n)
+        hits = np.flatnonzero((windows == tail).all(axis=1))
+        hits = hits[hits + n < n_tok]
+        if len(hits):
+            start = int(hits[-1]) + n
+            return tokens[start:start + k]
+    return []

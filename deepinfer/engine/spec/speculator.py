@@ -1,0 +1,111 @@
+"""The engine's speculative decoding: proposer + draft-length policy + metrics, behind three calls the
+scheduler makes.
+
+    Scheduler.schedule ─▶ Speculator.propose(decoding requests) ─▶ drafts per request (k chosen)
+                          the request is scheduled with 1 + k tokens: its last token and the drafts
+    ModelRunner.run    ─▶ verify.verify (one forward for the whole batch, then acceptance per request)
+    Scheduler.update   ─▶ Speculator.verified(request, drafted, accepted): statistics; the scheduler
+                          rewinds num_computed_tokens past the accepted tokens and frees the KV blocks
+                          that only rejected positions used (KVCacheManager.truncate)
+    Scheduler._finish  ─▶ Speculator.finished(request)
+
+Drafts are capped so a step never emits past `max_tokens` or the context length, and, for structured
+requests, cut at the first token the grammar refuses (checked on the matcher, then rolled back).
+"""
+
+from __future__ import annotations
+
+from deepinfer.config import SpeculativeMethod
+from deepinfer.engine.cost_model import CostModel
+from deepinfer.engine.request import Request
+from deepinfer.engine.spec.metrics import SpecMetrics
+from deepinfer.engine.spec.ngram import NgramProposer
+from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLengthPolicy
+from deepinfer.engine.spec.proposer import Draft, Proposer
+from deepinfer.engine.spec.suffix import SuffixProposer
+
+
+def build_proposer(method: SpeculativeMethod) -> Proposer:
+    if method.method == "ngram":
+        return NgramProposer(method.prompt_lookup_min, method.prompt_lookup_max)
+    if method.method == "suffix":
+        return SuffixProposer(method.suffix_max_depth, method.suffix_min_match, method.suffix_min_confidence,
+                              method.suffix_recent_requests)
+    raise ValueError(f"speculative method {method.method!r} is not implemented yet (implemented: ngram, suffix)")
+
+
+class Speculator:
+    def __init__(self, method: SpeculativeMethod, cost_model: CostModel, proposer: Proposer | None = None) -> None:
+        self.method = method
+        self.k_max = method.num_speculative_tokens
+        self.proposer = proposer or build_proposer(method)
+        self.policy = DraftLengthPolicy(cost_model, method.adaptive)
+        self.metrics = SpecMetrics(self.proposer.name, self.k_max)
+
+    def _state(self, req: Request) -> AcceptanceStats:
+        if req.spec is None:
+            req.spec = AcceptanceStats.new(self.method.initial_acceptance, self.k_max)
+        return req.spec
+
+    def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
+        """Draft tokens for the decoding requests of a step (request id -> drafts; absent: none)."""
+        if not decodes:
+            return {}
+        limits = []
+        for r in decodes:
+            k = min(self.k_max, max_model_len - r.num_tokens - 1)
+            if r.max_tokens is not None:
+                k = min(k, r.max_tokens - r.num_output_tokens - 1)  # the step also emits the target's token
+            limits.append(max(0, k) if not r.num_pending_tokens else 0)
+        drafts = self.proposer.propose_batch(decodes, limits)
+        cands = []
+        for r, d, lim in zip(decodes, drafts, limits, strict=True):
+            d = d.truncated(lim)
+            if r.grammar is not None and len(d):
+                d = d.truncated(_grammar_prefix(r, d))
+            cands.append((r, d))
+        states = [self._state(r) for r in decodes]
+        ks = self.policy.choose(
+            [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.rates, d.confidence, len(d)))
+             for (r, d), s in zip(cands, states, strict=True)],
+            [(1, r.num_computed_tokens) for r in decodes])
+        out = {}
+        for (r, d), s, k in zip(cands, states, ks, strict=True):
+            self.metrics.chose(k)
+            if k:
+                out[r.request_id] = list(d.token_ids[:k])
+            else:
+                s.relax(self.method.initial_acceptance, self.method.acceptance_ewma / 4)
+        return out
+
+    def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
+        """A finished step in which every request decoded or verified drafts (prices verification)."""
+        self.policy.measured.observe(num_requests, num_tokens, seconds)
+
+    def verified(self, req: Request, drafted: int, accepted: int) -> None:
+        self._state(req).observe(drafted, accepted, self.method.acceptance_ewma)
+        self.metrics.verified(drafted, accepted)
+        self.proposer.on_verified(req, drafted, accepted)
+
+    def finished(self, req: Request) -> None:
+        self.proposer.on_finished(req)
+
+    def stats(self) -> dict[str, float]:
+        return self.metrics.stats()
+
+
+def _grammar_prefix(req: Request, draft: Draft) -> int:
+    """How many leading draft tokens the request's grammar allows (0 while it compiles)."""
+    g = req.grammar
+    if g is None or not g.live:
+        return len(draft) if g is None else 0
+    n = 0
+    for t in draft.token_ids:
+        if not g.accept(t):
+            break
+        n += 1
+        if g.terminated:
+            break
+    if n:
+        g.matcher.rollback(n)  # type: ignore[union-attr]
+    return n

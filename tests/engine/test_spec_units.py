@@ -1,0 +1,162 @@
+"""Speculative decoding, pure-CPU parts: proposers, the draft-length policy, verification rules (greedy
+and rejection sampling against an exact target distribution), config parsing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from deepinfer.config import EngineConfig, parse_speculative
+from deepinfer.engine.cost_model import CostModel
+from deepinfer.engine.request import Request
+from deepinfer.engine.sampler import Sampler
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.spec.ngram import NgramProposer, find_continuation
+from deepinfer.engine.spec.policy import Candidate, DraftLengthPolicy, expected_tokens
+from deepinfer.engine.spec.suffix import SuffixProposer
+from deepinfer.engine.spec.verify import verify
+
+
+def _req(tokens: list[int], rid: str = "r", **params) -> Request:
+    return Request(rid, tokens, SamplingParams(**params))
+
+
+def test_ngram_finds_latest_longest_match():
+    toks = [1, 2, 3, 4, 5, 9, 2, 3, 4, 7, 8, 1, 2, 3]
+    # "2 3" last seen before the tail at 6..7 (followed by 4 7 8), "1 2 3" at 0..2 (followed by 4 5)
+    assert find_continuation(toks, 2, 3, 3) == [4, 5, 9]
+    assert find_continuation(toks, 2, 2, 3) == [4, 7, 8]
+    assert find_continuation([5, 6, 7], 2, 4, 3) == []
+    assert NgramProposer(2, 4).propose(_req(toks), 2).token_ids == (4, 5)
+
+
+def test_suffix_proposer_grows_with_output_and_reports_confidence():
+    p = SuffixProposer(max_depth=4, min_match=2, min_confidence=0.0)
+    req = _req([10, 11, 12, 13, 10, 11, 12, 14, 10, 11])
+    d = p.propose(req, 3)
+    # context "10 11" -> 12 twice; then "10 11 12" -> 13 once, 14 once (the latest, 14, wins the tie)
+    assert d.token_ids[0] == 12 and d.confidence[0] == 1.0
+    assert d.token_ids[1] == 14 and d.confidence[1] == 0.5
+    req.token_ids += [12, 14]  # output appended: indexed at the next proposal
+    assert p.propose(req, 1).token_ids == (10,)
+    p.on_finished(req)
+    assert not p.indexes
+
+
+def test_suffix_recent_requests_are_indexed_and_bounded():
+    p = SuffixProposer(max_depth=4, min_match=2, min_confidence=0.0, recent_requests=1)
+    a = _req([1, 2, 3, 4, 5], "a")
+    p.on_finished(a)
+    assert p.propose(_req([9, 2, 3], "b"), 2).token_ids == (4, 5)
+    p.on_finished(_req([7, 7, 7], "c"))  # evicts a
+    assert p.propose(_req([9, 2, 3], "d"), 2).token_ids == ()
+
+
+def test_policy_long_drafts_when_cheap_none_when_compute_bound():
+    cm = CostModel()
+    pol = DraftLengthPolicy(cm)
+    pol.measured.num_observed = pol.measured.EXPLORE_STEPS  # past exploring: the cost model prices
+    one = pol.choose([Candidate(100, [0.8] * 5)], [(1, 100)])
+    assert one == [5]
+    # 64 decodes with a per-token cost that dominates the step: a 0.3 acceptance is not worth verifying
+    heavy = DraftLengthPolicy(CostModel((0.001, 2e-3, 1e-4, 1e-8, 1e-7)))
+    heavy.measured.num_observed = heavy.measured.EXPLORE_STEPS
+    ks = heavy.choose([Candidate(100, [0.3] * 5)] * 64, [(1, 100)] * 64)
+    assert ks == [0] * 64
+    # but a confident request still gets a draft in the same batch
+    ks = heavy.choose([Candidate(100, [0.99] * 5)] + [Candidate(100, [0.3] * 5)] * 63,
+                                         [(1, 100)] * 64)
+    assert ks[0] > 0 and ks[1:] == [0] * 63
+    assert DraftLengthPolicy(cm, adaptive=False).choose([Candidate(5, [0.0] * 3)], [(1, 5)]) == [3]
+    assert expected_tokens([0.5] * 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_greedy_verification_keeps_the_matching_prefix():
+    logits = torch.full((4, 10), -5.0)
+    for row, t in enumerate([3, 4, 9, 1]):
+        logits[row, t] = 5.0
+    req = _req([0, 1], temperature=0.0)
+    v = verify(Sampler(), logits, [(req, 0, [3, 4, 5])])[0]
+    assert v.accepted == [3, 4] and v.token == 9
+    v = verify(Sampler(), logits, [(req, 0, [3, 4, 9])])[0]
+    assert v.accepted == [3, 4, 9] and v.token == 1  # bonus token
+    v = verify(Sampler(), logits, [(req, 0, [7])])[0]
+    assert v.accepted == [] and v.token == 3
+
+
+def test_greedy_verification_applies_penalties_over_kept_drafts():
+    # row 1 prefers token 3 slightly over 4; a frequency penalty on 3 (kept as draft 0) flips it
+    logits = torch.zeros(2, 8)
+    logits[0, 3] = 5.0
+    logits[1, 3], logits[1, 4] = 2.0, 1.9
+    req = _req([0], temperature=0.0, frequency_penalty=1.0)
+    v = verify(Sampler(), logits, [(req, 0, [3, 3])])[0]
+    assert v.accepted == [3] and v.token == 4
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=3),
+                                    dict(temperature=1.0, top_p=0.8)], ids=["plain", "top_k", "top_p"])
+def test_rejection_sampling_keeps_the_target_distribution(params):
+    """Chi-square goodness of fit (alpha = 0.001) of the first emitted token and of the pair (first, second)
+    to the exact target distribution, with point drafts of high, low and zero target probability."""
+    torch.manual_seed(0)
+    vocab = 6
+    logits = torch.randn(3, vocab) * 1.5
+    sampler = Sampler(seed=1)
+    probe = _req([0], **params)
+    p = [sampler.target_probs(logits[i:i + 1], [probe])[0].double().numpy() for i in range(3)]
+    n = 4000
+    for draft in ([int(np.argmax(p[0])), int(np.argmax(p[1]))], [int(np.argmin(p[0])), 2]):
+        items = [(_req([0], **params), 0, draft) for _ in range(n)]
+        verdicts = verify(sampler, logits.repeat(1, 1), [(r, 0, d) for r, _, d in items])
+        first = [(v.accepted + [v.token])[0] for v in verdicts]
+        counts = np.bincount(first, minlength=vocab)
+        keep = p[0] > 0
+        assert counts[~keep].sum() == 0
+        assert chisquare(counts[keep], n * p[0][keep] / p[0][keep].sum()).pvalue > 1e-3
+        # second token, given the first was the first draft (row 1's distribution applies then)
+        second = [(v.accepted + [v.token])[1] for v in verdicts if v.accepted[:1] == draft[:1]]
+        counts = np.bincount(second, minlength=vocab)
+        keep = p[1] > 0
+        if len(second) > 200:
+            assert counts[~keep].sum() == 0
+            assert chisquare(counts[keep], len(second) * p[1][keep] / p[1][keep].sum()).pvalue > 1e-3
+
+
+def test_config_parsing():
+    m = parse_speculative('{"method": "suffix", "num_speculative_tokens": 4}')
+    assert m.method == "suffix" and m.num_speculative_tokens == 4 and m.adaptive
+    assert parse_speculative("none") is None and parse_speculative(None) is None
+    with pytest.raises(ValueError, match="unknown speculative_config keys"):
+        parse_speculative({"method": "ngram", "num_speculative_tokens": 3, "bogus": 1})
+    with pytest.raises(ValueError, match="method must be one of"):
+        parse_speculative({"method": "eagle", "num_speculative_tokens": 3})
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        parse_speculative({"method": "ngram", "num_speculative_tokens": 0})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        parse_speculative("{method: ngram}")
+    cfg = EngineConfig.from_kwargs(speculative_config={"method": "draft_model", "num_speculative_tokens": 3})
+    assert cfg.speculative.speculative_config.method == "draft_model"
+    from deepinfer.engine.spec import build_proposer
+
+    with pytest.raises(ValueError, match="not implemented yet"):
+        build_proposer(cfg.speculative.speculative_config)
+
+
+def test_measured_price_replaces_a_misfitted_cost_model():
+    """A cost model that puts a step's whole time on its tokens (as a busy machine's fit did) prices a draft
+    like a whole decode; measured decode steps (fixed 30 ms + 1 ms per extra token) price it at 1 ms."""
+    misfit = CostModel((0.0, 0.03, 0.0, 1e-8, 1e-7))
+    pol = DraftLengthPolicy(misfit)
+    cands, base = [Candidate(100, [0.6, 0.6, 0.6, 0.6, 0.6])], [(1, 100)]
+    assert pol.choose(cands, base) == [5]  # exploring: whole proposals, so the steps vary in tokens
+    pol.measured.num_observed = pol.measured.EXPLORE_STEPS
+    assert pol.choose(cands, base) == [0]
+    rng = np.random.default_rng(0)
+    for _ in range(64):
+        extra = int(rng.integers(0, 6))
+        pol.measured.observe(1, 1 + extra, 0.03 + 0.001 * extra)
+    assert pol.measured.coef is not None
+    assert pol.choose(cands, base) == [5]
