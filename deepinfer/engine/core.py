@@ -121,7 +121,12 @@ class EngineCore:
             # that state is not rolled back yet. Refused rather than silently inexact.
             raise ValueError(f"speculative decoding is not supported for {type(self.runner.model).__name__} yet: "
                              "its compressed KV state cannot be rolled back past rejected draft tokens")
-        return Speculator(method, self.cost_model)
+        proposer = None
+        if method.method in ("draft_model", "mtp"):  # proposers that run a model: built from the target's setup
+            from deepinfer.engine.spec.model_proposers import build_model_proposer
+
+            proposer = build_model_proposer(method, self)
+        return Speculator(method, self.cost_model, proposer)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)
