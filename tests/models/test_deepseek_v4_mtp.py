@@ -12,45 +12,21 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from deepinfer.layers.attention import AttentionBatch
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.deepseek_v4.compressor import rms_norm
 from deepinfer.models.deepseek_v4.mtp import V4MTPLayer
 from deepinfer.weights.loader import resolve_model
-from tests.models.v4_tiny import SWA, build_v4
-
-# layer 1 is a sliding-window, top-k MoE layer: the MTP block's kind
-SPEC = dict(layer_types=[SWA, SWA], mlp_layer_types=["hash_moe", "moe"], num_hidden_layers=2,
-            num_nextn_predict_layers=1, sliding_window=6)
+from tests.models.v4_mtp_tiny import build_v4_with_mtp
 
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     """A tiny V4 whose checkpoint also holds `mtp.0.*`: the block's tensors are layer 1's (as published
     checkpoints name them) and the MTP's own ones random."""
-    from safetensors.torch import load_file
-
     path = tmp_path_factory.mktemp("v4mtp") / "m"
-    hf = build_v4(path, seed=3, **SPEC)
-    tensors = load_file(str(path / "model.safetensors"))
-    g = torch.Generator().manual_seed(9)
-    d, hc = hf.config.hidden_size, hf.config.hc_mult
-    mtp = {}
-    for name, t in tensors.items():
-        bare = name.removeprefix("model.")
-        if bare.startswith("layers.1."):
-            mtp["mtp.0." + bare.removeprefix("layers.1.")] = t.clone()
-    mtp.update({"mtp.0.e_proj.weight": torch.randn(d, d, generator=g) * 0.3,
-                "mtp.0.h_proj.weight": torch.randn(d, d, generator=g) * 0.3,
-                "mtp.0.enorm.weight": 1 + 0.2 * torch.randn(d, generator=g),
-                "mtp.0.hnorm.weight": 1 + 0.2 * torch.randn(d, generator=g),
-                "mtp.0.norm.weight": 1 + 0.2 * torch.randn(d, generator=g),
-                "mtp.0.hc_head_fn": torch.randn(hc, hc * d, generator=g) * 0.3,
-                "mtp.0.hc_head_base": torch.randn(hc, generator=g) * 0.3,
-                "mtp.0.hc_head_scale": torch.ones(1) + 0.1 * torch.randn(1, generator=g)})
-    save_file(mtp, str(path / "mtp.safetensors"))
+    hf, mtp = build_v4_with_mtp(path)
     files = resolve_model(path)
     target = DeepseekV4ForCausalLM(hf.config, None, 4096, torch.float32)
     target.load_weights(files.iter_weights(torch.float32))  # skips mtp.*
@@ -61,12 +37,12 @@ def checkpoint(tmp_path_factory):
 
 def _streams(target: DeepseekV4ForCausalLM, ids: torch.Tensor) -> torch.Tensor:
     """The target's last residual streams at every position (one step over fresh caches)."""
-    target.keep_last_streams = True
+    target.keep_streams = True
     try:
         target.full_logits(ids)
-        return target.last_streams
+        return target.step_streams
     finally:
-        target.keep_last_streams = False
+        target.keep_streams = False
 
 
 def _run(layer: V4MTPLayer, target, streams, next_ids, chunks: list[int], block_size: int = 4) -> torch.Tensor:

@@ -16,7 +16,7 @@ def build_model_proposer(method: SpeculativeMethod, core: EngineCore) -> Propose
     if method.method == "draft_model":
         return _draft_model(method, core)
     if method.method == "mtp":
-        from deepinfer.models.deepseek_v4.mtp_proposer import build_mtp_proposer
+        from deepinfer.engine.spec.mtp import build_mtp_proposer
 
         return build_mtp_proposer(method, core)
     raise ValueError(f"speculative method {method.method!r} does not run a model")

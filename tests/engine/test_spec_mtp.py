@@ -1,0 +1,74 @@
+"""Speculative decoding with DeepSeek-V4's MTP layer through the engine, on a tiny random V4 of
+sliding-window layers with an MTP layer (tests/models/v4_mtp_tiny.py): greedy output token-identical with
+and without speculation, with prompts past the sliding window, chunked prefill and a small kept-streams
+budget; the MTP window's blocks given back; clear errors for models without an MTP layer."""
+
+from __future__ import annotations
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from tests.engine.spec_utils import assert_all_free, greedy, spec_config, token_ids
+from tests.models.v4_mtp_tiny import build_v4_with_mtp
+
+# window 6: every prompt but the last runs past it; chunked prefill at 8 tokens a step
+PROMPTS = [[5 + (i % 7) for i in range(30)], [3, 4, 5] * 4, list(range(10, 60)), [7, 9]]
+
+
+@pytest.fixture(scope="module")
+def v4_mtp(tmp_path_factory):
+    path = tmp_path_factory.mktemp("v4mtp_engine") / "m"
+    build_v4_with_mtp(path)
+    return path
+
+
+def _llm(path, spec: dict | None = None, **kw) -> LLM:
+    kw.setdefault("kv_cache_memory", "16MiB")
+    kw.setdefault("profile_cost_model", False)
+    kw.setdefault("max_num_batched_tokens", 8)
+    return LLM(str(path), dtype="float32", speculative_config=spec, **kw)
+
+
+def _assert_mtp_free(llm: LLM) -> None:
+    proposer = llm.engine.core.speculator.proposer
+    assert not proposer.states
+    for g in proposer.kv.groups:
+        assert g.pool.num_used == 0, "an MTP window block leaked"
+
+
+def _check_identical(path, k: int, prompts, max_tokens: int) -> LLM:
+    reference = token_ids(_llm(path), prompts, greedy(max_tokens))
+    llm = _llm(path, spec_config("mtp", k=k))
+    assert token_ids(llm, prompts, greedy(max_tokens)) == reference
+    m = llm.engine.core.speculator.metrics
+    assert m.num_verifications > 0 and m.num_draft_tokens > 0
+    assert llm.engine.core.speculator.stats()["spec_draft_tokens"] == m.num_draft_tokens
+    assert_all_free(llm)
+    _assert_mtp_free(llm)
+    return llm
+
+
+def test_greedy_identical_with_mtp_fast(v4_mtp):
+    """The default suite's check: a prompt past the window with chunked prefill, and a short one."""
+    _check_identical(v4_mtp, 3, PROMPTS[2:], 12)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("k", [1, 3])
+def test_greedy_identical_with_mtp(v4_mtp, k):
+    _check_identical(v4_mtp, k, PROMPTS, 24)
+
+
+@pytest.mark.slow
+def test_sampled_mtp_drafts_run(v4_mtp):
+    """Temperature > 0: drafts are sampled from the MTP distribution and verified with min(1, p/q)."""
+    llm = _llm(v4_mtp, spec_config("mtp", k=3))
+    outs = token_ids(llm, PROMPTS, SamplingParams(max_tokens=16, temperature=0.8, ignore_eos=True, seed=1))
+    assert all(len(o) == 16 for o in outs)
+    assert llm.engine.core.speculator.metrics.num_draft_tokens > 0
+    _assert_mtp_free(llm)
+
+
+def test_mtp_needs_an_mtp_layer(v4_mtp, tiny_models):
+    with pytest.raises(ValueError, match="needs a DeepSeek-V4 checkpoint"):
+        _llm(tiny_models["llama"], spec_config("mtp", k=2), kv_cache_memory="64MiB")
