@@ -72,3 +72,62 @@ def test_sampled_mtp_drafts_run(v4_mtp):
 def test_mtp_needs_an_mtp_layer(v4_mtp, tiny_models):
     with pytest.raises(ValueError, match="needs a DeepSeek-V4 checkpoint"):
         _llm(tiny_models["llama"], spec_config("mtp", k=2), kv_cache_memory="64MiB")
+
+
+def _direct_drafts(model, layer, tokens: list[int], k: int) -> list[int]:
+    """The MTP chain computed directly: the target's streams over the whole sequence in one step, the MTP
+    layer over every position at once, then chained k - 1 times (fresh caches, no proposer)."""
+    import torch
+
+    from deepinfer.layers.attention import AttentionBatch
+
+    n = len(tokens)
+    model.full_logits(torch.tensor(tokens[:-1]))
+    streams = model.step_streams  # positions 0 .. n - 2
+    bs = 4
+    blocks = -(-(n + k) // bs) + 1
+    cache = layer.allocate_cache(blocks, bs, torch.float32, torch.device("cpu"))
+    table = list(range(blocks))
+
+    def step(start: int, s, ids):
+        q = s.shape[0]
+        batch = AttentionBatch([q], [start + q], [table], int(q == 1), torch.zeros(0, dtype=torch.long), bs)
+        pos = torch.arange(start, start + q)
+        return layer(s, ids, pos, model, cache, layer.prepare(batch, pos.device))
+
+    logits, out = step(0, streams, torch.tensor(tokens[1:]))
+    drafts = [int(logits[-1].argmax())]
+    for j in range(1, k):
+        logits, out = step(n - 2 + j, out[-1:], torch.tensor([drafts[-1]]))
+        drafts.append(int(logits[-1].argmax()))
+    return drafts
+
+
+@pytest.mark.slow
+def test_mtp_proposer_drafts_equal_the_direct_chain(v4_mtp):
+    """The proposer's drafts (kept streams, paged window, catch-up after verification, chained positions
+    recomputed) equal the MTP chain computed directly from the full sequence, for every proposal made
+    while the whole sequence's streams were still kept (no window floor)."""
+    import torch
+
+    k = 3
+    llm = _llm(v4_mtp, spec_config("mtp", k=k))
+    proposer = llm.engine.core.speculator.proposer
+    log = []
+    inner = proposer.propose_batch
+
+    def recording(reqs, ks):
+        out = inner(reqs, ks)
+        log.extend((list(r.token_ids), list(d.token_ids)) for r, d in zip(reqs, out, strict=True) if len(d))
+        return out
+
+    proposer.propose_batch = recording
+    token_ids(llm, PROMPTS[:2] + PROMPTS[3:], greedy(16))
+    model = llm.engine.core.runner.model
+    checked = 0
+    with torch.inference_mode():
+        for tokens, drafts in log:
+            if len(tokens) + k <= proposer.keep:
+                assert _direct_drafts(model, proposer.layer, tokens, len(drafts)) == drafts, tokens
+                checked += 1
+    assert checked >= 10

@@ -160,6 +160,8 @@ class MTPProposer(Proposer):
         last = len(req.token_ids) - 2  # the position whose stream predicted the last token
         if st is None or st.streams is None or last < st.pos0 or last >= st.end():
             return None
+        # proposed before without a target step since (the request was not scheduled): redo the last row
+        st.done = min(st.done, last)
         self._cut(st, st.done)
         if st.done < st.pos0 or st.shadow.request_id not in self.kv.block_tables:
             # no MTP KV for positions just before what is kept: restart the window at a block boundary
