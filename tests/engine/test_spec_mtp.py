@@ -131,3 +131,31 @@ def test_mtp_proposer_drafts_equal_the_direct_chain(v4_mtp):
                 assert _direct_drafts(model, proposer.layer, tokens, len(drafts)) == drafts, tokens
                 checked += 1
     assert checked >= 10
+
+
+@pytest.mark.slow
+def test_sampled_mtp_drafts_keep_the_token_distribution(v4_mtp):
+    """Temperature 1 with drafts sampled from the MTP layer's q: the tokens at positions 2..4 have the
+    same distribution with and without speculation. Two-sample chi-square (contingency) per position over
+    the tokens seen at least 5 times in either arm (the rest pooled), alpha = 0.001, 2000 samples per arm,
+    64-token vocabulary."""
+    import numpy as np
+    from scipy.stats import chi2_contingency
+
+    n = 2000
+    params = SamplingParams(max_tokens=4, temperature=1.0, ignore_eos=True)
+    prompts = [[3, 4, 5, 6, 7, 8, 9, 10]] * n
+    kw = dict(max_num_seqs=256, max_num_batched_tokens=2048, seed=5)
+    plain = np.array(token_ids(_llm(v4_mtp, **kw), prompts, params))
+    llm = _llm(v4_mtp, spec_config("mtp", k=3), **kw)
+    spec = np.array(token_ids(llm, prompts, params))
+    m = llm.engine.core.speculator.metrics
+    assert 0 < m.num_accepted_tokens < m.num_draft_tokens
+    vocab = llm.engine.vocab_size
+    for pos in range(1, 4):
+        table = np.stack([np.bincount(plain[:, pos], minlength=vocab), np.bincount(spec[:, pos], minlength=vocab)])
+        big = table.max(0) >= 5
+        table = np.concatenate([table[:, big], table[:, ~big].sum(1, keepdims=True)], axis=1)
+        table = table[:, table.sum(0) > 0]
+        assert chi2_contingency(table).pvalue > 1e-3, f"position {pos + 1}"
+    _assert_mtp_free(llm)
