@@ -17,6 +17,7 @@ from deepinfer.engine.sampling_params import SamplingParams as Params
 from deepinfer.engine.spec.verify import verify
 from tests.conftest import TINY_ARCHS, _build_tiny
 from tests.engine.spec_utils import assert_all_free, greedy, spec_config, token_ids
+from tests.engine.test_spec_sampling import small_vocab_model  # noqa: F401 - a fixture used below
 
 PROMPTS = [[5 + (i % 7) for i in range(40)], [100 + (i % 5) * 3 for i in range(23)], list(range(300, 333))]
 
@@ -166,4 +167,43 @@ def test_sampled_drafts_keep_the_token_distribution(small_vocab_pair):
         table = np.stack([np.bincount(plain[:, pos], minlength=16), np.bincount(spec[:, pos], minlength=16)])
         table = table[:, table.sum(0) > 0]
         assert chi2_contingency(table).pvalue > 1e-3, f"position {pos + 1}"
+    _assert_draft_free(llm)
+
+
+@pytest.mark.slow
+def test_sampled_draft_model_matches_the_exact_target_distribution(small_vocab_model, tmp_path):  # noqa: F811
+    """Against the exact distribution (HF transformers, same weights) as in test_spec_sampling.py: a
+    differently seeded 12-token draft model samples its drafts (q handed over); 3000 continuations;
+    chi-square goodness of fit, alpha = 0.001, of token 1, the pair (1, 2) and token 3."""
+    import itertools
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from tests.engine.test_spec_sampling import ALPHA, VOCAB, N, _exact, _gof
+
+    path, model, prompt = small_vocab_model
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=2,
+                      num_key_value_heads=1, num_hidden_layers=1, max_position_embeddings=128,
+                      tie_word_embeddings=False, bos_token_id=0, eos_token_id=VOCAB - 1, initializer_range=1.0)
+    torch.manual_seed(8)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "draft12")
+    temperature = 0.8
+    llm = LLM(str(path), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False, max_num_seqs=256,
+              enable_prefix_caching=False,
+              speculative_config=spec_config("draft_model", k=3, model=str(tmp_path / "draft12")))
+    params = SamplingParams(temperature=temperature, max_tokens=4, ignore_eos=True)
+    arr = np.array([list(o.outputs[0].token_ids)[:3] for o in llm.generate([prompt] * N, params)])
+    m = llm.engine.core.speculator.metrics
+    assert m.num_draft_tokens > N and 0 < m.num_accepted_tokens < m.num_draft_tokens
+    p1 = _exact(model, prompt, temperature)
+    p2 = np.array([_exact(model, prompt + [a], temperature) for a in range(VOCAB)])
+    joint12 = p1[:, None] * p2
+    p3 = np.zeros(VOCAB)
+    for a, b in itertools.product(range(VOCAB), range(VOCAB)):
+        if joint12[a, b] > 1e-4:
+            p3 += joint12[a, b] * _exact(model, prompt + [a, b], temperature)
+    p3 /= p3.sum()
+    assert _gof(np.bincount(arr[:, 0], minlength=VOCAB), p1) > ALPHA
+    assert _gof(np.bincount(arr[:, 0] * VOCAB + arr[:, 1], minlength=VOCAB * VOCAB), joint12.ravel()) > ALPHA
+    assert _gof(np.bincount(arr[:, 2], minlength=VOCAB), p3) > ALPHA
     _assert_draft_free(llm)

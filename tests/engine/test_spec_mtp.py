@@ -42,7 +42,8 @@ def _check_identical(path, k: int, prompts, max_tokens: int) -> LLM:
     assert token_ids(llm, prompts, greedy(max_tokens)) == reference
     m = llm.engine.core.speculator.metrics
     assert m.num_verifications > 0 and m.num_draft_tokens > 0
-    assert llm.engine.core.speculator.stats()["spec_draft_tokens"] == m.num_draft_tokens
+    stats = llm.engine.core.speculator.stats()  # what /metrics shows, labelled by proposer
+    assert stats["spec_proposer"] == "mtp" and stats["spec_draft_tokens"] == m.num_draft_tokens
     assert_all_free(llm)
     _assert_mtp_free(llm)
     return llm
