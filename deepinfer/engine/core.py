@@ -30,6 +30,7 @@ from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
 from deepinfer.engine.spec import Speculator
 from deepinfer.kvcache.engine_tiers import KVTiers, resolve_retention
 from deepinfer.kvcache.manager import KVCacheManager
+from deepinfer.kvcache.spec import SlidingWindow
 from deepinfer.weights import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -118,14 +119,20 @@ class EngineCore:
         method = self.config.speculative.speculative_config
         if method is None:
             return None
-        if self.runner.custom_kv:
+        if self.runner.custom_kv and not all(isinstance(g.spec, SlidingWindow) for g in self.runner.kv_groups):
             # DeepSeek-V4 writes compressed entries (and the indexer's keys) when a position completes a
             # compression group, from the compressor rows of that group: a verification step that ran
             # rejected drafts through a group's last position would leave an entry computed from them, and
             # that state is not rolled back yet. Refused rather than silently inexact.
+            # (a V4 of sliding-window layers only keeps window K=V alone, which truncation rolls back)
             raise ValueError(f"speculative decoding is not supported for {type(self.runner.model).__name__} yet: "
                              "its compressed KV state cannot be rolled back past rejected draft tokens")
-        return Speculator(method, self.cost_model)
+        proposer = None
+        if method.method in ("draft_model", "mtp"):  # proposers that run a model: built from the target's setup
+            from deepinfer.engine.spec.model_proposers import build_model_proposer
+
+            proposer = build_model_proposer(method, self)
+        return Speculator(method, self.cost_model, proposer)
 
     def add_request(self, req: Request) -> None:
         self.scheduler.add(req)

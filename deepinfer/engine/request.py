@@ -98,6 +98,9 @@ class Request:
         self.prompt_logprobs: list | None = (
             [None] * len(prompt_token_ids) if params.prompt_logprobs is not None else None)
         self.spec: AcceptanceStats | None = None  # speculative decoding: acceptance estimate and totals
+        # speculative decoding: the distributions this step's drafts were sampled from ([k, vocab]; None:
+        # point masses), set by the Speculator, read by verification (engine/spec/verify.py)
+        self.draft_probs: torch.Tensor | None = None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -123,6 +124,8 @@ class PreparedStep:
     # logits rows follow the sampled rows
     verify_items: list[tuple[Request, int, list[int]]] = field(default_factory=list)
     num_verify_rows: int = 0
+    # (request id, first position, rows) per scheduled request, in row order (for `stream_sink`)
+    row_requests: list[tuple[str, int, int]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -180,6 +183,9 @@ class ModelRunner:
         self.sampler = Sampler(model_config.seed)
         self.prompt_logprobs_chunk = PROMPT_LOGPROBS_CHUNK
         self._last_sampled: dict[str, int] = {}  # the previous `run`'s tokens (fills pending inputs)
+        # speculative decoding with DeepSeek-V4's MTP layer: called after each forward with the step's
+        # `row_requests` and the model's last residual streams of every row (engine/spec/mtp.py)
+        self.stream_sink: Callable[[list[tuple[str, int, int]], torch.Tensor], None] | None = None
 
     def _allocate_backend_caches(self, cache_config: CacheConfig, hf_config, max_num_seqs: int,
                                  max_num_batched_tokens: int) -> None:
@@ -273,6 +279,9 @@ class ModelRunner:
         """What seeds every block hash: the KV layout (blocks of another layout can never match)."""
         if self.tier_blocks is not None:
             return self.tier_blocks.layout.key
+        if self.custom_kv:  # its own kinds of state, none kept whole (DeepSeek-V4 of sliding layers only)
+            return TierBlocks.positional([0], [1], [self.model.group_tensors(self.kv_caches, 0)],
+                                         self.block_size).layout.key
         return layout_of(self.tier_caches).key
 
     @property
@@ -390,7 +399,8 @@ class ModelRunner:
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
             metas, torch.tensor(logits_rows + verify_rows + prompt_logits_rows, dtype=torch.long, device=dev),
             sample_reqs, len(tokens), time.perf_counter() - started, pending, prompt_rows=prompt_rows,
-            verify_items=verify_items, num_verify_rows=len(verify_rows))
+            verify_items=verify_items, num_verify_rows=len(verify_rows),
+            row_requests=[(i.request.request_id, i.start, i.num_new_tokens) for i in step.scheduled])
 
     def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]],
                replay_base: int | None = None) -> tuple[list[list[int]], torch.Tensor]:
@@ -433,6 +443,8 @@ class ModelRunner:
             logits = self.model.compute_logits(hidden[:num_scored])
         else:
             logits = self.model(step.input_ids, step.positions, self.kv_caches, step.metas, step.logits_indices)
+        if self.stream_sink is not None:
+            self.stream_sink(step.row_requests, self.model.step_streams)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs] = {}
         if step.ready is not None:

@@ -19,27 +19,34 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from deepinfer.engine.request import Request
 
 
 @dataclass(frozen=True)
 class Draft:
     """Proposed continuation of a request: `token_ids` (possibly empty) and, for proposers that have one,
-    `confidence[j]`: the proposer's probability that token j is right given tokens < j were (same length)."""
+    `confidence[j]`: the proposer's probability that token j is right given tokens < j were (same length),
+    and, for a proposer that sampled its tokens, `probs[j]`: the distribution q token j was drawn from
+    (a float tensor [len, vocab]; None: point masses at the tokens), which exact rejection sampling needs."""
 
     token_ids: tuple[int, ...] = ()
     confidence: tuple[float, ...] | None = None
+    probs: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.confidence is not None and len(self.confidence) != len(self.token_ids):
             raise ValueError("a draft's confidence needs one value per draft token")
+        if self.probs is not None and (self.probs.dim() != 2 or self.probs.shape[0] != len(self.token_ids)):
+            raise ValueError("a draft's probs need one distribution (row) per draft token")
 
     def __len__(self) -> int:
         return len(self.token_ids)
 
     def truncated(self, n: int) -> Draft:
         conf = self.confidence[:n] if self.confidence is not None else None
-        return Draft(self.token_ids[:n], conf)
+        return Draft(self.token_ids[:n], conf, self.probs[:n] if self.probs is not None else None)
 
 
 @dataclass
@@ -66,9 +73,9 @@ class Proposer(ABC):
       keyed by request id): `on_verified(req, num_drafted, num_accepted)` tells it how many of its tokens
       the target kept, so it can roll its KV back to `len(req.token_ids)` (after the target's tokens are
       appended), and `on_finished` frees it.
-    - Draft tokens are point proposals: a proposer that samples its drafts from a distribution q must
-      return q as well for exact rejection sampling (future work: `Draft.probs`); n-gram and suffix
-      proposers are deterministic, so q is a point mass and `verify.py` uses the point-mass rule.
+    - A proposer that samples its drafts from a distribution q returns q as well (`Draft.probs`) and
+      `verify.py` accepts with min(1, p/q), drawing rejections from max(0, p - q); deterministic drafts
+      (n-gram, suffix, greedy draft models) leave it None: q is a point mass, the point-mass rule applies.
     """
 
     name: str = "proposer"

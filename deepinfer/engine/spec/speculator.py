@@ -31,7 +31,8 @@ def build_proposer(method: SpeculativeMethod) -> Proposer:
     if method.method == "suffix":
         return SuffixProposer(method.suffix_max_depth, method.suffix_min_match, method.suffix_min_confidence,
                               method.suffix_recent_requests)
-    raise ValueError(f"speculative method {method.method!r} is not implemented yet (implemented: ngram, suffix)")
+    raise ValueError(f"speculative method {method.method!r} runs a model: the engine core builds its proposer "
+                     "(engine/spec/model_proposers.py)")
 
 
 class Speculator:
@@ -72,6 +73,7 @@ class Speculator:
         out = {}
         for (r, d), s, k in zip(cands, states, ks, strict=True):
             self.metrics.chose(k)
+            r.draft_probs = d.probs[:k] if k and d.probs is not None else None
             if k:
                 out[r.request_id] = list(d.token_ids[:k])
             else:

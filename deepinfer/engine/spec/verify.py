@@ -16,6 +16,9 @@ over them, then rolled back at the end: the scheduler advances it for real when 
   token is t with probability p(t) and any other s with probability (1 - p(t)) * p(s) / (1 - p(t)) =
   p(s): exactly the target distribution (Leviathan et al. 2023, Chen et al. 2023). After all k drafts
   are kept, the bonus token is drawn from row k's p.
+- Sampling, sampled proposals (a draft model drawing token t from its distribution q, handed over as
+  `Request.draft_probs`): t is kept with probability min(1, p(t) / q(t)); on rejection the token is
+  drawn from max(0, p - q) renormalised. Same theorem: the emitted token has distribution p exactly.
 
 Logprobs of each emitted token come from its row's raw logits, as for plain decodes.
 """
@@ -82,7 +85,8 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[tuple[Request, in
             views = [DraftView(items[i][0], items[i][2][:j]) for i in alive]
             rows = sampler.process(logits[[items[i][1] + j for i in alive]], views)  # type: ignore[arg-type]
             chosen = _choose_wave(sampler, rows, views, [items[i][2][j] if j < len(items[i][2]) else None
-                                                         for i in alive])
+                                                         for i in alive],
+                                  [_draft_q(items[i][0], j, len(items[i][2])) for i in alive])
             still = []
             for i, (keep, token) in zip(alive, chosen, strict=True):
                 if keep:
@@ -107,9 +111,18 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[tuple[Request, in
     return out
 
 
+def _draft_q(req: Request, j: int, num_drafts: int) -> torch.Tensor | None:
+    """The distribution draft j of `req` was sampled from (None: a point mass, or no draft j)."""
+    probs = getattr(req, "draft_probs", None)
+    if probs is None or j >= num_drafts or j >= probs.shape[0]:
+        return None
+    return probs[j]
+
+
 def _choose_wave(sampler: Sampler, logits: torch.Tensor, views: list[DraftView],
-                 drafts: list[int | None]) -> list[tuple[bool, int]]:
-    """Per row: (kept, token): (True, draft) if the draft is kept, else (False, the token emitted)."""
+                 drafts: list[int | None], qs: list[torch.Tensor | None]) -> list[tuple[bool, int]]:
+    """Per row: (kept, token): (True, draft) if the draft is kept, else (False, the token emitted).
+    `qs[r]`: the distribution row r's draft was sampled from (None: a point mass at the draft)."""
     out: list[tuple[bool, int]] = [(False, 0)] * len(views)
     greedy = [r for r, v in enumerate(views) if v.params.temperature <= 0]
     random_rows = [r for r, v in enumerate(views) if v.params.temperature > 0]
@@ -124,13 +137,33 @@ def _choose_wave(sampler: Sampler, logits: torch.Tensor, views: list[DraftView],
         for j, r in enumerate(random_rows):
             p = probs[j].double()
             d = drafts[r]
-            if d is not None:
+            q = qs[r]
+            if d is not None and q is not None:
+                q = _aligned(q.double(), p.shape[0])
+                if q[d] > 0 and u_accept[j] * q[d] < p[d]:  # kept with probability min(1, p(d) / q(d))
+                    out[r] = (True, d)
+                    continue
+                residual = torch.clamp(p - q, min=0.0)  # the residual max(0, p - q)
+                # all zero only when p == q up to rounding, where a rejection has probability ~0
+                p = residual if float(residual.sum()) > 1e-12 else p
+            elif d is not None:
                 if u_accept[j] < p[d]:
                     out[r] = (True, d)
                     continue
                 p = p.clone()
                 p[d] = 0.0  # the residual max(0, p - q) for a point-mass q at d
             out[r] = (False, _draw(p, float(u_draw[j])))
+    return out
+
+
+def _aligned(q: torch.Tensor, size: int) -> torch.Tensor:
+    """`q` over the target's vocabulary rows: a draft model's padded vocabulary may be wider or narrower
+    (the proposer puts no mass past the shared tokenizer's ids)."""
+    if q.shape[0] == size:
+        return q
+    out = torch.zeros(size, dtype=q.dtype)
+    n = min(size, q.shape[0])
+    out[:n] = q[:n]
     return out
 
 

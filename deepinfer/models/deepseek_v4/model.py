@@ -88,6 +88,9 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.ropes = {label: _rope(cfg, label, dtype) for label in _ROPE_LABELS}
         self.kv_groups = self._groups(types)
         self.kv_specs: list[KVSpec] = [g.spec for g in self.kv_groups]
+        # the MTP layer (mtp.py) drafts from the last residual streams of the step's rows: kept when asked
+        self.keep_streams = False
+        self.step_streams: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ KV groups and caches
 
@@ -197,6 +200,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         step_rope = {label: rope(positions) for label, rope in self.ropes.items()}
         for layer, cache in zip(self.layers, caches, strict=True):
             streams = layer(streams, input_ids, step_rope, self.ropes, cache, meta)
+        if self.keep_streams:
+            self.step_streams = streams
         streams = streams[logits_indices]
         return rms_norm(self.hc_head(streams), self.norm, self.config.rms_norm_eps)
 
