@@ -260,8 +260,9 @@ class SpeculativeConfig:
         "prompt_lookup_max, suffix_max_depth, suffix_min_match, suffix_min_confidence, suffix_recent_requests, "
         "acceptance_ewma, initial_acceptance, model). adaptive = the draft length is chosen per request and "
         "step from its acceptance rate and the cost model's price of verifying more tokens (down to 0 when "
-        "the batch is compute-bound); false = always the whole draft. draft_model and mtp are not "
-        "implemented yet. Default: off.",
+        "the batch is compute-bound); false = always the whole draft. draft_model: \"model\" is a smaller "
+        "model with the same tokenizer (its own paged KV); mtp: DeepSeek-V4's multi-token-prediction layer from "
+        "the checkpoint (V4 models of sliding-window layers only, for now). Default: off.",
         parse=parse_speculative,
     )
 
