@@ -47,8 +47,7 @@ from pathlib import Path
 from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# the vLLM subprocess gets the environment as the user gave it, not as deepinfer sets it for itself
-# (deepinfer sets OMP_WAIT_POLICY on import: deepinfer/openmp_env.py)
+# the vLLM subprocess gets the environment as the user gave it, whatever this process sets later
 USER_ENV = dict(os.environ)
 
 import hw_bounds  # noqa: E402 - sibling modules (the script's directory is on sys.path); neither loads torch

@@ -7,11 +7,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-
-# isort: split
-import deepinfer  # noqa: F401  (before torch: it sets the OpenMP wait policy torch's runtime reads once)
-
-# isort: split
 import torch
 
 from tests.server_utils import CLUSTER_TOKEN

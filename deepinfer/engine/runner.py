@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from deepinfer.config import CacheConfig, ModelConfig, resolve_size
+from deepinfer.engine.cpu_threads import ThreadGovernor
 from deepinfer.engine.expert_parallel import ExpertParallel
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
@@ -141,6 +142,9 @@ class ModelRunner:
             torch.set_num_threads(model_config.num_threads)
         self.block_size = cache_config.block_size
         self.deterministic = model_config.deterministic
+        # the forward's thread count follows the cores other processes leave free (cpu_threads.py)
+        self.threads = ThreadGovernor(enabled=self.device.type == "cpu" and not model_config.num_threads
+                                      and not self.deterministic)
         if self.deterministic and (self.device.type != "cpu" or self.dtype not in (torch.float32, torch.bfloat16)):
             raise ValueError("deterministic mode runs on CPU in float32 or bfloat16")
         self.backend = TorchAttentionBackend(self.device, row_invariant=self.deterministic)
@@ -432,6 +436,7 @@ class ModelRunner:
         """Forward + sampling. Reads only `step` and the sampled requests' params and token ids
         (which the engine does not change while a step runs)."""
         started = time.perf_counter()
+        self.threads.tick()
         for row, request_id in step.pending_tokens:
             step.input_ids[row] = self._last_sampled[request_id]
         num_sampled = len(step.sample_reqs)
