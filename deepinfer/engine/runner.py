@@ -11,7 +11,8 @@ tokens: those inputs are placeholders that `run` fills from the previous run's s
 Speculative decoding: a scheduled request with draft tokens runs its last token and the drafts; for
 attention each of those rows is a decode of its own (same block table, context one longer per row: the
 step writes every row's K/V before attending, so row j sees rows < j), which keeps verification on the
-batched decode kernels (per-request prefill attention measured ~10x slower at batch 8). All its rows'
+batched decode kernels (per-request prefill attention measured ~10x slower at batch 8); a model that builds
+its own KV metadata (DeepSeek-V4, `custom_kv`) gets them as one chunk per request instead. All its rows'
 logits are kept (after the plainly sampled rows) and `spec.verify` decides per
 request which drafts the target keeps and which token follows them (`StepResult.accepted`).
 """
@@ -364,7 +365,7 @@ class ModelRunner:
                 pending.append((len(tokens), req.request_id))
                 tokens.append(0)
             positions.extend(range(start, end))
-            if item.draft_token_ids:  # one decode row per token (see the module docstring)
+            if item.draft_token_ids and not self.custom_kv:  # one decode row per token (module docstring)
                 num_decodes += n
                 query_lens.extend([1] * n)
                 context_lens.extend(range(start + 1, end + 1))
