@@ -60,6 +60,29 @@ def running_server(*args: str, timeout: float = 180.0, log: Path | None = None):
             out.close()
 
 
+@contextmanager
+def inprocess_app(app, timeout: float = 30.0):
+    """Serve `app` with uvicorn on a thread of this process on a free port; yields the base URL (for
+    tests that reach into the engine behind it: fault injection, killing a rank)."""
+    import threading
+
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not server.started:
+        if time.monotonic() > deadline:
+            raise TimeoutError("in-process server did not start")
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{server.config.port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+
+
 def metric(base: str, name: str) -> float:
     """Sum of a Prometheus metric's samples (all label sets)."""
     text = httpx.get(f"{base}/metrics", timeout=10).text

@@ -10,7 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from pathlib import Path
 
@@ -100,56 +99,48 @@ def test_forced_skew_rebalances_evens_the_ranks_and_keeps_the_output(tiny_models
 
 @pytest.mark.slow
 def test_dead_rank_ends_requests_with_an_error_and_health_turns_503(tiny_models):
-    import uvicorn
-
     from deepinfer.config import EngineConfig
     from deepinfer.engine.ep_engine import ExpertParallelEngine
     from deepinfer.server.app import build_app
-    from tests.server_utils import free_port
+    from tests.server_utils import inprocess_app
 
     engine = ExpertParallelEngine(EngineConfig.from_kwargs(model=str(tiny_models["qwen3_moe"]), kv_store="none",
                                                            expert_parallel_size=2, **COMMON))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 30
-        while not server.started:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        assert httpx.get(f"{base}/health").status_code == 200
-        body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5}
-        assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
-        assert "deepinfer:eplb_rank_expert_tokens" in httpx.get(f"{base}/metrics").text
-
-        async def long_requests() -> list:
-            long = {**body, "max_tokens": 900, "ignore_eos": True, "stream": True}
-            async with httpx.AsyncClient(timeout=60) as client:
-                async def one() -> str:
-                    async with client.stream("POST", f"{base}/v1/completions", json=long) as r:
-                        text = ""
-                        async for chunk in r.aiter_text():
-                            text += chunk
-                        return text
-                tasks = [asyncio.create_task(one()) for _ in range(4)]  # two per rank (least loaded)
-                await asyncio.sleep(1.5)
-                engine.ranks[1]._proc.kill()
-                return await asyncio.wait_for(asyncio.gather(*tasks), 30)
-
-        started = time.monotonic()
-        streams = asyncio.run(long_requests())
-        assert time.monotonic() - started < 30
-        assert all('"error"' in s for s in streams), streams  # every stream ended with an error event
-        assert httpx.get(f"{base}/health").status_code == 503
-        assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).status_code >= 500
-        deadline = time.monotonic() + 10
-        while any(r._proc.is_alive() for r in engine.ranks):  # the survivor was stopped, not left hanging
-            assert time.monotonic() < deadline
-            time.sleep(0.1)
+        with inprocess_app(build_app(engine, "tiny")) as base:
+            _dead_rank_scenario(engine, base)
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.shutdown()
+
+
+def _dead_rank_scenario(engine, base: str) -> None:
+    """Kill rank 1 under four long streams: every stream ends with an error, /health turns 503, the survivor stops."""
+    assert httpx.get(f"{base}/health").status_code == 200
+    body = {"model": "tiny", "prompt": [5, 6, 7], "max_tokens": 5}
+    assert httpx.post(f"{base}/v1/completions", json=body, timeout=60).status_code == 200
+    assert "deepinfer:eplb_rank_expert_tokens" in httpx.get(f"{base}/metrics").text
+
+    async def long_requests() -> list:
+        long = {**body, "max_tokens": 900, "ignore_eos": True, "stream": True}
+        async with httpx.AsyncClient(timeout=60) as client:
+            async def one() -> str:
+                async with client.stream("POST", f"{base}/v1/completions", json=long) as r:
+                    text = ""
+                    async for chunk in r.aiter_text():
+                        text += chunk
+                    return text
+            tasks = [asyncio.create_task(one()) for _ in range(4)]  # two per rank (least loaded)
+            await asyncio.sleep(1.5)
+            engine.ranks[1]._proc.kill()
+            return await asyncio.wait_for(asyncio.gather(*tasks), 30)
+
+    started = time.monotonic()
+    streams = asyncio.run(long_requests())
+    assert time.monotonic() - started < 30
+    assert all('"error"' in s for s in streams), streams  # every stream ended with an error event
+    assert httpx.get(f"{base}/health").status_code == 503
+    assert httpx.post(f"{base}/v1/completions", json=body, timeout=30).status_code >= 500
+    deadline = time.monotonic() + 10
+    while any(r._proc.is_alive() for r in engine.ranks):  # the survivor was stopped, not left hanging
+        assert time.monotonic() < deadline
+        time.sleep(0.1)

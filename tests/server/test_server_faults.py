@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import threading
-import time
 
 import httpx
 import pytest
-import uvicorn
 
 from deepinfer.config import EngineConfig
 from deepinfer.engine.async_engine import AsyncEngine
 from deepinfer.server.app import build_app
-from tests.server_utils import free_port, metric, running_server
+from tests.server_utils import inprocess_app, metric, running_server
 
 
 def test_queue_limit_gives_429_with_retry_after(tiny_models):
@@ -41,20 +38,11 @@ def test_queue_limit_gives_429_with_retry_after(tiny_models):
 def inprocess_server(tiny_models):
     engine = AsyncEngine(EngineConfig.from_kwargs(model=str(tiny_models["llama"]), dtype="float32",
                                                   kv_cache_memory="16MiB", max_model_len=512))
-    port = free_port()
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1", port=port,
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    yield base, engine
-    server.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
+    try:
+        with inprocess_app(build_app(engine, "tiny")) as base:
+            yield base, engine
+    finally:
+        engine.shutdown()
 
 
 def test_health_turns_503_when_the_engine_loop_dies(inprocess_server):
