@@ -26,9 +26,9 @@ import torch
 
 from deepinfer.config import CacheConfig, ModelConfig
 from deepinfer.engine.request import Request
-from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+from deepinfer.engine.spec.draft_sampling import DraftTokenChooser, pack_drafts
 from deepinfer.engine.spec.proposer import Draft, Proposer, ProposerStats
 from deepinfer.kvcache.manager import KVCacheManager
 
@@ -55,8 +55,7 @@ class DraftModelProposer(Proposer):
                                  [g.spec for g in runner.kv_groups], 0)
         self.vocab_size = vocab_size
         self.chunk = max(1, max_num_batched_tokens)  # catch-up tokens per request per forward
-        self.sampler = Sampler(seed)
-        self.generator = torch.Generator().manual_seed(0 if seed is None else seed)
+        self.chooser = DraftTokenChooser(seed)
         self.shadows: dict[str, _Shadow] = {}
         self.stats = ProposerStats()
         self.num_forwards = 0
@@ -88,13 +87,7 @@ class DraftModelProposer(Proposer):
                 if q is not None:
                     probs[i].append(q)
                 self.shadows[reqs[i].request_id].req.token_ids.append(token)
-        for i, ts in tokens.items():
-            if ts:
-                q = torch.stack(probs[i]) if probs[i] else None
-                out[i] = Draft(tuple(ts), probs=q)
-                self.stats.num_proposals += 1
-                self.stats.num_proposed_tokens += len(ts)
-        return out
+        return pack_drafts(out, tokens, probs, self.stats)
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         shadow = self.shadows.get(req.request_id)
@@ -169,13 +162,7 @@ class DraftModelProposer(Proposer):
         return logits[[row_of[s.request_id] for s, _ in items if s.request_id in row_of]].float().cpu()
 
     def _choose(self, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        """The draft token for `req` from the draft's logits row, and q if it was sampled."""
-        row = logits[: self.vocab_size]
-        if req.params.temperature <= 0:
-            return int(self.sampler.greedy(row.unsqueeze(0))[0]), None
-        q = self.sampler.target_probs(row.unsqueeze(0), [req])[0]
-        token = int(torch.multinomial(q, 1, generator=self.generator)[0])
-        return token, q
+        return self.chooser.choose(req, logits[: self.vocab_size])  # the draft's padded vocab rows dropped
 
 
 def load_draft_runner(path: str, model_config: ModelConfig, cache_config: CacheConfig, max_model_len: int,

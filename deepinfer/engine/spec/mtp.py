@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.engine.request import Request
-from deepinfer.engine.sampler import Sampler
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.spec.draft_sampling import DraftTokenChooser, pack_drafts
 from deepinfer.engine.spec.proposer import Draft, Proposer, ProposerStats
 from deepinfer.kvcache.blocks import NO_BLOCK
 from deepinfer.kvcache.manager import KVCacheManager, PrefixHit
@@ -63,8 +63,7 @@ class MTPProposer(Proposer):
         self.device = device
         self.keep = layer.window + 2 * (k_max + 1) + block_size
         self.states: dict[str, _State] = {}
-        self.sampler = Sampler(seed)
-        self.generator = torch.Generator().manual_seed(0 if seed is None else seed)
+        self.chooser = DraftTokenChooser(seed)
         self.stats = ProposerStats()
 
     # ------------------------------------------------------------------ the target's streams
@@ -129,12 +128,7 @@ class MTPProposer(Proposer):
                 tokens[i].append(token)
                 if q is not None:
                     probs[i].append(q)
-        for i, ts in tokens.items():
-            q = torch.stack(probs[i]) if probs[i] else None
-            out[i] = Draft(tuple(ts), probs=q)
-            self.stats.num_proposals += 1
-            self.stats.num_proposed_tokens += len(ts)
-        return out
+        return pack_drafts(out, tokens, probs, self.stats)
 
     def on_verified(self, req: Request, num_drafted: int, num_accepted: int) -> None:
         st = self.states.get(req.request_id)
@@ -206,10 +200,7 @@ class MTPProposer(Proposer):
         return last_logits[back], last_streams[back]
 
     def _choose(self, req: Request, logits: torch.Tensor) -> tuple[int, torch.Tensor | None]:
-        if req.params.temperature <= 0:
-            return int(self.sampler.greedy(logits.unsqueeze(0))[0]), None
-        q = self.sampler.target_probs(logits.unsqueeze(0), [req])[0]
-        return int(torch.multinomial(q, 1, generator=self.generator)[0]), q
+        return self.chooser.choose(req, logits)
 
 
 def build_mtp_proposer(method, core) -> MTPProposer:
