@@ -1,4 +1,4 @@
-"""Offline generation throughput: deepinfer vs HF transformers vs vLLM (CPU).
+"""Offline generation throughput: deepinfer vs HF transformers vs vLLM (CPU) vs llama.cpp (single stream).
 
 Workloads (greedy, ``ignore_eos``, every prompt generates exactly ``--max-tokens``):
 
@@ -28,7 +28,8 @@ Usage (system python; vLLM runs in its own venv through a subprocess)::
 
 Machine-specific paths come from flags or the environment, never from this file: ``--model-dir``
 (``$HF_MODEL_DIR``; default: deepinfer's own HF conversion of the default model, in its cache dir) and
-``--vllm-python`` (``$VLLM_PYTHON``; without either, vLLM is skipped).
+``--vllm-python`` (``$VLLM_PYTHON``; without either, vLLM is skipped), ``--llamacpp-python``
+(``$LLAMACPP_PYTHON``, a venv with ``llama-cpp-python``: the single workload on deepinfer's GGUF).
 """
 
 from __future__ import annotations
@@ -298,6 +299,42 @@ def run_vllm(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
     return out
 
 
+def run_llamacpp(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
+    """llama.cpp on the same GGUF as deepinfer (single stream only: its Python binding decodes one sequence
+    at a time), in its own venv through `baselines/llamacpp_runner.py`."""
+    from deepinfer.weights import resolve_model
+
+    gguf = resolve_model(args.deepinfer_model).source
+    if gguf.suffix != ".gguf":
+        sys.exit(f"llamacpp needs a .gguf model; deepinfer's model is {gguf}")
+    single = {n: p for n, p in runs.items() if n == "single"}
+    if not single:
+        print("llamacpp runs the single workload only; skipped", file=sys.stderr)
+        return []
+    spec = {"gguf": str(gguf), "n_threads": len(os.sched_getaffinity(0)), "max_tokens": args.max_tokens,
+            "decode_only": args.llamacpp_decode_only, "contention": args.contention,
+            "workloads": [{"name": n, "runs": p} for n, p in single.items()]}
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run([args.llamacpp_python, str(HERE / "baselines" / "llamacpp_runner.py"), f.name],
+                              env=dict(USER_ENV), capture_output=True, text=True, timeout=args.vllm_timeout)
+    finally:
+        os.unlink(f.name)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"llama.cpp runner failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}")
+    res = json.loads(lines[-1])
+    out = []
+    for name, w in res["workloads"].items():
+        r = summarize("llamacpp", name, w["walls"], w["token_ids"], runs[name][-1], args.contention)
+        r.update(load_s=res["load_s"], dtype="gguf", decode_only=res["decode_only"],
+                 decode_tok_per_s=1.0 / w["decode_s_per_token"])
+        out.append(r)
+        print(f"  llamacpp  {name:7s} {contended_note(r)}", file=sys.stderr, flush=True)
+    return out
+
+
 def bound_fraction(r: dict[str, Any], bounds: tuple[Any, Any] | None, args: argparse.Namespace,
                    tok_per_s: float) -> str:
     """`tok_per_s` as a fraction of the machine's bound for `r`'s engine and workload ('-' unmeasured)."""
@@ -305,9 +342,12 @@ def bound_fraction(r: dict[str, Any], bounds: tuple[Any, Any] | None, args: argp
         return "-"
     machine, cost = bounds
     dtype = r.get("dtype", "float32")
+    gguf = r["engine"] == "llamacpp" or (
+        r["engine"] == "deepinfer" and (args.deepinfer_model is None or args.deepinfer_model.endswith(".gguf")))
+    if r["engine"] == "llamacpp" and r["workload"] == "single":
+        dtype = "float32"  # reads the GGUF blocks: the memory bound does not depend on a compute dtype
     if dtype not in machine.flops:
         return "-"
-    gguf = r["engine"] == "deepinfer" and (args.deepinfer_model is None or args.deepinfer_model.endswith(".gguf"))
     frac, kind = hw_bounds.fraction(tok_per_s, r["workload"] == "single", machine, cost, dtype, gguf)
     return f"{frac:.2f} {kind}"
 
@@ -342,6 +382,10 @@ def print_table(results: list[dict[str, Any]], bounds: tuple[Any, Any] | None = 
     single = {r["engine"]: r["tok_per_s"] for r in results if r["workload"] == "single"}
     if single:
         print("single-stream decode tok/s: " + ", ".join(f"{e}={v:.1f}" for e, v in single.items()))
+    for r in results:
+        if r["engine"] == "llamacpp":
+            how = "first prompt token only (--llamacpp-decode-only)" if r["decode_only"] else "whole prompt"
+            print(f"llamacpp {r['workload']}: decode alone {r['decode_tok_per_s']:.1f} tok/s; prompt evaluated: {how}")
     if bounds is not None:
         print(hw_bounds.describe(*bounds))
         print("of bound: tok/s over the bound (cmp: matmul FLOP/s in the engine's dtype / model FLOPs per "
@@ -353,7 +397,7 @@ def print_table(results: list[dict[str, Any]], bounds: tuple[Any, Any] | None = 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--engines", default="deepinfer,hf,vllm", help="comma list of deepinfer,hf,vllm")
+    ap.add_argument("--engines", default="deepinfer,hf,vllm", help="comma list of deepinfer,hf,vllm,llamacpp")
     ap.add_argument("--workloads", default="chat,shared,single", help="comma list of chat,shared,single")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -374,6 +418,11 @@ def main() -> None:
     ap.add_argument("--vllm-kv-gib", type=float, default=4.0)
     ap.add_argument("--vllm-timeout", type=int, default=3600)
     ap.add_argument("--vllm-log", default=None, help="save the vLLM runner's stdout/stderr here")
+    ap.add_argument("--llamacpp-python", default=os.environ.get("LLAMACPP_PYTHON") or None,
+                    help="python of a venv with llama-cpp-python (default: $LLAMACPP_PYTHON; without either, "
+                    "llamacpp is skipped); it runs the single workload on deepinfer's GGUF")
+    ap.add_argument("--llamacpp-decode-only", action="store_true",
+                    help="llama.cpp evaluates only each prompt's first token (where longer prompts crash it)")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--contention", type=int, default=0,
                     help="also time every repeat with N processes spinning beside it (co-located load)")
@@ -387,6 +436,10 @@ def main() -> None:
         print(f"vLLM python not found ({args.vllm_python or 'give --vllm-python or $VLLM_PYTHON'}); skipping vllm",
               file=sys.stderr)
         engines.remove("vllm")
+    if "llamacpp" in engines and (args.llamacpp_python is None or not Path(args.llamacpp_python).exists()):
+        print(f"llama.cpp python not found ({args.llamacpp_python or 'give --llamacpp-python or $LLAMACPP_PYTHON'})"
+              "; skipping llamacpp", file=sys.stderr)
+        engines.remove("llamacpp")
     if args.model_dir is None:
         from deepinfer.weights import resolve_model
 
@@ -440,6 +493,8 @@ def main() -> None:
             res = run_hf(args, runs)
         elif engine == "vllm":
             res = run_vllm(args, runs)
+        elif engine == "llamacpp":
+            res = run_llamacpp(args, runs)
         else:
             sys.exit(f"unknown engine {engine!r}")
         results.extend(res)
