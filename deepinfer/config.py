@@ -262,7 +262,7 @@ class SpeculativeConfig:
         "step from its acceptance rate and the cost model's price of verifying more tokens (down to 0 when "
         "the batch is compute-bound); false = always the whole draft. draft_model: \"model\" is a smaller "
         "model with the same tokenizer (its own paged KV); mtp: DeepSeek-V4's multi-token-prediction layer from "
-        "the checkpoint (V4 models of sliding-window layers only, for now). Default: off.",
+        "the checkpoint. Default: off.",
         parse=parse_speculative,
     )
 
