@@ -315,7 +315,8 @@ class SchedulerConfig:
         "on: run the model on its own thread and overlap host work with it: while step N runs, the engine "
         "schedules and prepares step N+1 (N's sampled tokens are filled in on the model thread) and "
         "detokenizes, matches stop strings and streams step N-1's tokens. off: every step is scheduled, run "
-        "and post-processed strictly in turn. auto: on for CUDA; off on CPU, "
+        "and post-processed strictly in turn (with speculative decoding, steps that verify drafts run in turn "
+        "under on too). auto: on for CUDA; off on CPU, "
         "where the host thread competes with the model's threads for the same cores and the GIL "
         "(benchmarks/overlap.py measured it slower on a 2-core machine, see BENCHMARKS.md).",
         choices=["auto", "on", "off"],
