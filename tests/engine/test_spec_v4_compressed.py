@@ -1,7 +1,7 @@
 """Speculative decoding on a DeepSeek-V4 with compressed layers (CSA ratio 4 with its indexer, HCA ratio 8)
 and a 6-token sliding window: greedy output token-identical with and without speculation for the
-corrupted-oracle, n-gram and MTP proposers, with 8-token prefill chunks, 4-token blocks and a prefix hit
-on blocks computed under speculation. The oracle's drafts are often wrong, so verification steps complete
+corrupted-oracle, n-gram and MTP proposers, with 8-token prefill chunks, 4-token blocks, a prefix hit
+on blocks computed under speculation, and preemption. The oracle's drafts are often wrong, so verification steps complete
 compression groups with rejected tokens (counted, so the test cannot pass vacuously); those entries,
 indexer keys and compressor rows must never reach a kept token."""
 
@@ -98,3 +98,14 @@ def test_prefix_hit_on_blocks_computed_under_speculation(v4c):
     assert [list(o.outputs[0].token_ids) for o in outs] == plain
     assert sum(o.num_cached_tokens for o in outs) > 0
     assert_all_free(llm)
+
+
+@pytest.mark.slow
+def test_preemption(v4c):
+    """A KV budget of a few blocks: requests are preempted (and recomputed) while drafting. Prefix caching
+    off: a re-admitted request would otherwise hit its own compressed blocks and replay a bounded window
+    (`--swa-replay-tokens`), an approximation by design (docs/deepseek_v4.md), in either engine."""
+    reference = token_ids(_llm(v4c), PROMPTS, greedy(40))
+    llm, log = _run(v4c, "oracle", PROMPTS, 40, reference, kv_cache_memory="32KiB", max_model_len=128,
+                    enable_prefix_caching=False)
+    assert llm.engine.core.scheduler.num_preemptions > 0 and sum(log) > 0
