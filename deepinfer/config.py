@@ -262,7 +262,7 @@ class SpeculativeConfig:
         "step from its acceptance rate and the cost model's price of verifying more tokens (down to 0 when "
         "the batch is compute-bound); false = always the whole draft. draft_model: \"model\" is a smaller "
         "model with the same tokenizer (its own paged KV); mtp: DeepSeek-V4's multi-token-prediction layer from "
-        "the checkpoint (V4 models of sliding-window layers only, for now). Default: off.",
+        "the checkpoint. Default: off.",
         parse=parse_speculative,
     )
 
@@ -315,7 +315,8 @@ class SchedulerConfig:
         "on: run the model on its own thread and overlap host work with it: while step N runs, the engine "
         "schedules and prepares step N+1 (N's sampled tokens are filled in on the model thread) and "
         "detokenizes, matches stop strings and streams step N-1's tokens. off: every step is scheduled, run "
-        "and post-processed strictly in turn. auto: on for CUDA; off on CPU, "
+        "and post-processed strictly in turn (with speculative decoding, steps that verify drafts run in turn "
+        "under on too). auto: on for CUDA; off on CPU, "
         "where the host thread competes with the model's threads for the same cores and the GIL "
         "(benchmarks/overlap.py measured it slower on a 2-core machine, see BENCHMARKS.md).",
         choices=["auto", "on", "off"],

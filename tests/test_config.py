@@ -87,6 +87,13 @@ def test_cli_takes_the_same_strings_and_help_is_unchanged():
     # worker processes get the parsed values back as flags and parse them to the same numbers
     rebuilt = engine_config_from_args(parser.parse_args(["serve", *engine_flags(engine)]))
     assert rebuilt == engine and rebuilt.kvstore.retention == engine.kvstore.retention
+    # --speculative-config goes to decode workers as JSON, not to prefill workers
+    spec = parser.parse_args(["serve", "--speculative-config",
+                              '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}'])
+    spec_engine = engine_config_from_args(spec)
+    assert engine_config_from_args(parser.parse_args(["serve", *engine_flags(spec_engine, "decode")])) == spec_engine
+    prefill = engine_config_from_args(parser.parse_args(["serve", *engine_flags(spec_engine, "prefill")]))
+    assert prefill.speculative.speculative_config is None
     # --help shows the text defaults, as before; the flags take strings
     serve = parser._subparsers._group_actions[0].choices["serve"]
     flags = {opt: action for action in serve._actions for opt in action.option_strings}

@@ -53,6 +53,7 @@ from deepinfer.config import RouterConfig
 from deepinfer.engine.engine_client import EngineDeadError, GrammarChecker
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.spec.metrics import merge_spec_stats
 from deepinfer.engine.structured import StructuredOutputParams
 from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache import RetentionPolicy
@@ -140,14 +141,19 @@ class ClusterEngineClient:
     def abort(self, request_id: str) -> None:
         """Nothing to do: closing the `generate` stream closes the worker connections, which aborts there."""
 
-    def stats(self) -> dict[str, float]:
-        """Engine stats summed over live workers (ratios and cost-model terms averaged)."""
-        out: defaultdict[str, float] = defaultdict(float)
+    def stats(self) -> dict[str, Any]:
+        """Engine stats summed over live workers (ratios and cost-model terms averaged); speculative decoding's
+        per proposer under "spec" (`merge_spec_stats`: summed counters, ratios recomputed from them)."""
+        out: defaultdict[str, Any] = defaultdict(float)
         live = [w for w in self.pool.workers.values() if w.alive and w.load.get("stats")]
         for w in live:
             for k, v in w.load["stats"].items():
-                if isinstance(v, int | float) and not k.endswith("_at"):  # timestamps do not add up
+                # timestamps do not add up; speculative counters are kept per proposer below
+                if isinstance(v, int | float) and not k.endswith("_at") and not k.startswith("spec_"):
                     out[k] += v
+        spec = merge_spec_stats(w.load["stats"] for w in live)
+        if spec:
+            out["spec"] = spec
         for k in list(out):
             if k == "kv_usage" or k.startswith(("cost_", "step_time")):
                 out[k] /= max(len(live), 1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -50,14 +51,19 @@ def config_flags(cfg: Any) -> list[str]:
         elif isinstance(value, tuple):
             if value:
                 out += [flag, *map(str, value)]
+        elif dataclasses.is_dataclass(value):  # a JSON-valued flag (--speculative-config)
+            out += [flag, json.dumps(dataclasses.asdict(value))]
         elif value is not None:
             out += [flag, str(value)]
     return out
 
 
-def engine_flags(engine: EngineConfig) -> list[str]:
+def engine_flags(engine: EngineConfig, role: str = "unified") -> list[str]:
+    """The flags that rebuild `engine` in a worker of `role`. Speculative decoding goes to decode (and
+    unified) workers only: a prefill worker computes the prompt and the first token, never a draft."""
+    spec = config_flags(engine.speculative) if role != "prefill" else []
     return [*config_flags(engine.model), *config_flags(engine.cache), *config_flags(engine.scheduler),
-            *config_flags(engine.kvstore)]
+            *config_flags(engine.kvstore), *spec]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
@@ -83,7 +89,7 @@ def start_worker(role: str, engine: EngineConfig, port: int, log_level: str = "W
     """A worker process; `cpus`: pin it (and the engine process it starts, which inherits it) to them;
     `token`: the cluster token, passed in its environment."""
     cmd = [sys.executable, "-m", "deepinfer.cli", "--log-level", log_level, "serve", "--role", role,
-           "--host", "127.0.0.1", "--port", str(port), *engine_flags(engine), *(extra or [])]
+           "--host", "127.0.0.1", "--port", str(port), *engine_flags(engine, role), *(extra or [])]
     linux = sys.platform.startswith("linux")
 
     def preexec() -> None:  # pragma: no cover - runs in the child before exec

@@ -76,14 +76,13 @@ def start_ray_workers(address: str, engine: EngineConfig, cluster: ClusterConfig
     ray.init(address=None if address == "auto" else address, logging_level=logging.WARNING,
              log_to_driver=False)
     actor_cls = ray.remote(num_cpus=cluster.ray_cpus_per_worker, scheduling_strategy="SPREAD")(WorkerActor)
-    flags = engine_flags(engine)
     roles = ["prefill"] * cluster.prefill_workers + ["decode"] * cluster.decode_workers
     from pathlib import Path
 
     import deepinfer
 
     root = str(Path(deepinfer.__file__).resolve().parent.parent)
-    actors = [actor_cls.remote(role, flags, log_level, root, token) for role in roles]
+    actors = [actor_cls.remote(role, engine_flags(engine, role), log_level, root, token) for role in roles]
     infos = ray.get([a.info.remote() for a in actors], timeout=300)
     prefill = [i["url"] for i, r in zip(infos, roles, strict=True) if r == "prefill"]
     decode = [i["url"] for i, r in zip(infos, roles, strict=True) if r == "decode"]

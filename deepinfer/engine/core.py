@@ -30,7 +30,6 @@ from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
 from deepinfer.engine.spec import Speculator
 from deepinfer.kvcache.engine_tiers import KVTiers, resolve_retention
 from deepinfer.kvcache.manager import KVCacheManager
-from deepinfer.kvcache.spec import SlidingWindow
 from deepinfer.weights import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -119,14 +118,14 @@ class EngineCore:
         method = self.config.speculative.speculative_config
         if method is None:
             return None
-        if self.runner.custom_kv and not all(isinstance(g.spec, SlidingWindow) for g in self.runner.kv_groups):
-            # DeepSeek-V4 writes compressed entries (and the indexer's keys) when a position completes a
-            # compression group, from the compressor rows of that group: a verification step that ran
-            # rejected drafts through a group's last position would leave an entry computed from them, and
-            # that state is not rolled back yet. Refused rather than silently inexact.
-            # (a V4 of sliding-window layers only keeps window K=V alone, which truncation rolls back)
-            raise ValueError(f"speculative decoding is not supported for {type(self.runner.model).__name__} yet: "
-                             "its compressed KV state cannot be rolled back past rejected draft tokens")
+        # DeepSeek-V4's compressed state needs no rollback beyond `KVCacheManager.truncate`: every state a
+        # position writes lives in that position's own slot (window K=V, compressor rows) or in the slot of
+        # the compression group it completes (entry and indexer key of group w, completed at (w + 1) * m - 1).
+        # A group completed at a rejected position is visible only to queries at or after that position
+        # (entries w < (p + 1) // m), i.e. to rejected queries; after the rewind that position lies past
+        # `num_computed_tokens`, so the step that computes its real token pools the group again from the
+        # real rows (`build_step_meta` pools every group completing inside a step) and overwrites the
+        # entry before any kept query reads it. Registered blocks never reach past the computed tokens.
         proposer = None
         if method.method in ("draft_model", "mtp"):  # proposers that run a model: built from the target's setup
             from deepinfer.engine.spec.model_proposers import build_model_proposer

@@ -88,11 +88,6 @@ class LLMEngine:
         self.overlap = mode == "on" or (mode == "auto" and self.core.runner.device.type == "cuda")
         # the expert-parallel step protocol and EPLB's switches run between steps on this thread
         self.overlap = self.overlap and self.expert_parallel is None
-        if self.overlap and self.core.speculator is not None:
-            # a step scheduled ahead would have to propose drafts after a token it does not know yet
-            if mode == "on":
-                raise ValueError("overlap_host_work=on does not combine with speculative decoding yet")
-            self.overlap = False
         self._inflight: InFlightStep | None = None
         self.grammars = GrammarCache(self._grammar_backend)
         self._kv_streams: dict[str, list] = {}  # stream_kv requests: id -> [Request, blocks exported]
@@ -320,6 +315,14 @@ class LLMEngine:
             inflight = self._inflight or core.launch()
             if inflight is None:
                 outputs = []
+            elif core.speculator is not None and (inflight.ready is not None or _carries_drafts(inflight)):
+                # Speculative decoding: nothing is scheduled behind a step that verifies drafts (where its
+                # requests resume depends on how many drafts it keeps, so the scheduler would leave them out
+                # of a step scheduled ahead: they would sit a step out), nor behind a step that was itself
+                # scheduled ahead (its requests had a token in flight, so they drafted nothing; the next
+                # step is scheduled fresh, when they can). Steps without drafts still overlap in pairs.
+                self._inflight = None
+                outputs = core.complete(inflight)
             else:
                 self._inflight = core.launch(ahead=inflight)
                 outputs = core.complete(inflight, next_step=self._inflight)
@@ -395,3 +398,7 @@ class LLMEngine:
             pending += prefetcher.in_flight()
         if pending:
             wait_futures(pending, timeout=0.05, return_when=FIRST_COMPLETED)
+
+
+def _carries_drafts(step: InFlightStep) -> bool:
+    return any(item.draft_token_ids for item in step.plan.scheduled)

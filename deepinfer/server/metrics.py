@@ -88,8 +88,10 @@ class _EngineCollector:
         yield coef
         if "eplb" in s:
             yield from _expert_metrics(s["eplb"], self.model_name, gauge, counter)
-        if "spec_proposer" in s:
-            yield from _spec_metrics(s, self.model_name)
+        # one engine's stats carry one proposer's counters flat; a router's carry them per proposer ("spec")
+        by_proposer = s.get("spec") or ({str(s["spec_proposer"]): s} if "spec_proposer" in s else {})
+        if by_proposer:
+            yield from _spec_metrics(by_proposer, self.model_name)
 
 
 def _expert_metrics(e: dict, model: str, gauge: Callable[[str, str, float], GaugeMetricFamily],
@@ -121,11 +123,10 @@ def _expert_metrics(e: dict, model: str, gauge: Callable[[str, str, float], Gaug
     yield replicas
 
 
-def _spec_metrics(s: dict, model_name: str) -> Iterator[Any]:
+def _spec_metrics(by_proposer: dict[str, dict], model_name: str) -> Iterator[Any]:
     """Speculative decoding, labelled by proposer: counters, acceptance rate, mean accepted length, and the
     histogram of the draft length chosen per decoding request-step (k = 0: no drafts verified)."""
     labels = ["model_name", "proposer"]
-    values = [model_name, str(s["spec_proposer"])]
     for name, key, doc in (("spec_decode_verifications", "spec_verifications",
                             "Request-steps that verified at least one draft token."),
                            ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
@@ -133,29 +134,30 @@ def _spec_metrics(s: dict, model_name: str) -> Iterator[Any]:
                            ("spec_decode_num_emitted_tokens", "spec_emitted_tokens",
                             "Tokens emitted by verifications (accepted drafts + the target's token).")):
         c = CounterMetricFamily(f"deepinfer:{name}", doc, labels=labels)
-        c.add_metric(values, s[key])
+        for proposer, s in by_proposer.items():
+            c.add_metric([model_name, proposer], s[key])
         yield c
     for name, key, doc in (("spec_decode_acceptance_rate", "spec_acceptance_rate",
                             "Accepted / verified draft tokens since start."),
                            ("spec_decode_mean_accepted_length", "spec_mean_accepted_length",
                             "Mean tokens emitted per verification (accepted drafts + 1).")):
         g = GaugeMetricFamily(f"deepinfer:{name}", doc, labels=labels)
-        g.add_metric(values, s[key])
+        for proposer, s in by_proposer.items():
+            g.add_metric([model_name, proposer], s[key])
         yield g
-    counts = []
-    k = 0
-    while f"spec_k_chosen_{k}" in s:
-        counts.append(s[f"spec_k_chosen_{k}"])
-        k += 1
     h = HistogramMetricFamily("deepinfer:spec_decode_draft_length", "Draft length chosen per decoding "
                               "request-step (adaptive: per request and step; 0 = no drafts).", labels=labels)
-    total = 0
-    buckets = []
-    for k, n in enumerate(counts):
-        total += n
-        buckets.append((str(float(k)), total))
-    buckets.append(("+Inf", total))
-    h.add_metric(values, buckets, sum(k * n for k, n in enumerate(counts)))
+    for proposer, s in by_proposer.items():
+        counts = []
+        while f"spec_k_chosen_{len(counts)}" in s:
+            counts.append(s[f"spec_k_chosen_{len(counts)}"])
+        total = 0
+        buckets = []
+        for k, n in enumerate(counts):
+            total += n
+            buckets.append((str(float(k)), total))
+        buckets.append(("+Inf", total))
+        h.add_metric([model_name, proposer], buckets, sum(k * n for k, n in enumerate(counts)))
     yield h
 
 

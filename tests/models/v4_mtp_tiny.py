@@ -1,6 +1,6 @@
 """A tiny random DeepSeek-V4 checkpoint with an MTP layer (`mtp.0.*`, named as the published checkpoints
-name them): sliding-window layers only (speculative decoding on V4 does not roll compressed state back
-yet), layer 1 a top-k MoE layer whose tensors the MTP block copies, the MTP's own tensors random."""
+name them): sliding-window layers by default (tests add compressed ones through `overrides`), layer 1 a
+sliding top-k MoE layer whose tensors the MTP block copies, the MTP's own tensors random."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """Speculative decoding counters, per proposer: verification steps, draft tokens, accepted tokens, and
 histograms of the draft length chosen (k) and of the tokens each verification emitted. Read by
-`LLMEngine.stats()` (and so `/metrics`); per request, `Request.spec` carries its own totals."""
+`LLMEngine.stats()` (and so `/metrics`); per request, `Request.spec` carries its own totals. A router
+merges its workers' counters per proposer (`merge_spec_stats`)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -52,3 +54,29 @@ class SpecMetrics:
             "spec_mean_accepted_length": self.mean_accepted_length,
             **{f"spec_k_chosen_{k}": n for k, n in enumerate(self.k_chosen)},
         }
+
+
+def _ratios(d: dict[str, float]) -> dict[str, float]:
+    d["spec_acceptance_rate"] = d["spec_accepted_tokens"] / d["spec_draft_tokens"] if d["spec_draft_tokens"] else 0.0
+    d["spec_mean_accepted_length"] = (d["spec_emitted_tokens"] / d["spec_verifications"]
+                                      if d["spec_verifications"] else 0.0)
+    return d
+
+
+def merge_spec_stats(stats: Iterable[Mapping[str, object]]) -> dict[str, dict[str, float]]:
+    """Several engines' stats (a router's workers) -> per proposer name, their speculative counters and
+    k histograms summed and the acceptance rate / mean accepted length recomputed from the sums (a sum or
+    mean of per-worker ratios would weigh an idle worker like a busy one). Engines without speculation
+    are skipped."""
+    out: dict[str, dict[str, float]] = {}
+    for s in stats:
+        name = s.get("spec_proposer")
+        if not isinstance(name, str):
+            continue
+        d = out.setdefault(name, {"spec_verifications": 0.0, "spec_draft_tokens": 0.0, "spec_accepted_tokens": 0.0,
+                                  "spec_emitted_tokens": 0.0})
+        for k, v in s.items():
+            if k.startswith("spec_") and isinstance(v, int | float) and k not in (
+                    "spec_acceptance_rate", "spec_mean_accepted_length"):
+                d[k] = d.get(k, 0.0) + v
+    return {name: _ratios(d) for name, d in out.items()}

@@ -49,7 +49,10 @@ class Speculator:
         return req.spec
 
     def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
-        """Draft tokens for the decoding requests of a step (request id -> drafts; absent: none)."""
+        """Draft tokens for the decoding requests of a step (request id -> drafts; absent: none). A request
+        with a token still in flight (a step scheduled ahead, `overlap_host_work`) drafts nothing and is not
+        counted: its drafts would follow a token not known yet."""
+        decodes = [r for r in decodes if not r.num_pending_tokens]
         if not decodes:
             return {}
         limits = []
@@ -57,7 +60,7 @@ class Speculator:
             k = min(self.k_max, max_model_len - r.num_tokens - 1)
             if r.max_tokens is not None:
                 k = min(k, r.max_tokens - r.num_output_tokens - 1)  # the step also emits the target's token
-            limits.append(max(0, k) if not r.num_pending_tokens else 0)
+            limits.append(max(0, k))
         drafts = self.proposer.propose_batch(decodes, limits)
         cands = []
         for r, d, lim in zip(decodes, drafts, limits, strict=True):
