@@ -107,6 +107,10 @@ class ExpertParallelExperts(RoutedExperts):
         slots = self._local_slots(expert)
         return super().expert_weight(slots[0], proj) if slots else None
 
+    def slot_experts(self) -> list[int]:
+        """The logical expert each local slot holds (GGUF blocks attach by it)."""
+        return list(self.placement.rank_experts(self.rank))
+
     def _local_slots(self, expert: int) -> list[int]:
         s = self.placement.slots_per_rank
         return [self.rank * s + i for i, e in enumerate(self.placement.rank_experts(self.rank)) if e == expert]
@@ -209,10 +213,16 @@ class ExpertParallelExperts(RoutedExperts):
         return w13, w2, received
 
     def switch_placement(self, new: Placement, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Take `prepare_placement`'s weights (between two forwards, on every rank at the same step)."""
+        """Take `prepare_placement`'s weights (between two forwards, on every rank at the same step). GGUF
+        blocks follow the dense weights: a slot whose expert this rank held keeps that expert's blocks (its
+        dense weights were copied from the same slot); a slot filled from another rank gets none and
+        multiplies its dense weights (blocks never go stale)."""
+        blocks = {e: self.quantized[self._local_slots(e)[0] - self.rank * self.placement.slots_per_rank]
+                  for e in self.held_experts}
         self.w13.data = w13
         self.w2.data = w2
         self._set_placement(new)
+        self.quantized = [blocks.get(e) for e in self.slot_experts()]
 
     def apply_placement(self, new: Placement) -> int:
         """Prepare and switch at once (every rank calls it at the same point); returns experts received."""

@@ -101,27 +101,42 @@ def max_rows() -> int:
 
 
 def read_quantized_tensors(gguf_path: Path) -> dict[str, QuantizedWeight]:
-    """The Q4_1 and Q8_0 tensors of a GGUF file by GGUF name (other types are skipped)."""
+    """The 2-D Q4_1 and Q8_0 tensors of a GGUF file by GGUF name (other types are skipped; the 3-D expert
+    stacks are `read_quantized_experts`')."""
+    return {t.name: _blocks(t)[0] for t in _quantized(gguf_path) if len(t.shape) == 2}
+
+
+def read_quantized_experts(gguf_path: Path) -> dict[str, list[QuantizedWeight]]:
+    """The 3-D Q4_1 and Q8_0 tensors of a GGUF file (llama.cpp's stacked routed experts, e.g.
+    `blk.N.ffn_gate_exps.weight`: GGUF dims (K, N, E), numpy [E, N, bytes]) as one [N, K] weight per
+    expert, in expert order (other types are skipped)."""
+    return {t.name: _blocks(t) for t in _quantized(gguf_path) if len(t.shape) == 3}
+
+
+def _quantized(gguf_path: Path) -> list:
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
-    out: dict[str, QuantizedWeight] = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name.lower()
-        if kind not in ("q4_1", "q8_0"):
-            continue
-        k, n = (int(v) for v in t.shape[:2])  # GGUF lists dims innermost first
-        nb = k // QK
-        raw = np.asarray(t.data, dtype=np.uint8).reshape(n, nb, -1)
-        d = torch.from_numpy(raw[:, :, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb))
-        if kind == "q4_1":
-            mn = torch.from_numpy(raw[:, :, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, nb))
-            qs = torch.from_numpy(raw[:, :, 4:20].copy().reshape(n, nb * 16))
-        else:
-            mn = None
-            qs = torch.from_numpy(raw[:, :, 2:34].copy().reshape(n, k))
-        out[t.name] = QuantizedWeight(kind, qs, d, mn, n, k)
-    return out
+    return [t for t in reader.tensors if t.tensor_type.name.lower() in ("q4_1", "q8_0")]
+
+
+def _blocks(t) -> list[QuantizedWeight]:
+    """One GGUF tensor's blocks as [N, K] weights, one per entry of its third dim (GGUF lists dims
+    innermost first; a 2-D tensor gives one)."""
+    kind = t.tensor_type.name.lower()
+    k, n = (int(v) for v in t.shape[:2])
+    e = int(t.shape[2]) if len(t.shape) > 2 else 1
+    nb = k // QK
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(e, n, nb, -1)
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16).astype(np.float32).reshape(e, n, nb))
+    if kind == "q4_1":
+        mn = torch.from_numpy(raw[..., 2:4].copy().view(np.float16).astype(np.float32).reshape(e, n, nb))
+        qs = torch.from_numpy(raw[..., 4:20].copy().reshape(e, n, nb * 16))
+    else:
+        mn = None
+        qs = torch.from_numpy(raw[..., 2:34].copy().reshape(e, n, k))
+    # each expert's views are contiguous slices of the one copy of the file's blocks
+    return [QuantizedWeight(kind, qs[i], d[i], None if mn is None else mn[i], n, k) for i in range(e)]
 
 
 def llama_unpermute_order(rows: int, n_head: int) -> np.ndarray:

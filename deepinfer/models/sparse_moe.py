@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from deepinfer.layers.gguf_kernels import QuantizedWeight
 from deepinfer.layers.moe import RoutedExperts, SparseMoeBlock
 from deepinfer.models.llama import GatedMLP, LlamaForCausalLM
 
@@ -63,6 +64,18 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
         return False
 
     # ------------------------------------------------------------------ weights
+
+    def attach_gguf(self, tensors: dict[str, QuantizedWeight],
+                    experts: dict[str, list[QuantizedWeight]] | None = None) -> int:
+        """The dense projections' blocks (`LlamaForCausalLM.attach_gguf`) and each MoE layer's expert blocks
+        (llama.cpp's stacked `blk.N.ffn_{gate,up,down}_exps`) on the slots holding those experts (all of
+        them, or this rank's with expert parallelism); returns how many projections and expert slots."""
+        attached = super().attach_gguf(tensors)
+        for i, ex in self._experts().items():
+            parts = [(experts or {}).get(f"blk.{i}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
+            if all(p is not None for p in parts):
+                attached += ex.attach_expert_blocks(*parts)
+        return attached
 
     def _rename(self, name: str) -> str:
         """A checkpoint name (without "model.") in Qwen3-MoE's naming."""
