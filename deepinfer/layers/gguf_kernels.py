@@ -61,6 +61,33 @@ class QuantizedWeight:
         return QuantizedWeight(self.kind, self.qs[idx].contiguous(), self.d[idx].contiguous(),
                                None if self.mn is None else self.mn[idx].contiguous(), self.n, self.k)
 
+    @staticmethod
+    def nbytes(kind: str, n: int, k: int) -> int:
+        """The bytes `to_bytes` gives for an [n, k] weight of `kind` (q4_1 / q8_0)."""
+        nb = n * (k // QK)
+        return {"q4_1": n * k // 2 + 8 * nb, "q8_0": n * k + 4 * nb}[kind]
+
+    def to_bytes(self) -> torch.Tensor:
+        """The blocks as one flat uint8 tensor (quants, scales, offsets), e.g. to send to another rank."""
+        if self.kind == "dense":
+            raise ValueError("a dense weight has no blocks to serialise")
+        parts = [self.qs.reshape(-1), self.d.reshape(-1).view(torch.uint8)]
+        if self.mn is not None:
+            parts.append(self.mn.reshape(-1).view(torch.uint8))
+        return torch.cat(parts)
+
+    @classmethod
+    def from_bytes(cls, kind: str, n: int, k: int, buf: torch.Tensor) -> QuantizedWeight:
+        """Inverse of `to_bytes` (copies out of `buf`)."""
+        if buf.numel() != cls.nbytes(kind, n, k):
+            raise ValueError(f"{buf.numel()} bytes for a {kind} {n}x{k} weight")
+        nb = k // QK
+        q = n * k // 2 if kind == "q4_1" else n * k
+        qs = buf[:q].clone().view(n, q // n)
+        d = buf[q:q + 4 * n * nb].clone().view(torch.float32).view(n, nb)
+        mn = buf[q + 4 * n * nb:].clone().view(torch.float32).view(n, nb) if kind == "q4_1" else None
+        return cls(kind, qs, d, mn, n, k)
+
     def dequantize(self) -> torch.Tensor:
         """Float32 [N, K] (used by tests to check the kernels and the layout)."""
         if self.kind == "dense":

@@ -117,6 +117,7 @@ class RoutedExperts(nn.Module):
         # per local slot: GGUF blocks of (w13, w2) or None (dense); see the module docstring
         self.quantized: list[tuple[QuantizedWeight, QuantizedWeight] | None] = [None] * len(local)
         self._rows = 0  # max_rows() once blocks are attached
+        self.block_kinds: tuple[str, str] | None = None  # (w13, w2) block types once a GGUF file's are attached
         self.quantized_calls = 0  # expert matmul pairs served from blocks (tests and benchmarks read it)
 
     # ------------------------------------------------------------------ weights
@@ -158,17 +159,23 @@ class RoutedExperts(nn.Module):
 
     def attach_expert_blocks(self, gate: list[QuantizedWeight], up: list[QuantizedWeight],
                              down: list[QuantizedWeight]) -> int:
-        """Attach a GGUF file's per-expert blocks (indexed by logical expert) to the slots holding those
-        experts; returns how many slots got blocks (none where gate and up differ in type)."""
-        if not len(gate) == len(up) == len(down):
-            raise ValueError(f"expert blocks for {len(gate)} / {len(up)} / {len(down)} experts")
-        attached = 0
+        """Attach a GGUF file's per-expert blocks (indexed by logical expert: one 3-D tensor each, so one
+        type for all experts) to the slots holding those experts; returns how many slots got blocks (none
+        where gate and up differ in type)."""
+        if not len(gate) == len(up) == len(down) == self.num_logical_experts:
+            raise ValueError(f"expert blocks for {len(gate)} / {len(up)} / {len(down)} experts, "
+                             f"the layer has {self.num_logical_experts}")
+        if gate[0].kind != up[0].kind:
+            return 0
         for s, e in enumerate(self.slot_experts()):
-            if e >= len(gate) or gate[e].kind != up[e].kind:
-                continue
             self.attach_quantized(s, QuantizedWeight.concat([gate[e], up[e]]), down[e])
-            attached += 1
-        return attached
+        self.block_kinds = (gate[0].kind, down[0].kind)
+        return len(self.slot_experts())
+
+    @property
+    def num_logical_experts(self) -> int:
+        """The experts of the checkpoint layer (`ExpertParallelExperts`: not its physical slots)."""
+        return self.num_experts
 
     @property
     def num_quantized(self) -> int:

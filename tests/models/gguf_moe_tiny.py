@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 # every layer sparse (a GGUF has no mlp_only_layers); widths multiples of 32 (GGUF blocks)
-TINY_QWEN3_MOE = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=64, num_experts=8,
+TINY_QWEN3_MOE = dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=96, num_experts=8,
                       num_experts_per_tok=2, norm_topk_prob=True, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=32, num_hidden_layers=2)
 _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml.tokens", "tokenizer.ggml.token_type",
@@ -20,17 +20,21 @@ _TOKENIZER_KEYS = ("tokenizer.ggml.model", "tokenizer.ggml.pre", "tokenizer.ggml
                    "tokenizer.ggml.add_bos_token", "tokenizer.ggml.add_space_prefix", "tokenizer.chat_template")
 
 
-def write_qwen3_moe_gguf(path: Path, quant: str, seed: int = 0, **overrides) -> Path:
+def write_qwen3_moe_gguf(path: Path, quant: str, seed: int = 0, tokenizer: bool = True, skew: bool = False,
+                         **overrides) -> Path:
     """A random Qwen3-MoE (TINY_QWEN3_MOE with `overrides`) as a GGUF file at `path`; `quant`: "q8_0" or
-    "q4_1" for the attention projections, the experts and the LM head."""
+    "q4_1" for the attention projections, the experts and the LM head. `tokenizer`: copy the default model's
+    (49152 tokens; reading that file takes seconds), else a 256-token vocabulary and no tokenizer (enough
+    for `gguf_kernels`' reader, not for loading the model). `skew`: each router biased so that experts 0
+    and 2 (or 1 and 3: the sign of x . u decides) are every token's top two, all on rank 0 under EP=2."""
     import gguf
     from gguf.quants import quantize
 
     from deepinfer.weights import default_model_path
 
     spec = {**TINY_QWEN3_MOE, **overrides}
-    src = gguf.GGUFReader(str(default_model_path()))
-    vocab = len(src.fields["tokenizer.ggml.tokens"].data)
+    src = gguf.GGUFReader(str(default_model_path())) if tokenizer else None
+    vocab = len(src.fields["tokenizer.ggml.tokens"].data) if src is not None else 256
     h, i_moe, e = spec["hidden_size"], spec["moe_intermediate_size"], spec["num_experts"]
     heads, kv, hd = spec["num_attention_heads"], spec["num_key_value_heads"], spec["head_dim"]
     rng = np.random.default_rng(seed)
@@ -52,7 +56,7 @@ def write_qwen3_moe_gguf(path: Path, quant: str, seed: int = 0, **overrides) -> 
     w.add_expert_count(e)
     w.add_expert_used_count(spec["num_experts_per_tok"])
     w.add_file_type(gguf.LlamaFileType.MOSTLY_Q8_0 if quant == "q8_0" else gguf.LlamaFileType.MOSTLY_Q4_1)
-    for key in _TOKENIZER_KEYS:
+    for key in _TOKENIZER_KEYS if src is not None else ():
         f = src.fields.get(key)
         if f is None:
             continue
@@ -82,7 +86,16 @@ def write_qwen3_moe_gguf(path: Path, quant: str, seed: int = 0, **overrides) -> 
         q(p + "attn_k.weight", normal(kv * hd, h))
         q(p + "attn_v.weight", normal(kv * hd, h))
         q(p + "attn_output.weight", normal(h, heads * hd))
-        f32(p + "ffn_gate_inp.weight", normal(e, h, std=0.3))
+        router = normal(e, h, std=0.3)
+        if skew:
+            u = rng.standard_normal(h).astype(np.float32)
+            u = 6 * u / np.linalg.norm(u)
+            router *= 0.1
+            router[0] += u
+            router[2] += 0.9 * u
+            router[1] -= u
+            router[3] -= 0.9 * u
+        f32(p + "ffn_gate_inp.weight", router)
         q(p + "ffn_gate_exps.weight", normal(e, i_moe, h))
         q(p + "ffn_up_exps.weight", normal(e, i_moe, h))
         q(p + "ffn_down_exps.weight", normal(e, h, i_moe))
