@@ -74,9 +74,16 @@ class SoftmaxTopKRouter(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.float32_weights = float32_weights
+        self.row_invariant: QuantizedWeight | None = None  # --deterministic: the logits through the kernel
+
+    def make_row_invariant(self) -> None:
+        """Compute the logits with the row-invariant kernel (a row's logits never depend on the batch).
+        ValueError where the kernel cannot take the weight (hidden size not a multiple of 32)."""
+        self.row_invariant = QuantizedWeight.dense(self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        k = self.row_invariant
+        logits = k.matmul(x) if k is not None and x.dim() == 2 and x.dtype == k.qs.dtype else F.linear(x, self.weight)
         return softmax_topk(logits, self.top_k, self.renormalize,
                             torch.float32 if self.float32_weights else logits.dtype)
 
@@ -119,6 +126,9 @@ class RoutedExperts(nn.Module):
         self._rows = 0  # max_rows() once blocks are attached
         self.block_kinds: tuple[str, str] | None = None  # (w13, w2) block types once a GGUF file's are attached
         self.quantized_calls = 0  # expert matmul pairs served from blocks (tests and benchmarks read it)
+        # --deterministic: per slot, the kernel weights serving every token count (its blocks, or its dense
+        # weights as the kernel's dense kind); None: off
+        self.row_invariant: list[tuple[QuantizedWeight, QuantizedWeight]] | None = None
 
     # ------------------------------------------------------------------ weights
 
@@ -152,6 +162,18 @@ class RoutedExperts(nn.Module):
                 raise ValueError(f"{what} blocks {q.kind} {q.n}x{q.k} for a slot of {tuple(dense.shape[1:])}")
         self.quantized[slot] = (w13, w2)
         self._rows = max_rows()
+
+    def make_row_invariant(self) -> None:
+        """--deterministic: every active expert multiplies through the GGUF kernel whatever its token count
+        (its blocks where attached, else its dense weights as the kernel's dense kind), so a token's expert
+        outputs do not depend on which other tokens share the expert; with the row-invariant router, the
+        per-row activation and the per-token sum in ascending expert id, a row's MoE output depends on that
+        row alone. ValueError where the kernel cannot take the weights (hidden or expert width not a
+        multiple of 32, not CPU float32 / bfloat16). The dense kind reads the slot tensors in place: a
+        re-placement that swaps them (EPLB) is not supported in this mode."""
+        self.row_invariant = [q if q is not None else (QuantizedWeight.dense(self.w13[s]),
+                                                       QuantizedWeight.dense(self.w2[s]))
+                              for s, q in enumerate(self.quantized)]
 
     def slot_experts(self) -> list[int]:
         """The checkpoint (logical) expert whose weights each local slot holds."""
@@ -205,7 +227,11 @@ class RoutedExperts(nn.Module):
                 continue
             t = groups.tokens[start:start + n]
             q = self.quantized[s]
-            if q is not None and n <= self._rows and blocks_ok:
+            if self.row_invariant is not None and blocks_ok:
+                q = self.row_invariant[s]
+                h = q[1].matmul(self._act(q[0].matmul(x[t])))
+                self.quantized_calls += q[0].kind != "dense"
+            elif q is not None and n <= self._rows and blocks_ok:
                 h = q[1].matmul(self._act(q[0].matmul(x[t])))
                 self.quantized_calls += 1
             else:

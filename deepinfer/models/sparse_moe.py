@@ -26,11 +26,6 @@ _STACKED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$"
 
 
 class SparseMoeForCausalLM(LlamaForCausalLM):
-    # read by the runner (--deterministic): every op of a step must give a row the same result whatever
-    # else is in the batch; the routed experts multiply each expert's tokens as one matmul whose row count
-    # depends on the batch, and there is no row-invariant expert kernel yet
-    deterministic_unsupported = ("its routed experts multiply each expert's tokens as one matmul whose row count "
-                                 "depends on the batch; there is no row-invariant expert kernel")
     # checkpoint expert projection name -> ours ("gate", "up", "down")
     _EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     float32_weights = False  # route weights stay float32 (Mixtral) or are cast to the model dtype (Qwen3-MoE)

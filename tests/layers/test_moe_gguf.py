@@ -127,6 +127,32 @@ def test_blocks_serialise_for_a_move_between_ranks(gguf_file):
         gk.QuantizedWeight.from_bytes(w.kind, w.n, w.k, buf[1:])
 
 
+@pytest.mark.parametrize("blocks", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_row_invariant_experts_give_a_row_the_same_bits_in_any_batch(gguf_file, blocks, dtype):
+    """--deterministic: every expert through the kernel (its blocks, or its dense weights as the kernel's
+    dense kind) whatever its token count; a token's output alone equals its row in a batch of 20 where
+    expert 0 has all 20 tokens (past max_rows()) and the router's logits as well."""
+    from deepinfer.layers.moe import SoftmaxTopKRouter
+
+    ex = _experts_from_file(gguf_file, dtype)
+    if not blocks:
+        ex.quantized = [None] * E
+    ex.make_row_invariant()
+    assert [q[0].kind == "dense" for q in ex.row_invariant] == [not blocks] * E
+    x, ids, w = _routing(20, 3, dtype)
+    batch = ex(x, ids, w)
+    for t in (0, 7, 19):
+        assert torch.equal(ex(x[t:t + 1], ids[t:t + 1], w[t:t + 1])[0], batch[t])
+    router = SoftmaxTopKRouter(H, E, 2, True, False).to(dtype)
+    with torch.no_grad():
+        router.weight.normal_()
+    router.make_row_invariant()
+    (ids_b, w_b), (ids_1, w_1) = router(x), router(x[7:8])
+    assert torch.equal(ids_b[7], ids_1[0]) and torch.equal(w_b[7], w_1[0])
+
+
 def test_attach_validation(gguf_file):
     blocks = gk.read_quantized_experts(gguf_file)
     gate, up, down = (blocks[f"blk.0.ffn_{p}_exps.weight"] for p in ("gate", "up", "down"))

@@ -85,6 +85,25 @@ def test_greedy_matches_transformers_with_quantized_experts(files, quant, dtype)
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("kernels", ["on", "off"])
+def test_deterministic_mode_serves_the_moe(files, kernels):
+    """--deterministic: router and every expert through the row-invariant kernel (blocks with GGUF kernels on,
+    the dense kind off): a prompt alone and inside a batch gives the same tokens and the same logprobs."""
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True, logprobs=2)
+    with LLM(str(files["q4_1"]), dtype="float32", deterministic=True, **{**COMMON, "gguf_kernels": kernels}) as llm:
+        experts = [layer.mlp.experts for layer in llm.engine.core.runner.model.layers]
+        assert all(ex.row_invariant is not None for ex in experts)
+        alone = llm.generate([PROMPTS[3]], params)[0].outputs[0]
+        batch = llm.generate(PROMPTS + [[9] * 30], params)[3].outputs[0]
+        assert (sum(ex.quantized_calls for ex in experts) > 0) == (kernels == "on")
+    assert list(alone.token_ids) == list(batch.token_ids)
+    assert [{t: lp.logprob for t, lp in row.items()} for row in alone.logprobs] == \
+        [{t: lp.logprob for t, lp in row.items()} for row in batch.logprobs]
+    with pytest.raises(ValueError, match="deterministic mode does not serve expert parallelism"):
+        LLM(str(files["q8_0"]), dtype="float32", deterministic=True, enable_eplb=True, **COMMON)
+
+
+@pytest.mark.slow
 def test_expert_parallel_eplb_moves_blocks_and_keeps_the_output(tmp_path):
     """Experts 0-3 hot (a skewed router): EP=2 with 2 redundant slots re-places them mid-generation; the
     moved experts arrive with their blocks (every slot of both ranks still on blocks) and the output equals
