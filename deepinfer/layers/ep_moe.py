@@ -17,6 +17,11 @@ ascending id, starting from zeros), so the sum of a token's expert outputs is th
 computed each term; only an expert matmul's row count differs with the batch (as it does between batches in
 one process). A replica changes which rank computes a term, never its value.
 
+GGUF blocks (`RoutedExperts.attach_quantized`): each slot gets its logical expert's blocks at load; a
+re-placement moves them with the dense weights (a local copy keeps the slot's blocks, a slot filled from
+another rank receives them as bytes over the same all_to_all), so a slot's blocks always mirror its dense
+weights and a moved expert keeps its fast path.
+
 Load statistics (for EPLB and /metrics) accumulate in `ExpertStats`: tokens routed to each logical expert by
 this rank's batch, pairs computed here, and the time spent computing them.
 """

@@ -3,7 +3,9 @@
 A step that decodes a few sequences is bound by reading weights from memory. Keeping the
 GGUF file's Q4_1 / Q8_0 blocks (5-6x fewer bytes than float32) and multiplying them with
 the AVX2 kernels in `gguf_gemm.c` makes those steps several times faster. Larger batches
-are compute-bound and keep using the dense weights with the BLAS matmul.
+are compute-bound and keep using the dense weights with the BLAS matmul. A mixture of experts' routed
+experts (llama.cpp's stacked `ffn_*_exps` tensors, `read_quantized_experts`) work the same way per expert:
+an expert with at most `max_rows()` tokens in a step multiplies its blocks (`layers/moe.py`).
 
 The kernels take float32 or bfloat16 activations and multiply with the values the dense copy
 holds in that dtype (bf16: the dequantized weights rounded to bf16), so which path a batch

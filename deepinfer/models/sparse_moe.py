@@ -7,6 +7,8 @@ projection (`...experts.E.gate_proj.weight`, Mixtral's `w1` / `w3` / `w2`); they
 parameters of the experts this process holds (`held_experts`: all of them, or this rank's with expert
 parallelism), and
 transformers' own stacked names (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) load too.
+From a GGUF file, `attach_gguf` also gives each expert slot its Q4_1 / Q8_0 blocks (llama.cpp's stacked
+`blk.N.ffn_{gate,up,down}_exps`), which the GGUF kernels multiply for experts with few tokens in a step.
 """
 
 from __future__ import annotations
