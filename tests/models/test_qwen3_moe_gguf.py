@@ -41,6 +41,30 @@ def test_loader_reads_the_expert_width_transformers_drops(tmp_path):
     assert gguf_config_overrides(path) == {"moe_intermediate_size": 160}
 
 
+def test_mixtral_style_gguf_is_refused_not_loaded_dense(tmp_path):
+    """llama.cpp writes Mixtral as a llama-architecture file with stacked experts; transformers' GGUF reader
+    (5.x) has no Mixtral mapping and would build a dense Llama with random MLP weights."""
+    import gguf
+    import numpy as np
+
+    from deepinfer.weights import resolve_model
+
+    path = tmp_path / "mixtral-style.gguf"
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_expert_count(4)
+    rng = np.random.default_rng(0)
+    for name, shape in [("token_embd", (256, 64)), ("blk.0.ffn_gate_inp", (4, 64)), ("blk.0.ffn_gate_exps", (4, 96, 64)),
+                        ("blk.0.ffn_up_exps", (4, 96, 64)), ("blk.0.ffn_down_exps", (4, 64, 96))]:
+        w.add_tensor(f"{name}.weight", rng.standard_normal(shape).astype(np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="llama-architecture GGUF with routed experts .* not supported"):
+        resolve_model(path)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("quant", ["q8_0", "q4_1"])
 def test_converted_experts_are_the_blocks_values(files, quant):
