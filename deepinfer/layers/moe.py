@@ -25,9 +25,10 @@ GGUF blocks (`attach_quantized`): a slot may carry its expert's Q4_1 / Q8_0 bloc
 concatenated as `w13`, and `w2`); an active expert with at most `max_rows()` tokens multiplies them with the
 GGUF kernels (the rule `Linear.forward` follows), more tokens the dense weights. The contract is the dense
 projections' (`gguf_kernels`): the kernels multiply with the values the dense slot holds in the model dtype,
-so only the summation order changes. Whoever changes a slot's dense weights (EPLB re-placement) must hand
-the slot its new blocks or drop them (`attach_quantized(slot, None, None)`): blocks never outlive the dense
-weights they mirror.
+so only the summation order changes. Whoever changes a slot's dense weights must hand the slot its new
+blocks (EPLB's re-placement moves them with the weights, `ep_moe.py`) or drop them (`attach_quantized(slot,
+None, None)`): blocks never outlive the dense weights they mirror. `--deterministic` (`make_row_invariant`):
+every expert through the kernel whatever its token count, blocks or dense kind.
 
 Expert parallelism (`layers/ep_moe.py`): an expert module holds the experts `local_experts` (global ids)
 and its `forward` takes (tokens, global expert ids, weights), skipping pairs whose expert it does not hold;
