@@ -1,8 +1,9 @@
 """MoE decode on a GGUF file: routed experts multiplying their quantized blocks vs their dequantized weights.
 
 One GGUF file (a random Qwen3-MoE written by `tests/models/gguf_moe_tiny.py`'s writer: hidden 768, 8 layers,
-all sparse, 32 experts of intermediate 512, top-4, 12 heads of 64; ~300M parameters, ~302M of them routed
-experts; projections and experts Q8_0 or Q4_1), three configurations side by side in one run:
+all sparse, 32 experts of intermediate 512, top-4, 12 heads of 64, the default model's 49152-token vocabulary;
+~390M parameters, 302M of them routed experts; projections, experts and LM head Q8_0 or Q4_1, the embedding
+float32), three configurations side by side in one run:
 
 - `experts-q`: `gguf_kernels=on`, every projection and every expert slot on its blocks (the new path);
 - `experts-dense`: the same engine with the experts' blocks detached (attention and LM head still on
@@ -19,7 +20,11 @@ projections and LM head in the configuration's format, the expected distinct exp
 uniform top-k routing, E * (1 - (1 - k/E)^B), times one expert's bytes) / step time, over the machine's read
 bandwidth measured in the same run (sum over a 1 GiB float32 tensor, best of 3, with the same threads).
 
-Run: PYTHONPATH=. python3 benchmarks/moe_gguf.py [--quant q8_0] [--batches 1 8] [--rounds 3]
+Threads: one by default. On a machine other jobs load, two OpenMP threads wait for each other at every
+parallel region (see the thread-governor section of BENCHMARKS.md): a first run with 2 threads measured
+~10x slower steps for every configuration, which measures the contention, not the weights.
+
+Run: PYTHONPATH=. python3 benchmarks/moe_gguf.py [--quant q8_0] [--batches 1 8] [--rounds 3] [--max-tokens 16]
 """
 
 from __future__ import annotations
@@ -68,7 +73,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--workdir", default=None, help="where to write the GGUF file (default: a temp dir)")
     args = ap.parse_args()
