@@ -226,13 +226,13 @@ class ModelRunner:
             return False
         usable = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         from deepinfer.layers.cpu_kernels import load_library
-        from deepinfer.layers.gguf_kernels import read_quantized_experts, read_quantized_tensors
+        from deepinfer.layers.gguf_kernels import read_quantized
 
         if not usable or load_library() is None:
             if mode == "on":
                 raise ValueError("gguf_kernels=on needs float32 or bfloat16 on an x86-64 CPU with AVX2 and gcc")
             return False
-        attached = self.model.attach_gguf(read_quantized_tensors(files.source), read_quantized_experts(files.source))
+        attached = self.model.attach_gguf(*read_quantized(files.source))
         logger.info("GGUF kernels: %d projections (and expert slots) multiply from quantized blocks for small "
                     "batches", attached)
         if attached and hasattr(self.model, "enable_fused_decode") and self.model.enable_fused_decode():

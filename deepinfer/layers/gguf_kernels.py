@@ -129,17 +129,30 @@ def max_rows() -> int:
     return lib.max_rows() if lib is not None else 0
 
 
+def read_quantized(gguf_path: Path) -> tuple[dict[str, QuantizedWeight], dict[str, list[QuantizedWeight]]]:
+    """`read_quantized_tensors` and `read_quantized_experts` in one read of the file (parsing a GGUF's
+    metadata, e.g. a 49k-token vocabulary, takes seconds)."""
+    tensors: dict[str, QuantizedWeight] = {}
+    experts: dict[str, list[QuantizedWeight]] = {}
+    for t in _quantized(gguf_path):
+        if len(t.shape) == 2:
+            tensors[t.name] = _blocks(t)[0]
+        elif len(t.shape) == 3:
+            experts[t.name] = _blocks(t)
+    return tensors, experts
+
+
 def read_quantized_tensors(gguf_path: Path) -> dict[str, QuantizedWeight]:
     """The 2-D Q4_1 and Q8_0 tensors of a GGUF file by GGUF name (other types are skipped; the 3-D expert
     stacks are `read_quantized_experts`')."""
-    return {t.name: _blocks(t)[0] for t in _quantized(gguf_path) if len(t.shape) == 2}
+    return read_quantized(gguf_path)[0]
 
 
 def read_quantized_experts(gguf_path: Path) -> dict[str, list[QuantizedWeight]]:
     """The 3-D Q4_1 and Q8_0 tensors of a GGUF file (llama.cpp's stacked routed experts, e.g.
     `blk.N.ffn_gate_exps.weight`: GGUF dims (K, N, E), numpy [E, N, bytes]) as one [N, K] weight per
     expert, in expert order (other types are skipped)."""
-    return {t.name: _blocks(t) for t in _quantized(gguf_path) if len(t.shape) == 3}
+    return read_quantized(gguf_path)[1]
 
 
 def _quantized(gguf_path: Path) -> list:
