@@ -40,6 +40,7 @@ from deepinfer.kvcache.manager import whole_sequence
 from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
 from deepinfer.layers.attention import AttentionBatch
 from deepinfer.layers.linear import Linear
+from deepinfer.layers.moe import RoutedExperts, SoftmaxTopKRouter
 from deepinfer.layers.torch_attention import TorchAttentionBackend
 from deepinfer.models import build_model
 from deepinfer.weights import ModelFiles
@@ -155,6 +156,9 @@ class ModelRunner:
         if self.deterministic and unsupported:
             raise ValueError(f"deterministic mode cannot serve {type(self.model).__name__}: {unsupported}")
         if expert_parallel is not None:
+            if self.deterministic:
+                raise ValueError("deterministic mode does not serve expert parallelism or EPLB (their expert "
+                                 "weights move between slots)")
             expert_parallel.attach(self.model)
         self.model.load_weights(files.iter_weights(self.dtype))
         if expert_parallel is not None:
@@ -222,14 +226,15 @@ class ModelRunner:
             return False
         usable = self.device.type == "cpu" and self.dtype in (torch.float32, torch.bfloat16)
         from deepinfer.layers.cpu_kernels import load_library
-        from deepinfer.layers.gguf_kernels import read_quantized_tensors
+        from deepinfer.layers.gguf_kernels import read_quantized
 
         if not usable or load_library() is None:
             if mode == "on":
                 raise ValueError("gguf_kernels=on needs float32 or bfloat16 on an x86-64 CPU with AVX2 and gcc")
             return False
-        attached = self.model.attach_gguf(read_quantized_tensors(files.source))
-        logger.info("GGUF kernels: %d projections multiply from quantized blocks for small batches", attached)
+        attached = self.model.attach_gguf(*read_quantized(files.source))
+        logger.info("GGUF kernels: %d projections (and expert slots) multiply from quantized blocks for small "
+                    "batches", attached)
         if attached and hasattr(self.model, "enable_fused_decode") and self.model.enable_fused_decode():
             logger.info("small decode steps run each decoder layer as one C call")
         return attached > 0
@@ -238,7 +243,8 @@ class ModelRunner:
         """Deterministic mode: every projection through the row-invariant kernel, and (Llama layout)
         every step through the whole-layer C path, which then takes any number of rows."""
         for name, module in self.model.named_modules():
-            if isinstance(module, Linear):
+            # Linear projections, and a mixture of experts' router and routed experts (layers/moe.py)
+            if isinstance(module, (Linear, SoftmaxTopKRouter, RoutedExperts)):
                 try:
                     module.make_row_invariant()
                 except ValueError as e:

@@ -11,7 +11,7 @@ same step:
      function of the same numbers, so every rank computes the same placement without sending it);
   3. a layer whose new placement lowers its busiest rank's expected load (window load) by at least
      `MIN_GAIN` is re-placed (otherwise sampling noise would move weights every interval for nothing): (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds
-     come from the rank that holds them, by all_to_all over the process group. Not from the checkpoint:
+     (and their GGUF blocks, when the model has them) come from the rank that holds them, by all_to_all over the process group. Not from the checkpoint:
      the checkpoint may be a GGUF or a safetensors directory on a slow mount, and a rank holds 1/N of the
      experts in memory, never the whole file; the peer already has the tensor in the dtype and layout used.
      All ranks decide the same, from the same all-reduced numbers.
@@ -35,7 +35,7 @@ import torch.distributed as dist
 from deepinfer.config import ParallelConfig
 from deepinfer.eplb.placement import balanced_placement, rank_loads
 from deepinfer.eplb.stats import ExpertLoadWindow
-from deepinfer.layers.ep_moe import ExpertComm, ExpertParallelExperts
+from deepinfer.layers.ep_moe import ExpertComm, ExpertParallelExperts, PreparedPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +51,7 @@ class ExpertBalancer:
         self.config = config
         self.move_comm = move_comm
         self.pending: list[tuple[ExpertParallelExperts, object]] | None = None  # (layer, new placement)
-        self._moved: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+        self._moved: list[PreparedPlacement] = []
         self._move_done = threading.Event()
         self._move_error: BaseException | None = None
         self._move_started = 0.0
@@ -137,8 +137,8 @@ class ExpertBalancer:
         """Take the moved weights (every rank at the same step; see the module docstring)."""
         if self._move_error is not None:
             raise RuntimeError("moving expert weights between ranks failed") from self._move_error
-        for (layer, new), (w13, w2, _) in zip(self.pending, self._moved, strict=True):
-            layer.switch_placement(new, w13, w2)
+        for (layer, new), prepared in zip(self.pending, self._moved, strict=True):
+            layer.switch_placement(new, prepared)
         self.pending, self._moved = None, []
         self.rebalances += 1
         self.last_rebalance_time = time.time()
@@ -155,4 +155,7 @@ class ExpertBalancer:
                 "replicas": [[len(layer.placement.replicas(e)) for e in range(layer.num_logical)]
                              for layer in self.layers],
                 "placement": [list(layer.placement.physical_to_logical) for layer in self.layers],
-                "window_routed": self.window.window_load().tolist() if self.window is not None else []}
+                "window_routed": self.window.window_load().tolist() if self.window is not None else [],
+                # GGUF: slots multiplying their expert's quantized blocks, and expert matmul pairs they served
+                "quantized_slots": sum(layer.num_quantized for layer in self.layers),
+                "quantized_expert_calls": sum(layer.quantized_calls for layer in self.layers)}

@@ -17,6 +17,11 @@ ascending id, starting from zeros), so the sum of a token's expert outputs is th
 computed each term; only an expert matmul's row count differs with the batch (as it does between batches in
 one process). A replica changes which rank computes a term, never its value.
 
+GGUF blocks (`RoutedExperts.attach_quantized`): each slot gets its logical expert's blocks at load; a
+re-placement moves them with the dense weights (a local copy keeps the slot's blocks, a slot filled from
+another rank receives them as bytes over the same all_to_all), so a slot's blocks always mirror its dense
+weights and a moved expert keeps its fast path.
+
 Load statistics (for EPLB and /metrics) accumulate in `ExpertStats`: tokens routed to each logical expert by
 this rank's batch, pairs computed here, and the time spent computing them.
 """
@@ -31,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.eplb.placement import Placement
+from deepinfer.layers.gguf_kernels import QuantizedWeight
 from deepinfer.layers.moe import RoutedExperts
 
 
@@ -68,6 +74,16 @@ class ExpertStats:
         return out
 
 
+@dataclass
+class PreparedPlacement:
+    """A rank's slot contents under a new placement, built beside the ones in use (`prepare_placement`)."""
+
+    w13: torch.Tensor
+    w2: torch.Tensor
+    blocks: list  # per local slot: its expert's GGUF blocks (w13, w2), or None (dense)
+    received: int  # experts whose weights came from another rank
+
+
 class ExpertParallelExperts(RoutedExperts):
     """This rank's physical slots of one MoE layer's experts; see the module docstring. `comm` None: one rank
     (EPLB replicas without expert parallelism)."""
@@ -96,6 +112,10 @@ class ExpertParallelExperts(RoutedExperts):
         self.replica_count = torch.tensor([len(r) for r in reps], dtype=torch.long, device=self.w13.device)
 
     @property
+    def num_logical_experts(self) -> int:
+        return self.num_logical
+
+    @property
     def held_experts(self) -> tuple[int, ...]:
         """The logical experts this rank holds (the loaders check each was in the checkpoint)."""
         return tuple(sorted(set(self.placement.rank_experts(self.rank))))
@@ -106,6 +126,10 @@ class ExpertParallelExperts(RoutedExperts):
             raise ValueError(f"expert {expert} out of range ({self.num_logical} experts)")
         slots = self._local_slots(expert)
         return super().expert_weight(slots[0], proj) if slots else None
+
+    def slot_experts(self) -> list[int]:
+        """The logical expert each local slot holds (GGUF blocks attach by it)."""
+        return list(self.placement.rank_experts(self.rank))
 
     def _local_slots(self, expert: int) -> list[int]:
         s = self.placement.slots_per_rank
@@ -170,12 +194,13 @@ class ExpertParallelExperts(RoutedExperts):
     # ------------------------------------------------------------------ re-placement
 
     @torch.no_grad()
-    def prepare_placement(self, new: Placement, comm: ExpertComm | None) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def prepare_placement(self, new: Placement, comm: ExpertComm | None) -> PreparedPlacement:
         """This rank's slot weights under `new`, in new tensors: each slot whose expert this rank does not
         hold gets its weights from the lowest rank that holds it, by one all_to_all on `comm` (every rank
-        calls this for the same layers in the same order); the others copy locally. Reads the current
-        weights only, so forwards may run meanwhile (the balancer runs it on a thread). Returns (w13, w2,
-        experts received)."""
+        calls this for the same layers in the same order); the others copy locally. GGUF blocks travel the
+        same way (a second all_to_all of their bytes, when the layer has blocks: the same on every rank, as
+        they come from one file's tensors), so a moved expert keeps its fast path. Reads the current weights
+        only, so forwards may run meanwhile (the balancer runs it on a thread)."""
         old, r = self.placement, self.rank
         s = old.slots_per_rank
         if new.num_experts != old.num_experts or len(new.physical_to_logical) != len(old.physical_to_logical):
@@ -188,10 +213,12 @@ class ExpertParallelExperts(RoutedExperts):
                   if new.physical_to_logical[p] not in held[q]] for q in range(world)]
         old_local = {e: self._local_slots(e)[0] - r * s for e in held[r]}
         w13, w2 = torch.empty_like(self.w13), torch.empty_like(self.w2)
+        blocks: list[tuple[QuantizedWeight, QuantizedWeight] | None] = [None] * s
         for i, e in enumerate(new.rank_experts(r)):
             if e in held[r]:
                 w13[i].copy_(self.w13[old_local[e]])
                 w2[i].copy_(self.w2[old_local[e]])
+                blocks[i] = self.quantized[old_local[e]]  # same slot as the dense copy: never stale
         received = 0
         if comm is not None:
             width = self.w13[0].numel() + self.w2[0].numel()
@@ -200,25 +227,49 @@ class ExpertParallelExperts(RoutedExperts):
                     for q in range(world) for e in sends[q]]
             send_buf = torch.stack(rows) if rows else self.w13.new_zeros((0, width))
             recv_from = [[(p, e) for p, e in wants[r] if source[e] == q] for q in range(world)]
-            got = comm.exchange(send_buf, [len(x) for x in sends], [len(x) for x in recv_from])
+            send_counts, recv_counts = [len(x) for x in sends], [len(x) for x in recv_from]
+            got = comm.exchange(send_buf, send_counts, recv_counts)
             n13 = self.w13[0].numel()
-            for row, (p, _) in zip(got, (pe for q in range(world) for pe in recv_from[q]), strict=True):
+            arrivals = [pe for q in range(world) for pe in recv_from[q]]
+            for row, (p, _) in zip(got, arrivals, strict=True):
                 w13[p - r * s].copy_(row[:n13].view_as(self.w13[0]))
                 w2[p - r * s].copy_(row[n13:].view_as(self.w2[0]))
                 received += 1
-        return w13, w2, received
+            if self.block_kinds is not None:
+                sent_blocks = [self.quantized[old_local[e]] for q in range(world) for e in sends[q]]
+                for (p, _), pair in zip(arrivals, self._exchange_blocks(comm, sent_blocks, send_counts, recv_counts),
+                                        strict=True):
+                    blocks[p - r * s] = pair
+        return PreparedPlacement(w13, w2, blocks, received)
 
-    def switch_placement(self, new: Placement, w13: torch.Tensor, w2: torch.Tensor) -> None:
-        """Take `prepare_placement`'s weights (between two forwards, on every rank at the same step)."""
-        self.w13.data = w13
-        self.w2.data = w2
+    def _exchange_blocks(self, comm: ExpertComm, pairs: list[tuple[QuantizedWeight, QuantizedWeight] | None],
+                         send_counts: list[int], recv_counts: list[int]
+                         ) -> list[tuple[QuantizedWeight, QuantizedWeight] | None]:
+        """Send each moved expert's (w13, w2) blocks as one byte row (a leading 0 byte: the source slot has
+        none, the receiver multiplies the dense weights); returns the received pairs in arrival order."""
+        (k13, k2), (n13, h13), (n2, h2) = self.block_kinds, self.w13.shape[1:], self.w2.shape[1:]
+        b13, b2 = QuantizedWeight.nbytes(k13, n13, h13), QuantizedWeight.nbytes(k2, n2, h2)
+        width = 1 + b13 + b2
+        rows = [torch.cat([torch.ones(1, dtype=torch.uint8), a.to_bytes(), b.to_bytes()]) if (a, b) != (None, None)
+                else torch.zeros(width, dtype=torch.uint8) for a, b in (pr or (None, None) for pr in pairs)]
+        send = torch.stack(rows) if rows else torch.zeros((0, width), dtype=torch.uint8)
+        got = comm.exchange(send, send_counts, recv_counts)
+        return [(QuantizedWeight.from_bytes(k13, n13, h13, row[1:1 + b13]),
+                 QuantizedWeight.from_bytes(k2, n2, h2, row[1 + b13:])) if row[0] else None for row in got]
+
+    def switch_placement(self, new: Placement, prepared: PreparedPlacement) -> None:
+        """Take `prepare_placement`'s weights and blocks (between two forwards, on every rank at the same
+        step)."""
+        self.w13.data = prepared.w13
+        self.w2.data = prepared.w2
+        self.quantized = list(prepared.blocks)
         self._set_placement(new)
 
     def apply_placement(self, new: Placement) -> int:
         """Prepare and switch at once (every rank calls it at the same point); returns experts received."""
-        w13, w2, received = self.prepare_placement(new, self.comm)
-        self.switch_placement(new, w13, w2)
-        return received
+        prepared = self.prepare_placement(new, self.comm)
+        self.switch_placement(new, prepared)
+        return prepared.received
 
     def extra_repr(self) -> str:
         return f"rank={self.rank}, slots={self.placement.rank_experts(self.rank)}, " + super().extra_repr()

@@ -3,7 +3,9 @@
 A step that decodes a few sequences is bound by reading weights from memory. Keeping the
 GGUF file's Q4_1 / Q8_0 blocks (5-6x fewer bytes than float32) and multiplying them with
 the AVX2 kernels in `gguf_gemm.c` makes those steps several times faster. Larger batches
-are compute-bound and keep using the dense weights with the BLAS matmul.
+are compute-bound and keep using the dense weights with the BLAS matmul. A mixture of experts' routed
+experts (llama.cpp's stacked `ffn_*_exps` tensors, `read_quantized_experts`) work the same way per expert:
+an expert with at most `max_rows()` tokens in a step multiplies its blocks (`layers/moe.py`).
 
 The kernels take float32 or bfloat16 activations and multiply with the values the dense copy
 holds in that dtype (bf16: the dequantized weights rounded to bf16), so which path a batch
@@ -61,6 +63,33 @@ class QuantizedWeight:
         return QuantizedWeight(self.kind, self.qs[idx].contiguous(), self.d[idx].contiguous(),
                                None if self.mn is None else self.mn[idx].contiguous(), self.n, self.k)
 
+    @staticmethod
+    def nbytes(kind: str, n: int, k: int) -> int:
+        """The bytes `to_bytes` gives for an [n, k] weight of `kind` (q4_1 / q8_0)."""
+        nb = n * (k // QK)
+        return {"q4_1": n * k // 2 + 8 * nb, "q8_0": n * k + 4 * nb}[kind]
+
+    def to_bytes(self) -> torch.Tensor:
+        """The blocks as one flat uint8 tensor (quants, scales, offsets), e.g. to send to another rank."""
+        if self.kind == "dense":
+            raise ValueError("a dense weight has no blocks to serialise")
+        parts = [self.qs.reshape(-1), self.d.reshape(-1).view(torch.uint8)]
+        if self.mn is not None:
+            parts.append(self.mn.reshape(-1).view(torch.uint8))
+        return torch.cat(parts)
+
+    @classmethod
+    def from_bytes(cls, kind: str, n: int, k: int, buf: torch.Tensor) -> QuantizedWeight:
+        """Inverse of `to_bytes` (copies out of `buf`)."""
+        if buf.numel() != cls.nbytes(kind, n, k):
+            raise ValueError(f"{buf.numel()} bytes for a {kind} {n}x{k} weight")
+        nb = k // QK
+        q = n * k // 2 if kind == "q4_1" else n * k
+        qs = buf[:q].clone().view(n, q // n)
+        d = buf[q:q + 4 * n * nb].clone().view(torch.float32).view(n, nb)
+        mn = buf[q + 4 * n * nb:].clone().view(torch.float32).view(n, nb) if kind == "q4_1" else None
+        return cls(kind, qs, d, mn, n, k)
+
     def dequantize(self) -> torch.Tensor:
         """Float32 [N, K] (used by tests to check the kernels and the layout)."""
         if self.kind == "dense":
@@ -100,28 +129,56 @@ def max_rows() -> int:
     return lib.max_rows() if lib is not None else 0
 
 
+def read_quantized(gguf_path: Path) -> tuple[dict[str, QuantizedWeight], dict[str, list[QuantizedWeight]]]:
+    """`read_quantized_tensors` and `read_quantized_experts` in one read of the file (parsing a GGUF's
+    metadata, e.g. a 49k-token vocabulary, takes seconds)."""
+    tensors: dict[str, QuantizedWeight] = {}
+    experts: dict[str, list[QuantizedWeight]] = {}
+    for t in _quantized(gguf_path):
+        if len(t.shape) == 2:
+            tensors[t.name] = _blocks(t)[0]
+        elif len(t.shape) == 3:
+            experts[t.name] = _blocks(t)
+    return tensors, experts
+
+
 def read_quantized_tensors(gguf_path: Path) -> dict[str, QuantizedWeight]:
-    """The Q4_1 and Q8_0 tensors of a GGUF file by GGUF name (other types are skipped)."""
+    """The 2-D Q4_1 and Q8_0 tensors of a GGUF file by GGUF name (other types are skipped; the 3-D expert
+    stacks are `read_quantized_experts`')."""
+    return read_quantized(gguf_path)[0]
+
+
+def read_quantized_experts(gguf_path: Path) -> dict[str, list[QuantizedWeight]]:
+    """The 3-D Q4_1 and Q8_0 tensors of a GGUF file (llama.cpp's stacked routed experts, e.g.
+    `blk.N.ffn_gate_exps.weight`: GGUF dims (K, N, E), numpy [E, N, bytes]) as one [N, K] weight per
+    expert, in expert order (other types are skipped)."""
+    return read_quantized(gguf_path)[1]
+
+
+def _quantized(gguf_path: Path) -> list:
     import gguf
 
     reader = gguf.GGUFReader(str(gguf_path))
-    out: dict[str, QuantizedWeight] = {}
-    for t in reader.tensors:
-        kind = t.tensor_type.name.lower()
-        if kind not in ("q4_1", "q8_0"):
-            continue
-        k, n = (int(v) for v in t.shape[:2])  # GGUF lists dims innermost first
-        nb = k // QK
-        raw = np.asarray(t.data, dtype=np.uint8).reshape(n, nb, -1)
-        d = torch.from_numpy(raw[:, :, 0:2].copy().view(np.float16).astype(np.float32).reshape(n, nb))
-        if kind == "q4_1":
-            mn = torch.from_numpy(raw[:, :, 2:4].copy().view(np.float16).astype(np.float32).reshape(n, nb))
-            qs = torch.from_numpy(raw[:, :, 4:20].copy().reshape(n, nb * 16))
-        else:
-            mn = None
-            qs = torch.from_numpy(raw[:, :, 2:34].copy().reshape(n, k))
-        out[t.name] = QuantizedWeight(kind, qs, d, mn, n, k)
-    return out
+    return [t for t in reader.tensors if t.tensor_type.name.lower() in ("q4_1", "q8_0")]
+
+
+def _blocks(t) -> list[QuantizedWeight]:
+    """One GGUF tensor's blocks as [N, K] weights, one per entry of its third dim (GGUF lists dims
+    innermost first; a 2-D tensor gives one)."""
+    kind = t.tensor_type.name.lower()
+    k, n = (int(v) for v in t.shape[:2])
+    e = int(t.shape[2]) if len(t.shape) > 2 else 1
+    nb = k // QK
+    raw = np.asarray(t.data, dtype=np.uint8).reshape(e, n, nb, -1)
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16).astype(np.float32).reshape(e, n, nb))
+    if kind == "q4_1":
+        mn = torch.from_numpy(raw[..., 2:4].copy().view(np.float16).astype(np.float32).reshape(e, n, nb))
+        qs = torch.from_numpy(raw[..., 4:20].copy().reshape(e, n, nb * 16))
+    else:
+        mn = None
+        qs = torch.from_numpy(raw[..., 2:34].copy().reshape(e, n, k))
+    # each expert's views are contiguous slices of the one copy of the file's blocks
+    return [QuantizedWeight(kind, qs[i], d[i], None if mn is None else mn[i], n, k) for i in range(e)]
 
 
 def llama_unpermute_order(rows: int, n_head: int) -> np.ndarray:

@@ -21,6 +21,15 @@ ascending id: the same matmuls (same rows, same order) and the same order of add
 per-expert loop; SiLU * up goes through the CPU kernel the dense MLP uses (`silu_and_mul`: bf16 identical to
 torch's, fp32 within 1 ulp). No Python loop runs per token; one runs per active expert.
 
+GGUF blocks (`attach_quantized`): a slot may carry its expert's Q4_1 / Q8_0 blocks (gate and up rows
+concatenated as `w13`, and `w2`); an active expert with at most `max_rows()` tokens multiplies them with the
+GGUF kernels (the rule `Linear.forward` follows), more tokens the dense weights. The contract is the dense
+projections' (`gguf_kernels`): the kernels multiply with the values the dense slot holds in the model dtype,
+so only the summation order changes. Whoever changes a slot's dense weights must hand the slot its new
+blocks (EPLB's re-placement moves them with the weights, `ep_moe.py`) or drop them (`attach_quantized(slot,
+None, None)`): blocks never outlive the dense weights they mirror. `--deterministic` (`make_row_invariant`):
+every expert through the kernel whatever its token count, blocks or dense kind.
+
 Expert parallelism (`layers/ep_moe.py`): an expert module holds the experts `local_experts` (global ids)
 and its `forward` takes (tokens, global expert ids, weights), skipping pairs whose expert it does not hold;
 `ExpertParallelExperts` subclasses it with physical slot ids as its "experts" and wraps the compute in an
@@ -37,6 +46,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.layers.activation import silu_and_mul
+from deepinfer.layers.gguf_kernels import QuantizedWeight, max_rows
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -65,9 +75,16 @@ class SoftmaxTopKRouter(nn.Module):
         self.top_k = top_k
         self.renormalize = renormalize
         self.float32_weights = float32_weights
+        self.row_invariant: QuantizedWeight | None = None  # --deterministic: the logits through the kernel
+
+    def make_row_invariant(self) -> None:
+        """Compute the logits with the row-invariant kernel (a row's logits never depend on the batch).
+        ValueError where the kernel cannot take the weight (hidden size not a multiple of 32)."""
+        self.row_invariant = QuantizedWeight.dense(self.weight)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x, self.weight)
+        k = self.row_invariant
+        logits = k.matmul(x) if k is not None and x.dim() == 2 and x.dtype == k.qs.dtype else F.linear(x, self.weight)
         return softmax_topk(logits, self.top_k, self.renormalize,
                             torch.float32 if self.float32_weights else logits.dtype)
 
@@ -105,6 +122,14 @@ class RoutedExperts(nn.Module):
         slot = torch.full((num_experts,), -1, dtype=torch.long)
         slot[list(local)] = torch.arange(len(local))
         self.register_buffer("slot_of", slot, persistent=False)  # global id -> local slot, -1: held elsewhere
+        # per local slot: GGUF blocks of (w13, w2) or None (dense); see the module docstring
+        self.quantized: list[tuple[QuantizedWeight, QuantizedWeight] | None] = [None] * len(local)
+        self._rows = 0  # max_rows() once blocks are attached
+        self.block_kinds: tuple[str, str] | None = None  # (w13, w2) block types once a GGUF file's are attached
+        self.quantized_calls = 0  # expert matmul pairs served from blocks (tests and benchmarks read it)
+        # --deterministic: per slot, the kernel weights serving every token count (its blocks, or its dense
+        # weights as the kernel's dense kind); None: off
+        self.row_invariant: list[tuple[QuantizedWeight, QuantizedWeight]] | None = None
 
     # ------------------------------------------------------------------ weights
 
@@ -125,6 +150,61 @@ class RoutedExperts(nn.Module):
             return self.w2[s]
         return self.w13[s].narrow(0, PROJECTIONS.index(proj) * self.intermediate, self.intermediate)
 
+    def attach_quantized(self, slot: int, w13: QuantizedWeight | None, w2: QuantizedWeight | None) -> None:
+        """Give local slot `slot` the GGUF blocks of its expert (`w13`: gate rows then up rows [2I, H];
+        `w2` [H, I]), or, both None, drop its blocks (it multiplies its dense weights)."""
+        if w13 is None or w2 is None:
+            if w13 is not None or w2 is not None:
+                raise ValueError("a slot's gate/up and down blocks are attached together")
+            self.quantized[slot] = None
+            return
+        for q, dense, what in ((w13, self.w13, "gate/up"), (w2, self.w2, "down")):
+            if (q.n, q.k) != tuple(dense.shape[1:]) or q.kind == "dense":
+                raise ValueError(f"{what} blocks {q.kind} {q.n}x{q.k} for a slot of {tuple(dense.shape[1:])}")
+        self.quantized[slot] = (w13, w2)
+        self._rows = max_rows()
+
+    def make_row_invariant(self) -> None:
+        """--deterministic: every active expert multiplies through the GGUF kernel whatever its token count
+        (its blocks where attached, else its dense weights as the kernel's dense kind), so a token's expert
+        outputs do not depend on which other tokens share the expert; with the row-invariant router, the
+        per-row activation and the per-token sum in ascending expert id, a row's MoE output depends on that
+        row alone. ValueError where the kernel cannot take the weights (hidden or expert width not a
+        multiple of 32, not CPU float32 / bfloat16). The dense kind reads the slot tensors in place: a
+        re-placement that swaps them (EPLB) is not supported in this mode."""
+        self.row_invariant = [q if q is not None else (QuantizedWeight.dense(self.w13[s]),
+                                                       QuantizedWeight.dense(self.w2[s]))
+                              for s, q in enumerate(self.quantized)]
+
+    def slot_experts(self) -> list[int]:
+        """The checkpoint (logical) expert whose weights each local slot holds."""
+        return list(self.local_experts)
+
+    def attach_expert_blocks(self, gate: list[QuantizedWeight], up: list[QuantizedWeight],
+                             down: list[QuantizedWeight]) -> int:
+        """Attach a GGUF file's per-expert blocks (indexed by logical expert: one 3-D tensor each, so one
+        type for all experts) to the slots holding those experts; returns how many slots got blocks (none
+        where gate and up differ in type)."""
+        if not len(gate) == len(up) == len(down) == self.num_logical_experts:
+            raise ValueError(f"expert blocks for {len(gate)} / {len(up)} / {len(down)} experts, "
+                             f"the layer has {self.num_logical_experts}")
+        if gate[0].kind != up[0].kind:
+            return 0
+        for s, e in enumerate(self.slot_experts()):
+            self.attach_quantized(s, QuantizedWeight.concat([gate[e], up[e]]), down[e])
+        self.block_kinds = (gate[0].kind, down[0].kind)
+        return len(self.slot_experts())
+
+    @property
+    def num_logical_experts(self) -> int:
+        """The experts of the checkpoint layer (`ExpertParallelExperts`: not its physical slots)."""
+        return self.num_experts
+
+    @property
+    def num_quantized(self) -> int:
+        """Slots carrying GGUF blocks."""
+        return sum(q is not None for q in self.quantized)
+
     # ------------------------------------------------------------------ compute
 
     def group(self, expert_ids: torch.Tensor, weights: torch.Tensor) -> ExpertGroups:
@@ -141,13 +221,23 @@ class RoutedExperts(nn.Module):
         matmul per active expert; the product with the weight is taken in the weights' and outputs'
         promoted dtype (float32 weights: float32), then rounded to x's dtype before it is added."""
         out = torch.zeros_like(x)
+        blocks_ok = x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
         start = 0
         for s, n in enumerate(groups.counts):
             if not n:
                 continue
             t = groups.tokens[start:start + n]
-            h = self._act(F.linear(x[t], self.w13[s]))
-            h = F.linear(h, self.w2[s]) * groups.weights[start:start + n, None]
+            q = self.quantized[s]
+            if self.row_invariant is not None and blocks_ok:
+                q = self.row_invariant[s]
+                h = q[1].matmul(self._act(q[0].matmul(x[t])))
+                self.quantized_calls += q[0].kind != "dense"
+            elif q is not None and n <= self._rows and blocks_ok:
+                h = q[1].matmul(self._act(q[0].matmul(x[t])))
+                self.quantized_calls += 1
+            else:
+                h = F.linear(self._act(F.linear(x[t], self.w13[s])), self.w2[s])
+            h = h * groups.weights[start:start + n, None]
             out.index_add_(0, t, h.to(out.dtype))
             start += n
         return out

@@ -257,8 +257,10 @@ class LlamaForCausalLM(nn.Module):
         """Parameters `load_weights` does not fill nor check (a subclass loads and checks them itself)."""
         return set()
 
-    def attach_gguf(self, tensors: dict[str, QuantizedWeight]) -> int:
-        """Attach a GGUF file's quantized blocks to the matching projections; returns how many."""
+    def attach_gguf(self, tensors: dict[str, QuantizedWeight],
+                    experts: dict[str, list[QuantizedWeight]] | None = None) -> int:
+        """Attach a GGUF file's quantized blocks to the matching projections; returns how many. `experts`
+        (`read_quantized_experts`: stacked routed-expert blocks) is for the mixture-of-experts subclasses."""
         attn = self.layers[0].self_attn
         permuted = getattr(self.config, "model_type", "") in ("llama", "mistral")  # llama.cpp's Q/K row order
 

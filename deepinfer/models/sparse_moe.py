@@ -7,6 +7,8 @@ projection (`...experts.E.gate_proj.weight`, Mixtral's `w1` / `w3` / `w2`); they
 parameters of the experts this process holds (`held_experts`: all of them, or this rank's with expert
 parallelism), and
 transformers' own stacked names (`experts.gate_up_proj` [E, 2I, H], `experts.down_proj` [E, H, I]) load too.
+From a GGUF file, `attach_gguf` also gives each expert slot its Q4_1 / Q8_0 blocks (llama.cpp's stacked
+`blk.N.ffn_{gate,up,down}_exps`), which the GGUF kernels multiply for experts with few tokens in a step.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from deepinfer.layers.gguf_kernels import QuantizedWeight
 from deepinfer.layers.moe import RoutedExperts, SparseMoeBlock
 from deepinfer.models.llama import GatedMLP, LlamaForCausalLM
 
@@ -25,11 +28,6 @@ _STACKED = re.compile(r"^layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)$"
 
 
 class SparseMoeForCausalLM(LlamaForCausalLM):
-    # read by the runner (--deterministic): every op of a step must give a row the same result whatever
-    # else is in the batch; the routed experts multiply each expert's tokens as one matmul whose row count
-    # depends on the batch, and there is no row-invariant expert kernel yet
-    deterministic_unsupported = ("its routed experts multiply each expert's tokens as one matmul whose row count "
-                                 "depends on the batch; there is no row-invariant expert kernel")
     # checkpoint expert projection name -> ours ("gate", "up", "down")
     _EXPERT_PROJ = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
     float32_weights = False  # route weights stay float32 (Mixtral) or are cast to the model dtype (Qwen3-MoE)
@@ -63,6 +61,18 @@ class SparseMoeForCausalLM(LlamaForCausalLM):
         return False
 
     # ------------------------------------------------------------------ weights
+
+    def attach_gguf(self, tensors: dict[str, QuantizedWeight],
+                    experts: dict[str, list[QuantizedWeight]] | None = None) -> int:
+        """The dense projections' blocks (`LlamaForCausalLM.attach_gguf`) and each MoE layer's expert blocks
+        (llama.cpp's stacked `blk.N.ffn_{gate,up,down}_exps`) on the slots holding those experts (all of
+        them, or this rank's with expert parallelism); returns how many projections and expert slots."""
+        attached = super().attach_gguf(tensors)
+        for i, ex in self._experts().items():
+            parts = [(experts or {}).get(f"blk.{i}.ffn_{p}_exps.weight") for p in ("gate", "up", "down")]
+            if all(p is not None for p in parts):
+                attached += ex.attach_expert_blocks(*parts)
+        return attached
 
     def _rename(self, name: str) -> str:
         """A checkpoint name (without "model.") in Qwen3-MoE's naming."""

@@ -139,11 +139,13 @@ def _convert_gguf(gguf_path: Path, digest: str) -> Path:
         return target
     logger.info("converting %s (dequantizing GGUF once; cached in %s)", gguf_path.name, target)
     started = time.perf_counter()
+    overrides = gguf_config_overrides(gguf_path)  # first: it refuses files the reader would get wrong
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = str(gguf_path.parent), gguf_path.name
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32,
+                                                 **overrides)
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
@@ -164,6 +166,32 @@ def _convert_gguf(gguf_path: Path, digest: str) -> Path:
         raise
     logger.info("converted %s in %.1fs", gguf_path.name, time.perf_counter() - started)
     return target
+
+
+def gguf_config_overrides(gguf_path: Path) -> dict:
+    """Config values transformers' GGUF reader (5.x) leaves out, read from the file: the routed experts'
+    width of Qwen2-/Qwen3-MoE (`{arch}.expert_feed_forward_length`; the reader maps only
+    `feed_forward_length`, the dense MLP's, and the expert width silently keeps the config class's default,
+    768, so any other width fails to load or, worse, matches by chance).
+
+    ValueError for a file that reader would turn into a wrong model: a Llama-architecture file with routed
+    experts (llama.cpp writes Mixtral this way) reads as a dense Llama whose MLP weights are missing and
+    randomly initialised."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(gguf_path))
+    fields = reader.fields
+    arch = fields["general.architecture"].contents() if "general.architecture" in fields else ""
+    if arch in ("llama", "mistral") and any(t.name.endswith("_exps.weight") for t in reader.tensors):
+        raise ValueError(f"{gguf_path.name}: a {arch}-architecture GGUF with routed experts (Mixtral as llama.cpp "
+                         "writes it) is not supported: transformers' GGUF reader loads it as a dense Llama with "
+                         "random MLP weights; serve the safetensors checkpoint instead")
+    out = {}
+    if arch in ("qwen2moe", "qwen3moe") and f"{arch}.expert_feed_forward_length" in fields:
+        out["moe_intermediate_size"] = int(fields[f"{arch}.expert_feed_forward_length"].contents())
+    if arch == "qwen2moe" and f"{arch}.expert_shared_feed_forward_length" in fields:
+        out["shared_expert_intermediate_size"] = int(fields[f"{arch}.expert_shared_feed_forward_length"].contents())
+    return out
 
 
 def _restore_rope_scaling(gguf_path: Path, config) -> None:
