@@ -10,10 +10,12 @@ same step:
   2. with `enable_eplb`, each layer gets `balanced_placement(load, ranks, num_redundant)` (a deterministic
      function of the same numbers, so every rank computes the same placement without sending it);
   3. a layer whose new placement lowers its busiest rank's expected load (window load) by at least
-     `MIN_GAIN` is re-placed (otherwise sampling noise would move weights every interval for nothing): (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds
-     (and their GGUF blocks, when the model has them) come from the rank that holds them, by all_to_all over the process group. Not from the checkpoint:
-     the checkpoint may be a GGUF or a safetensors directory on a slow mount, and a rank holds 1/N of the
-     experts in memory, never the whole file; the peer already has the tensor in the dtype and layout used.
+     `MIN_GAIN` is re-placed (otherwise sampling noise would move weights every interval for nothing);
+  4. re-placing (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds (and
+     their GGUF blocks, when the model has them) come from the rank that holds them, by all_to_all over
+     the process group. Not from the checkpoint: the checkpoint may be a GGUF or a safetensors directory
+     on a slow mount, and a rank holds 1/N of the experts in memory, never the whole file; the peer
+     already has the tensor in the dtype and layout used.
      All ranks decide the same, from the same all-reduced numbers.
 
 The move runs on a thread while serving continues (ranks > 1: its all_to_all goes over a second process
