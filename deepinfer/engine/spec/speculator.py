@@ -15,6 +15,8 @@ requests, cut at the first token the grammar refuses (checked on the matcher, th
 
 from __future__ import annotations
 
+import time
+
 from deepinfer.config import SpeculativeMethod
 from deepinfer.engine.cost_model import CostModel
 from deepinfer.engine.request import Request
@@ -22,6 +24,7 @@ from deepinfer.engine.spec.metrics import SpecMetrics
 from deepinfer.engine.spec.ngram import NgramProposer
 from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLengthPolicy
 from deepinfer.engine.spec.proposer import Draft, Proposer
+from deepinfer.engine.spec.step_price import profile_row_counts, profile_rows
 from deepinfer.engine.spec.suffix import SuffixProposer
 
 
@@ -42,6 +45,15 @@ class Speculator:
         self.proposer = proposer or build_proposer(method)
         self.policy = DraftLengthPolicy(cost_model, method.adaptive)
         self.metrics = SpecMetrics(self.proposer.name, self.k_max)
+        self._last_propose: float | None = None
+        self._last_run: float | None = None
+
+    def calibrate(self, runner, kv, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Seed the price of verification with a short profile of verification steps (`step_price`)."""
+        from deepinfer.layers.gguf_kernels import max_rows
+
+        counts = profile_row_counts(min(max_num_seqs * (1 + self.k_max), max_num_batched_tokens), max_rows())
+        self.policy.price.seed(profile_rows(runner, kv, counts, self.k_max))
 
     def _state(self, req: Request) -> AcceptanceStats:
         if req.spec is None:
@@ -50,6 +62,12 @@ class Speculator:
 
     def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of a step (request id -> drafts; absent: none)."""
+        now = time.perf_counter()
+        if self._last_propose is not None and self._last_run is not None:
+            # the wall time from the previous proposal to this one, less that step's model time, is the
+            # host's share of a step (capped: an idle engine between requests is not host work)
+            self.policy.price.observe_host(min(now - self._last_propose - self._last_run, self._last_run))
+        self._last_propose, self._last_run = now, None
         if not decodes:
             return {}
         limits = []
@@ -68,8 +86,7 @@ class Speculator:
         states = [self._state(r) for r in decodes]
         ks = self.policy.choose(
             [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.rates, d.confidence, len(d)))
-             for (r, d), s in zip(cands, states, strict=True)],
-            [(1, r.num_computed_tokens) for r in decodes])
+             for (r, d), s in zip(cands, states, strict=True)], len(decodes))
         out = {}
         for (r, d), s, k in zip(cands, states, ks, strict=True):
             self.metrics.chose(k)
@@ -80,9 +97,11 @@ class Speculator:
                 s.relax(self.method.initial_acceptance, self.method.acceptance_ewma / 4)
         return out
 
-    def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
-        """A finished step in which every request decoded or verified drafts (prices verification)."""
-        self.policy.measured.observe(num_requests, num_tokens, seconds)
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A finished step in which every request decoded or verified drafts: `num_rows` rows (decodes and
+        drafts) in `seconds` of model-runner time (prices verification)."""
+        self.policy.price.observe(num_rows, seconds)
+        self._last_run = seconds
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         self._state(req).observe(drafted, accepted, self.method.acceptance_ewma)
