@@ -104,7 +104,8 @@ class EngineCore:
         self.kv.attach_tiers(self.tiers)
         self.speculator = self._speculator()
         if self.speculator is not None and sc.profile_cost_model:
-            self.speculator.calibrate(self.runner, self.kv, sc.max_num_seqs, sc.max_num_batched_tokens)
+            self.speculator.calibrate(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
+                                      sc.max_num_batched_tokens)
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model, self.speculator)
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
                     bs, self.runner.kv_cache_bytes / 2**20)

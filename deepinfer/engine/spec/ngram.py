@@ -17,6 +17,7 @@ from deepinfer.engine.spec.proposer import Draft, Proposer
 
 class NgramProposer(Proposer):
     name = "ngram"
+    skippable = True
 
     def __init__(self, min_n: int = 2, max_n: int = 5, max_lookback: int = 8192) -> None:
         if not 1 <= min_n <= max_n:

@@ -87,6 +87,17 @@ class DraftLengthPolicy:
             return list(rates)
         return [math.sqrt(max(0.0, r * c)) for r, c in zip(rates, confidence, strict=False)]
 
+    def first_gain_needed(self, num_decodes: int, k_max: int) -> float:
+        """The least keep probability of a request's first draft token for any draft of it to pay on its
+        own: a request's k drafts gain at most k times that, and cost T(B + k) - T(B). Below it the
+        speculator skips the request's proposer (no draft work when k would be 0)."""
+        if not self.adaptive or num_decodes <= 0:
+            return 0.0
+        t = self.price.table(num_decodes + k_max)
+        rate = num_decodes / max(t[num_decodes] + self.price.host_seconds, 1e-9)
+        ks = np.arange(1, k_max + 1)
+        return float(np.min(rate * (t[num_decodes + ks] - t[num_decodes]) / ks))
+
     def choose(self, cands: list[Candidate], num_decodes: int) -> list[int]:
         """Draft tokens to verify per candidate; `num_decodes`: the step's decoding requests (one row each,
         the candidates included)."""

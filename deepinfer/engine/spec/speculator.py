@@ -15,6 +15,7 @@ requests, cut at the first token the grammar refuses (checked on the matcher, th
 
 from __future__ import annotations
 
+import math
 import time
 
 from deepinfer.config import SpeculativeMethod
@@ -48,12 +49,20 @@ class Speculator:
         self._last_propose: float | None = None
         self._last_run: float | None = None
 
-    def calibrate(self, runner, kv, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def calibrate(self, runner, kv, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Seed the price of verification with a short profile of verification steps (`step_price`)."""
         from deepinfer.layers.gguf_kernels import max_rows
 
-        counts = profile_row_counts(min(max_num_seqs * (1 + self.k_max), max_num_batched_tokens), max_rows())
-        self.policy.price.seed(profile_rows(runner, kv, counts, self.k_max))
+        k = min(self.k_max, max_model_len // 2)
+        context = min(128, max_model_len - 1 - k)
+        if k < 1 or context < 1:
+            return
+        counts = profile_row_counts(min(max_num_seqs * (1 + k), max_num_batched_tokens), max_rows())
+        sink, runner.stream_sink = runner.stream_sink, None  # the MTP proposer must not keep the profile's rows
+        try:
+            self.policy.price.seed(profile_rows(runner, kv, counts, k, context))
+        finally:
+            runner.stream_sink = sink
 
     def _state(self, req: Request) -> AcceptanceStats:
         if req.spec is None:
@@ -76,6 +85,12 @@ class Speculator:
             if r.max_tokens is not None:
                 k = min(k, r.max_tokens - r.num_output_tokens - 1)  # the step also emits the target's token
             limits.append(max(0, k) if not r.num_pending_tokens else 0)
+        if self.proposer.skippable and self.policy.adaptive:
+            need = self.policy.first_gain_needed(len(decodes), self.k_max)
+            for i, r in enumerate(decodes):
+                first = self._state(r).rates[0]
+                if (math.sqrt(first) if self.proposer.confident else first) <= need:
+                    limits[i] = 0
         drafts = self.proposer.propose_batch(decodes, limits)
         cands = []
         for r, d, lim in zip(decodes, drafts, limits, strict=True):

@@ -12,9 +12,13 @@ wrongly at both ends, so `StepPrice` keeps a table instead:
            counts measured, made non-decreasing (isotonic: more rows never cost less), extended past the largest
            measured R with the last measured seconds per row.
 
-Seeded at engine start by `profile_rows` (one synthetic verification step per row count: every count up
-to a few past the C path's limit, then about 25% apart up to what the batch can verify) and refreshed by
-every decode-phase step the engine runs (`observe`), so it follows the machine's load. Without a profile
+Seeded at engine start by `profile_rows` (synthetic verification steps: every row count up to a few past
+the C path's limit, then about 25% apart up to what the batch can verify; each twice, the faster kept) and
+refreshed by every decode-phase step the engine runs (`observe`). A load factor (EWMA of measured over
+predicted seconds) scales the whole table and entries are stored divided by it: a busy machine makes the
+row counts in use slower, and the counts not in use (whose entries are older) must follow, or the policy
+would wander to whichever counts were measured at a quieter moment, or never return to one measured at a
+busy moment. Without a profile
 the cost model's prediction for R decode rows seeds it. The policy (`policy.py`) reads `seconds(R)` for R
 from the step's decodes to decodes + all drafts; `host_seconds` is the step's measured time outside the
 model runner (scheduling, proposing, output), which drafts amortise too.
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import statistics
 import time
 from collections import deque
@@ -39,6 +44,7 @@ class StepPrice:
     """Seconds of a decode-phase step of R rows (see the module docstring)."""
 
     SAMPLES = 5  # recent measurements kept per row count (median: one noisy step moves nothing)
+    LOAD_EWMA = 0.05
     HOST_EWMA = 0.1
 
     def __init__(self, cost_model: CostModel | None = None, context: int = 256) -> None:
@@ -48,11 +54,20 @@ class StepPrice:
         self._table: np.ndarray | None = None  # T(R) for R = 0..len-1, rebuilt lazily after new samples
         self.host_seconds = 0.0
         self.num_observed = 0
+        # measured / predicted step time (EWMA): the machine's load now against the load the table's entries
+        # were measured under; row counts the policy stopped choosing keep their shape but follow the load
+        self.load = 1.0
 
     def observe(self, rows: int, seconds: float) -> None:
+        """A measured decode-phase step: updates the load factor, then its row count's entry (stored
+        divided by the load factor, so entries measured under different loads stay comparable)."""
         if rows <= 0 or seconds <= 0:
             return
-        self._samples.setdefault(rows, deque(maxlen=self.SAMPLES)).append(seconds)
+        if self._samples:
+            predicted = self._base(rows)
+            if predicted > 0:
+                self.load += self.LOAD_EWMA * (seconds / predicted - self.load)
+        self._samples.setdefault(rows, deque(maxlen=self.SAMPLES)).append(seconds / self.load)
         self.num_observed += 1
         self._table = None
 
@@ -63,8 +78,11 @@ class StepPrice:
             self.host_seconds += w * (seconds - self.host_seconds)
 
     def seed(self, samples: list[tuple[int, float]]) -> None:
+        """Profiled steps (the load they ran under is load factor 1)."""
         for rows, seconds in samples:
-            self.observe(rows, seconds)
+            if rows > 0 and seconds > 0:
+                self._samples.setdefault(rows, deque(maxlen=self.SAMPLES)).append(seconds)
+        self._table = None
 
     @property
     def measured_rows(self) -> list[int]:
@@ -76,6 +94,9 @@ class StepPrice:
             return 0.0
         if not self._samples:
             return self._from_cost_model(rows)
+        return self.load * self._base(rows)
+
+    def _base(self, rows: int) -> float:
         table = self._table
         if table is None or rows >= len(table):
             table = self._table = self._build(max(rows + 1, 2 * max(self._samples) + 1))
@@ -83,10 +104,10 @@ class StepPrice:
 
     def table(self, max_rows: int) -> np.ndarray:
         """T(R) for R = 0..max_rows (index R)."""
-        self.seconds(max_rows)
         if not self._samples:
             return np.array([self._from_cost_model(r) for r in range(max_rows + 1)])
-        return self._table[:max_rows + 1]  # type: ignore[index]
+        self._base(max_rows)
+        return self.load * self._table[:max_rows + 1]  # type: ignore[index]
 
     def _build(self, size: int) -> np.ndarray:
         rows = np.array(sorted(self._samples), dtype=float)
@@ -135,9 +156,9 @@ def profile_row_counts(max_total: int, c_path_rows: int, limit: int = 512) -> li
 
 
 def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 128,
-                 time_limit_s: float = 3.0) -> list[tuple[int, float]]:
-    """Run one synthetic verification step per row count (after a warm-up step) through the real runner and
-    return (rows, seconds). A step of R rows is ceil(R / (1 + k_max)) requests, each verifying up to
+                 time_limit_s: float = 4.0) -> list[tuple[int, float]]:
+    """Run two synthetic verification steps per row count (after a warm-up step) through the real runner
+    and return (rows, the faster one's seconds). A step of R rows is ceil(R / (1 + k_max)) requests, each verifying up to
     `k_max` drafts, all decode rows as in real verification. The KV it writes is garbage in blocks that go
     straight back to the pool (as `cost_profile`); the drafts are all rejected or accepted, which does
     not matter for timing. Stops once `time_limit_s` is spent."""
@@ -147,9 +168,11 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     ids = itertools.count()
-    out: list[tuple[int, float]] = []
     started = time.perf_counter()
-    for i, rows in enumerate([row_counts[0]] + list(row_counts)):
+    best: dict[int, float] = {}
+    # a warm-up step, then the counts up and down again: the faster of each count's two steps is kept
+    # (on a shared machine one step can be slowed by others; a fast one cannot be sped up by them)
+    for i, rows in enumerate([row_counts[0]] + list(row_counts) + list(reversed(row_counts))):
         plan = SchedulerOutput()
         left = rows
         while left > 0:
@@ -168,9 +191,9 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
             for r in reqs:
                 kv.free(r)
         if i > 0:
-            out.append((rows, result.seconds))
+            best[rows] = min(best.get(rows, math.inf), result.seconds)
         if time.perf_counter() - started > time_limit_s:
             break
-    logger.info("speculative decoding: verification profile of %d row counts in %.2fs", len(out),
+    logger.info("speculative decoding: verification profile of %d row counts in %.2fs", len(best),
                 time.perf_counter() - started)
-    return out
+    return sorted(best.items())
