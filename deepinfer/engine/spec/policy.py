@@ -87,16 +87,18 @@ class DraftLengthPolicy:
             return list(rates)
         return [math.sqrt(max(0.0, r * c)) for r, c in zip(rates, confidence, strict=False)]
 
-    def first_gain_needed(self, num_decodes: int, k_max: int) -> float:
-        """The least keep probability of a request's first draft token for any draft of it to pay on its
-        own: a request's k drafts gain at most k times that, and cost T(B + k) - T(B). Below it the
-        speculator skips the request's proposer (no draft work when k would be 0)."""
-        if not self.adaptive or num_decodes <= 0:
-            return 0.0
-        t = self.price.table(num_decodes + k_max)
-        rate = num_decodes / max(t[num_decodes] + self.price.host_seconds, 1e-9)
-        ks = np.arange(1, k_max + 1)
-        return float(np.min(rate * (t[num_decodes + ks] - t[num_decodes]) / ks))
+    def any_draft_can_pay(self, first_probs: list[float], k_max: int) -> bool:
+        """Whether any drafts could raise the step's expected tokens per second, given an upper bound of each
+        decoding request's first-draft keep probability: a request's k drafts gain at most k times it (its
+        gains are a falling prefix product), so m draft rows gain at most the sum of the m largest of those
+        bounds, k_max copies each. False: the speculator skips proposing this step (k = 0 costs nothing)."""
+        if not self.adaptive:
+            return True
+        b = len(first_probs)
+        bounds = np.repeat(np.sort(np.asarray(first_probs, dtype=float))[::-1], k_max)
+        t = self.price.table(b + len(bounds)) + self.price.host_seconds
+        rate = (b + np.concatenate([[0.0], np.cumsum(bounds)])) / np.maximum(t[b:], 1e-9)
+        return bool(np.max(rate[1:]) > rate[0]) if len(bounds) else False
 
     def choose(self, cands: list[Candidate], num_decodes: int) -> list[int]:
         """Draft tokens to verify per candidate; `num_decodes`: the step's decoding requests (one row each,

@@ -85,12 +85,10 @@ class Speculator:
             if r.max_tokens is not None:
                 k = min(k, r.max_tokens - r.num_output_tokens - 1)  # the step also emits the target's token
             limits.append(max(0, k) if not r.num_pending_tokens else 0)
-        if self.proposer.skippable and self.policy.adaptive:
-            need = self.policy.first_gain_needed(len(decodes), self.k_max)
-            for i, r in enumerate(decodes):
-                first = self._state(r).rates[0]
-                if (math.sqrt(first) if self.proposer.confident else first) <= need:
-                    limits[i] = 0
+        if self.proposer.skippable and not self.policy.any_draft_can_pay(
+                [(math.sqrt(f) if self.proposer.confident else f) if lim else 0.0
+                 for f, lim in zip((self._state(r).rates[0] for r in decodes), limits, strict=True)], self.k_max):
+            limits = [0] * len(decodes)
         drafts = self.proposer.propose_batch(decodes, limits)
         cands = []
         for r, d, lim in zip(decodes, drafts, limits, strict=True):
