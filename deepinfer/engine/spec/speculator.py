@@ -9,6 +9,10 @@ scheduler makes.
                           that only rejected positions used (KVCacheManager.truncate)
     Scheduler._finish  ─▶ Speculator.finished(request)
 
+A proposer that is cheap to skip (n-gram, suffix: pure functions of the request's tokens) is not run at
+all on a step where, by the policy's bound, no drafts could pay (every request's acceptance estimate too
+low for the step's price of more rows): speculation then costs a decode step nothing but that check.
+
 Drafts are capped so a step never emits past `max_tokens` or the context length, and, for structured
 requests, cut at the first token the grammar refuses (checked on the matcher, then rolled back).
 """
