@@ -57,6 +57,7 @@ def test_suffix_recent_requests_are_indexed_and_bounded():
 def _priced(seconds_of_rows) -> DraftLengthPolicy:
     """A policy whose verification price is a measured table: T(R) = seconds_of_rows(R) for R = 1..300."""
     pol = DraftLengthPolicy(CostModel())
+    pol.price.c_path_rows = 8  # the regimes are fitted apart: the jump at 9 rows stays a jump
     pol.price.seed([(r, seconds_of_rows(r)) for r in range(1, 301)])
     return pol
 
@@ -114,6 +115,10 @@ def test_step_price_table_is_monotone_robust_and_follows_measurements():
     assert price.seconds(8) == pytest.approx(0.040, rel=0.1)
     assert price.load > 1.0  # and the machine looks busier: every count's price follows
     assert price.seconds(4) > t[4] * 1.05
+    # within a regime, one slow count among its neighbours is smoothed, not kept as a step up
+    smooth = StepPrice(CostModel(), c_path_rows=8)
+    smooth.seed([(r, 0.020 + 0.001 * r + (0.010 if r == 4 else 0.0)) for r in range(1, 9)])
+    assert smooth.seconds(5) - smooth.seconds(3) < 0.006 and smooth.seconds(8) < 0.032
     counts = profile_row_counts(288, 8)
     assert counts[:12] == list(range(1, 13)) and counts[-1] == 288 and len(counts) < 40
 

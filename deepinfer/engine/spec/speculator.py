@@ -62,6 +62,9 @@ class Speculator:
         if k < 1 or context < 1:
             return
         counts = profile_row_counts(min(max_num_seqs * (1 + k), max_num_batched_tokens), max_rows())
+        fused = getattr(runner.model, "fused", None)
+        if fused is not None and not fused.row_invariant:
+            self.policy.price.c_path_rows = fused.max_rows
         sink, runner.stream_sink = runner.stream_sink, None  # the MTP proposer must not keep the profile's rows
         try:
             self.policy.price.seed(profile_rows(runner, kv, counts, k, context))

@@ -8,8 +8,9 @@ the torch path and costs a jump; on an accelerator it is flat until the step bec
 linear fit over mixed batch sizes (the previous `DecodePrice`) averaged those regimes and priced drafts
 wrongly at both ends, so `StepPrice` keeps a table instead:
 
-    T(R) = median of the recent measured steps of R rows (a few per row count), linear between the row
-           counts measured, made non-decreasing (isotonic: more rows never cost less), extended past the largest
+    T(R) = median of the recent measured steps of R rows (a few per row count), smoothed by a piecewise-
+           linear least-squares fit per regime (C path / torch path), made non-decreasing (isotonic: more
+           rows never cost less), linear between the row counts measured, extended past the largest
            measured R with the last measured seconds per row.
 
 Seeded at engine start by `profile_rows` (synthetic verification steps: every row count up to a few past
@@ -48,8 +49,11 @@ class StepPrice:
     REBUILD_EVERY = 8  # observed steps between rebuilds of the table (the build is ~0.3 ms of Python)
     HOST_EWMA = 0.1
 
-    def __init__(self, cost_model: CostModel | None = None, context: int = 256) -> None:
+    def __init__(self, cost_model: CostModel | None = None, context: int = 256, c_path_rows: int = 0) -> None:
         self.cost_model = cost_model
+        # steps of at most this many rows take the whole-layer C decode path (0: no such path): a regime of
+        # their own, fitted apart from larger steps (the step time jumps between them)
+        self.c_path_rows = c_path_rows
         self.context = context  # the decode context the cost-model fallback assumes
         self._samples: dict[int, deque[float]] = {}
         self._table: np.ndarray | None = None  # T(R) for R = 0..len-1, rebuilt lazily after new samples
@@ -117,8 +121,13 @@ class StepPrice:
 
     def _build(self, size: int) -> np.ndarray:
         rows = np.array(sorted(self._samples), dtype=float)
-        secs = isotonic([statistics.median(self._samples[int(r)]) for r in rows],
-                        [len(self._samples[int(r)]) for r in rows])  # more rows never cost less
+        secs = np.array([statistics.median(self._samples[int(r)]) for r in rows])
+        weights = np.array([len(self._samples[int(r)]) for r in rows], dtype=float)
+        smooth = np.empty_like(secs)
+        for part in ((rows <= self.c_path_rows), (rows > self.c_path_rows)):  # the C path's regime, the rest
+            if part.any():
+                smooth[part] = spline_fit(rows[part], secs[part], weights[part])
+        secs = isotonic(list(smooth), list(weights))  # more rows never cost less
         grid = np.arange(size, dtype=float)
         table = np.interp(grid, rows, secs)
         # past the largest measured count: its seconds per row (a step that big is compute-bound)
@@ -135,6 +144,23 @@ class StepPrice:
             return 1e-3 * rows
         f = empty_step() + rows * chunk_features(1, self.context)
         return max(float(self.cost_model.coef @ f), 1e-6)
+
+
+def spline_fit(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least-squares fit of y by a continuous piecewise-linear function of x with knots a factor 2
+    apart (x[0], 2 x[0], 4 x[0], ..., x[-1]), evaluated at x: one slow step among neighbouring row counts
+    is shared with them instead of making its count look dearer than the next (a measured step-time curve
+    is smooth within a regime; single steps on a shared machine are not). Fewer than 4 points: as given."""
+    if len(x) < 4:
+        return y.copy()
+    knots = [float(x[0])]
+    while knots[-1] * 2 < x[-1]:
+        knots.append(knots[-1] * 2)
+    knots.append(float(x[-1]))
+    basis = np.stack([np.interp(x, knots, np.eye(len(knots))[i]) for i in range(len(knots))], axis=1)
+    sw = np.sqrt(w)[:, None]
+    coef = np.linalg.lstsq(basis * sw, y * sw[:, 0], rcond=None)[0]
+    return np.maximum(basis @ coef, 0.0)
 
 
 def isotonic(values: list[float], weights: list[int]) -> np.ndarray:
