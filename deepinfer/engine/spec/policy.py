@@ -1,6 +1,6 @@
 """Draft length: how many of a proposal's tokens each request verifies this step.
 
-Per request, running (EWMA) estimates a_j of the probability that draft token j is kept given that
+Per request, running estimates a_j (a running mean, then an EWMA; see `AcceptanceStats.observe`) of the probability that draft token j is kept given that
 tokens 1..j-1 were, one per draft position (a single rate a for all positions would assume independent
 tokens; measured on code edits, a draft whose first token is right is usually right for many tokens, so
 a_1 is low and a_2.. high: one rate made k too short). With the proposer's own confidence c_j where it
@@ -41,13 +41,25 @@ class AcceptanceStats:
     """One request's running acceptance estimates (per draft position) and totals."""
 
     rates: list[float]  # rates[j]: EWMA of P(draft j+1 kept | drafts 1..j kept)
+    tried: list[int]  # tried[j]: verifications that reached position j + 1 (so observed it)
     num_steps: int = 0  # verification steps with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
     @classmethod
     def new(cls, prior: float, k_max: int) -> AcceptanceStats:
-        return cls([prior] * k_max)
+        return cls([prior] * k_max, [0] * k_max)
+
+    def estimates(self) -> list[float]:
+        """The rates, with each never-observed position after the first taking the rate of the position
+        before it: a draft kept this far tends to stay right (copying), and the prior alone would keep
+        the policy from ever trying the positions past the ones it has chosen so far."""
+        out = list(self.rates)
+        if self.tried and self.tried[0]:  # the untried positions are a suffix (reaching j means j - 1 kept)
+            for j in range(1, len(out)):
+                if not self.tried[j]:
+                    out[j] = out[j - 1]
+        return out
 
     def observe(self, drafted: int, accepted: int, alpha: float) -> None:
         if drafted <= 0:
@@ -57,8 +69,14 @@ class AcceptanceStats:
         self.num_accepted_tokens += accepted
         # positions 1..accepted were kept; position accepted + 1 (if drafted) was tried and rejected;
         # later positions were never tried and tell nothing
+        # a running mean (weight 1 / (tries + 3): the prior counts as two tries) until the weight falls to
+        # alpha / 4, an EWMA after that. A fast EWMA (alpha itself) read the failures of code edits wrongly:
+        # they come at the edited identifiers and a copy resumes right after them, so the step after a
+        # failure is the one most likely to be kept, and a fast EWMA priced it the lowest
         for j in range(min(drafted, accepted + 1, len(self.rates))):
-            self.rates[j] += alpha * ((1.0 if j < accepted else 0.0) - self.rates[j])
+            w = max(1.0 / (self.tried[j] + 3), alpha / 4)
+            self.rates[j] += w * ((1.0 if j < accepted else 0.0) - self.rates[j])
+            self.tried[j] += 1
 
     def relax(self, prior: float, weight: float) -> None:
         """A step without drafts: drift back towards the prior, so a request that was unlucky early is

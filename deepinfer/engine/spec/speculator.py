@@ -105,7 +105,7 @@ class Speculator:
             cands.append((r, d))
         states = [self._state(r) for r in decodes]
         ks = self.policy.choose(
-            [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.rates, d.confidence, len(d)))
+            [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.estimates(), d.confidence, len(d)))
              for (r, d), s in zip(cands, states, strict=True)], len(decodes))
         out = {}
         for (r, d), s, k in zip(cands, states, ks, strict=True):
