@@ -1,7 +1,7 @@
 """Draft length: how many of a proposal's tokens each request verifies this step.
 
-Per request, running estimates a_j (a running mean, then an EWMA; see `AcceptanceStats.observe`) of the probability that draft token j is kept given that
-tokens 1..j-1 were, one per draft position (a single rate a for all positions would assume independent
+Per request, running estimates a_j (a running mean, then an EWMA: `AcceptanceStats.observe`) of the
+probability that draft token j is kept given that tokens 1..j-1 were, one per draft position (a single rate a for all positions would assume independent
 tokens; measured on code edits, a draft whose first token is right is usually right for many tokens, so
 a_1 is low and a_2.. high: one rate made k too short). With the proposer's own confidence c_j where it
 has one, token j is kept with estimated probability sqrt(a_j * c_j) (a heuristic blend: both must be
