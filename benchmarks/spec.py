@@ -117,7 +117,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
-    ap.add_argument("--k-max", type=int, default=8, help="adaptive: the longest draft it may choose")
+    ap.add_argument("--k-max", type=int, default=16, help="adaptive: the longest draft it may choose")
     args = ap.parse_args()
 
     common = dict(kv_cache_memory="768MiB", max_num_seqs=max(args.batches))

@@ -102,6 +102,9 @@ class EngineCore:
                         "for the whole sequence (the tiers hold those only; the device prefix cache still serves it)")
         self.kv.attach_tiers(self.tiers)
         self.speculator = self._speculator()
+        if self.speculator is not None and sc.profile_cost_model:
+            self.speculator.calibrate(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
+                                      sc.max_num_batched_tokens)
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model, self.speculator)
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
                     bs, self.runner.kv_cache_bytes / 2**20)
@@ -241,11 +244,11 @@ class EngineCore:
             self.idle_gap_last = gap
             self.num_idle_gaps += 1
         self.cost_model.observe(StepWork.from_output(plan), result.seconds)
-        if self.speculator is not None and all(
-                item.draft_token_ids or item.start + item.num_new_tokens == item.request.num_tokens
-                for item in plan.scheduled) and all(
-                item.num_new_tokens == 1 or item.draft_token_ids for item in plan.scheduled):
-            self.speculator.observe_step(len(plan.scheduled), plan.num_tokens, result.seconds)
+        # a decode-phase step (every item a decode or a verification; a pending token makes num_tokens
+        # run ahead of the plan, so the plan's own shape decides) prices verification
+        if self.speculator is not None and all(item.num_new_tokens == 1 or item.draft_token_ids
+                                               for item in plan.scheduled):
+            self.speculator.observe_step(plan.num_tokens, result.seconds)
         for item in plan.scheduled:  # their KV is now written: what a KV exporter may read
             kept = len(result.accepted.get(item.request.request_id, ())) if item.draft_token_ids else item.num_new_tokens - 1
             item.request.num_kv_done_tokens = item.start + 1 + kept

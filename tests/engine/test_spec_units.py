@@ -54,23 +54,73 @@ def test_suffix_recent_requests_are_indexed_and_bounded():
     assert p.propose(_req([9, 2, 3], "d"), 2).token_ids == ()
 
 
+def _priced(seconds_of_rows) -> DraftLengthPolicy:
+    """A policy whose verification price is a measured table: T(R) = seconds_of_rows(R) for R = 1..300."""
+    pol = DraftLengthPolicy(CostModel())
+    pol.price.c_path_rows = 8  # the regimes are fitted apart: the jump at 9 rows stays a jump
+    pol.price.seed([(r, seconds_of_rows(r)) for r in range(1, 301)])
+    return pol
+
+
 def test_policy_long_drafts_when_cheap_none_when_compute_bound():
-    cm = CostModel()
-    pol = DraftLengthPolicy(cm)
-    pol.measured.num_observed = pol.measured.EXPLORE_STEPS  # past exploring: the cost model prices
-    one = pol.choose([Candidate(100, [0.8] * 5)], [(1, 100)])
-    assert one == [5]
-    # 64 decodes with a per-token cost that dominates the step: a 0.3 acceptance is not worth verifying
-    heavy = DraftLengthPolicy(CostModel((0.001, 2e-3, 1e-4, 1e-8, 1e-7)))
-    heavy.measured.num_observed = heavy.measured.EXPLORE_STEPS
-    ks = heavy.choose([Candidate(100, [0.3] * 5)] * 64, [(1, 100)] * 64)
-    assert ks == [0] * 64
+    # an idle machine at batch 1: a row costs 1/30 of the step's fixed 30 ms
+    cheap = _priced(lambda r: 0.03 + 0.001 * r)
+    assert cheap.choose([Candidate(100, [0.8] * 5)], 1) == [5]
+    # near compute-bound (a row costs 2 ms next to a 20 ms step overhead, the step already 64 rows): a 0.3
+    # acceptance is not worth verifying
+    heavy = _priced(lambda r: 0.02 + 0.002 * r)
+    assert heavy.choose([Candidate(100, [0.3] * 5)] * 64, 64) == [0] * 64
     # but a confident request still gets a draft in the same batch
-    ks = heavy.choose([Candidate(100, [0.99] * 5)] + [Candidate(100, [0.3] * 5)] * 63,
-                                         [(1, 100)] * 64)
+    ks = heavy.choose([Candidate(100, [0.99] * 5)] + [Candidate(100, [0.3] * 5)] * 63, 64)
     assert ks[0] > 0 and ks[1:] == [0] * 63
-    assert DraftLengthPolicy(cm, adaptive=False).choose([Candidate(5, [0.0] * 3)], [(1, 5)]) == [3]
+    assert DraftLengthPolicy(CostModel(), adaptive=False).choose([Candidate(5, [0.0] * 3)], 1) == [3]
     assert expected_tokens([0.5] * 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+
+def test_policy_prices_by_row_count_across_a_jump():
+    """Steps of up to 8 rows cost one decode (the C path), a 9th row 10 ms more, each after it 1 ms: at batch 1 a likely
+    draft fills the cheap rows and stops at the jump; a very likely long draft is worth crossing it; at
+    batch 8 (already at the jump) a 0.6 draft is not worth it."""
+    pol = _priced(lambda r: 0.02 if r <= 8 else 0.03 + 0.001 * (r - 8))
+    assert pol.choose([Candidate(100, [0.6] * 12)], 1) == [7]
+    assert pol.choose([Candidate(100, [0.99] * 30)], 1) == [30]
+    assert pol.choose([Candidate(100, [0.6] * 5)] * 8, 8) == [0] * 8
+    # drafts go to the requests most likely to keep them, in prefix order
+    ks = pol.choose([Candidate(100, [0.9, 0.9, 0.9]), Candidate(100, [0.5, 0.5]), Candidate(100, [])], 3)
+    assert ks == [3, 2, 0]
+
+
+def test_proposing_is_skipped_only_when_no_drafts_could_pay():
+    pol = _priced(lambda r: 0.02 if r <= 8 else 0.03 + 0.001 * (r - 8))
+    assert pol.any_draft_can_pay([0.6], 8)  # batch 1: the cheap rows of the C path
+    assert not pol.any_draft_can_pay([0.1] * 8, 8)  # batch 8, unlikely drafts: the jump is not worth it
+    # several likely requests together cross the jump that one alone would not
+    assert not pol.any_draft_can_pay([0.9] + [0.0] * 7, 2)
+    assert pol.any_draft_can_pay([0.9] * 8, 5)
+    assert DraftLengthPolicy(CostModel(), adaptive=False).any_draft_can_pay([0.0], 3)
+
+
+def test_step_price_table_is_monotone_robust_and_follows_measurements():
+    from deepinfer.engine.spec.step_price import StepPrice, profile_row_counts
+
+    price = StepPrice(CostModel())
+    assert price.seconds(4) > price.seconds(1) > 0  # no measurement yet: the cost model's decode rows
+    price.seed([(1, 0.010), (2, 0.030), (4, 0.012), (8, 0.016)])  # one noisy count (2)
+    t = price.table(16)
+    assert np.all(np.diff(t) >= 0)  # isotonic: the noisy count is pooled, not carried to every later count
+    assert t[8] == pytest.approx(0.016, rel=0.3) and t[3] < 0.030
+    assert t[16] > t[8]  # past the largest measured count: extended at its cost per row
+    for _ in range(price.REBUILD_EVERY):  # the median of the recent steps of a count replaces its seed
+        price.observe(8, 0.040)
+    assert price.seconds(8) == pytest.approx(0.040, rel=0.1)
+    assert price.load > 1.0  # and the machine looks busier: every count's price follows
+    assert price.seconds(4) > t[4] * 1.05
+    # within a regime, one slow count among its neighbours is smoothed, not kept as a step up
+    smooth = StepPrice(CostModel(), c_path_rows=8)
+    smooth.seed([(r, 0.020 + 0.001 * r + (0.010 if r == 4 else 0.0)) for r in range(1, 9)])
+    assert smooth.seconds(5) - smooth.seconds(3) < 0.006 and smooth.seconds(8) < 0.032
+    counts = profile_row_counts(288, 8)
+    assert counts[:12] == list(range(1, 13)) and counts[-1] == 288 and len(counts) < 40
 
 
 def test_greedy_verification_keeps_the_matching_prefix():
@@ -143,20 +193,3 @@ def test_config_parsing():
 
     with pytest.raises(ValueError, match="runs a model"):  # built by the engine core (model_proposers.py)
         build_proposer(cfg.speculative.speculative_config)
-
-
-def test_measured_price_replaces_a_misfitted_cost_model():
-    """A cost model that puts a step's whole time on its tokens (as a busy machine's fit did) prices a draft
-    like a whole decode; measured decode steps (fixed 30 ms + 1 ms per extra token) price it at 1 ms."""
-    misfit = CostModel((0.0, 0.03, 0.0, 1e-8, 1e-7))
-    pol = DraftLengthPolicy(misfit)
-    cands, base = [Candidate(100, [0.6, 0.6, 0.6, 0.6, 0.6])], [(1, 100)]
-    assert pol.choose(cands, base) == [5]  # exploring: whole proposals, so the steps vary in tokens
-    pol.measured.num_observed = pol.measured.EXPLORE_STEPS
-    assert pol.choose(cands, base) == [0]
-    rng = np.random.default_rng(0)
-    for _ in range(64):
-        extra = int(rng.integers(0, 6))
-        pol.measured.observe(1, 1 + extra, 0.03 + 0.001 * extra)
-    assert pol.measured.coef is not None
-    assert pol.choose(cands, base) == [5]

@@ -17,6 +17,7 @@ from deepinfer.engine.spec.proposer import Draft, Proposer
 
 class NgramProposer(Proposer):
     name = "ngram"
+    skippable = True
 
     def __init__(self, min_n: int = 2, max_n: int = 5, max_lookback: int = 8192) -> None:
         if not 1 <= min_n <= max_n:
@@ -30,18 +31,29 @@ class NgramProposer(Proposer):
 
 def find_continuation(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The up to `k` tokens after the most recent earlier occurrence of the longest suffix of `tokens`
-    (length `max_n` down to `min_n`) that occurs earlier; [] if none does."""
+    (length `max_n` down to `min_n`) that occurs earlier; [] if none does.
+
+    One pass instead of one scan per n: the earlier positions holding the last token are the candidate
+    match ends, and each of the up to `max_n - 1` comparisons before them extends the match lengths of the
+    candidates still matching (it runs every step for every decode: ~10x fewer numpy calls)."""
     n_tok = len(tokens)
     if k <= 0 or n_tok <= min_n:
         return []
     arr = np.asarray(tokens, dtype=np.int64)
-    for n in range(min(max_n, n_tok - 1), min_n - 1, -1):
-        tail = arr[n_tok - n:]
-        # candidate starts i with arr[i:i+n] == tail and i + n < n_tok (something follows it)
-        windows = np.lib.stride_tricks.sliding_window_view(arr[:n_tok - 1], n)
-        hits = np.flatnonzero((windows == tail).all(axis=1))
-        hits = hits[hits + n < n_tok]
-        if len(hits):
-            start = int(hits[-1]) + n
-            return tokens[start:start + k]
-    return []
+    ends = np.flatnonzero(arr[:n_tok - 1] == arr[n_tok - 1])  # something follows each of them
+    if not len(ends):
+        return []
+    length = np.ones(len(ends), dtype=np.int64)
+    alive = np.ones(len(ends), dtype=bool)
+    for back in range(1, min(max_n, n_tok - 1)):
+        prev = ends - back
+        alive &= prev >= 0
+        alive[alive] = arr[prev[alive]] == arr[n_tok - 1 - back]
+        if not alive.any():
+            break
+        length += alive
+    best = int(length.max())
+    if best < min_n:
+        return []
+    start = int(ends[np.flatnonzero(length == best)[-1]]) + 1
+    return tokens[start:start + k]

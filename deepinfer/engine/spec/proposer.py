@@ -79,6 +79,10 @@ class Proposer(ABC):
     """
 
     name: str = "proposer"
+    # a pure function of the request's tokens (or an index it catches up lazily): the speculator may skip
+    # it on any step, for a request whose drafts could not pay (model proposers keep per-step state)
+    skippable: bool = False
+    confident: bool = False  # its drafts carry `confidence`
 
     @abstractmethod
     def propose(self, req: Request, max_tokens: int) -> Draft:

@@ -9,11 +9,18 @@ scheduler makes.
                           that only rejected positions used (KVCacheManager.truncate)
     Scheduler._finish  ─▶ Speculator.finished(request)
 
+A proposer that is cheap to skip (n-gram, suffix: pure functions of the request's tokens) is not run at
+all on a step where, by the policy's bound, no drafts could pay (every request's acceptance estimate too
+low for the step's price of more rows): speculation then costs a decode step nothing but that check.
+
 Drafts are capped so a step never emits past `max_tokens` or the context length, and, for structured
 requests, cut at the first token the grammar refuses (checked on the matcher, then rolled back).
 """
 
 from __future__ import annotations
+
+import math
+import time
 
 from deepinfer.config import SpeculativeMethod
 from deepinfer.engine.cost_model import CostModel
@@ -22,6 +29,7 @@ from deepinfer.engine.spec.metrics import SpecMetrics
 from deepinfer.engine.spec.ngram import NgramProposer
 from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLengthPolicy
 from deepinfer.engine.spec.proposer import Draft, Proposer
+from deepinfer.engine.spec.step_price import profile_row_counts, profile_rows
 from deepinfer.engine.spec.suffix import SuffixProposer
 
 
@@ -42,6 +50,26 @@ class Speculator:
         self.proposer = proposer or build_proposer(method)
         self.policy = DraftLengthPolicy(cost_model, method.adaptive)
         self.metrics = SpecMetrics(self.proposer.name, self.k_max)
+        self._last_propose: float | None = None
+        self._last_run: float | None = None
+
+    def calibrate(self, runner, kv, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+        """Seed the price of verification with a short profile of verification steps (`step_price`)."""
+        from deepinfer.layers.gguf_kernels import max_rows
+
+        k = min(self.k_max, max_model_len // 2)
+        context = min(128, max_model_len - 1 - k)
+        if k < 1 or context < 1:
+            return
+        counts = profile_row_counts(min(max_num_seqs * (1 + k), max_num_batched_tokens), max_rows())
+        fused = getattr(runner.model, "fused", None)
+        if fused is not None and not fused.row_invariant:
+            self.policy.price.c_path_rows = fused.max_rows
+        sink, runner.stream_sink = runner.stream_sink, None  # the MTP proposer must not keep the profile's rows
+        try:
+            self.policy.price.seed(profile_rows(runner, kv, counts, k, context))
+        finally:
+            runner.stream_sink = sink
 
     def _state(self, req: Request) -> AcceptanceStats:
         if req.spec is None:
@@ -53,6 +81,12 @@ class Speculator:
         with a token still in flight (a step scheduled ahead, `overlap_host_work`) drafts nothing and is not
         counted: its drafts would follow a token not known yet."""
         decodes = [r for r in decodes if not r.num_pending_tokens]
+        now = time.perf_counter()
+        if self._last_propose is not None and self._last_run is not None:
+            # the wall time from the previous proposal to this one, less that step's model time, is the
+            # host's share of a step (capped: an idle engine between requests is not host work)
+            self.policy.price.observe_host(min(now - self._last_propose - self._last_run, self._last_run))
+        self._last_propose, self._last_run = now, None
         if not decodes:
             return {}
         limits = []
@@ -61,6 +95,10 @@ class Speculator:
             if r.max_tokens is not None:
                 k = min(k, r.max_tokens - r.num_output_tokens - 1)  # the step also emits the target's token
             limits.append(max(0, k))
+        if self.proposer.skippable and not self.policy.any_draft_can_pay(
+                [(math.sqrt(f) if self.proposer.confident else f) if lim else 0.0
+                 for f, lim in zip((self._state(r).rates[0] for r in decodes), limits, strict=True)], self.k_max):
+            limits = [0] * len(decodes)
         drafts = self.proposer.propose_batch(decodes, limits)
         cands = []
         for r, d, lim in zip(decodes, drafts, limits, strict=True):
@@ -70,9 +108,8 @@ class Speculator:
             cands.append((r, d))
         states = [self._state(r) for r in decodes]
         ks = self.policy.choose(
-            [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.rates, d.confidence, len(d)))
-             for (r, d), s in zip(cands, states, strict=True)],
-            [(1, r.num_computed_tokens) for r in decodes])
+            [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.estimates(), d.confidence, len(d)))
+             for (r, d), s in zip(cands, states, strict=True)], len(decodes))
         out = {}
         for (r, d), s, k in zip(cands, states, ks, strict=True):
             self.metrics.chose(k)
@@ -83,9 +120,11 @@ class Speculator:
                 s.relax(self.method.initial_acceptance, self.method.acceptance_ewma / 4)
         return out
 
-    def observe_step(self, num_requests: int, num_tokens: int, seconds: float) -> None:
-        """A finished step in which every request decoded or verified drafts (prices verification)."""
-        self.policy.measured.observe(num_requests, num_tokens, seconds)
+    def observe_step(self, num_rows: int, seconds: float) -> None:
+        """A finished step in which every request decoded or verified drafts: `num_rows` rows (decodes and
+        drafts) in `seconds` of model-runner time (prices verification)."""
+        self.policy.price.observe(num_rows, seconds)
+        self._last_run = seconds
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         self._state(req).observe(drafted, accepted, self.method.acceptance_ewma)

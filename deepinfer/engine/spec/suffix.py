@@ -66,6 +66,8 @@ class SuffixIndex:
 
 class SuffixProposer(Proposer):
     name = "suffix"
+    skippable = True
+    confident = True
 
     def __init__(self, max_depth: int = 8, min_match: int = 2, min_confidence: float = 0.1,
                  recent_requests: int = 0) -> None:

@@ -1,0 +1,231 @@
+"""The price of verification: how long a decode-phase step takes as a function of its row count.
+
+In a step where every request decodes or verifies drafts, every row (a request's last token or one of its
+drafts) is a decode row of its own (runner.py), so the step's time is a function of its total row count R
+far more than of how the rows split between requests. That function is not linear: on CPU, steps of up to
+`max_rows` rows (8 here) take the whole-layer C path and cost about one decode, the next row falls back to
+the torch path and costs a jump; on an accelerator it is flat until the step becomes compute-bound. A
+linear fit over mixed batch sizes (the previous `DecodePrice`) averaged those regimes and priced drafts
+wrongly at both ends, so `StepPrice` keeps a table instead:
+
+    T(R) = median of the recent measured steps of R rows (a few per row count), smoothed by a piecewise-
+           linear least-squares fit per regime (C path / torch path), made non-decreasing (isotonic: more
+           rows never cost less), linear between the row counts measured, extended past the largest
+           measured R with the last measured seconds per row.
+
+Seeded at engine start by `profile_rows` (synthetic verification steps: every row count up to a few past
+the C path's limit, then about 25% apart up to what the batch can verify; each twice, the faster kept) and
+refreshed by every decode-phase step the engine runs (`observe`). A load factor (EWMA of measured over
+predicted seconds) scales the whole table and entries are stored divided by it: a busy machine makes the
+row counts in use slower, and the counts not in use (whose entries are older) must follow, or the policy
+would wander to whichever counts were measured at a quieter moment, or never return to one measured at a
+busy moment. Without a profile
+the cost model's prediction for R decode rows seeds it. The policy (`policy.py`) reads `seconds(R)` for R
+from the step's decodes to decodes + all drafts; `host_seconds` is the step's measured time outside the
+model runner (scheduling, proposing, output), which drafts amortise too.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import statistics
+import time
+from collections import deque
+
+import numpy as np
+
+from deepinfer.engine.cost_model import CostModel, chunk_features, empty_step
+
+logger = logging.getLogger(__name__)
+
+
+class StepPrice:
+    """Seconds of a decode-phase step of R rows (see the module docstring)."""
+
+    SAMPLES = 5  # recent measurements kept per row count (median: one noisy step moves nothing)
+    LOAD_EWMA = 0.05
+    REBUILD_EVERY = 8  # observed steps between rebuilds of the table (the build is ~0.3 ms of Python)
+    HOST_EWMA = 0.1
+
+    def __init__(self, cost_model: CostModel | None = None, context: int = 256, c_path_rows: int = 0) -> None:
+        self.cost_model = cost_model
+        # steps of at most this many rows take the whole-layer C decode path (0: no such path): a regime of
+        # their own, fitted apart from larger steps (the step time jumps between them)
+        self.c_path_rows = c_path_rows
+        self.context = context  # the decode context the cost-model fallback assumes
+        self._samples: dict[int, deque[float]] = {}
+        self._table: np.ndarray | None = None  # T(R) for R = 0..len-1, rebuilt lazily after new samples
+        self.host_seconds = 0.0
+        self.num_observed = 0
+        # measured / predicted step time (EWMA): the machine's load now against the load the table's entries
+        # were measured under; row counts the policy stopped choosing keep their shape but follow the load
+        self.load = 1.0
+        self._stale = 0
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A measured decode-phase step: updates the load factor, then its row count's entry (stored
+        divided by the load factor, so entries measured under different loads stay comparable)."""
+        if rows <= 0 or seconds <= 0:
+            return
+        if self._samples:
+            predicted = self._base(rows)
+            if predicted > 0:
+                self.load += self.LOAD_EWMA * (seconds / predicted - self.load)
+        new_count = rows not in self._samples
+        self._samples.setdefault(rows, deque(maxlen=self.SAMPLES)).append(seconds / self.load)
+        self.num_observed += 1
+        self._stale += 1
+        if new_count or self._stale >= self.REBUILD_EVERY:  # the load factor follows every step already
+            self._table = None
+
+    def observe_host(self, seconds: float) -> None:
+        """Wall time of a step outside the model runner (EWMA)."""
+        if seconds >= 0:
+            w = self.HOST_EWMA if self.host_seconds else 1.0
+            self.host_seconds += w * (seconds - self.host_seconds)
+
+    def seed(self, samples: list[tuple[int, float]]) -> None:
+        """Profiled steps (the load they ran under is load factor 1)."""
+        for rows, seconds in samples:
+            if rows > 0 and seconds > 0:
+                self._samples.setdefault(rows, deque(maxlen=self.SAMPLES)).append(seconds)
+        self._table = None
+
+    @property
+    def measured_rows(self) -> list[int]:
+        return sorted(self._samples)
+
+    def seconds(self, rows: int) -> float:
+        """Predicted model-runner seconds of a decode-phase step of `rows` rows."""
+        if rows <= 0:
+            return 0.0
+        if not self._samples:
+            return self._from_cost_model(rows)
+        return self.load * self._base(rows)
+
+    def _base(self, rows: int) -> float:
+        table = self._table
+        if table is None or rows >= len(table):
+            table = self._table = self._build(max(rows + 1, 2 * max(self._samples) + 1))
+            self._stale = 0
+        return float(table[rows])
+
+    def table(self, max_rows: int) -> np.ndarray:
+        """T(R) for R = 0..max_rows (index R)."""
+        if not self._samples:
+            return np.array([self._from_cost_model(r) for r in range(max_rows + 1)])
+        self._base(max_rows)
+        return self.load * self._table[:max_rows + 1]  # type: ignore[index]
+
+    def _build(self, size: int) -> np.ndarray:
+        rows = np.array(sorted(self._samples), dtype=float)
+        secs = np.array([statistics.median(self._samples[int(r)]) for r in rows])
+        weights = np.array([len(self._samples[int(r)]) for r in rows], dtype=float)
+        smooth = np.empty_like(secs)
+        for part in ((rows <= self.c_path_rows), (rows > self.c_path_rows)):  # the C path's regime, the rest
+            if part.any():
+                smooth[part] = spline_fit(rows[part], secs[part], weights[part])
+        secs = isotonic(list(smooth), list(weights))  # more rows never cost less
+        grid = np.arange(size, dtype=float)
+        table = np.interp(grid, rows, secs)
+        # past the largest measured count: its seconds per row (a step that big is compute-bound)
+        last, top = rows[-1], secs[-1]
+        slope = top / last
+        if len(rows) > 1:
+            slope = max(slope * 0.5, (top - secs[-2]) / (last - rows[-2]))
+        table[grid > last] = top + slope * (grid[grid > last] - last)
+        table[0] = 0.0
+        return table
+
+    def _from_cost_model(self, rows: int) -> float:
+        if self.cost_model is None:
+            return 1e-3 * rows
+        f = empty_step() + rows * chunk_features(1, self.context)
+        return max(float(self.cost_model.coef @ f), 1e-6)
+
+
+def spline_fit(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """Weighted least-squares fit of y by a continuous piecewise-linear function of x with knots a factor 2
+    apart (x[0], 2 x[0], 4 x[0], ..., x[-1]), evaluated at x: one slow step among neighbouring row counts
+    is shared with them instead of making its count look dearer than the next (a measured step-time curve
+    is smooth within a regime; single steps on a shared machine are not). Fewer than 4 points: as given."""
+    if len(x) < 4:
+        return y.copy()
+    knots = [float(x[0])]
+    while knots[-1] * 2 < x[-1]:
+        knots.append(knots[-1] * 2)
+    knots.append(float(x[-1]))
+    basis = np.stack([np.interp(x, knots, np.eye(len(knots))[i]) for i in range(len(knots))], axis=1)
+    sw = np.sqrt(w)[:, None]
+    coef = np.linalg.lstsq(basis * sw, y * sw[:, 0], rcond=None)[0]
+    return np.maximum(basis @ coef, 0.0)
+
+
+def isotonic(values: list[float], weights: list[int]) -> np.ndarray:
+    """The non-decreasing sequence closest to `values` in weighted least squares (pool adjacent violators):
+    one noisy high measurement is averaged with its neighbours instead of lifting every count after it."""
+    blocks: list[list[float]] = []  # [mean, weight, count]
+    for v, w in zip(values, weights, strict=True):
+        blocks.append([float(v), float(w), 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            m2, w2, n2 = blocks.pop()
+            m1, w1, n1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return np.array([m for m, _, n in blocks for _ in range(int(n))])
+
+
+def profile_row_counts(max_total: int, c_path_rows: int, limit: int = 512) -> list[int]:
+    """Row counts worth profiling: every count up to a few past the C decode path's limit, then ~25% apart."""
+    top = max(1, min(max_total, limit))
+    counts = list(range(1, min(top, max(c_path_rows, 8) + 4) + 1))
+    r = counts[-1]
+    while r < top:
+        r = min(top, max(r + 1, int(r * 1.25)))
+        counts.append(r)
+    return counts
+
+
+def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 128,
+                 time_limit_s: float = 4.0) -> list[tuple[int, float]]:
+    """Run two synthetic verification steps per row count (after a warm-up step) through the real runner
+    and return (rows, the faster one's seconds). A step of R rows is ceil(R / (1 + k_max)) requests, each verifying up to
+    `k_max` drafts, all decode rows as in real verification. The KV it writes is garbage in blocks that go
+    straight back to the pool (as `cost_profile`); the drafts are all rejected or accepted, which does
+    not matter for timing. Stops once `time_limit_s` is spent."""
+    from deepinfer.engine.request import Request
+    from deepinfer.engine.sampling_params import SamplingParams
+    from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
+
+    greedy = SamplingParams(temperature=0.0, max_tokens=1)
+    ids = itertools.count()
+    started = time.perf_counter()
+    best: dict[int, float] = {}
+    # a warm-up step, then the counts up and down again: the faster of each count's two steps is kept
+    # (on a shared machine one step can be slowed by others; a fast one cannot be sped up by them)
+    for i, rows in enumerate([row_counts[0]] + list(row_counts) + list(reversed(row_counts))):
+        plan = SchedulerOutput()
+        left = rows
+        while left > 0:
+            n = min(left, 1 + k_max)
+            req = Request(f"spec-profile-{next(ids)}", [1] * (context + 1), greedy)
+            req.num_computed_tokens = context
+            plan.scheduled.append(ScheduledRequest(req, n, context, [1] * (n - 1)))
+            left -= n
+        plan.scheduled.sort(key=lambda s: s.num_new_tokens != 1)  # one-token decodes first, as the scheduler
+        reqs = [s.request for s in plan.scheduled]
+        try:
+            if not all(kv.allocate(s.request, context + s.num_new_tokens) for s in plan.scheduled):
+                break
+            result = runner.execute(plan, kv.group_tables)
+        finally:
+            for r in reqs:
+                kv.free(r)
+        if i > 0:
+            best[rows] = min(best.get(rows, math.inf), result.seconds)
+        if time.perf_counter() - started > time_limit_s:
+            break
+    logger.info("speculative decoding: verification profile of %d row counts in %.2fs", len(best),
+                time.perf_counter() - started)
+    return sorted(best.items())
