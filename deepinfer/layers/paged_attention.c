@@ -254,6 +254,68 @@ static inline float block_softmax(float *s, int n, float *m, float *l) {
     return correction;
 }
 
+/* acc[g] = acc[g] * corr[g] + sum over t of p[g][t] V[t] for the GN (constant after inlining) grouped heads
+ * g0.. and all ND 16-wide slices of a head: every accumulator stays in a register for the whole block, so
+ * each probability is broadcast once per token and each V row loaded once (the slice-by-slice loop
+ * broadcast every probability once per slice). Every output lane sums the same products in the same
+ * order (t ascending) as that loop. */
+static inline __attribute__((always_inline)) void values_tile(float (*acc)[MAX_D], const float (*s)[MAX_BS],
+                                                              const float *corr, int GN, int ND, const char *vb,
+                                                              int64_t tstride, int n, int d0, int esize, int bf16) {
+    __m512 a[4][8];
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < ND; i++)
+            a[g][i] = _mm512_mul_ps(_mm512_set1_ps(corr[g]), _mm512_load_ps(&acc[g][d0 + 16 * i]));
+    for (int t = 0; t < n; t++) {
+        __m512 p[4];
+        for (int g = 0; g < GN; g++) p[g] = _mm512_set1_ps(s[g][t]);
+        for (int i = 0; i < ND; i++) {
+            const __m512 v = load16(vb + t * tstride + (d0 + 16 * i) * esize, bf16);
+            for (int g = 0; g < GN; g++) a[g][i] = _mm512_fmadd_ps(p[g], v, a[g][i]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < ND; i++) _mm512_store_ps(&acc[g][d0 + 16 * i], a[g][i]);
+}
+
+/* acc = acc * correction + p . V over one block, for the G grouped heads of a kv head */
+static void block_values(float (*acc)[MAX_D], const float (*s)[MAX_BS], const float *corr, int G, const char *vb,
+                         int64_t tstride, int n, int D, int esize, int bf16) {
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gn = G - g0 < 4 ? G - g0 : 4;
+        float (*ag)[MAX_D] = acc + g0;
+        const float (*sg)[MAX_BS] = s + g0;
+        if (D == 64) {  /* up to 4 heads x 4 slices: 16 accumulators */
+            switch (gn) {
+                case 1: values_tile(ag, sg, corr + g0, 1, 4, vb, tstride, n, 0, esize, bf16); break;
+                case 2: values_tile(ag, sg, corr + g0, 2, 4, vb, tstride, n, 0, esize, bf16); break;
+                case 3: values_tile(ag, sg, corr + g0, 3, 4, vb, tstride, n, 0, esize, bf16); break;
+                default: values_tile(ag, sg, corr + g0, 4, 4, vb, tstride, n, 0, esize, bf16);
+            }
+            continue;
+        }
+        /* other head sizes: 4 slices (64 lanes of the head) per pass, as many passes as D needs */
+        for (int d = 0; d < D; d += 16) {
+            if (d + 64 <= D) {
+                switch (gn) {
+                    case 1: values_tile(ag, sg, corr + g0, 1, 4, vb, tstride, n, d, esize, bf16); break;
+                    case 2: values_tile(ag, sg, corr + g0, 2, 4, vb, tstride, n, d, esize, bf16); break;
+                    case 3: values_tile(ag, sg, corr + g0, 3, 4, vb, tstride, n, d, esize, bf16); break;
+                    default: values_tile(ag, sg, corr + g0, 4, 4, vb, tstride, n, d, esize, bf16);
+                }
+                d += 48;
+                continue;
+            }
+            switch (gn) {
+                case 1: values_tile(ag, sg, corr + g0, 1, 1, vb, tstride, n, d, esize, bf16); break;
+                case 2: values_tile(ag, sg, corr + g0, 2, 1, vb, tstride, n, d, esize, bf16); break;
+                case 3: values_tile(ag, sg, corr + g0, 3, 1, vb, tstride, n, d, esize, bf16); break;
+                default: values_tile(ag, sg, corr + g0, 4, 1, vb, tstride, n, d, esize, bf16);
+            }
+        }
+    }
+}
+
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2  /* how many blocks ahead of the one computing are requested */
 #endif
@@ -307,20 +369,7 @@ static int decode_attention_avx512(const void *q, void *out, const void *k_cache
                                ctx - ahead);
             block_scores((const float (*)[MAX_D])qf, s, G, kb, tstride, n, D, esize, bf16);
             for (int g = 0; g < G; g++) corr[g] = block_softmax(s[g], n, &m[g], &l[g]);
-            /* acc = acc * correction + p . V: each 16-wide V slice is loaded once for up to 4 grouped heads */
-            for (int d = 0; d < D; d += 16) {
-                for (int g0 = 0; g0 < G; g0 += 4) {
-                    const int gn = G - g0 < 4 ? G - g0 : 4;
-                    __m512 a[4];
-                    for (int j = 0; j < gn; j++)
-                        a[j] = _mm512_mul_ps(_mm512_set1_ps(corr[g0 + j]), _mm512_load_ps(&acc[g0 + j][d]));
-                    for (int t = 0; t < n; t++) {
-                        const __m512 v = load16(vb + t * tstride + d * esize, bf16);
-                        for (int j = 0; j < gn; j++) a[j] = _mm512_fmadd_ps(_mm512_set1_ps(s[g0 + j][t]), v, a[j]);
-                    }
-                    for (int j = 0; j < gn; j++) _mm512_store_ps(&acc[g0 + j][d], a[j]);
-                }
-            }
+            block_values(acc, (const float (*)[MAX_BS])s, corr, G, vb, tstride, n, D, esize, bf16);
         }
         finish_task(out, lse, acc, m, l, (int64_t)b * H + h * G, G, D, bf16);
     }
