@@ -22,6 +22,17 @@ def test_threads_for_leaves_the_cores_others_use():
     assert threads_for(10.0, 16, 8) == 6
 
 
+def _others_busy(seconds: float = 1.0) -> float:
+    """Cores other processes used over `seconds` (the governor's own measure, taken independently)."""
+    probe = ThreadGovernor(max_threads=2, interval=0.0)
+    probe.tick()
+    time.sleep(seconds)
+    wall0, busy0, own0 = probe._last
+    probe.tick()
+    wall, busy, own = probe._last
+    return ((busy - busy0) - (own - own0)) / (wall - wall0)
+
+
 def _settle(gov: ThreadGovernor, want: int, timeout: float = 10.0) -> int:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and gov.tick() != want:
@@ -32,6 +43,8 @@ def _settle(gov: ThreadGovernor, want: int, timeout: float = 10.0) -> int:
 @pytest.mark.skipif(not os.path.exists("/proc/stat") or (os.cpu_count() or 1) != 2,
                     reason="reads /proc/stat; the thresholds below are for a 2-core machine")
 def test_a_spinning_process_takes_a_thread_and_gives_it_back():
+    if _others_busy() > 0.3:  # the governor would rightly keep one thread: nothing here to observe
+        pytest.skip("other processes keep a core of this machine busy")
     before = torch.get_num_threads()
     gov = ThreadGovernor(max_threads=2, interval=0.25)
     assert gov.enabled and gov.threads == 2
@@ -43,7 +56,9 @@ def test_a_spinning_process_takes_a_thread_and_gives_it_back():
         spinner.kill()
         spinner.wait()
     try:
-        assert _settle(gov, 2) == 2
+        if _settle(gov, 2) != 2 and _others_busy() > 0.3:
+            pytest.skip("another process started keeping a core busy during the test")
+        assert gov.threads == 2
         assert gov.changes == 2
     finally:
         torch.set_num_threads(before)
