@@ -30,6 +30,7 @@ Run: PYTHONPATH=. python3 benchmarks/moe_gguf.py [--quant q8_0] [--batches 1 8] 
 from __future__ import annotations
 
 import argparse
+import os
 import random
 import statistics
 import tempfile
@@ -114,8 +115,9 @@ def main() -> None:
         return seconds
 
     configs = ["experts-q", "experts-dense", "off"]
-    print(f"machine shared with other jobs; {args.threads} threads, {args.dtype}, {args.quant}, "
-          f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    load = os.getloadavg()[0]
+    print(f"load average {load:.2f} ({'others compete for the cores' if load > 0.5 else 'quiet'}); "
+          f"{args.threads} threads, {args.dtype}, {args.quant}, read bandwidth {bandwidth / 1e9:.1f} GB/s")
     for batch in args.batches:
         for c in configs:  # warm-up (oneDNN / kernel first calls)
             run(c, batch, 0)
