@@ -247,6 +247,24 @@ def run_hf(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
     return results
 
 
+def run_baseline(python: str, runner: str, spec: dict[str, Any], env: dict[str, str], timeout: int,
+                 log: str | None = None) -> dict[str, Any]:
+    """Run `baselines/<runner>` with another venv's `python` on `spec`; its last JSON line (see the runners)."""
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(spec, f)
+    try:
+        proc = subprocess.run([python, str(HERE / "baselines" / runner), f.name], env=env, capture_output=True,
+                              text=True, timeout=timeout)
+    finally:
+        os.unlink(f.name)
+    if log:
+        Path(log).write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
+    if proc.returncode != 0 or not lines:
+        sys.exit(f"{runner} failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}")
+    return json.loads(lines[-1])
+
+
 def run_vllm(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
     spec = {
         "model": args.model_dir,
@@ -271,24 +289,7 @@ def run_vllm(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
     ]
     if preload and "LD_PRELOAD" not in env:
         env["LD_PRELOAD"] = ":".join(preload)
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    try:
-        proc = subprocess.run(
-            [args.vllm_python, str(HERE / "baselines" / "vllm_runner.py"), f.name],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=args.vllm_timeout,
-        )
-    finally:
-        os.unlink(f.name)
-    if args.vllm_log:
-        Path(args.vllm_log).write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"vLLM runner failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}")
-    res = json.loads(lines[-1])
+    res = run_baseline(args.vllm_python, "vllm_runner.py", spec, env, args.vllm_timeout, args.vllm_log)
     out = []
     for name, w in res["workloads"].items():
         r = summarize("vllm", name, w["walls"], w["token_ids"], runs[name][-1], args.contention)
@@ -314,17 +315,7 @@ def run_llamacpp(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
     spec = {"gguf": str(gguf), "n_threads": len(os.sched_getaffinity(0)), "max_tokens": args.max_tokens,
             "decode_only": args.llamacpp_decode_only, "contention": args.contention,
             "workloads": [{"name": n, "runs": p} for n, p in single.items()]}
-    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-        json.dump(spec, f)
-    try:
-        proc = subprocess.run([args.llamacpp_python, str(HERE / "baselines" / "llamacpp_runner.py"), f.name],
-                              env=dict(USER_ENV), capture_output=True, text=True, timeout=args.vllm_timeout)
-    finally:
-        os.unlink(f.name)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith('{"engine"')]
-    if proc.returncode != 0 or not lines:
-        sys.exit(f"llama.cpp runner failed (rc={proc.returncode}):\n{proc.stderr[-4000:]}\n{proc.stdout[-2000:]}")
-    res = json.loads(lines[-1])
+    res = run_baseline(args.llamacpp_python, "llamacpp_runner.py", spec, dict(USER_ENV), args.vllm_timeout)
     out = []
     for name, w in res["workloads"].items():
         r = summarize("llamacpp", name, w["walls"], w["token_ids"], runs[name][-1], args.contention)

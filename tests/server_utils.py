@@ -112,3 +112,17 @@ def running_cluster(*args: str, log: Path | None = None, timeout: float = 300.0,
                 raise TimeoutError("cluster workers did not all come up")
             time.sleep(0.3)
         yield base
+
+
+def greedy_completion_tokens(base: str, prompts: list[list[int]], max_tokens: int) -> list[list[str]]:
+    """Each prompt's greedy completion (ignore_eos) through the official openai client, as token strings."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+    name = client.models.list().data[0].id
+    outs = []
+    for p in prompts:
+        r = client.completions.create(model=name, prompt=p, max_tokens=max_tokens, temperature=0, logprobs=1,
+                                      extra_body={"ignore_eos": True})
+        outs.append(r.choices[0].logprobs.tokens)
+    return outs

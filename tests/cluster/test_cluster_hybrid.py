@@ -7,10 +7,15 @@ from __future__ import annotations
 
 import random
 
-import openai
 import pytest
 
-from tests.server_utils import cluster_workers, metric, running_cluster, running_server
+from tests.server_utils import (
+    cluster_workers,
+    greedy_completion_tokens,
+    metric,
+    running_cluster,
+    running_server,
+)
 
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "32MiB", "--no-profile-cost-model", "--max-model-len", "512",
          "--block-size", "4")
@@ -31,14 +36,7 @@ def test_hybrid_kv_models_through_prefill_and_decode_workers(arch, tiny_models, 
     prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (9, 37, 83)]
 
     def complete(base: str) -> list[list[str]]:
-        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
-        name = client.models.list().data[0].id
-        outs = []
-        for p in prompts:
-            r = client.completions.create(model=name, prompt=p, max_tokens=10, temperature=0, logprobs=1,
-                                          extra_body={"ignore_eos": True})
-            outs.append(r.choices[0].logprobs.tokens)
-        return outs
+        return greedy_completion_tokens(base, prompts, 10)
 
     with running_server("--model", model, *FLAGS, log=tmp_path / "unified.log") as base:
         want = complete(base)

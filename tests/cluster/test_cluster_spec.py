@@ -10,10 +10,15 @@ from __future__ import annotations
 import json
 import time
 
-import openai
 import pytest
 
-from tests.server_utils import cluster_workers, metric, running_cluster, running_server
+from tests.server_utils import (
+    cluster_workers,
+    greedy_completion_tokens,
+    metric,
+    running_cluster,
+    running_server,
+)
 
 FLAGS = ("--dtype", "float32", "--kv-cache-memory", "32MiB", "--no-profile-cost-model", "--max-model-len", "512",
          "--block-size", "4", "--health-interval", "0.5")
@@ -24,14 +29,7 @@ PROMPTS = [[5 + (i % 7) for i in range(40)], [100 + (i % 5) * 3 for i in range(2
 
 
 def _complete(base: str) -> list[list[str]]:
-    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
-    name = client.models.list().data[0].id
-    outs = []
-    for p in PROMPTS:
-        r = client.completions.create(model=name, prompt=p, max_tokens=32, temperature=0, logprobs=1,
-                                      extra_body={"ignore_eos": True})
-        outs.append(r.choices[0].logprobs.tokens)
-    return outs
+    return greedy_completion_tokens(base, PROMPTS, 32)
 
 
 def _samples(base: str, name: str) -> dict[str, float]:
