@@ -127,24 +127,22 @@ def _spec_metrics(by_proposer: dict[str, dict], model_name: str) -> Iterator[Any
     """Speculative decoding, labelled by proposer: counters, acceptance rate, mean accepted length, and the
     histogram of the draft length chosen per decoding request-step (k = 0: no drafts verified)."""
     labels = ["model_name", "proposer"]
-    for name, key, doc in (("spec_decode_verifications", "spec_verifications",
-                            "Request-steps that verified at least one draft token."),
-                           ("spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
-                           ("spec_decode_num_accepted_tokens", "spec_accepted_tokens", "Draft tokens accepted."),
-                           ("spec_decode_num_emitted_tokens", "spec_emitted_tokens",
-                            "Tokens emitted by verifications (accepted drafts + the target's token).")):
-        c = CounterMetricFamily(f"deepinfer:{name}", doc, labels=labels)
+    for family, name, key, doc in (
+            (CounterMetricFamily, "spec_decode_verifications", "spec_verifications",
+             "Request-steps that verified at least one draft token."),
+            (CounterMetricFamily, "spec_decode_num_draft_tokens", "spec_draft_tokens", "Draft tokens verified."),
+            (CounterMetricFamily, "spec_decode_num_accepted_tokens", "spec_accepted_tokens",
+             "Draft tokens accepted."),
+            (CounterMetricFamily, "spec_decode_num_emitted_tokens", "spec_emitted_tokens",
+             "Tokens emitted by verifications (accepted drafts + the target's token)."),
+            (GaugeMetricFamily, "spec_decode_acceptance_rate", "spec_acceptance_rate",
+             "Accepted / verified draft tokens since start."),
+            (GaugeMetricFamily, "spec_decode_mean_accepted_length", "spec_mean_accepted_length",
+             "Mean tokens emitted per verification (accepted drafts + 1).")):
+        m = family(f"deepinfer:{name}", doc, labels=labels)
         for proposer, s in by_proposer.items():
-            c.add_metric([model_name, proposer], s[key])
-        yield c
-    for name, key, doc in (("spec_decode_acceptance_rate", "spec_acceptance_rate",
-                            "Accepted / verified draft tokens since start."),
-                           ("spec_decode_mean_accepted_length", "spec_mean_accepted_length",
-                            "Mean tokens emitted per verification (accepted drafts + 1).")):
-        g = GaugeMetricFamily(f"deepinfer:{name}", doc, labels=labels)
-        for proposer, s in by_proposer.items():
-            g.add_metric([model_name, proposer], s[key])
-        yield g
+            m.add_metric([model_name, proposer], s[key])
+        yield m
     h = HistogramMetricFamily("deepinfer:spec_decode_draft_length", "Draft length chosen per decoding "
                               "request-step (adaptive: per request and step; 0 = no drafts).", labels=labels)
     for proposer, s in by_proposer.items():

@@ -57,6 +57,23 @@ def _gof(counts: np.ndarray, probs: np.ndarray) -> float:
     return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
 
 
+def assert_first_three_tokens_follow(model, prompt: list[int], temperature: float, outs: list[list[int]]) -> None:
+    """Chi-square goodness of fit (alpha `ALPHA`) of sampled continuations' token 1, pair (1, 2) and token 3
+    against the exact distributions p(t1), p(t1, t2) and p(t3) computed from `model` (HF transformers)."""
+    p1 = _exact(model, prompt, temperature)
+    p2 = np.array([_exact(model, prompt + [a], temperature) for a in range(VOCAB)])  # [t1, t2]
+    joint12 = p1[:, None] * p2
+    p3 = np.zeros(VOCAB)
+    for a, b in itertools.product(range(VOCAB), range(VOCAB)):
+        if joint12[a, b] > 1e-4:
+            p3 += joint12[a, b] * _exact(model, prompt + [a, b], temperature)
+    p3 /= p3.sum()
+    arr = np.array(outs)
+    assert _gof(np.bincount(arr[:, 0], minlength=VOCAB), p1) > ALPHA
+    assert _gof(np.bincount(arr[:, 0] * VOCAB + arr[:, 1], minlength=VOCAB * VOCAB), joint12.ravel()) > ALPHA
+    assert _gof(np.bincount(arr[:, 2], minlength=VOCAB), p3) > ALPHA
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("method", ["none", "ngram", "suffix"])
 def test_sampled_distribution_matches_target(small_vocab_model, method):
@@ -71,16 +88,4 @@ def test_sampled_distribution_matches_target(small_vocab_model, method):
     if spec is not None:
         m = llm.engine.core.speculator.metrics
         assert m.num_draft_tokens > N and 0.05 * m.num_draft_tokens < m.num_accepted_tokens < m.num_draft_tokens
-    # exact distributions: p(t1), p(t2 | t1), p(t3 | t1, t2)
-    p1 = _exact(model, prompt, temperature)
-    p2 = np.array([_exact(model, prompt + [a], temperature) for a in range(VOCAB)])  # [t1, t2]
-    joint12 = p1[:, None] * p2
-    p3 = np.zeros(VOCAB)
-    for a, b in itertools.product(range(VOCAB), range(VOCAB)):
-        if joint12[a, b] > 1e-4:
-            p3 += joint12[a, b] * _exact(model, prompt + [a, b], temperature)
-    p3 /= p3.sum()
-    arr = np.array(outs)
-    assert _gof(np.bincount(arr[:, 0], minlength=VOCAB), p1) > ALPHA
-    assert _gof(np.bincount(arr[:, 0] * VOCAB + arr[:, 1], minlength=VOCAB * VOCAB), joint12.ravel()) > ALPHA
-    assert _gof(np.bincount(arr[:, 2], minlength=VOCAB), p3) > ALPHA
+    assert_first_three_tokens_follow(model, prompt, temperature, outs)

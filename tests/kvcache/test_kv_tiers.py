@@ -18,7 +18,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
@@ -29,7 +28,7 @@ from deepinfer.kvcache.space import iter_files, read_header, scan
 from deepinfer.kvcache.writer import StoreWriter
 from deepinfer.server.app import build_app
 from tests.models.test_models_vs_hf import _assert_all_free
-from tests.server_utils import free_port
+from tests.server_utils import inprocess_app
 
 ROOT = Path(__file__).resolve().parents[2]
 BS = 16
@@ -304,19 +303,10 @@ def _server(model, store: Path):
     engine = AsyncEngine(EngineConfig.from_kwargs(
         model=str(model), dtype="float32", kv_cache_memory="16MiB", max_model_len=512, profile_cost_model=False,
         kv_store=str(store), kv_retention="agent=72h,chat=7d,batch=1h"))
-    server = uvicorn.Server(uvicorn.Config(build_app(engine, "tiny"), host="127.0.0.1", port=free_port(),
-                                           log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{server.config.port}"
+        with inprocess_app(build_app(engine, "tiny")) as base:
+            yield base
     finally:
-        server.should_exit = True
-        thread.join(timeout=10)
         engine.shutdown()  # waits for queued store writes
 
 
