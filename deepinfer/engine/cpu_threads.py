@@ -63,6 +63,7 @@ class ThreadGovernor:
         self.enabled = enabled and self.max_threads > 1 and _busy_seconds() is not None
         self.threads = self.max_threads
         self.changes = 0
+        self.others: float | None = None  # cores other processes used over the last window (None: none yet)
         self._last: tuple[float, float, float] | None = None  # wall, machine busy, own cpu
         self._candidate: int | None = None
 
@@ -78,8 +79,8 @@ class ThreadGovernor:
             return self.threads
         if self._last is not None:
             wall0, busy0, own0 = self._last
-            others = ((busy - busy0) - (own - own0)) / (now - wall0)
-            self._propose(threads_for(others, self.cpu_count, self.max_threads), others)
+            self.others = ((busy - busy0) - (own - own0)) / (now - wall0)
+            self._propose(threads_for(self.others, self.cpu_count, self.max_threads), self.others)
         self._last = (now, busy, own)
         return self.threads
 

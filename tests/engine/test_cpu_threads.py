@@ -23,14 +23,12 @@ def test_threads_for_leaves_the_cores_others_use():
 
 
 def _others_busy(seconds: float = 1.0) -> float:
-    """Cores other processes used over `seconds` (the governor's own measure, taken independently)."""
+    """Cores other processes used over `seconds` (the governor's own measure, taken by a second one)."""
     probe = ThreadGovernor(max_threads=2, interval=0.0)
     probe.tick()
     time.sleep(seconds)
-    wall0, busy0, own0 = probe._last
     probe.tick()
-    wall, busy, own = probe._last
-    return ((busy - busy0) - (own - own0)) / (wall - wall0)
+    return probe.others
 
 
 def _settle(gov: ThreadGovernor, want: int, timeout: float = 10.0) -> int:
