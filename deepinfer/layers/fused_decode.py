@@ -70,10 +70,10 @@ class FusedDecoder:
         return True
 
     def accepts(self, x: torch.Tensor, meta: Any) -> bool:
-        """A step of at most max_rows decodes on the C attention path, without a cascade prefix (any
-        number of rows in row-invariant mode)."""
+        """A step of at most max_rows new tokens on the C attention path (decodes, or prefill and
+        draft tokens as rows; any number of rows in row-invariant mode)."""
         return (not getattr(meta, "prefills", True) and getattr(meta, "decode_context_lens", None) is not None
-                and meta.shared_blocks is None and meta.num_decodes == x.shape[0]
+                and meta.num_decodes == x.shape[0]
                 and (self.row_invariant or x.shape[0] <= self.max_rows))
 
     def _build(self, caches: list[Any]) -> None:

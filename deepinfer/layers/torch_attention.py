@@ -1,15 +1,19 @@
 """Paged attention for CPU (and a portable fallback on CUDA).
 
-Decodes: on x86 CPUs the C kernel in `paged_attention.c` reads K/V from the blocks in
-place. Elsewhere the blocks of all decoding sequences are gathered block-wise into one
-padded [B, blocks * block_size] view and attended in a single SDPA call (grouped query
-heads folded into the query dimension, so no K/V repeat). Prefill chunks: one SDPA call
-each over the chunk's gathered context, causal with the chunk's offset. Only blocks the
-batch references are read.
+On x86 CPUs every new token of a full-attention layer, prefill or decode, is one row of the
+C kernel in `paged_attention.c`, which reads K/V from the blocks in place and attends to the
+row's own context (its sequence's positions up to its own). Prefill runs there too because
+torch's CPU flash attention reaches ~30-40 GFLOP/s on prompt-sized problems, where the kernel
+spends 15-20% less CPU on a whole prefill step (BENCHMARKS.md, "Prefill attention on the decode
+kernel"); and a token's attention output then never depends on chunking or batching, which
+`--deterministic` relies on.
 
-Row-invariant mode (`--deterministic`): every new token, prefill or decode, is one row of the
-C decode kernel, attending to its own context in the same order whatever else is in the step,
-so a token's attention output never depends on chunking or batching.
+Elsewhere (no kernel: CUDA, other CPUs, unsupported shapes) the blocks of all decoding
+sequences are gathered block-wise into one padded [B, blocks * block_size] view and attended
+in a single SDPA call (grouped query heads folded into the query dimension, so no K/V repeat),
+and each prefill chunk is one SDPA call over its gathered context, causal with the chunk's
+offset. Sliding-window layers always take the SDPA path (`_prepare_window`). Only blocks the
+batch references are read.
 """
 
 from __future__ import annotations
@@ -38,9 +42,8 @@ class TorchAttentionMetadata:
     num_decodes: int
     decode_block_tables: torch.Tensor | None  # [B, max_blocks]
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_blocks * block_size] bool, None if no padding
-    decode_context_lens: torch.Tensor | None  # [B] int64 (C kernel only)
+    decode_context_lens: torch.Tensor | None  # [B] int64: set for the C kernel's rows (then no prefills)
     prefills: list[_PrefillChunk]
-    shared_blocks: torch.Tensor | None = None  # block ids every decode starts with (C kernel only)
 
 
 def _kernel_supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool:
@@ -73,25 +76,20 @@ class TorchAttentionBackend(AttentionBackend):
             if self.row_invariant:
                 raise ValueError("deterministic mode does not serve sliding-window layers yet")
             return self._prepare_window(batch)
-        if self.row_invariant:
+        if self.kernels is not None:
             return self._prepare_rows(batch)
         bs, dev = batch.block_size, self.device
         nd = batch.num_decodes
-        decode_tables = decode_mask = decode_lens = shared = None
+        decode_tables = decode_mask = None
         if nd:
             lens = batch.context_lens[:nd]
             max_blocks = (max(lens) + bs - 1) // bs
-            # each decode's blocks, padded with block 0 (masked out, or never read by the kernel)
+            # each decode's blocks, padded with block 0 (masked out)
             decode_tables = torch.tensor([t[:max_blocks] + [0] * (max_blocks - len(t[:max_blocks]))
-                                          for t in batch.block_tables[:nd]], dtype=torch.long)
-            if self.kernels is not None:
-                decode_lens = torch.tensor(lens, dtype=torch.long)
-                shared = _shared_prefix_blocks(batch.block_tables[:nd], lens, bs)
-            else:
-                decode_tables = decode_tables.to(dev)
-                if min(lens) != max_blocks * bs:
-                    pos = torch.arange(max_blocks * bs)
-                    decode_mask = (pos[None, :] < torch.tensor(lens)[:, None]).view(nd, 1, 1, -1).to(dev)
+                                          for t in batch.block_tables[:nd]], dtype=torch.long).to(dev)
+            if min(lens) != max_blocks * bs:
+                pos = torch.arange(max_blocks * bs)
+                decode_mask = (pos[None, :] < torch.tensor(lens)[:, None]).view(nd, 1, 1, -1).to(dev)
         prefills = []
         start = nd
         for i in range(nd, len(batch.query_lens)):
@@ -104,8 +102,7 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = (torch.arange(ctx)[None, :] <= (offset + torch.arange(q))[:, None]).to(dev)
             prefills.append(_PrefillChunk(start, start + q, table, ctx, mask))
             start += q
-        return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, decode_lens, prefills,
-                                      shared)
+        return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, None, prefills)
 
     def _prepare_window(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         """Sliding window: every sequence, decodes included, as one SDPA chunk over the blocks from the
@@ -124,7 +121,7 @@ class TorchAttentionBackend(AttentionBackend):
             chunks.append(_PrefillChunk(start, start + q, torch.tensor(table[lo:n], dtype=torch.long, device=dev),
                                         ctx - lo * bs, mask))
             start += q
-        return TorchAttentionMetadata(batch.slot_mapping, 0, None, None, None, chunks, None)
+        return TorchAttentionMetadata(batch.slot_mapping, 0, None, None, None, chunks)
 
     def _prepare_rows(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         """Every new token as a decode row: its sequence's block table, context up to its own position."""
@@ -137,7 +134,7 @@ class TorchAttentionBackend(AttentionBackend):
             lens.append(torch.arange(ctx - q + 1, ctx + 1, dtype=torch.long))
         decode_tables = torch.cat(tables).contiguous()
         return TorchAttentionMetadata(batch.slot_mapping, decode_tables.shape[0], decode_tables, None,
-                                      torch.cat(lens), [], None)
+                                      torch.cat(lens), [])
 
     def forward(self, q, k, v, cache, meta: TorchAttentionMetadata, scale: float | None = None):
         k_cache, v_cache = cache
@@ -150,12 +147,9 @@ class TorchAttentionBackend(AttentionBackend):
         group = heads // kvh
         nd = meta.num_decodes
         out = q.new_empty(q.shape) if meta.prefills else None
-        if nd and meta.decode_context_lens is not None:
-            o = self._kernel_decode(q[:nd].contiguous(), k_rows, v_rows, k_cache, v_cache, meta, scale)
-            if out is None:
-                return o
-            out[:nd] = o
-        elif nd:
+        if meta.decode_context_lens is not None:
+            return self._kernel_rows(q.contiguous(), k_cache, v_cache, meta, scale)
+        if nd:
             tables = meta.decode_block_tables
             keys = k_rows.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)
             values = v_rows.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)
@@ -176,56 +170,18 @@ class TorchAttentionBackend(AttentionBackend):
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
 
-    def _kernel_decode(self, q, k_rows, v_rows, k_cache, v_cache, meta: TorchAttentionMetadata,
-                       scale: float | None = None) -> torch.Tensor:
-        """Decode attention with the C kernel; a prefix shared by every decode (a system prompt) is
-        attended once for all of them in one flash-attention call, then merged by log-sum-exp with
-        the kernel's result over each sequence's own tokens (cascade attention)."""
-        nd, heads, d = q.shape
+    def _kernel_rows(self, q, k_cache, v_cache, meta: TorchAttentionMetadata,
+                     scale: float | None = None) -> torch.Tensor:
+        """Every row of `q` attends to its own context through the C kernel."""
+        rows, heads, d = q.shape
         _, bs, kvh, _ = k_cache.shape
         scale = d ** -0.5 if scale is None else scale
         out = torch.empty_like(q)
-        skip, lse = 0, None
-        if meta.shared_blocks is not None:
-            skip = meta.shared_blocks.numel() * bs
-            lse = torch.empty((nd, heads), dtype=torch.float32)
         rc = self.kernels.paged_decode_attention(
             q.data_ptr(), out.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
             meta.decode_block_tables.data_ptr(), meta.decode_block_tables.shape[1],
-            meta.decode_context_lens.data_ptr(), nd, heads, kvh, d, bs, scale,
-            cpu_kernels.dtype_code(q.dtype), skip, None if lse is None else lse.data_ptr())
+            meta.decode_context_lens.data_ptr(), rows, heads, kvh, d, bs, scale,
+            cpu_kernels.dtype_code(q.dtype), 0, None)
         if rc != 0:
             raise RuntimeError("paged_decode_attention rejected its arguments")
-        if lse is None:
-            return out
-        group = heads // kvh
-        keys = k_rows.index_select(0, meta.shared_blocks).view(1, skip, kvh, d).transpose(1, 2)  # [1, kvh, P, d]
-        values = v_rows.index_select(0, meta.shared_blocks).view(1, skip, kvh, d).transpose(1, 2)
-        qh = q.view(nd, kvh, group, d).transpose(0, 1).reshape(1, kvh, nd * group, d)
-        # every decode's queries against the shared keys in one flash-attention call, which also
-        # returns the log-sum-exp needed to merge with the kernel's part
-        shared_out, shared_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            qh, keys, values, 0.0, False, scale=scale)[:2]
-        shared_lse = shared_lse.view(kvh, nd, group).transpose(0, 1).reshape(nd, heads)
-        shared_out = shared_out.view(kvh, nd, group, d).transpose(0, 1).reshape(nd, heads, d).float()
-        top = torch.maximum(shared_lse, lse)
-        w_shared, w_own = (shared_lse - top).exp_(), (lse - top).exp_()
-        merged = shared_out * w_shared.unsqueeze(-1) + out.float() * w_own.unsqueeze(-1)
-        return merged.div_((w_shared + w_own).unsqueeze(-1)).to(q.dtype)
-
-
-MIN_CASCADE_DECODES = 8  # below this, attending the shared prefix per sequence costs no more
-MIN_CASCADE_BLOCKS = 4
-
-
-def _shared_prefix_blocks(tables: list[list[int]], lens: list[int], block_size: int) -> torch.Tensor | None:
-    """The leading block ids all decodes share (full blocks before each one's new token), if
-    there are enough decodes and blocks for cascade attention to pay off."""
-    if len(tables) < MIN_CASCADE_DECODES:
-        return None
-    limit = min((n - 1) // block_size for n in lens)
-    first = tables[0]
-    n = 0
-    while n < limit and all(t[n] == first[n] for t in tables):
-        n += 1
-    return torch.tensor(first[:n], dtype=torch.long) if n >= MIN_CASCADE_BLOCKS else None
+        return out

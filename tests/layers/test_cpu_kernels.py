@@ -154,35 +154,36 @@ def test_argmax_rows_matches_torch_including_ties():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cascade_over_a_prefix_shared_by_all_decodes(dtype):
-    """Ten decodes whose tables start with the same 6 blocks (a shared system prompt): the shared part is
-    attended once for all and merged by log-sum-exp; the result equals per-sequence attention."""
-    from deepinfer.layers import torch_attention as ta
-
+def test_prefill_chunks_as_kernel_rows_match_sdpa(dtype):
+    """A step of two decodes, a fresh prompt, and a chunk after cached context (plus tokens of the same
+    chunk): on the kernel every new token is a row attending to its own positions, which must equal the
+    gather + causal SDPA path, KV writes included."""
     gen = torch.Generator().manual_seed(5)
     heads, kv_heads, head_dim, bs = 9, 3, 64, 16
-    shared = list(range(6))
-    lens = [6 * bs + 1 + 7 * i for i in range(10)]
-    tables, nxt = [], 6
-    for n in lens:
-        own = (n + bs - 1) // bs - 6
-        tables.append(shared + list(range(nxt, nxt + own)))
-        nxt += own
-    slots = torch.tensor([t[(n - 1) // bs] * bs + (n - 1) % bs for t, n in zip(tables, lens, strict=True)])
-    batch = AttentionBatch([1] * len(lens), lens, tables, len(lens), slots, bs)
-    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
-    k = torch.randn(len(lens), kv_heads, head_dim, generator=gen).to(dtype)
-    v = torch.randn(len(lens), kv_heads, head_dim, generator=gen).to(dtype)
+    query_lens = [1, 1, 37, 21]
+    context_lens = [50, 17, 37, 3 * bs + 21]  # the last chunk follows 48 cached tokens
+    tables, nxt = [], 0
+    for n in context_lens:
+        nb = (n + bs - 1) // bs
+        tables.append(list(range(nxt + nb - 1, nxt - 1, -1)))  # reversed: blocks are not in order
+        nxt += nb
+    slots = torch.tensor([t[p // bs] * bs + p % bs for q, n, t in zip(query_lens, context_lens, tables, strict=True)
+                          for p in range(n - q, n)])
+    batch = AttentionBatch(query_lens, context_lens, tables, 2, slots, bs)
+    rows = sum(query_lens)
+    q = torch.randn(rows, heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(rows, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(rows, kv_heads, head_dim, generator=gen).to(dtype)
     base = [torch.randn(nxt, bs, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
-    outs = []
+    outs, caches = [], []
     for use_kernel in (True, False):
         backend = TorchAttentionBackend(CPU, use_cpu_kernel=use_kernel)
         cache = backend.allocate_cache(1, nxt, bs, kv_heads, head_dim, dtype, CPU)[0]
         cache[0].copy_(base[0])
         cache[1].copy_(base[1])
         meta = backend.prepare(batch)
-        if use_kernel:
-            assert meta.shared_blocks is not None and meta.shared_blocks.tolist() == shared
+        assert (meta.decode_context_lens is not None and not meta.prefills) == use_kernel
         outs.append(backend.forward(q, k, v, cache, meta).float())
+        caches.append(cache)
     torch.testing.assert_close(outs[0], outs[1], atol=TOL[dtype], rtol=TOL[dtype])
-    assert ta._shared_prefix_blocks(tables[:3], lens[:3], bs) is None  # too few decodes to bother
+    assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
