@@ -22,6 +22,9 @@ draft that does not pay matters where T jumps: on CPU a step of up to 8 rows tak
 decode path, so at batch 1 a 9th row costs a jump that a long, likely draft can still repay.
 
 `adaptive=False`: every request verifies its whole proposal (up to `num_speculative_tokens`).
+
+Around this price-driven choice, `tries.py` decides which requests are looked up at all (back-off after
+repeated misses) and gives untried requests with a strong proposer signal a few tries the price would not.
 """
 
 from __future__ import annotations
