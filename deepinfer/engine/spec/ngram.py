@@ -44,7 +44,7 @@ def find_match(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[
     match ends, and each of the up to `max_n - 1` comparisons before them extends the match lengths of the
     candidates still matching (it runs every step for every decode: ~10x fewer numpy calls)."""
     n_tok = len(tokens)
-    if k <= 0 or n_tok <= min_n:
+    if k <= 0 or n_tok <= min_n or not _occurs_earlier(tokens, min_n):
         return [], 0
     arr = np.asarray(tokens, dtype=np.int64)
     ends = np.flatnonzero(arr[:n_tok - 1] == arr[n_tok - 1])  # something follows each of them
@@ -65,3 +65,19 @@ def find_match(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[
     start = int(ends[np.flatnonzero(length == best)[-1]]) + 1
     draft = tokens[start:start + k]
     return draft, best if draft else 0
+
+
+def _occurs_earlier(tokens: list[int], n: int) -> bool:
+    """Whether the last `n` tokens occur earlier (a match `find_match` would need): list searches in C, no
+    array built. Most steps of a workload that does not repeat itself (chat) end here, at a few µs where
+    building the array cost tens."""
+    end = len(tokens) - 1
+    last, tail = tokens[end], tokens[end - n + 1:]
+    i = n - 2
+    while True:
+        try:
+            i = tokens.index(last, i + 1, end)
+        except ValueError:
+            return False
+        if tokens[i - n + 1:i + 1] == tail:
+            return True
