@@ -30,7 +30,10 @@ class CountingNgram(NgramProposer):
         return super().propose(req, max_tokens)
 
 
-def _speculator(jump: bool, rules: TryRules | None = None) -> tuple[Speculator, CountingNgram]:
+ON = TryRules(misses=3, tries=2)  # the rules switched on (off by default: tries.py)
+
+
+def _speculator(jump: bool, rules: TryRules = ON) -> tuple[Speculator, CountingNgram]:
     """k_max 8; `jump`: steps of up to 8 rows cost the same, the 9th row a jump (CPU at batch 8), else every row
     costs 1/40 of a step (batch 1 on the C path: drafts at the prior's 0.6 pay)."""
     proposer = CountingNgram()
@@ -103,7 +106,7 @@ def test_short_matches_and_plain_policy_are_not_explored():
 
 
 def test_repeated_misses_back_off_and_retry_after_n_steps():
-    rules = TryRules(misses=3, first_backoff=8, max_backoff=16)
+    rules = TryRules(misses=3, first_backoff=8, max_backoff=16, tries=2)
     spec, proposer = _speculator(jump=False, rules=rules)
     req = _req("r", COPY)
     for _ in range(rules.misses):  # batch 1, rows nearly free: the prior gets drafts every step
@@ -130,9 +133,20 @@ def test_repeated_misses_back_off_and_retry_after_n_steps():
     assert req.spec.backoff_steps == 0 and req.spec.misses == 0
 
 
+def test_rules_are_off_by_default():
+    spec, proposer = _speculator(jump=False, rules=TryRules())
+    req = _req("r", COPY)
+    for _ in range(10):  # misses never back off: a lookup every step, the price decides
+        spec.propose([req], 4096)
+        spec.verified(req, 2, 0)
+    assert req.spec.backoff_until == 0 and proposer.lookups == 10
+    spec, _ = _speculator(jump=True, rules=TryRules())
+    assert spec.propose([_req("c", COPY)] + [_req(f"f{i}", FRESH) for i in range(7)], 4096) == {}
+
+
 def test_fixed_draft_length_never_backs_off():
     proposer = CountingNgram()
-    spec = Speculator(SpeculativeMethod("ngram", 5, adaptive=False), CostModel(), proposer)
+    spec = Speculator(SpeculativeMethod("ngram", 5, adaptive=False), CostModel(), proposer, ON)
     req = _req("r", COPY)
     for _ in range(10):
         out = spec.propose([req], 4096)

@@ -29,10 +29,16 @@ from deepinfer.engine.spec.proposer import Draft
 
 @dataclass(frozen=True)
 class TryRules:
-    misses: int = 3  # consecutive verifications that kept nothing before a back-off
+    """Off by default (`misses=0`, `tries=0`): measured on the shared machine (BENCHMARKS.md, "adaptive
+    draft length: the k = 0 step, back-off and exploration") both lost more than they gained: the back-off
+    stopped json b=1 drafting where the prior's optimism pays (rows on the C path are cheap), exploration
+    at batch 8 paid the row-count jump on chat and json requests whose long matches were not kept. The
+    rules stay for the tuning that needs a quiet machine (`Speculator(..., tries=TryRules(misses=3, tries=2))`)."""
+
+    misses: int = 0  # consecutive verifications that kept nothing before a back-off (0: never back off)
     first_backoff: int = 8  # steps
     max_backoff: int = 128
-    tries: int = 2  # exploration: verifications a request gets on the strength of its match alone
+    tries: int = 0  # exploration: verifications a request gets on the strength of its match alone (0: none)
     min_match: int = 3  # tokens the proposal's match must span
     tokens: int = 4  # drafts an exploring request verifies
     lookup_every: int = 4  # steps between exploration lookups of requests the price would not draft
@@ -57,6 +63,8 @@ class TryRules:
         if accepted:
             state.misses = 0
             state.backoff_steps = 0
+            return
+        if self.misses <= 0:
             return
         state.misses += 1
         if state.misses >= self.misses:
