@@ -9,9 +9,13 @@ Workloads (greedy, so all three engines emit the same tokens; tok/s = generated 
 The three engines live in this process, built from one config that differs only in
 `speculative_config`; each (workload, batch) row runs every engine once per repeat, in an order that
 rotates between repeats (A/B interleaved: a load change on a shared machine hits all three), and the
-table reports medians over repeats and the ratios to no speculation.
+table reports medians over repeats and the ratios to no speculation. Next to wall-clock tok/s it reports
+the ratios of CPU time per token (`time.process_time`, all of the process's threads): on a shared machine
+wall time moves with the others' load, CPU time far less (most robust with `--num-threads 1`, where no
+thread spins waiting for another).
 
     HF_HUB_OFFLINE=1 python benchmarks/spec.py --batches 1 8 32 --repeats 3
+    HF_HUB_OFFLINE=1 python benchmarks/spec.py --num-threads 1 --repeats 5 --max-tokens 128   # shared machine
 """
 
 from __future__ import annotations
@@ -100,13 +104,14 @@ def build_workloads(llm: LLM, batch: int) -> dict[str, list]:
     }
 
 
-def run_once(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, int, list]:
+def run_once(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, float, list]:
+    """(tokens per wall second, tokens per CPU second, the outputs' token ids)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    started = time.perf_counter()
+    started, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
-    wall = time.perf_counter() - started
+    wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return tokens / wall, tokens, [list(o.outputs[0].token_ids) for o in outs]
+    return tokens / wall, tokens / max(cpu, 1e-9), [list(o.outputs[0].token_ids) for o in outs]
 
 
 def main() -> None:
@@ -118,9 +123,10 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
     ap.add_argument("--k-max", type=int, default=16, help="adaptive: the longest draft it may choose")
+    ap.add_argument("--num-threads", type=int, default=None, help="torch threads per engine (default: torch's)")
     args = ap.parse_args()
 
-    common = dict(kv_cache_memory="768MiB", max_num_seqs=max(args.batches))
+    common = dict(kv_cache_memory="768MiB", max_num_seqs=max(args.batches), num_threads=args.num_threads)
     configs = {
         "none": None,
         "k5": {"method": args.method, "num_speculative_tokens": 5, "adaptive": False},
@@ -135,6 +141,7 @@ def main() -> None:
         for batch in args.batches:
             prompts = build_workloads(engines["none"], batch)[workload]
             rates: dict[str, list[float]] = {n: [] for n in names}
+            cpu_rates: dict[str, list[float]] = {n: [] for n in names}
             accept: dict[str, list[float]] = {n: [] for n in names}
             ref = None
             for rep in range(args.repeats):
@@ -142,9 +149,10 @@ def main() -> None:
                 for name in order:
                     llm = engines[name]
                     before = llm.engine.stats()
-                    rate, _, outs = run_once(llm, [p for p in prompts], args.max_tokens)
+                    rate, cpu_rate, outs = run_once(llm, [p for p in prompts], args.max_tokens)
                     after = llm.engine.stats()
                     rates[name].append(rate)
+                    cpu_rates[name].append(cpu_rate)
                     if "spec_draft_tokens" in after:
                         d = after["spec_draft_tokens"] - before["spec_draft_tokens"]
                         a = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
@@ -155,21 +163,26 @@ def main() -> None:
                         print(f"  note: {name} output differs from the first run's on {workload} x{batch} "
                               "(floating-point batch-shape effects)")
             med = {n: statistics.median(rates[n]) for n in names}
+            cmed = {n: statistics.median(cpu_rates[n]) for n in names}
             row = (workload, batch, med["none"], med["k5"], med["adaptive"], med["k5"] / med["none"],
                    med["adaptive"] / med["none"], med["adaptive"] / med["k5"],
+                   cmed["k5"] / cmed["none"], cmed["adaptive"] / cmed["none"], cmed["adaptive"] / cmed["k5"],
                    statistics.median(accept["k5"]) if accept["k5"] else 0.0,
                    statistics.median(accept["adaptive"]) if accept["adaptive"] else 0.0)
             rows.append(row)
             print("{:<10} b={:<3} none {:7.1f}  k5 {:7.1f}  adaptive {:7.1f} tok/s | k5/none {:.2f}  "
-                  "adaptive/none {:.2f}  adaptive/k5 {:.2f} | accept k5 {:.2f} adaptive {:.2f}".format(*row),
-                  flush=True)
-    print(f"\nmethod={args.method}, max_tokens={args.max_tokens}, repeats={args.repeats} (medians, engines "
-          "interleaved in rotating order)")
+                  "adaptive/none {:.2f}  adaptive/k5 {:.2f} | CPU: {:.2f} {:.2f} {:.2f} | accept k5 {:.2f} "
+                  "adaptive {:.2f}".format(*row), flush=True)
+    print(f"\nmethod={args.method}, max_tokens={args.max_tokens}, repeats={args.repeats}, "
+          f"num_threads={args.num_threads} (medians, engines interleaved in rotating order; CPU: the same "
+          "ratios of tokens per CPU second)")
     print("| workload | batch | none tok/s | k=5 tok/s | adaptive tok/s | k=5 / none | adaptive / none | "
-          "adaptive / k=5 | acceptance k=5 | acceptance adaptive |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "adaptive / k=5 | CPU k=5 / none | CPU adaptive / none | CPU adaptive / k=5 | acceptance k=5 | "
+          "acceptance adaptive |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |".format(*r))
+        print("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} "
+              "| {:.2f} |".format(*r))
     for llm in engines.values():
         llm.close()
 

@@ -23,8 +23,8 @@ class SpecMetrics:
         if not self.k_chosen:
             self.k_chosen = [0] * (self.max_k + 1)
 
-    def chose(self, k: int) -> None:
-        self.k_chosen[min(k, self.max_k)] += 1
+    def chose(self, k: int, times: int = 1) -> None:
+        self.k_chosen[min(k, self.max_k)] += times
 
     def verified(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:

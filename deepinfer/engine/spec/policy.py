@@ -22,6 +22,9 @@ draft that does not pay matters where T jumps: on CPU a step of up to 8 rows tak
 decode path, so at batch 1 a 9th row costs a jump that a long, likely draft can still repay.
 
 `adaptive=False`: every request verifies its whole proposal (up to `num_speculative_tokens`).
+
+Around this price-driven choice, `tries.py` decides which requests are looked up at all (back-off after
+repeated misses) and gives untried requests with a strong proposer signal a few tries the price would not.
 """
 
 from __future__ import annotations
@@ -38,22 +41,44 @@ from deepinfer.engine.spec.step_price import StepPrice
 
 @dataclass
 class AcceptanceStats:
-    """One request's running acceptance estimates (per draft position) and totals."""
+    """One request's running acceptance estimates (per draft position), totals, and its try state
+    (`tries.py`: consecutive misses, back-off)."""
 
     rates: list[float]  # rates[j]: EWMA of P(draft j+1 kept | drafts 1..j kept)
     tried: list[int]  # tried[j]: verifications that reached position j + 1 (so observed it)
     num_steps: int = 0  # verification steps with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    prior: float = 0.6  # what an idle estimate drifts back to (`relax`)
+    relax_weight: float = 0.0  # per idle step
+    idle_steps: int = 0  # steps without drafts not yet applied to `rates` (applied lazily: `settle`)
+    misses: int = 0  # consecutive verifications that kept no draft
+    backoff_until: int = 0  # the speculator's step count before which the request proposes nothing
+    backoff_steps: int = 0  # the length of its last back-off (doubles while the misses go on)
 
     @classmethod
-    def new(cls, prior: float, k_max: int) -> AcceptanceStats:
-        return cls([prior] * k_max, [0] * k_max)
+    def new(cls, prior: float, k_max: int, relax_weight: float = 0.0) -> AcceptanceStats:
+        return cls([prior] * k_max, [0] * k_max, prior=prior, relax_weight=relax_weight)
+
+    def settle(self) -> None:
+        """Apply the idle steps' drift towards the prior: n steps of r += w (prior - r) in closed form (a
+        step that drafts nothing then costs a request one integer increment, not a loop over positions)."""
+        if self.idle_steps:
+            f = (1.0 - self.relax_weight) ** self.idle_steps
+            self.rates = [self.prior + (r - self.prior) * f for r in self.rates]
+            self.idle_steps = 0
+
+    def first_rate(self) -> float:
+        """rates[0] with the idle drift applied (without settling the whole list)."""
+        if not self.idle_steps:
+            return self.rates[0]
+        return self.prior + (self.rates[0] - self.prior) * (1.0 - self.relax_weight) ** self.idle_steps
 
     def estimates(self) -> list[float]:
         """The rates, with each never-observed position after the first taking the rate of the position
         before it: a draft kept this far tends to stay right (copying), and the prior alone would keep
         the policy from ever trying the positions past the ones it has chosen so far."""
+        self.settle()
         out = list(self.rates)
         if self.tried and self.tried[0]:  # the untried positions are a suffix (reaching j means j - 1 kept)
             for j in range(1, len(out)):
@@ -64,6 +89,7 @@ class AcceptanceStats:
     def observe(self, drafted: int, accepted: int, alpha: float) -> None:
         if drafted <= 0:
             return
+        self.settle()
         self.num_steps += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
@@ -78,11 +104,10 @@ class AcceptanceStats:
             self.rates[j] += w * ((1.0 if j < accepted else 0.0) - self.rates[j])
             self.tried[j] += 1
 
-    def relax(self, prior: float, weight: float) -> None:
-        """A step without drafts: drift back towards the prior, so a request that was unlucky early is
-        tried again later instead of never."""
-        for j in range(len(self.rates)):
-            self.rates[j] += weight * (prior - self.rates[j])
+    def relax(self) -> None:
+        """A step without drafts: drift back towards the prior (applied lazily, `settle`), so a request
+        that was unlucky early is tried again later instead of never."""
+        self.idle_steps += 1
 
 
 @dataclass

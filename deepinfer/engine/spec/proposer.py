@@ -29,11 +29,14 @@ class Draft:
     """Proposed continuation of a request: `token_ids` (possibly empty) and, for proposers that have one,
     `confidence[j]`: the proposer's probability that token j is right given tokens < j were (same length),
     and, for a proposer that sampled its tokens, `probs[j]`: the distribution q token j was drawn from
-    (a float tensor [len, vocab]; None: point masses at the tokens), which exact rejection sampling needs."""
+    (a float tensor [len, vocab]; None: point masses at the tokens), which exact rejection sampling needs.
+    `match`: for a proposer that copies (n-gram), how many of the request's last tokens the copied place
+    matched (0: not known); a long match is what `tries.py` reads as a reason to try an untried request."""
 
     token_ids: tuple[int, ...] = ()
     confidence: tuple[float, ...] | None = None
     probs: torch.Tensor | None = None
+    match: int = 0
 
     def __post_init__(self) -> None:
         if self.confidence is not None and len(self.confidence) != len(self.token_ids):
@@ -46,7 +49,7 @@ class Draft:
 
     def truncated(self, n: int) -> Draft:
         conf = self.confidence[:n] if self.confidence is not None else None
-        return Draft(self.token_ids[:n], conf, self.probs[:n] if self.probs is not None else None)
+        return Draft(self.token_ids[:n], conf, self.probs[:n] if self.probs is not None else None, self.match)
 
 
 @dataclass

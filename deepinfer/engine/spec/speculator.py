@@ -11,7 +11,9 @@ scheduler makes.
 
 A proposer that is cheap to skip (n-gram, suffix: pure functions of the request's tokens) is not run at
 all on a step where, by the policy's bound, no drafts could pay (every request's acceptance estimate too
-low for the step's price of more rows): speculation then costs a decode step nothing but that check.
+low for the step's price of more rows), except every few steps for requests owed exploration tries, nor
+for a request backing off after repeated misses (`tries.py`): speculation then costs a decode step that
+check and an integer increment per request.
 
 Drafts are capped so a step never emits past `max_tokens` or the context length, and, for structured
 requests, cut at the first token the grammar refuses (checked on the matcher, then rolled back).
@@ -31,6 +33,7 @@ from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLength
 from deepinfer.engine.spec.proposer import Draft, Proposer
 from deepinfer.engine.spec.step_price import profile_row_counts, profile_rows
 from deepinfer.engine.spec.suffix import SuffixProposer
+from deepinfer.engine.spec.tries import TryRules
 
 
 def build_proposer(method: SpeculativeMethod) -> Proposer:
@@ -44,12 +47,15 @@ def build_proposer(method: SpeculativeMethod) -> Proposer:
 
 
 class Speculator:
-    def __init__(self, method: SpeculativeMethod, cost_model: CostModel, proposer: Proposer | None = None) -> None:
+    def __init__(self, method: SpeculativeMethod, cost_model: CostModel, proposer: Proposer | None = None,
+                 tries: TryRules | None = None) -> None:
         self.method = method
         self.k_max = method.num_speculative_tokens
         self.proposer = proposer or build_proposer(method)
         self.policy = DraftLengthPolicy(cost_model, method.adaptive)
         self.metrics = SpecMetrics(self.proposer.name, self.k_max)
+        self.tries = tries or TryRules()
+        self.num_steps = 0  # proposals made (steps), the clock of back-offs
         self._last_propose: float | None = None
         self._last_run: float | None = None
 
@@ -73,7 +79,7 @@ class Speculator:
 
     def _state(self, req: Request) -> AcceptanceStats:
         if req.spec is None:
-            req.spec = AcceptanceStats.new(self.method.initial_acceptance, self.k_max)
+            req.spec = AcceptanceStats.new(self.method.initial_acceptance, self.k_max, self.method.acceptance_ewma / 4)
         return req.spec
 
     def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
@@ -87,18 +93,36 @@ class Speculator:
             # host's share of a step (capped: an idle engine between requests is not host work)
             self.policy.price.observe_host(min(now - self._last_propose - self._last_run, self._last_run))
         self._last_propose, self._last_run = now, None
+        self.num_steps += 1
         if not decodes:
             return {}
+        states = [self._state(r) for r in decodes]
         limits = []
         for r in decodes:
             k = min(self.k_max, max_model_len - r.num_tokens - 1)
             if r.max_tokens is not None:
                 k = min(k, r.max_tokens - r.num_output_tokens - 1)  # the step also emits the target's token
             limits.append(max(0, k))
-        if self.proposer.skippable and not self.policy.any_draft_can_pay(
-                [(math.sqrt(f) if self.proposer.confident else f) if lim else 0.0
-                 for f, lim in zip((self._state(r).rates[0] for r in decodes), limits, strict=True)], self.k_max):
-            limits = [0] * len(decodes)
+        # the back-off and exploration rules (tries.py) need a proposer the speculator may skip at will
+        tries = self.policy.adaptive and self.proposer.skippable
+        if tries:
+            limits = [0 if self.tries.backed_off(s, self.num_steps) else lim for s, lim in zip(states, limits, strict=True)]
+        priced = True
+        if self.proposer.skippable and self.policy.adaptive:
+            firsts = [(math.sqrt(s.first_rate()) if self.proposer.confident else s.first_rate()) if lim else 0.0
+                      for s, lim in zip(states, limits, strict=True)]
+            if not any(firsts) or not self.policy.any_draft_can_pay(firsts, self.k_max):
+                # no drafts pay by the price: look up only requests owed exploration, every few steps
+                priced = False
+                lookup = self.num_steps % self.tries.lookup_every == 0
+                limits = [lim if lookup and self.tries.explorable(s) else 0 for s, lim in zip(states, limits, strict=True)]
+        if not any(limits):  # the common step of a workload that does not repeat itself: nothing else to do
+            for s in states:
+                s.relax()
+            self.metrics.chose(0, len(decodes))
+            for r in decodes:
+                r.draft_probs = None
+            return {}
         drafts = self.proposer.propose_batch(decodes, limits)
         cands = []
         for r, d, lim in zip(decodes, drafts, limits, strict=True):
@@ -106,10 +130,14 @@ class Speculator:
             if r.grammar is not None and len(d):
                 d = d.truncated(_grammar_prefix(r, d))
             cands.append((r, d))
-        states = [self._state(r) for r in decodes]
-        ks = self.policy.choose(
-            [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.estimates(), d.confidence, len(d)))
-             for (r, d), s in zip(cands, states, strict=True)], len(decodes))
+        if priced:
+            ks = self.policy.choose(
+                [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.estimates(), d.confidence, len(d)))
+                 for (r, d), s in zip(cands, states, strict=True)], len(decodes))
+        else:
+            ks = [0] * len(cands)
+        if tries:
+            ks = [max(k, self.tries.explore(s, d)) for (_, d), s, k in zip(cands, states, ks, strict=True)]
         out = {}
         for (r, d), s, k in zip(cands, states, ks, strict=True):
             self.metrics.chose(k)
@@ -117,7 +145,7 @@ class Speculator:
             if k:
                 out[r.request_id] = list(d.token_ids[:k])
             else:
-                s.relax(self.method.initial_acceptance, self.method.acceptance_ewma / 4)
+                s.relax()
         return out
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
@@ -127,7 +155,10 @@ class Speculator:
         self._last_run = seconds
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
-        self._state(req).observe(drafted, accepted, self.method.acceptance_ewma)
+        state = self._state(req)
+        state.observe(drafted, accepted, self.method.acceptance_ewma)
+        if self.policy.adaptive:
+            self.tries.after_verify(state, drafted, accepted, self.num_steps)
         self.metrics.verified(drafted, accepted)
         self.proposer.on_verified(req, drafted, accepted)
 

@@ -46,7 +46,9 @@ class StepPrice:
 
     SAMPLES = 5  # recent measurements kept per row count (median: one noisy step moves nothing)
     LOAD_EWMA = 0.05
-    REBUILD_EVERY = 8  # observed steps between rebuilds of the table (the build is ~0.3 ms of Python)
+    # observed steps between rebuilds of the table (the build is ~0.3-1.5 ms of Python: every 8th step cost a
+    # batch-1 decode ~1%; a row count not seen before rebuilds it at once)
+    REBUILD_EVERY = 32
     HOST_EWMA = 0.1
 
     def __init__(self, cost_model: CostModel | None = None, context: int = 256, c_path_rows: int = 0) -> None:
