@@ -3,7 +3,8 @@
 An `ExpertParallelExperts` replaces a model's `RoutedExperts` (same `forward(x, expert_ids, weights)`, same
 `expert_weight(expert, proj)` for the loaders). It holds this rank's *physical slots* of a `Placement`
 (`deepinfer/eplb/placement.py`): slot p lives on rank p // slots_per_rank and holds logical expert
-`physical_to_logical[p]`; a hot expert may have several slots (replicas), on several ranks or on one.
+`physical_to_logical[p]`; a hot expert may have several slots (replicas), on several ranks (never two on one
+rank: `Placement` refuses that, as a second copy on one rank could only read the same weights again).
 
 One forward, on every rank at once (ranks without tokens pass empty tensors and still take part):
 
@@ -19,10 +20,12 @@ one process). A replica changes which rank computes a term, never its value.
 
 Replica choice (cost-aware, deterministic, decided by each rank for its own pairs without communication).
 An expert matmul on CPU costs about one read of the slot's weights plus a cost per row: measured for the
-EPLB benchmark's experts (fp32, hidden 512, intermediate 512, 3 MiB per slot, one thread), 0.6-0.8 ms for
-the first row and 0.04-0.06 ms per further row, so a second replica's weight read is repaid only by
-`SPLIT_ROWS` (16) rows moved to it; the GGUF kernels serve up to `max_rows()` (8) rows per pass over the
-weights, below that. For a logical expert e with c replicas and n of this rank's pairs in this forward:
+EPLB benchmark's experts (fp32, hidden 512, intermediate 512, 3 MiB per slot, one thread, 16 experts in
+turn so the weights come from memory; `benchmarks/BENCHMARKS.md`, "cost-aware replica choice"), ~0.6-0.8
+ms for one row and ~0.04-0.06 ms per further row, so a second replica's weight read is repaid only by
+about 16 rows moved to it: `SPLIT_ROWS`. (The GGUF block path reads its blocks once per `max_rows()` = 8
+rows, so for it one pass serves up to 8 rows at about the cost of one: also below `SPLIT_ROWS`.) For a
+logical expert e with c replicas and n of this rank's pairs in this forward:
 
   - u = min(c, max(1, n // SPLIT_ROWS)) replicas take them: with few rows (n < 2 * SPLIT_ROWS) all n go to
     ONE replica, so replication never reads an expert's weights twice for the rows of one rank;
@@ -34,9 +37,9 @@ weights, below that. For a logical expert e with c replicas and n of this rank's
     the i-th preferred replica.
 
 Replicas sit on distinct ranks (a `Placement` never holds an expert twice on one rank). The balancer adds
-a replica only where it pays (`balanced_placement`'s `min_replica_load`: an expert's replicas each keep at
-least `SPLIT_ROWS` rows per step over the window); with few rows per step the redundant slots copy the
-coldest experts, whose copies are rarely read at all.
+a replica only where it pays (`balanced_placement`'s `min_replica_rows`: each of an expert's replicas keeps
+at least `SPLIT_ROWS` of its rows in the window's median step); with few rows per step the redundant slots
+copy the coldest experts, whose copies are rarely read at all.
 
 GGUF blocks (`RoutedExperts.attach_quantized`): each slot gets its logical expert's blocks at load; a
 re-placement moves them with the dense weights (a local copy keeps the slot's blocks, a slot filled from
