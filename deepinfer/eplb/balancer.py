@@ -9,11 +9,11 @@ same step:
      the per-rank expert tokens of the interval just ended (imbalance = max / mean, for /metrics);
   2. with `enable_eplb`, each layer gets `balanced_placement(load, ranks, num_redundant, ...)`
      (a deterministic function of the same numbers, so every rank computes the same placement without
-     sending it); an expert is replicated only where each replica still gets `SPLIT_ROWS` rows in the
-     window's median step (all ranks' rows of the expert), what repays its weight read
-     (`layers/ep_moe.py`; a rank also sends an expert's few rows of one step to a single replica). The
-     median, not the mean: a prefill step's thousands of rows would otherwise keep replicas that every
-     decode step pays a weight read for;
+     sending it); an expert gets its c-th replica only where, in the window's median step, each rank's
+     rows of it (all ranks' rows / ranks) reach c x `SPLIT_ROWS`: where the replica choice
+     (`layers/ep_moe.py`) would cut a rank's rows into c chunks that each repay a weight read. Fewer rows
+     go to one replica per rank, so more replicas would only add weight reads. The median, not the mean:
+     a prefill step's thousands of rows would otherwise make replicas that every decode step pays for;
   3. a layer whose new placement lowers its busiest rank's expected load (window load) by at least
      `MIN_GAIN` is re-placed (otherwise sampling noise would move weights every interval for nothing);
   4. re-placing (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds (and
@@ -113,11 +113,12 @@ class ExpertBalancer:
         load = self._all_reduce(self.window.window_load())  # [layers, experts], all ranks' pairs
         steps = self._all_reduce(self.window.window_steps_rows())  # [steps, layers, experts]
         typical = steps.median(dim=0).values.tolist()  # all ranks' rows of each expert in the median step
+        # per rank (tokens spread evenly): the rows one rank's replica choice splits over the replicas
         changes = []
         for layer, row, rows in zip(self.layers, load.tolist(), typical, strict=True):
             row = [float(x) for x in row]
             new = balanced_placement(row, self.world, self.config.num_redundant_experts, previous=layer.placement,
-                                     step_rows=rows, min_replica_rows=SPLIT_ROWS)
+                                     step_rows=[x / self.world for x in rows], min_replica_rows=SPLIT_ROWS)
             busiest, now = max(rank_loads(new, row)), max(rank_loads(layer.placement, row))
             if new != layer.placement and busiest < (1 - MIN_GAIN) * now:
                 changes.append((layer, new))

@@ -10,8 +10,8 @@ them; the expected load of each replica is the expert's load divided by its repl
   1. replicate: start with one replica per expert; R times, give one more replica to the expert with the
      highest load per replica (ties: the lower id), never more replicas than ranks. The replicas go to the
      hottest experts: a hotter expert never has fewer replicas than a cooler one. With `min_replica_rows`
-     (the balancer: `SPLIT_ROWS` of the expert's rows in the window's median step, `layers/ep_moe.py`),
-     only where each of the expert's replicas keeps at least that many: a replica costs a read of the expert's weights in
+     and `step_rows` (the balancer: `SPLIT_ROWS`, and a rank's rows of the expert in the window's median
+     step, `layers/ep_moe.py`), only where each of the expert's replicas keeps at least that many: a replica costs a read of the expert's weights in
      every step it runs, which a few rows do not repay (on CPU a matmul of a few rows costs about its
      weight read). The slots left then copy the coldest experts (lowest load first), whose copies are
      rarely read at all; every slot must hold some expert.

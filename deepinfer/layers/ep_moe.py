@@ -37,9 +37,9 @@ logical expert e with c replicas and n of this rank's pairs in this forward:
     the i-th preferred replica.
 
 Replicas sit on distinct ranks (a `Placement` never holds an expert twice on one rank). The balancer adds
-a replica only where it pays (`balanced_placement`'s `min_replica_rows`: each of an expert's replicas keeps
-at least `SPLIT_ROWS` of its rows in the window's median step); with few rows per step the redundant slots
-copy the coldest experts, whose copies are rarely read at all.
+a replica only where this rule would use it: an expert gets its c-th replica only where a rank's rows of it
+in the window's median step reach c x `SPLIT_ROWS` (`balanced_placement`'s `step_rows` / `min_replica_rows`);
+with fewer rows per step the redundant slots copy the coldest experts, whose copies are rarely read at all.
 
 GGUF blocks (`RoutedExperts.attach_quantized`): each slot gets its logical expert's blocks at load; a
 re-placement moves them with the dense weights (a local copy keeps the slot's blocks, a slot filled from
