@@ -18,7 +18,11 @@ then again in reverse (ABBA), each start a fresh engine. Reported (medians over 
   balancer's last interval (the engine's own measure, also on /metrics as deepinfer:eplb_imbalance);
 - decode step time: the batch's wall time / the engine steps it took (all requests decode together);
 - throughput: generated tokens / wall time;
-- memory per rank: each rank process's resident set (RSS) after the run, and its routed-expert weights.
+- memory per rank: each rank process's resident set (RSS) after the run, and its routed-expert weights;
+- the mechanism, independent of the machine's load (rank 0 / rank 1, per engine step of the timed batches,
+  summed over the 8 MoE layers): expert pairs computed, expert weight reads (slots that ran a matmul: each
+  reads the slot's 3 MiB of weights), and the expert compute seconds (`ExpertStats`). A code version
+  without the weight-read counter prints "-" for it.
 
 Run: PYTHONPATH=. python3 benchmarks/eplb.py  (about 10 minutes on 2 cores)
 """
@@ -83,20 +87,25 @@ def run_config(path: Path, label: str, kwargs: dict, args, prompts) -> dict:
     from deepinfer import LLM, SamplingParams
 
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    out: dict = {"label": label, "wall": [], "step": [], "imb": []}
+    out: dict = {"label": label, "wall": [], "step": [], "imb": [], "pairs": [], "reads": [], "secs": []}
     with LLM(str(path), dtype="float32", kv_cache_memory="256MiB", profile_cost_model=False,
              expert_parallel_size=2, eplb_step_interval=args.interval, eplb_window_steps=args.interval,
              max_num_seqs=args.requests, **kwargs) as llm:
         llm.generate(prompts, sp)  # warm-up: EPLB re-places at least once here
         for _ in range(args.repeats):
-            before = llm.stats()["eplb"]["steps"]
+            b = llm.stats()["eplb"]
             started = time.perf_counter()
             llm.generate(prompts, sp)
             wall = time.perf_counter() - started
             e = llm.stats()["eplb"]
+            steps = max(1, e["steps"] - b["steps"])
             out["wall"].append(wall)
-            out["step"].append(wall / max(1, e["steps"] - before))
+            out["step"].append(wall / steps)
             out["imb"].append(e["imbalance"])
+            for key, name in (("pairs", "expert_tokens_total"), ("reads", "expert_weight_reads_total"),
+                              ("secs", "expert_compute_seconds_total")):
+                out[key].append([(r.get(name, float("nan")) - q.get(name, float("nan"))) / steps
+                                 for r, q in zip(e["ranks"], b["ranks"], strict=True)])
         e = llm.stats()["eplb"]
         out["rss"] = [psutil.Process(r._proc.pid).memory_info().rss for r in llm.ranks.ranks]
         routed = torch.tensor([r["window_routed"] for r in e["ranks"]]).sum(0)  # [layers, experts]
@@ -136,8 +145,9 @@ def main() -> None:
     base = None
     print(f"{args.requests} requests x {args.max_tokens} tokens, EP=2 (1 thread per rank), interval {args.interval}")
     print("| config | imbalance | decode step (ms) | throughput (tok/s) | vs off | RSS per rank (MiB) | "
-          "expert weights per rank (MiB) |")
-    print("|---|---|---|---|---|---|---|")
+          "expert weights per rank (MiB) | pairs / step per rank | weight reads / step per rank | "
+          "expert ms / step per rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for label, kw in configs:
         runs = results[label]
         imb = statistics.median(i for r in runs for i in r["imb"])
@@ -146,8 +156,13 @@ def main() -> None:
         base = base or thr
         rss = [statistics.median(r["rss"][k] for r in runs) / 2**20 for k in range(2)]
         slots = (16 + kw.get("num_redundant_experts", 0)) // 2
+        per_rank = {key: [statistics.median(x[k] for r in runs for x in r[key]) for k in range(2)]
+                    for key in ("pairs", "reads", "secs")}
+        reads = "-" if per_rank["reads"][0] != per_rank["reads"][0] else "{:.1f} / {:.1f}".format(*per_rank["reads"])
         print(f"| {label} | {imb:.3f} | {1000 * step:.1f} | {thr:.1f} | {thr / base:.3f} | "
-              f"{rss[0]:.0f} / {rss[1]:.0f} | {slots * slot_bytes / 2**20:.0f} |")
+              f"{rss[0]:.0f} / {rss[1]:.0f} | {slots * slot_bytes / 2**20:.0f} | "
+              "{:.1f} / {:.1f} | ".format(*per_rank["pairs"]) + reads + " | "
+              "{:.1f} / {:.1f} |".format(*(1000 * x for x in per_rank["secs"])))
 
 
 if __name__ == "__main__":

@@ -410,7 +410,9 @@ class ParallelConfig:
     num_redundant_experts: int = _f(
         0,
         "Extra expert slots per MoE layer, in all ranks together, that hold replicas of hot experts (with "
-        "--enable-eplb; the experts plus these must split evenly over the ranks).",
+        "--enable-eplb; the experts plus these must split evenly over the ranks). A hot expert is replicated "
+        "only where each replica gets enough rows per step to repay its weight reads; otherwise the slots "
+        "copy cold experts.",
     )
     eplb_window_steps: int = _f(1000, "Steps of expert load the balancer looks back over.")
     eplb_step_interval: int = _f(3000, "Steps between two re-placements of the experts.")

@@ -7,8 +7,13 @@ same step:
 
   1. the window's per-expert counts are all-reduced (int64: every rank gets the same numbers), and so are
      the per-rank expert tokens of the interval just ended (imbalance = max / mean, for /metrics);
-  2. with `enable_eplb`, each layer gets `balanced_placement(load, ranks, num_redundant)` (a deterministic
-     function of the same numbers, so every rank computes the same placement without sending it);
+  2. with `enable_eplb`, each layer gets `balanced_placement(load, ranks, num_redundant, ...)`
+     (a deterministic function of the same numbers, so every rank computes the same placement without
+     sending it); an expert gets its c-th replica only where, in the window's median step, each rank's
+     rows of it (all ranks' rows / ranks) reach c x `SPLIT_ROWS`: where the replica choice
+     (`layers/ep_moe.py`) would cut a rank's rows into c chunks that each repay a weight read. Fewer rows
+     go to one replica per rank, so more replicas would only add weight reads. The median, not the mean:
+     a prefill step's thousands of rows would otherwise make replicas that every decode step pays for;
   3. a layer whose new placement lowers its busiest rank's expected load (window load) by at least
      `MIN_GAIN` is re-placed (otherwise sampling noise would move weights every interval for nothing);
   4. re-placing (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds (and
@@ -37,7 +42,7 @@ import torch.distributed as dist
 from deepinfer.config import ParallelConfig
 from deepinfer.eplb.placement import balanced_placement, rank_loads
 from deepinfer.eplb.stats import ExpertLoadWindow
-from deepinfer.layers.ep_moe import ExpertComm, ExpertParallelExperts, PreparedPlacement
+from deepinfer.layers.ep_moe import SPLIT_ROWS, ExpertComm, ExpertParallelExperts, PreparedPlacement
 
 logger = logging.getLogger(__name__)
 
@@ -65,6 +70,7 @@ class ExpertBalancer:
         self.interval_pairs = 0  # pairs this rank computed since the last interval
         self.total_pairs = 0
         self.total_compute_seconds = 0.0
+        self.total_weight_reads = 0  # slot matmuls this rank ran (each reads one slot's weights)
         self.rebalances = 0
         self.last_rebalance_time = 0.0  # wall clock (time.time()) of the last switch, 0 = never
         self.last_rebalance_seconds = 0.0
@@ -76,8 +82,9 @@ class ExpertBalancer:
         """Called once per step on every rank (after the step's forwards)."""
         routed = []
         for layer in self.layers:
-            counts, pairs, seconds = layer.stats.take()
+            counts, pairs, seconds, reads = layer.stats.take()
             routed.append(counts)
+            self.total_weight_reads += reads
             self.interval_pairs += pairs
             self.total_pairs += pairs
             self.total_compute_seconds += seconds
@@ -104,10 +111,14 @@ class ExpertBalancer:
         if not self.config.enable_eplb or not self.layers or self.pending is not None:
             return
         load = self._all_reduce(self.window.window_load())  # [layers, experts], all ranks' pairs
+        steps = self._all_reduce(self.window.window_steps_rows())  # [steps, layers, experts]
+        typical = steps.median(dim=0).values.tolist()  # all ranks' rows of each expert in the median step
+        # per rank (tokens spread evenly): the rows one rank's replica choice splits over the replicas
         changes = []
-        for layer, row in zip(self.layers, load.tolist(), strict=True):
+        for layer, row, rows in zip(self.layers, load.tolist(), typical, strict=True):
             row = [float(x) for x in row]
-            new = balanced_placement(row, self.world, self.config.num_redundant_experts, previous=layer.placement)
+            new = balanced_placement(row, self.world, self.config.num_redundant_experts, previous=layer.placement,
+                                     step_rows=[x / self.world for x in rows], min_replica_rows=SPLIT_ROWS)
             busiest, now = max(rank_loads(new, row)), max(rank_loads(layer.placement, row))
             if new != layer.placement and busiest < (1 - MIN_GAIN) * now:
                 changes.append((layer, new))
@@ -150,6 +161,7 @@ class ExpertBalancer:
         """What /metrics shows; per-rank values are this rank's, the rest agree on every rank."""
         return {"rank": self.rank, "expert_tokens_total": self.total_pairs,
                 "expert_compute_seconds_total": self.total_compute_seconds, "steps": self.steps,
+                "expert_weight_reads_total": self.total_weight_reads,
                 "imbalance": self.imbalance, "imbalance_first": self.imbalance_first,
                 "rank_expert_tokens_interval": list(self.rank_pairs), "rebalances": self.rebalances,
                 "last_rebalance_time": self.last_rebalance_time,

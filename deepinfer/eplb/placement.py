@@ -9,7 +9,12 @@ them; the expected load of each replica is the expert's load divided by its repl
 `balanced_placement` (the idea of DeepSeek's EPLB, written from its description):
   1. replicate: start with one replica per expert; R times, give one more replica to the expert with the
      highest load per replica (ties: the lower id), never more replicas than ranks. The replicas go to the
-     hottest experts: a hotter expert never has fewer replicas than a cooler one.
+     hottest experts: a hotter expert never has fewer replicas than a cooler one. With `min_replica_rows`
+     and `step_rows` (the balancer: `SPLIT_ROWS`, and a rank's rows of the expert in the window's median
+     step, `layers/ep_moe.py`), only where each of the expert's replicas keeps at least that many: a replica costs a read of the expert's weights in
+     every step it runs, which a few rows do not repay (on CPU a matmul of a few rows costs about its
+     weight read). The slots left then copy the coldest experts (lowest load first), whose copies are
+     rarely read at all; every slot must hold some expert.
   2. pack: the replicas, heaviest first (load / replicas; ties: lower expert id), each go to the rank with
      the smallest load so far among those with a free slot that do not hold that expert yet (ties: fewer
      slots used, then the lower rank): greedy longest-processing-time with a per-rank slot capacity. If
@@ -134,16 +139,31 @@ def _loads(load: Sequence[float]) -> list[float]:
     return out
 
 
-def _replicate(load: list[float], extra: int, max_replicas: int) -> list[int]:
-    """Replica counts: one each, then `extra` more, each to the expert with the highest load per replica."""
+def _replicate(load: list[float], extra: int, max_replicas: int, step_rows: list[float] | None = None,
+               min_replica_rows: float = 0.0) -> list[int]:
+    """Replica counts: one each, then `extra` more, each to the expert with the highest load per replica among
+    those whose replicas would each keep at least `min_replica_rows` of its `step_rows` (default: its load);
+    extras no expert qualifies for go to the coldest experts (lowest load, ties: lower id; one more replica
+    each in turn)."""
+    rows = load if step_rows is None else step_rows
     counts = [1] * len(load)
     heap = [(-x, e) for e, x in enumerate(load)]  # (-load per replica, id): ties go to the lower id
     heapq.heapify(heap)
-    for _ in range(extra):
-        _, e = heapq.heappop(heap)  # never empty: callers bound extra by len(load) * (max_replicas - 1)
+    left = extra
+    while left and heap:
+        _, e = heapq.heappop(heap)
+        if rows[e] / (counts[e] + 1) < min_replica_rows:
+            continue  # this expert's next replica does not pay, nor any later one (its rows only divide more)
         counts[e] += 1
+        left -= 1
         if counts[e] < max_replicas:
             heapq.heappush(heap, (-load[e] / counts[e], e))
+    coldest = sorted(range(len(load)), key=lambda e: (load[e], e))
+    while left:  # callers bound extra by len(load) * (max_replicas - 1), so some expert always has room
+        for e in coldest:
+            if left and counts[e] < max_replicas:
+                counts[e] += 1
+                left -= 1
     return counts
 
 
@@ -206,12 +226,21 @@ def _match_previous(sets: list[list[int]], previous: Placement, first_rank: int)
 
 
 def balanced_placement(load: Sequence[float], num_ranks: int, num_redundant: int = 0, *,
-                       num_nodes: int | None = None, previous: Placement | None = None) -> Placement:
+                       num_nodes: int | None = None, previous: Placement | None = None,
+                       step_rows: Sequence[float] | None = None, min_replica_rows: float = 0.0) -> Placement:
     """A placement for per-expert `load` (tokens over a window): the `num_redundant` extra slots replicate the
     hottest experts and the replicas are packed so each rank's expected load is balanced (see the module
     docstring). `num_nodes`: the hierarchical variant (experts to nodes first, replicas stay in their node).
     `previous`: the placement being replaced; the result keeps as many experts on their ranks as it can
-    without changing any rank's load set."""
+    without changing any rank's load set. `step_rows` (per expert, default `load`) and `min_replica_rows`: an
+    expert gets another replica only if each of its replicas then keeps at least `min_replica_rows` of its
+    `step_rows` (a replica that would not repay its weight reads is not made; the slots left over copy the
+    coldest experts); `min_replica_rows` 0: every extra slot replicates the hottest."""
+    if not min_replica_rows >= 0:
+        raise ValueError(f"min_replica_rows must be >= 0, got {min_replica_rows}")
+    rows = None if step_rows is None else _loads(step_rows)
+    if rows is not None and len(rows) != len(load):
+        raise ValueError(f"{len(rows)} step rows for {len(load)} experts")
     loads = _loads(load)
     e = len(loads)
     slots = _check_sizes(e, num_ranks, num_redundant)
@@ -219,7 +248,7 @@ def balanced_placement(load: Sequence[float], num_ranks: int, num_redundant: int
         raise ValueError(f"previous placement has {previous.num_experts} experts on {previous.num_ranks} ranks, "
                          f"not {e} on {num_ranks}")
     if num_nodes is None or num_nodes == 1:
-        counts = _replicate(loads, num_redundant, num_ranks)
+        counts = _replicate(loads, num_redundant, num_ranks, rows, min_replica_rows)
         packed = _pack(loads, counts, num_ranks, slots)
         if previous is not None:
             packed = _match_previous(packed, previous, 0)
@@ -237,7 +266,8 @@ def balanced_placement(load: Sequence[float], num_ranks: int, num_redundant: int
     for members in nodes:
         members = sorted(members)
         sub = [loads[x] for x in members]
-        counts = _replicate(sub, per_node_extra, per_node_ranks)
+        counts = _replicate(sub, per_node_extra, per_node_ranks,
+                            None if rows is None else [rows[x] for x in members], min_replica_rows)
         node_sets = [[members[i] for i in held] for held in _pack(sub, counts, per_node_ranks, slots)]
         if previous is not None:
             node_sets = _match_previous(node_sets, previous, len(ranks))

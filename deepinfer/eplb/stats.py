@@ -54,6 +54,11 @@ class ExpertLoadWindow:
         """Tokens per expert over the window: int64 [num_layers, num_experts] (a copy)."""
         return self._sum.clone()
 
+    def window_steps_rows(self) -> torch.Tensor:
+        """The counts of each step in the window: int64 [steps_in_window, num_layers, num_experts] (a copy, in
+        ring order, not time order)."""
+        return self._rows[:self.steps_in_window].clone()
+
     def imbalance(self, placement: Placement, layer: int = 0) -> float:
         """max / mean of the ranks' expected loads under `placement` for `layer`'s window load (1.0: balanced,
         or nothing recorded)."""

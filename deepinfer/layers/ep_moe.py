@@ -3,11 +3,12 @@
 An `ExpertParallelExperts` replaces a model's `RoutedExperts` (same `forward(x, expert_ids, weights)`, same
 `expert_weight(expert, proj)` for the loaders). It holds this rank's *physical slots* of a `Placement`
 (`deepinfer/eplb/placement.py`): slot p lives on rank p // slots_per_rank and holds logical expert
-`physical_to_logical[p]`; a hot expert may have several slots (replicas), on several ranks or on one.
+`physical_to_logical[p]`; a hot expert may have several slots (replicas), on several ranks (never two on one
+rank: `Placement` refuses that, as a second copy on one rank could only read the same weights again).
 
 One forward, on every rank at once (ranks without tokens pass empty tensors and still take part):
 
-    (token t, its j-th expert e) pairs ──▶ slot: replicas(e)[t % #replicas]   (deterministic: no randomness)
+    (token t, its j-th expert e) pairs ──▶ slot: one of e's replicas (replica choice, below)
       ──▶ sort pairs by the slot's rank ──▶ all_to_all: pair counts, then rows of x and (slot, weight)
       ──▶ each rank runs its slots' pairs grouped by slot (`RoutedExperts.compute`, one output row per pair)
       ──▶ all_to_all back ──▶ each token sums its k pair outputs in ascending logical expert id
@@ -17,13 +18,37 @@ ascending id, starting from zeros), so the sum of a token's expert outputs is th
 computed each term; only an expert matmul's row count differs with the batch (as it does between batches in
 one process). A replica changes which rank computes a term, never its value.
 
+Replica choice (cost-aware, deterministic, decided by each rank for its own pairs without communication).
+An expert matmul on CPU costs about one read of the slot's weights plus a cost per row: measured for the
+EPLB benchmark's experts (fp32, hidden 512, intermediate 512, 3 MiB per slot, one thread, 16 experts in
+turn so the weights come from memory; `benchmarks/BENCHMARKS.md`, "cost-aware replica choice"), ~0.6-0.8
+ms for one row and ~0.04-0.06 ms per further row, so a second replica's weight read is repaid only by
+about 16 rows moved to it: `SPLIT_ROWS`. (The GGUF block path reads its blocks once per `max_rows()` = 8
+rows, so for it one pass serves up to 8 rows at about the cost of one: also below `SPLIT_ROWS`.) For a
+logical expert e with c replicas and n of this rank's pairs in this forward:
+
+  - u = min(c, max(1, n // SPLIT_ROWS)) replicas take them: with few rows (n < 2 * SPLIT_ROWS) all n go to
+    ONE replica, so replication never reads an expert's weights twice for the rows of one rank;
+  - the replicas in this rank's order of preference: the one on this rank first (its pairs need no
+    all-to-all), otherwise one picked by rotation over the ranks that do not hold e (the j-th of them, in
+    rank order, starts at replica (j + e) % c), so those ranks spread over the replicas evenly and each
+    replica keeps the expected load of e / c that `balanced_placement` packs by; then the others in order;
+  - the n pairs, in pair order, are cut into u contiguous chunks of equal size (to within one), chunk i to
+    the i-th preferred replica.
+
+Replicas sit on distinct ranks (a `Placement` never holds an expert twice on one rank). The balancer adds
+a replica only where this rule would use it: an expert gets its c-th replica only where a rank's rows of it
+in the window's median step reach c x `SPLIT_ROWS` (`balanced_placement`'s `step_rows` / `min_replica_rows`);
+with fewer rows per step the redundant slots copy the coldest experts, whose copies are rarely read at all.
+
 GGUF blocks (`RoutedExperts.attach_quantized`): each slot gets its logical expert's blocks at load; a
 re-placement moves them with the dense weights (a local copy keeps the slot's blocks, a slot filled from
 another rank receives them as bytes over the same all_to_all), so a slot's blocks always mirror its dense
 weights and a moved expert keeps its fast path.
 
 Load statistics (for EPLB and /metrics) accumulate in `ExpertStats`: tokens routed to each logical expert by
-this rank's batch, pairs computed here, and the time spent computing them.
+this rank's batch, pairs computed here, the slot matmuls that computed them (each reads its slot's weights:
+`weight_reads`), and the time spent computing them.
 """
 
 from __future__ import annotations
@@ -38,6 +63,10 @@ import torch.distributed as dist
 from deepinfer.eplb.placement import Placement
 from deepinfer.layers.gguf_kernels import QuantizedWeight
 from deepinfer.layers.moe import RoutedExperts
+
+# rows that repay one more read of an expert's weights (see the module docstring): a rank splits an expert's
+# pairs over its replicas only in chunks of at least this many rows
+SPLIT_ROWS = 16
 
 
 class ExpertComm:
@@ -66,11 +95,12 @@ class ExpertStats:
     routed: torch.Tensor  # [num_logical] int64: pairs of this rank's tokens routed to each logical expert
     computed_pairs: int = 0  # pairs this rank's slots computed (its expert tokens)
     compute_seconds: float = 0.0
+    weight_reads: int = 0  # slot matmul pairs run here (each reads one slot's weights)
 
-    def take(self) -> tuple[torch.Tensor, int, float]:
-        out = (self.routed.clone(), self.computed_pairs, self.compute_seconds)
+    def take(self) -> tuple[torch.Tensor, int, float, int]:
+        out = (self.routed.clone(), self.computed_pairs, self.compute_seconds, self.weight_reads)
         self.routed.zero_()
-        self.computed_pairs, self.compute_seconds = 0, 0.0
+        self.computed_pairs, self.compute_seconds, self.weight_reads = 0, 0.0, 0
         return out
 
 
@@ -106,10 +136,22 @@ class ExpertParallelExperts(RoutedExperts):
         reps = [placement.replicas(e) for e in range(self.num_logical)]
         if any(not r for r in reps):
             raise ValueError("a placement must hold every expert at least once")
+        prefs = [self._preference(e, r) for e, r in enumerate(reps)]
         width = max(len(r) for r in reps)
-        table = torch.tensor([list(r) + [r[0]] * (width - len(r)) for r in reps], dtype=torch.long)
-        self.replica_table = table.to(self.w13.device)  # [logical, max replicas] physical slots
+        table = torch.tensor([p + [p[0]] * (width - len(p)) for p in prefs], dtype=torch.long)
+        self.replica_table = table.to(self.w13.device)  # [logical, max replicas] slots, this rank's preference
         self.replica_count = torch.tensor([len(r) for r in reps], dtype=torch.long, device=self.w13.device)
+
+    def _preference(self, expert: int, slots: tuple[int, ...]) -> list[int]:
+        """`expert`'s replica slots in this rank's order of preference (see the module docstring)."""
+        s, c = self.placement.slots_per_rank, len(slots)
+        ranks = [p // s for p in slots]
+        if self.rank in ranks:
+            first = ranks.index(self.rank)
+        else:
+            j = sum(1 for q in range(self.rank) if q not in ranks)  # this rank among those without a replica
+            first = (j + expert) % c
+        return [slots[(first + i) % c] for i in range(c)]
 
     @property
     def num_logical_experts(self) -> int:
@@ -151,9 +193,10 @@ class ExpertParallelExperts(RoutedExperts):
         t, k = expert_ids.shape
         flat = expert_ids.reshape(-1)
         token = torch.arange(t, device=x.device).repeat_interleave(k)
+        n = torch.bincount(flat, minlength=self.num_logical)  # this rank's pairs per logical expert
         if t:
-            self.stats.routed += torch.bincount(flat, minlength=self.num_logical).to(self.stats.routed.device)
-        slot = self.replica_table[flat, token % self.replica_count[flat]]
+            self.stats.routed += n.to(self.stats.routed.device)
+        slot = self._choose_slots(flat, n)
         w = weights.reshape(-1)
         if self.comm is None:
             pair_out = self._compute_pairs(x[token], slot, w)
@@ -178,12 +221,28 @@ class ExpertParallelExperts(RoutedExperts):
             out += terms[:, j]
         return out
 
+    def _choose_slots(self, flat: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """The physical slot of each pair (logical expert `flat[i]`; `n` pairs per expert): expert e's pairs,
+        in order, cut into u_e = min(replicas, max(1, n_e // SPLIT_ROWS)) equal contiguous chunks, chunk i to
+        this rank's i-th preferred replica (see the module docstring)."""
+        if not flat.numel():
+            return flat.clone()
+        order = torch.argsort(flat, stable=True)
+        start = torch.cumsum(n, 0) - n  # first sorted position of each expert's pairs
+        index = torch.empty_like(flat)
+        index[order] = torch.arange(flat.numel(), device=flat.device) - start[flat[order]]  # i-th pair of its expert
+        used = torch.minimum(self.replica_count, torch.clamp(n // SPLIT_ROWS, min=1))
+        chunk = index * used[flat] // n[flat]
+        return self.replica_table[flat, chunk]
+
     def _compute_pairs(self, x: torch.Tensor, slot: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """One output row per pair: pair i's expert(x[i]) * w[i] in x's dtype."""
         started = time.perf_counter()
-        out = self.compute(x, self.group(slot[:, None], w[:, None]))
+        groups = self.group(slot[:, None], w[:, None])
+        out = self.compute(x, groups)
         self.stats.compute_seconds += time.perf_counter() - started
         self.stats.computed_pairs += int(slot.shape[0])
+        self.stats.weight_reads += sum(c > 0 for c in groups.counts)
         return out
 
     def idle(self) -> None:

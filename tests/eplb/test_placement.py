@@ -109,6 +109,34 @@ def test_replication_order_is_highest_load_per_replica():
     assert sorted(rank_loads(p, [9.0, 4.0, 1.0])) == pytest.approx([4.0, 5.0, 5.0])
 
 
+def test_replicas_only_where_they_repay_their_weight_reads():
+    # the EPLB benchmark's shape: 16 experts on 2 ranks, 4 hot ones; 8 hot rows per step: a second replica
+    # would keep 4 rows per step (< 16), so the 4 redundant slots copy the 4 coldest experts instead
+    load = [10.0] * 16
+    load[4:8] = [400.0, 390.0, 380.0, 370.0]
+    load[9], load[12] = 1.0, 2.0
+    step = [x / 50 for x in load]  # the typical step: 8.0 / 7.8 / 7.6 / 7.4 hot rows
+    few = balanced_placement(load, 2, 4, step_rows=step, min_replica_rows=16)
+    assert sorted(x for x in range(16) if len(few.replicas(x)) > 1) == [0, 1, 9, 12]  # load 1, 2, then 10 (ids)
+    assert max(rank_loads(few, load)) / (sum(load) / 2) < 1.05  # still balanced: hot experts split 2 / 2
+    # 40 hot rows per step: each of two replicas keeps 20 (>= 16), so the hot experts are replicated
+    many = balanced_placement(load, 2, 4, step_rows=[x * 5 for x in step], min_replica_rows=16)
+    assert [len(many.replicas(x)) for x in range(16)] == [2 if 4 <= x < 8 else 1 for x in range(16)]
+    assert many == balanced_placement(load, 2, 4)  # the same as without the rule
+    # in between: only the experts whose two replicas keep 16 rows each (33 and 32 rows, not 31.5 and 31)
+    mid_rows = [0.2] * 16
+    mid_rows[4:8] = [33.0, 32.0, 31.5, 31.0]
+    mid = balanced_placement(load, 2, 4, step_rows=mid_rows, min_replica_rows=16)
+    assert sorted(x for x in range(16) if len(mid.replicas(x)) > 1) == [4, 5, 9, 12]
+    # hierarchical: the rule applies inside each node
+    hier = balanced_placement(load, 4, 4, num_nodes=2, step_rows=step, min_replica_rows=16)
+    assert all(len(hier.replicas(x)) == 1 for x in range(4, 8))
+    with pytest.raises(ValueError, match="min_replica_rows must be >= 0"):
+        balanced_placement(load, 2, 4, min_replica_rows=-1)
+    with pytest.raises(ValueError, match="step rows for 16 experts"):
+        balanced_placement(load, 2, 4, step_rows=[1.0], min_replica_rows=1)
+
+
 def test_initial_placement_layout_and_validation():
     p = initial_placement(8, 4, 4)
     assert p.physical_to_logical == (0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3)

@@ -17,6 +17,8 @@ def test_window_sums_the_last_steps_only():
         expected = torch.stack(steps[max(0, n - 3):n]).sum(0)
         assert torch.equal(w.window_load(), expected)
         assert w.steps_in_window == min(n, 3) and w.steps_recorded == n
+        rows = w.window_steps_rows()  # the steps in the window, one row each (ring order)
+        assert sorted(rows[:, 0, 0].tolist()) == list(range(max(1, n - 2), n + 1))
     assert w.window_load()[0].tolist() == [3 + 4 + 5, 0, 0, 3]  # steps 1 and 2 dropped out
     w.window_load()[0, 0] = 999  # a copy: the window is not changed through it
     assert w.window_load()[0, 0] == 12
