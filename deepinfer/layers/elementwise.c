@@ -89,19 +89,84 @@ void silu_mul(const void *gu, void *out, int M, int I, int dtype) {
 }
 
 
-/* index of the largest value of a row (the first one on ties) */
-static inline int row_argmax(const float *row, int N) {
+/* index of the largest value of a row: the first one on ties, NaNs never chosen unless row[0] is one
+ * (then 0): a scalar `>` scan from row[0]. x is float32 (bf16 == 0) or bfloat16 (widened exactly, so
+ * the answer is the float32 copy's). */
+static inline int row_argmax_scalar(const void *row, int N, int bf16) {
     int best = 0;
-    float bv = row[0];
-    for (int n = 1; n < N; n++)
-        if (row[n] > bv) { bv = row[n]; best = n; }
+    float bv = load1(row, 0, bf16);
+    for (int n = 1; n < N; n++) {
+        const float v = load1(row, n, bf16);
+        if (v > bv) { bv = v; best = n; }
+    }
     return best;
 }
 
-/* index of the largest value of each row of a float32 [M, N] matrix (first one on ties) */
-void argmax_rows(const float *x, int M, int N, int64_t *out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 16 elements from p as float32, lanes at or past `left` set to -inf */
+static inline __m512 argmax_load16(const void *p, int left, int bf16) {
+    const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    if (!bf16) return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, p);
+    const __m256i h = _mm256_maskz_loadu_epi16(k, p);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY), v);
+}
+
+/* The same answer as the scalar scan in one vector pass: each lane keeps its first strict maximum
+ * (NaN compares false, so it is skipped), then the lowest index among the lanes holding the overall
+ * maximum (== treats -0 and +0 alike, as the scan's `>` does). Four independent lane sets, so the
+ * compare -> select chain of one does not stall the next load. */
+static inline int row_argmax(const void *row, int N, int bf16) {
+    const float first = load1(row, 0, bf16);
+    if (first != first || N < 32) return row_argmax_scalar(row, N, bf16);
+    const int es = bf16 ? 2 : 4;
+    const char *p = (const char *)row;
+    __m512 vmax[4];
+    __m512i vidx[4], idx[4];
+    for (int j = 0; j < 4; j++) {
+        vmax[j] = _mm512_set1_ps(-INFINITY);
+        vidx[j] = _mm512_setzero_si512();
+        idx[j] = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                  _mm512_set1_epi32(16 * j));
+    }
+    const __m512i step = _mm512_set1_epi32(64);
+    int n = 0;
+    for (; n + 64 <= N; n += 64) {
+        for (int j = 0; j < 4; j++) {
+            const __m512 v = argmax_load16(p + (int64_t)(n + 16 * j) * es, 16, bf16);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax[j], _CMP_GT_OQ);
+            vmax[j] = _mm512_mask_mov_ps(vmax[j], gt, v);
+            vidx[j] = _mm512_mask_mov_epi32(vidx[j], gt, idx[j]);
+            idx[j] = _mm512_add_epi32(idx[j], step);
+        }
+    }
+    for (int j = 0; n < N; n += 16, j++) {  /* the last < 64 values: lane set j's next indices are n.. */
+        const __m512 v = argmax_load16(p + (int64_t)n * es, N - n, bf16);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax[j], _CMP_GT_OQ);
+        vmax[j] = _mm512_mask_mov_ps(vmax[j], gt, v);
+        vidx[j] = _mm512_mask_mov_epi32(vidx[j], gt, idx[j]);
+    }
+    float lanes[64];
+    int32_t where[64];
+    for (int j = 0; j < 4; j++) {
+        _mm512_storeu_ps(lanes + 16 * j, vmax[j]);
+        _mm512_storeu_si512(where + 16 * j, vidx[j]);
+    }
+    float bv = first;
+    int best = 0;
+    for (int l = 0; l < 64; l++)
+        if (lanes[l] > bv || (lanes[l] == bv && where[l] < best)) { bv = lanes[l]; best = where[l]; }
+    return best;
+}
+#else
+static inline int row_argmax(const void *row, int N, int bf16) { return row_argmax_scalar(row, N, bf16); }
+#endif
+
+/* index of the largest value of each row of a [M, N] matrix (float32 or bfloat16; first one on ties) */
+void argmax_rows(const void *x, int M, int N, int64_t *out, int dtype) {
+    const int bf16 = dtype == 1, es = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static)
-    for (int m = 0; m < M; m++) out[m] = row_argmax(x + (int64_t)m * N, N);
+    for (int m = 0; m < M; m++) out[m] = row_argmax((const char *)x + (int64_t)m * N * es, N, bf16);
 }
 
 /* Row weights for sample_rows, 8 at a time: exp((x - max) * inv_temp) from logits, or x itself
@@ -130,7 +195,7 @@ void sample_rows(const float *x, int ld, const int64_t *rows, int nrows, int N, 
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < nrows; r++) {
         const float *row = x + rows[r] * (int64_t)ld;
-        const int best = row_argmax(row, N);
+        const int best = row_argmax(row, N, 0);
         const __m256 vmax = _mm256_set1_ps(row[best]), vtemp = _mm256_set1_ps(inv_temp ? inv_temp[r] : 1.f);
         double total = 0.0;
         for (int n = 0; n < N; n += 8)
