@@ -176,6 +176,8 @@ class ModelRunner:
         packed = sum(m.pack() for m in self.model.modules() if isinstance(m, Linear))
         if packed:
             logger.info("packed %d projections for oneDNN", packed)
+        if hasattr(self.model, "enable_batched_decode") and self.model.enable_batched_decode():
+            logger.info("decode steps run norms, rotary, KV writes and SiLU*mul as C calls between the matmuls")
         logger.info("loaded weights (%s, %s) in %.1fs", self.dtype, self.device, time.perf_counter() - started)
         self.kv_groups = self.model.kv_groups
         if self.deterministic and any(not isinstance(g.spec, FullAttention) for g in self.kv_groups):

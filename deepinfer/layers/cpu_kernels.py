@@ -96,6 +96,7 @@ def load_library() -> ctypes.CDLL | None:
     lib.paged_decode_attention.restype = i
     lib.rms_norm.argtypes = [vp, vp, vp, vp, i, i, ctypes.c_float, i]
     lib.rotary_qk.argtypes = [vp, ctypes.c_int64, i, vp, ctypes.c_int64, i, i, i, vp, vp, i]
+    lib.rope_kv_write.argtypes = [vp, i, i, i, i, vp, vp, vp, vp, vp, vp, i]
     lib.silu_mul.argtypes = [vp, vp, i, i, i]
     lib.argmax_rows.argtypes = [vp, i, i, vp, i]
     lib.sample_rows.argtypes = [vp, i, vp, i, i, vp, vp, i, vp]

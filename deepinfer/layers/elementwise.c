@@ -41,27 +41,34 @@ void rms_norm(const void *x, void *residual, const void *w, void *out, int M, in
     }
 }
 
-/* x[t, h, :] rotated in place by position-specific cos/sin rows (half-rotation layout):
- *   x'[i] = x[i] cos[i] - x[i + D/2] sin[i];  x'[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2]
+/* One head's D values rotated by a position's cos/sin rows (half-rotation layout), src -> dst (may be
+ * the same row):
+ *   x'[i] = x[i] cos[i] - x[i + D/2] sin[i];  x'[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2] */
+static inline void rotate_head(const char *src, char *dst, const char *c, const char *s, int half, int bf16) {
+    const int es = bf16 ? 2 : 4;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < half; i += 8) {
+        const __m256 a = load8(src + i * es, bf16), b = load8(src + (i + half) * es, bf16);
+        /* the reference forms x*cos and rotate_half(x)*sin in the model dtype, then adds */
+        const __m256 lo = _mm256_add_ps(round8(_mm256_mul_ps(a, load8(c + i * es, bf16)), bf16),
+                                        round8(_mm256_mul_ps(_mm256_xor_ps(b, sign), load8(s + i * es, bf16)), bf16));
+        const __m256 hi = _mm256_add_ps(round8(_mm256_mul_ps(b, load8(c + (i + half) * es, bf16)), bf16),
+                                        round8(_mm256_mul_ps(a, load8(s + (i + half) * es, bf16)), bf16));
+        store8(dst + i * es, lo, bf16);
+        store8(dst + (i + half) * es, hi, bf16);
+    }
+}
+
+/* x[t, h, :] rotated in place by position-specific cos/sin rows;
  * x: [T, heads, D] with `stride` elements between tokens; cos, sin: [T, D]; D % 16 == 0. */
 static void rotate(void *x, int64_t stride, int heads, int T, int D, const void *cos, const void *sin, int bf16) {
-    const int half = D / 2, es = bf16 ? 2 : 4;
-    const __m256 sign = _mm256_set1_ps(-0.f);
+    const int es = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if ((int64_t)T * heads * D >= 65536)
     for (int t = 0; t < T; t++) {
         const char *c = (const char *)cos + (int64_t)t * D * es, *s = (const char *)sin + (int64_t)t * D * es;
         for (int h = 0; h < heads; h++) {
             char *row = (char *)x + ((int64_t)t * stride + (int64_t)h * D) * es;
-            for (int i = 0; i < half; i += 8) {
-                const __m256 a = load8(row + i * es, bf16), b = load8(row + (i + half) * es, bf16);
-                /* the reference forms x*cos and rotate_half(x)*sin in the model dtype, then adds */
-                const __m256 lo = _mm256_add_ps(round8(_mm256_mul_ps(a, load8(c + i * es, bf16)), bf16),
-                                                round8(_mm256_mul_ps(_mm256_xor_ps(b, sign), load8(s + i * es, bf16)), bf16));
-                const __m256 hi = _mm256_add_ps(round8(_mm256_mul_ps(b, load8(c + (i + half) * es, bf16)), bf16),
-                                                round8(_mm256_mul_ps(a, load8(s + (i + half) * es, bf16)), bf16));
-                store8(row + i * es, lo, bf16);
-                store8(row + (i + half) * es, hi, bf16);
-            }
+            rotate_head(row, row, c, s, D / 2, bf16);
         }
     }
 }
@@ -70,6 +77,28 @@ void rotary_qk(void *q, int64_t q_stride, int q_heads, void *k, int64_t k_stride
                const void *cos, const void *sin, int dtype) {
     rotate(q, q_stride, q_heads, T, D, cos, sin, dtype == 1);
     rotate(k, k_stride, k_heads, T, D, cos, sin, dtype == 1);
+}
+
+/* A decode step's fused QKV output [T, (Hq + 2 Hk) * D] -> the rotated queries into q_out [T, Hq * D]
+ * (contiguous, as the attention kernel reads them), the rotated keys and the values into their cache
+ * slots (caches: [slots, Hk, D]). The same values as rotary_qk in place followed by copying q and
+ * writing k and v to the cache, in one pass over the rows. */
+void rope_kv_write(const void *qkv, int T, int q_heads, int k_heads, int D, const void *cos, const void *sin,
+                   const int64_t *slots, void *k_cache, void *v_cache, void *q_out, int dtype) {
+    const int bf16 = dtype == 1, es = bf16 ? 2 : 4;
+    const int64_t q_size = (int64_t)q_heads * D, kv_size = (int64_t)k_heads * D, row_len = q_size + 2 * kv_size;
+#pragma omp parallel for schedule(static) if ((int64_t)T * row_len >= 16384)
+    for (int t = 0; t < T; t++) {
+        const char *row = (const char *)qkv + t * row_len * es;
+        const char *c = (const char *)cos + (int64_t)t * D * es, *s = (const char *)sin + (int64_t)t * D * es;
+        char *q = (char *)q_out + t * q_size * es;
+        char *k = (char *)k_cache + slots[t] * kv_size * es;
+        for (int h = 0; h < q_heads; h++)
+            rotate_head(row + (int64_t)h * D * es, q + (int64_t)h * D * es, c, s, D / 2, bf16);
+        for (int h = 0; h < k_heads; h++)
+            rotate_head(row + (q_size + (int64_t)h * D) * es, k + (int64_t)h * D * es, c, s, D / 2, bf16);
+        memcpy((char *)v_cache + slots[t] * kv_size * es, row + (q_size + kv_size) * es, (size_t)kv_size * es);
+    }
 }
 
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i]; gu: [M, 2I], out: [M, I]; I % 8 == 0 */

@@ -176,6 +176,16 @@ class TorchAttentionBackend(AttentionBackend):
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
 
+    def attend_cached_decodes(self, q: torch.Tensor, cache, meta: TorchAttentionMetadata,
+                              scale: float | None = None) -> torch.Tensor:
+        """Attention of a step's decode rows whose new K/V the caller already wrote to their slots
+        (layers/batched_decode.py does it in the pass that rotates them): q [nd, heads, D] contiguous;
+        the C kernel path only (`meta.decode_context_lens` set), cascade prefix included."""
+        k_cache, v_cache = cache
+        num_blocks = k_cache.shape[0]
+        return self._kernel_decode(q, k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1), k_cache, v_cache,
+                                   meta, scale)
+
     def _kernel_decode(self, q, k_rows, v_rows, k_cache, v_cache, meta: TorchAttentionMetadata,
                        scale: float | None = None) -> torch.Tensor:
         """Decode attention with the C kernel; a prefix shared by every decode (a system prompt) is

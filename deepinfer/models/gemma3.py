@@ -120,12 +120,18 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg, max_positions, dtype, layer_type=t)
                                      for t in sorted(set(self.layer_types))})
         self.fused = None
+        self.batched = None
         self._set_kv_groups(cfg, max_positions)
 
     def enable_fused_decode(self) -> bool:
         """Off: the whole-layer C decode kernel computes Llama's layer (one norm before attention and one
         before the MLP, SiLU, one KV group), not Gemma's; small decodes run the per-layer path."""
         self.fused = None
+        return False
+
+    def enable_batched_decode(self) -> bool:
+        """Off, for the same reason as `enable_fused_decode` (its hidden_states never consults it)."""
+        self.batched = None
         return False
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
