@@ -134,11 +134,11 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.batched = None
         return False
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits.float()
+        return logits.float() if float32 else logits
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
                       logits_indices: torch.Tensor) -> torch.Tensor:

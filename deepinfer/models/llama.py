@@ -190,9 +190,11 @@ class LlamaForCausalLM(nn.Module):
         returns float32 logits [len(logits_indices), vocab]."""
         return self.compute_logits(self.hidden_states(input_ids, positions, caches, metas, logits_indices))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [rows, hidden] -> float32 logits [rows, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Final hidden states [rows, hidden] -> float32 logits [rows, vocab]; `float32=False`: in the head's
+        dtype (the sampler widens them only where it needs to; greedy rows take their argmax as they are)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
                       logits_indices: torch.Tensor) -> torch.Tensor:
