@@ -7,9 +7,11 @@ and reports CPU seconds (``time.process_time``) per decode step, split by phase.
 
 Only the steps after the prompts' prefill count (``--skip-steps``). Phases:
 
-* the decoder layers (embedding included), and inside them the MLP blocks and the attention backend
-  (KV cache writes + the paged decode kernel); "rest of layers" is QKV / output projections, norms,
-  rotary and the Python between them;
+* the decoder layers (embedding included), and inside them the four projections, the attention backend
+  (KV cache writes + the paged decode kernel; on the batched C path of layers/batched_decode.py the KV
+  writes happen in its rotary pass, so this is the kernel alone) and the glue: the rest (norms, rotary,
+  KV writes there, SiLU*mul, embedding, the Python and dispatch between them); the MLP blocks row is
+  only filled on the per-layer torch path;
 * the LM head (its matmul and the float32 copy of the logits);
 * the rest of `ModelRunner.run` (sampling), `ModelRunner.prepare` and the rest of `EngineCore.step`
   (scheduler, output processing).
@@ -65,6 +67,8 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
     _wrap(model.lm_head, "forward", acc, "lm_head_matmul")
     for backend in {id(layer.self_attn.backend): layer.self_attn.backend for layer in model.layers}.values():
         _wrap(backend, "forward", acc, "attention")  # layers may share one backend object: wrap it once
+        if hasattr(backend, "attend_cached_decodes"):  # the batched path (layers/batched_decode.py)
+            _wrap(backend, "attend_cached_decodes", acc, "attention")
     counts: collections.Counter = collections.Counter()
     step = core.step
     start: dict[str, float] = {}
@@ -88,11 +92,11 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
         acc[key] -= start.get(key, 0.0)
     rows = [
         ("decoder layers (embedding included)", acc["layers"]),
-        ("  MLP blocks (gate_up, SiLU*mul, down)", acc["mlp"]),
-        ("  attention backend (KV write + paged decode)", acc["attention"]),
-        ("  rest of layers (QKV / O proj, norms, rotary, Python)",
-         acc["layers"] - acc["mlp"] - acc["attention"]),
-        ("  of which the layers' four matmuls (Linear.forward)", acc["layer_matmuls"]),
+        ("  the layers' four matmuls (Linear.forward)", acc["layer_matmuls"]),
+        ("  attention backend (KV write + paged decode; batched path: the kernel alone)", acc["attention"]),
+        ("  glue: norms, rotary, KV write, SiLU*mul, embedding, Python between",
+         acc["layers"] - acc["layer_matmuls"] - acc["attention"]),
+        ("  (MLP blocks, per-layer torch path only)", acc["mlp"]),
         ("LM head + float32 logits", acc["lm_head"]),
         ("  of which the LM head matmul", acc["lm_head_matmul"]),
         ("sampling (rest of ModelRunner.run)", acc["run"] - acc["layers"] - acc["lm_head"]),

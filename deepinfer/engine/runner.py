@@ -176,6 +176,8 @@ class ModelRunner:
         packed = sum(m.pack() for m in self.model.modules() if isinstance(m, Linear))
         if packed:
             logger.info("packed %d projections for oneDNN", packed)
+        if hasattr(self.model, "enable_batched_decode") and self.model.enable_batched_decode():
+            logger.info("decode steps run norms, rotary, KV writes and SiLU*mul as C calls between the matmuls")
         logger.info("loaded weights (%s, %s) in %.1fs", self.dtype, self.device, time.perf_counter() - started)
         self.kv_groups = self.model.kv_groups
         if self.deterministic and any(not isinstance(g.spec, FullAttention) for g in self.kv_groups):
@@ -449,12 +451,13 @@ class ModelRunner:
         num_sampled = len(step.sample_reqs)
         num_scored = num_sampled + step.num_verify_rows
         hidden = None
+        final = self.model.hidden_states(step.input_ids, step.positions, self.kv_caches, step.metas,
+                                         step.logits_indices)
+        # in the head's dtype: the sampler and verifier widen them to float32 where they need to (a
+        # greedy-only step takes each row's argmax from them as they are: no 64 x vocab float32 copy)
+        logits = self.model.compute_logits(final[:num_scored] if step.prompt_rows else final, float32=False)
         if step.prompt_rows:  # the sampled rows' logits now, the prompt rows' chunk by chunk below
-            hidden = self.model.hidden_states(step.input_ids, step.positions, self.kv_caches, step.metas,
-                                              step.logits_indices)
-            logits = self.model.compute_logits(hidden[:num_scored])
-        else:
-            logits = self.model(step.input_ids, step.positions, self.kv_caches, step.metas, step.logits_indices)
+            hidden = final
         if self.stream_sink is not None:
             self.stream_sink(step.row_requests, self.model.step_streams)
         sampled: dict[str, int] = {}

@@ -40,7 +40,10 @@ class Sampler:
         self.generator = torch.Generator().manual_seed(seed)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
-        logits = logits.float()
+        """logits: [len(reqs), vocab], float32 or the model's dtype (widened here unless every row is plain
+        greedy: an argmax over bfloat16 values is the argmax of their exact float32 copy)."""
+        if logits.dtype != torch.float32 and not all(_plain_greedy(r) for r in reqs):
+            logits = logits.float()
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None
         token_ids = self._choose(self.process(logits, reqs), reqs)
@@ -255,6 +258,13 @@ def _keep(sorted_p: torch.Tensor, mass: torch.Tensor, k: torch.Tensor, nucleus: 
     drop = (rank >= k) | (mass - sorted_p >= nucleus)
     drop[:, 0] = False
     return sorted_p.masked_fill(drop, 0.0)
+
+
+def _plain_greedy(r: Request) -> bool:
+    """A row `process` leaves alone and `_choose` takes the argmax of, with no logprobs to compute."""
+    p = r.params
+    return (p.temperature <= 0 and p.logprobs is None and not p.needs_penalties and not p.logit_bias
+            and r.grammar is None and r.num_output_tokens >= p.min_tokens)
 
 
 def _needs_filter(r: Request) -> bool:

@@ -17,7 +17,10 @@
  * x, out, residual: [M, N] contiguous; w: [N]; N % 8 == 0. */
 void rms_norm(const void *x, void *residual, const void *w, void *out, int M, int N, float eps, int dtype) {
     const int bf16 = dtype == 1, es = bf16 ? 2 : 4;
-#pragma omp parallel for schedule(static) if ((int64_t)M * N >= 65536)
+    /* 16k elements (~10 us on one core) is where splitting rows beats the parallel region's start-up;
+     * 64 decode rows of a 576-wide model (37k) are past it. Rows are independent: any split gives the
+     * same values. */
+#pragma omp parallel for schedule(static) if ((int64_t)M * N >= 16384)
     for (int m = 0; m < M; m++) {
         const int64_t row = (int64_t)m * N * es;
         const char *xr = (const char *)x + row;
@@ -41,27 +44,34 @@ void rms_norm(const void *x, void *residual, const void *w, void *out, int M, in
     }
 }
 
-/* x[t, h, :] rotated in place by position-specific cos/sin rows (half-rotation layout):
- *   x'[i] = x[i] cos[i] - x[i + D/2] sin[i];  x'[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2]
+/* One head's D values rotated by a position's cos/sin rows (half-rotation layout), src -> dst (may be
+ * the same row):
+ *   x'[i] = x[i] cos[i] - x[i + D/2] sin[i];  x'[i + D/2] = x[i + D/2] cos[i + D/2] + x[i] sin[i + D/2] */
+static inline void rotate_head(const char *src, char *dst, const char *c, const char *s, int half, int bf16) {
+    const int es = bf16 ? 2 : 4;
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < half; i += 8) {
+        const __m256 a = load8(src + i * es, bf16), b = load8(src + (i + half) * es, bf16);
+        /* the reference forms x*cos and rotate_half(x)*sin in the model dtype, then adds */
+        const __m256 lo = _mm256_add_ps(round8(_mm256_mul_ps(a, load8(c + i * es, bf16)), bf16),
+                                        round8(_mm256_mul_ps(_mm256_xor_ps(b, sign), load8(s + i * es, bf16)), bf16));
+        const __m256 hi = _mm256_add_ps(round8(_mm256_mul_ps(b, load8(c + (i + half) * es, bf16)), bf16),
+                                        round8(_mm256_mul_ps(a, load8(s + (i + half) * es, bf16)), bf16));
+        store8(dst + i * es, lo, bf16);
+        store8(dst + (i + half) * es, hi, bf16);
+    }
+}
+
+/* x[t, h, :] rotated in place by position-specific cos/sin rows;
  * x: [T, heads, D] with `stride` elements between tokens; cos, sin: [T, D]; D % 16 == 0. */
 static void rotate(void *x, int64_t stride, int heads, int T, int D, const void *cos, const void *sin, int bf16) {
-    const int half = D / 2, es = bf16 ? 2 : 4;
-    const __m256 sign = _mm256_set1_ps(-0.f);
+    const int es = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static) if ((int64_t)T * heads * D >= 65536)
     for (int t = 0; t < T; t++) {
         const char *c = (const char *)cos + (int64_t)t * D * es, *s = (const char *)sin + (int64_t)t * D * es;
         for (int h = 0; h < heads; h++) {
             char *row = (char *)x + ((int64_t)t * stride + (int64_t)h * D) * es;
-            for (int i = 0; i < half; i += 8) {
-                const __m256 a = load8(row + i * es, bf16), b = load8(row + (i + half) * es, bf16);
-                /* the reference forms x*cos and rotate_half(x)*sin in the model dtype, then adds */
-                const __m256 lo = _mm256_add_ps(round8(_mm256_mul_ps(a, load8(c + i * es, bf16)), bf16),
-                                                round8(_mm256_mul_ps(_mm256_xor_ps(b, sign), load8(s + i * es, bf16)), bf16));
-                const __m256 hi = _mm256_add_ps(round8(_mm256_mul_ps(b, load8(c + (i + half) * es, bf16)), bf16),
-                                                round8(_mm256_mul_ps(a, load8(s + (i + half) * es, bf16)), bf16));
-                store8(row + i * es, lo, bf16);
-                store8(row + (i + half) * es, hi, bf16);
-            }
+            rotate_head(row, row, c, s, D / 2, bf16);
         }
     }
 }
@@ -72,6 +82,77 @@ void rotary_qk(void *q, int64_t q_stride, int q_heads, void *k, int64_t k_stride
     rotate(k, k_stride, k_heads, T, D, cos, sin, dtype == 1);
 }
 
+/* A decode step's fused QKV output [T, (Hq + 2 Hk) * D] -> the rotated queries into q_out [T, Hq * D]
+ * (contiguous, as the attention kernel reads them), the rotated keys and the values into their cache
+ * slots (caches: [slots, Hk, D]). The same values as rotary_qk in place followed by copying q and
+ * writing k and v to the cache, in one pass over the rows. */
+void rope_kv_write(const void *qkv, int T, int q_heads, int k_heads, int D, const void *cos, const void *sin,
+                   const int64_t *slots, void *k_cache, void *v_cache, void *q_out, int dtype) {
+    const int bf16 = dtype == 1, es = bf16 ? 2 : 4;
+    const int64_t q_size = (int64_t)q_heads * D, kv_size = (int64_t)k_heads * D, row_len = q_size + 2 * kv_size;
+#pragma omp parallel for schedule(static) if ((int64_t)T * row_len >= 16384)
+    for (int t = 0; t < T; t++) {
+        const char *row = (const char *)qkv + t * row_len * es;
+        const char *c = (const char *)cos + (int64_t)t * D * es, *s = (const char *)sin + (int64_t)t * D * es;
+        char *q = (char *)q_out + t * q_size * es;
+        char *k = (char *)k_cache + slots[t] * kv_size * es;
+        for (int h = 0; h < q_heads; h++)
+            rotate_head(row + (int64_t)h * D * es, q + (int64_t)h * D * es, c, s, D / 2, bf16);
+        for (int h = 0; h < k_heads; h++)
+            rotate_head(row + (q_size + (int64_t)h * D) * es, k + (int64_t)h * D * es, c, s, D / 2, bf16);
+        memcpy((char *)v_cache + slots[t] * kv_size * es, row + (q_size + kv_size) * es, (size_t)kv_size * es);
+    }
+}
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 16-lane twins of load8 / round8 / store8 / exp8: every lane runs the same operations as the 8-lane
+ * versions, so results are bit-identical to them; half the instructions per value. */
+static inline __m512 wide_load16(const void *p, int bf16) {
+    if (!bf16) return _mm512_loadu_ps((const float *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+static inline __m512i wide_round16_bits(__m512 v) {
+    const __m512i b = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+    return _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+}
+
+static inline __m512 wide_round16(__m512 v, int bf16) {
+    if (!bf16) return v;
+    return _mm512_castsi512_ps(_mm512_and_si512(wide_round16_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
+}
+
+static inline void wide_store16(void *p, __m512 v, int bf16) {
+    if (!bf16) { _mm512_storeu_ps((float *)p, v); return; }
+    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(wide_round16_bits(v), 16)));
+}
+
+static inline __m512 wide_exp16(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    const __m512i ni = _mm512_cvtps_epi32(n);
+    const __m512i half = _mm512_srai_epi32(ni, 1);
+    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
+    const __m512 e2 = _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
+    return _mm512_mul_ps(_mm512_mul_ps(p, e1), e2);
+}
+#define SILU_WIDE 1
+#else
+#define SILU_WIDE 0
+#endif
+
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i]; gu: [M, 2I], out: [M, I]; I % 8 == 0 */
 void silu_mul(const void *gu, void *out, int M, int I, int dtype) {
     const int bf16 = dtype == 1, es = bf16 ? 2 : 4;
@@ -80,7 +161,17 @@ void silu_mul(const void *gu, void *out, int M, int I, int dtype) {
     for (int m = 0; m < M; m++) {
         const char *g_row = (const char *)gu + (int64_t)m * 2 * I * es, *u_row = g_row + (int64_t)I * es;
         char *o_row = (char *)out + (int64_t)m * I * es;
-        for (int i = 0; i < I; i += 8) {
+        int i = 0;
+#if SILU_WIDE
+        const __m512 one16 = _mm512_set1_ps(1.f), sign16 = _mm512_set1_ps(-0.f);
+        for (; i + 16 <= I; i += 16) {
+            const __m512 g = wide_load16(g_row + i * es, bf16);
+            const __m512 act = wide_round16(
+                _mm512_div_ps(g, _mm512_add_ps(one16, wide_exp16(_mm512_xor_ps(g, sign16)))), bf16);
+            wide_store16(o_row + i * es, _mm512_mul_ps(act, wide_load16(u_row + i * es, bf16)), bf16);
+        }
+#endif
+        for (; i < I; i += 8) {
             const __m256 g = load8(g_row + i * es, bf16);
             const __m256 act = round8(_mm256_div_ps(g, _mm256_add_ps(one, exp8(_mm256_xor_ps(g, sign)))), bf16);
             store8(o_row + i * es, _mm256_mul_ps(act, load8(u_row + i * es, bf16)), bf16);
@@ -89,19 +180,84 @@ void silu_mul(const void *gu, void *out, int M, int I, int dtype) {
 }
 
 
-/* index of the largest value of a row (the first one on ties) */
-static inline int row_argmax(const float *row, int N) {
+/* index of the largest value of a row: the first one on ties, NaNs never chosen unless row[0] is one
+ * (then 0): a scalar `>` scan from row[0]. x is float32 (bf16 == 0) or bfloat16 (widened exactly, so
+ * the answer is the float32 copy's). */
+static inline int row_argmax_scalar(const void *row, int N, int bf16) {
     int best = 0;
-    float bv = row[0];
-    for (int n = 1; n < N; n++)
-        if (row[n] > bv) { bv = row[n]; best = n; }
+    float bv = load1(row, 0, bf16);
+    for (int n = 1; n < N; n++) {
+        const float v = load1(row, n, bf16);
+        if (v > bv) { bv = v; best = n; }
+    }
     return best;
 }
 
-/* index of the largest value of each row of a float32 [M, N] matrix (first one on ties) */
-void argmax_rows(const float *x, int M, int N, int64_t *out) {
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+/* 16 elements from p as float32, lanes at or past `left` set to -inf */
+static inline __m512 argmax_load16(const void *p, int left, int bf16) {
+    const __mmask16 k = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+    if (!bf16) return _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), k, p);
+    const __m256i h = _mm256_maskz_loadu_epi16(k, p);
+    const __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_mask_blend_ps(k, _mm512_set1_ps(-INFINITY), v);
+}
+
+/* The same answer as the scalar scan in one vector pass: each lane keeps its first strict maximum
+ * (NaN compares false, so it is skipped), then the lowest index among the lanes holding the overall
+ * maximum (== treats -0 and +0 alike, as the scan's `>` does). Four independent lane sets, so the
+ * compare -> select chain of one does not stall the next load. */
+static inline int row_argmax(const void *row, int N, int bf16) {
+    const float first = load1(row, 0, bf16);
+    if (first != first || N < 32) return row_argmax_scalar(row, N, bf16);
+    const int es = bf16 ? 2 : 4;
+    const char *p = (const char *)row;
+    __m512 vmax[4];
+    __m512i vidx[4], idx[4];
+    for (int j = 0; j < 4; j++) {
+        vmax[j] = _mm512_set1_ps(-INFINITY);
+        vidx[j] = _mm512_setzero_si512();
+        idx[j] = _mm512_add_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                  _mm512_set1_epi32(16 * j));
+    }
+    const __m512i step = _mm512_set1_epi32(64);
+    int n = 0;
+    for (; n + 64 <= N; n += 64) {
+        for (int j = 0; j < 4; j++) {
+            const __m512 v = argmax_load16(p + (int64_t)(n + 16 * j) * es, 16, bf16);
+            const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax[j], _CMP_GT_OQ);
+            vmax[j] = _mm512_mask_mov_ps(vmax[j], gt, v);
+            vidx[j] = _mm512_mask_mov_epi32(vidx[j], gt, idx[j]);
+            idx[j] = _mm512_add_epi32(idx[j], step);
+        }
+    }
+    for (int j = 0; n < N; n += 16, j++) {  /* the last < 64 values: lane set j's next indices are n.. */
+        const __m512 v = argmax_load16(p + (int64_t)n * es, N - n, bf16);
+        const __mmask16 gt = _mm512_cmp_ps_mask(v, vmax[j], _CMP_GT_OQ);
+        vmax[j] = _mm512_mask_mov_ps(vmax[j], gt, v);
+        vidx[j] = _mm512_mask_mov_epi32(vidx[j], gt, idx[j]);
+    }
+    float lanes[64];
+    int32_t where[64];
+    for (int j = 0; j < 4; j++) {
+        _mm512_storeu_ps(lanes + 16 * j, vmax[j]);
+        _mm512_storeu_si512(where + 16 * j, vidx[j]);
+    }
+    float bv = first;
+    int best = 0;
+    for (int l = 0; l < 64; l++)
+        if (lanes[l] > bv || (lanes[l] == bv && where[l] < best)) { bv = lanes[l]; best = where[l]; }
+    return best;
+}
+#else
+static inline int row_argmax(const void *row, int N, int bf16) { return row_argmax_scalar(row, N, bf16); }
+#endif
+
+/* index of the largest value of each row of a [M, N] matrix (float32 or bfloat16; first one on ties) */
+void argmax_rows(const void *x, int M, int N, int64_t *out, int dtype) {
+    const int bf16 = dtype == 1, es = bf16 ? 2 : 4;
 #pragma omp parallel for schedule(static)
-    for (int m = 0; m < M; m++) out[m] = row_argmax(x + (int64_t)m * N, N);
+    for (int m = 0; m < M; m++) out[m] = row_argmax((const char *)x + (int64_t)m * N * es, N, bf16);
 }
 
 /* Row weights for sample_rows, 8 at a time: exp((x - max) * inv_temp) from logits, or x itself
@@ -130,7 +286,7 @@ void sample_rows(const float *x, int ld, const int64_t *rows, int nrows, int N, 
 #pragma omp parallel for schedule(static)
     for (int r = 0; r < nrows; r++) {
         const float *row = x + rows[r] * (int64_t)ld;
-        const int best = row_argmax(row, N);
+        const int best = row_argmax(row, N, 0);
         const __m256 vmax = _mm256_set1_ps(row[best]), vtemp = _mm256_set1_ps(inv_temp ? inv_temp[r] : 1.f);
         double total = 0.0;
         for (int n = 0; n < N; n += 8)

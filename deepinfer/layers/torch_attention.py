@@ -170,6 +170,14 @@ class TorchAttentionBackend(AttentionBackend):
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
 
+    def attend_cached_decodes(self, q: torch.Tensor, cache, meta: TorchAttentionMetadata,
+                              scale: float | None = None) -> torch.Tensor:
+        """Attention of a step's rows whose new K/V the caller already wrote to their slots
+        (layers/batched_decode.py does it in the pass that rotates them): q [rows, heads, D] contiguous;
+        the C kernel path only (`meta.decode_context_lens` set)."""
+        k_cache, v_cache = cache
+        return self._kernel_rows(q, k_cache, v_cache, meta, scale)
+
     def _kernel_rows(self, q, k_cache, v_cache, meta: TorchAttentionMetadata,
                      scale: float | None = None) -> torch.Tensor:
         """Every row of `q` attends to its own context through the C kernel."""

@@ -120,6 +120,7 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.rotary = nn.ModuleDict({t: RotaryEmbedding(cfg, max_positions, dtype, layer_type=t)
                                      for t in sorted(set(self.layer_types))})
         self.fused = None
+        self.batched = None
         self._set_kv_groups(cfg, max_positions)
 
     def enable_fused_decode(self) -> bool:
@@ -128,11 +129,16 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         self.fused = None
         return False
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def enable_batched_decode(self) -> bool:
+        """Off, for the same reason as `enable_fused_decode` (its hidden_states never consults it)."""
+        self.batched = None
+        return False
+
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         logits = self.lm_head(hidden)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits.float()
+        return logits.float() if float32 else logits
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
                       logits_indices: torch.Tensor) -> torch.Tensor:

@@ -17,6 +17,7 @@ from torch import nn
 from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow, group_layers
 from deepinfer.layers.activation import silu_and_mul
 from deepinfer.layers.attention import AttentionBackend
+from deepinfer.layers.batched_decode import BatchedDecoder
 from deepinfer.layers.fused_decode import FusedDecoder
 from deepinfer.layers.gguf_kernels import QuantizedWeight, llama_unpermute_order
 from deepinfer.layers.linear import Linear
@@ -142,6 +143,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head.weight = self.embed_tokens.weight if self.tie_word_embeddings else self.lm_head.weight
         self.rotary = RotaryEmbedding(cfg, max_positions, dtype)
         self.fused: FusedDecoder | None = None
+        self.batched: BatchedDecoder | None = None
         self._set_kv_groups(cfg, max_positions)
 
     def make_mlp(self, cfg, layer: int, bias: bool) -> nn.Module:
@@ -164,6 +166,16 @@ class LlamaForCausalLM(nn.Module):
             and isinstance(self.kv_groups[0].spec, FullAttention) else None
         return self.fused is not None
 
+    def enable_batched_decode(self) -> bool:
+        """Run all-decode steps the whole-layer path does not take with C calls between the matmuls
+        (see layers/batched_decode.py) when every layer qualifies; call after the weights are final
+        (loaded, cast, packed). Returns whether it is on."""
+        batched = BatchedDecoder(self)
+        self.batched = batched if all(isinstance(layer.mlp, GatedMLP) for layer in self.layers) \
+            and len(self.kv_groups) == 1 and isinstance(self.kv_groups[0].spec, FullAttention) \
+            and batched.supported() else None
+        return self.batched is not None
+
     @property
     def num_kv_heads(self) -> int:
         return self.layers[0].self_attn.num_kv_heads
@@ -178,9 +190,11 @@ class LlamaForCausalLM(nn.Module):
         returns float32 logits [len(logits_indices), vocab]."""
         return self.compute_logits(self.hidden_states(input_ids, positions, caches, metas, logits_indices))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final hidden states [rows, hidden] -> float32 logits [rows, vocab]."""
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        """Final hidden states [rows, hidden] -> float32 logits [rows, vocab]; `float32=False`: in the head's
+        dtype (the sampler widens them only where it needs to; greedy rows take their argmax as they are)."""
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
                       logits_indices: torch.Tensor) -> torch.Tensor:
@@ -190,6 +204,8 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary.lookup(positions)
         if self.fused is not None and self.fused.accepts(x, metas[0]):
             x, residual = self.fused.run(x, cos, sin, caches, metas[0])
+        elif self.batched is not None and self.batched.accepts(x, metas[0]):
+            x, residual = self.batched.run(x, cos, sin, caches, metas[0])
         else:
             residual = None
             for layer, cache, gi in zip(self.layers, caches, self.layer_group, strict=True):

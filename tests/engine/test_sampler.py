@@ -25,6 +25,27 @@ def test_greedy_and_top_k_one_agree():
     assert greedy == topk1 == logits.argmax(-1).tolist()
 
 
+def test_bfloat16_logits_give_the_float32_copys_tokens():
+    """The runner hands over logits in the model's dtype: plain greedy rows take their argmax as they are,
+    anything else (penalties, bias, min_tokens, logprobs, random rows) is widened first; every choice
+    equals the one made from the float32 copy."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, 300, generator=gen).bfloat16()
+    logits[1, 7] = logits[1, 250] = 9.0  # a tie: the first index, as from float32
+    reqs = [_req(SamplingParams(temperature=0)) for _ in range(6)]
+    greedy = Sampler()(logits, reqs).token_ids
+    assert greedy == Sampler()(logits.float(), reqs).token_ids == logits.float().argmax(-1).tolist()
+    def mixed() -> list[Request]:  # fresh requests per call: a seeded request's generator advances
+        return [_req(SamplingParams(temperature=0)), _req(SamplingParams(temperature=0, presence_penalty=2.0), [5, 9]),
+                _req(SamplingParams(temperature=0, logit_bias={11: 30.0})),
+                _req(SamplingParams(temperature=0, logprobs=2)), _req(SamplingParams(temperature=0.7, seed=5)),
+                _req(SamplingParams(temperature=0, min_tokens=3, stop_token_ids=[4]))]
+
+    a, b = Sampler(seed=2)(logits, mixed()), Sampler(seed=2)(logits.float(), mixed())
+    assert a.token_ids == b.token_ids and a.token_ids[2] == 11
+    assert a.logprobs[3].logprob == b.logprobs[3].logprob
+
+
 def test_seeded_requests_reproduce_and_unseeded_rows_do_not_disturb_them():
     logits = torch.zeros(3, 1000)
     a = [Sampler(seed=1)(logits, [_req(SamplingParams(temperature=1, seed=42))]).token_ids[0] for _ in range(3)]

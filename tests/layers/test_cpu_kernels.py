@@ -153,6 +153,44 @@ def test_argmax_rows_matches_torch_including_ties():
     assert torch.equal(cpu_kernels.argmax_rows(x), x.argmax(dim=-1))
 
 
+def _scan_argmax(row: list[float]) -> int:
+    """The kernel's contract spelled as its scalar scan: first strict maximum from row[0] (NaN skipped)."""
+    best = 0
+    for n, v in enumerate(row):
+        if v > row[best]:
+            best = n
+    return best
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [5, 31, 32, 47, 1000, 49152])
+def test_argmax_rows_vector_scan_matches_the_scalar_scan(dtype, width):
+    """The 16-lane pass returns what the scalar scan does: ties in different lanes (the lower index),
+    -0 against +0, rows of -inf, NaNs (skipped, or index 0 when the row starts with one), widths
+    that end mid-vector; bfloat16 rows give their float32 copy's answer."""
+    gen = torch.Generator().manual_seed(width)
+    x = torch.randn(12, width, generator=gen).to(dtype)
+    last = width - 1
+    x[1, last] = x[1, min(3, last)] = 50.0  # tie across lanes: the first wins
+    x[2] = float("-inf")
+    x[3] = 0.0
+    x[3, last] = -0.0
+    x[3, 0] = -0.0  # -0 first, +0 later: equal, the first wins
+    x[4, 0] = float("nan")  # a leading NaN: index 0, like the scan
+    x[5, min(7, last)] = float("nan")
+    x[5, last // 2] = 40.0  # a NaN elsewhere is skipped
+    x[6] = float("nan")
+    x[6, last] = 1.0
+    x[7, last] = float("inf")
+    x[8] = float("-inf")
+    x[8, last] = float("nan")
+    got = cpu_kernels.argmax_rows(x)
+    assert torch.equal(got, cpu_kernels.argmax_rows(x.float()))
+    assert got.tolist() == [_scan_argmax(r) for r in x.float().tolist()]
+    finite = torch.isfinite(x).all(dim=-1)
+    assert torch.equal(got[finite], x[finite].float().argmax(dim=-1))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_prefill_chunks_as_kernel_rows_match_sdpa(dtype):
     """A step of two decodes, a fresh prompt, and a chunk after cached context (plus tokens of the same

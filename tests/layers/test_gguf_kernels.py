@@ -75,10 +75,11 @@ def test_whole_layer_c_path_matches_the_torch_layer_loop(dtype):
     params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=2)
     fused = llm.generate(prompts, params)
     model.fused, saved = None, model.fused
+    model.batched, saved_batched = None, model.batched  # the per-layer torch path itself
     try:
         loop = llm.generate(prompts, params)
     finally:
-        model.fused = saved
+        model.fused, model.batched = saved, saved_batched
     tol = 0.0 if dtype == "bfloat16" else 1e-4
     for a, b in zip(fused, loop, strict=True):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids

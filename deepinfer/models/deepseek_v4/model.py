@@ -189,8 +189,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                 logits_indices: torch.Tensor) -> torch.Tensor:
         return self.compute_logits(self.hidden_states(input_ids, positions, caches, metas, logits_indices))
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        return logits.float() if float32 else logits
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
                       logits_indices: torch.Tensor) -> torch.Tensor:
