@@ -19,9 +19,12 @@ Only the steps after the prompts' prefill count (``--skip-steps``). Phases:
 The phases are timed by wrapping those methods of this process's engine (read-only timing; nothing else
 changes). Then each projection of layer 0 and the LM head is timed alone at the step's row count
 (oneDNN's packed weights through `Linear`, as the engine runs them), with its GFLOP/s, to show how near
-the matmuls are to the core's bound. Usage::
+the matmuls are to the core's bound. With one prompt (the single stream: every step takes the whole-layer
+C path of `layers/fused_decode.py`), the projections are timed on the GGUF blocks, each layer's copy in
+turn so that they come from memory, with the GB/s achieved. Usage::
 
     PYTHONPATH=. python3 benchmarks/decode_profile.py --num-prompts 64 --max-tokens 128 --threads 1
+    PYTHONPATH=. python3 benchmarks/decode_profile.py --num-prompts 1 --max-tokens 128 --threads 1
 """
 
 from __future__ import annotations
@@ -65,6 +68,8 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             _wrap(lin, "forward", acc, "layer_matmuls")
     _wrap(model.lm_head, "forward", acc, "lm_head_matmul")
+    if model.fused is not None:  # the whole-layer C path of small decode steps (batch 1 lands here)
+        _wrap(model.fused, "run", acc, "fused")
     for backend in {id(layer.self_attn.backend): layer.self_attn.backend for layer in model.layers}.values():
         _wrap(backend, "forward", acc, "attention")  # layers may share one backend object: wrap it once
         if hasattr(backend, "attend_cached_decodes"):  # the batched path (layers/batched_decode.py)
@@ -97,6 +102,7 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
         ("  glue: norms, rotary, KV write, SiLU*mul, embedding, Python between",
          acc["layers"] - acc["layer_matmuls"] - acc["attention"]),
         ("  (MLP blocks, per-layer torch path only)", acc["mlp"]),
+        ("  whole layers in C (FusedDecoder.run, <= 8 rows)", acc["fused"]),
         ("LM head + float32 logits", acc["lm_head"]),
         ("  of which the LM head matmul", acc["lm_head_matmul"]),
         ("sampling (rest of ModelRunner.run)", acc["run"] - acc["layers"] - acc["lm_head"]),
@@ -110,31 +116,56 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
         print(f"  {1000 * sec / steps:8.2f}  {100 * sec / acc['step']:5.1f}%  {name}")
 
 
+def _weight_bytes(lin: Any, rows: int) -> int:
+    """The bytes one call reads for its weight: the GGUF blocks (with the float32 scales / offsets the
+    kernels keep) where the quantized path serves `rows`, else the dense weight."""
+    from deepinfer.layers.gguf_kernels import max_rows
+
+    q = lin.quantized
+    if q is not None and rows <= max_rows():
+        return sum(t.numel() * t.element_size() for t in (q.qs, q.d, q.mn) if t is not None)
+    return lin.weight.numel() * lin.weight.element_size()
+
+
 def gemm_profile(model: Any, rows: int, reps: int = 20) -> None:
+    """Each projection alone at `rows` rows. At most max_rows() rows (the GGUF block kernels) every layer's
+    copy is called in turn, so the weights come from memory as in a step (a 135M model's layer fits in
+    L2/L3 and would otherwise stay cached), and the achieved GB/s of the blocks read is shown; above that,
+    layer 0's weight is reused (the compute-bound oneDNN path: its GFLOP/s is the figure to read)."""
     import torch
 
-    layer = model.layers[0]
-    linears = [("qkv_proj", layer.self_attn.qkv_proj), ("o_proj", layer.self_attn.o_proj),
-               ("gate_up_proj", layer.mlp.gate_up_proj), ("down_proj", layer.mlp.down_proj),
-               ("lm_head", model.lm_head)]
+    from deepinfer.layers.gguf_kernels import max_rows
+
+    cold = rows <= max_rows()
+
+    def copies(pick: Callable[[Any], Any]) -> list[Any]:
+        return [pick(layer) for layer in model.layers] if cold else [pick(model.layers[0])]
+
+    linears = [("qkv_proj", copies(lambda la: la.self_attn.qkv_proj)), ("o_proj", copies(lambda la: la.self_attn.o_proj)),
+               ("gate_up_proj", copies(lambda la: la.mlp.gate_up_proj)), ("down_proj", copies(lambda la: la.mlp.down_proj)),
+               ("lm_head", [model.lm_head])]
     n_layers = len(model.layers)
     total = 0.0
-    print(f"matmuls at {rows} rows (CPU ms per call, best of 5 x {reps}):")
+    print(f"matmuls at {rows} rows (CPU ms per call, best of 5 x {reps}; "
+          f"{'each layer in turn: weights from memory' if cold else 'layer 0 repeated'}):")
     with torch.inference_mode():
-        for name, lin in linears:
+        for name, lins in linears:
+            lin = lins[0]
             x = torch.randn(rows, lin.in_features, dtype=lin.weight.dtype)
             lin(x)
             best = float("inf")
             for _ in range(5):
                 t = time.process_time()
                 for _ in range(reps):
-                    lin(x)
-                best = min(best, (time.process_time() - t) / reps)
+                    for one in lins:
+                        one(x)
+                best = min(best, (time.process_time() - t) / (reps * len(lins)))
             per_step = best * (1 if name == "lm_head" else n_layers)
             total += per_step
             flops = 2 * rows * lin.in_features * lin.out_features
             print(f"  {name:13s} {lin.in_features:5d}x{lin.out_features:<6d} {1000 * best:7.3f} ms  "
-                  f"{flops / best / 1e9:6.0f} GFLOP/s  x{1 if name == 'lm_head' else n_layers} = {1000 * per_step:6.2f} ms")
+                  f"{flops / best / 1e9:6.0f} GFLOP/s  {_weight_bytes(lin, rows) / best / 1e9:5.1f} GB/s  "
+                  f"x{1 if name == 'lm_head' else n_layers} = {1000 * per_step:6.2f} ms")
     print(f"  all matmuls of one step: {1000 * total:.2f} ms CPU")
 
 

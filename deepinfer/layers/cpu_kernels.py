@@ -3,7 +3,7 @@
 Sources: `gguf_gemm.c` (matmuls from GGUF quantized blocks), `paged_attention.c` (decode
 attention reading the paged KV cache in place) and `elementwise.c` (fused residual + RMSNorm,
 rotary, SiLU-and-multiply, row argmax, categorical sampling, grammar token masks), and `decode_layer.c` (a whole decoder layer for a few
-decoding sequences, composed of the others). They are built into one shared
+decoding sequences, composed of the others, and the whole layer stack in one call). They are built into one shared
 library with `-march=native`, so the cache key holds the sources, the flags and the CPU's
 model and feature flags: a cache directory moved to another machine rebuilds. The library goes to
 `<cache dir>/kernels` ($DEEPINFER_CACHE_DIR or ~/.cache/deepinfer), never next to the sources, so an
@@ -103,6 +103,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.apply_token_bitmask.argtypes = [vp, i, vp, i, vp, i, i]
     lib.decode_layer.argtypes = [vp, vp, vp, i, i, vp, vp, vp, vp, i, vp, vp, vp, i]
     lib.decode_layer.restype = i
+    lib.decode_layers.argtypes = [vp, i, vp, vp, vp, vp, vp, i, vp, vp, vp, vp, i, vp, vp, i, vp, vp, vp, i, vp]
+    lib.decode_layers.restype = i
     _lib = lib
     return lib
 

@@ -3,8 +3,9 @@
 Used by Llama-layout models whose projections all multiply from GGUF blocks, or from their
 dense weights in deterministic mode (no biases, no q/k norm): for such a step the torch path
 dispatches ~15 small ops per layer from Python, which costs more than the arithmetic. In
-deterministic mode every step comes here, prefill tokens as decode rows. `FusedDecoder.run` replaces the layer loop; everything else (embedding,
-final norm, logits, sampling) stays in torch. The layer descriptions hold raw pointers to the
+deterministic mode every step comes here, prefill tokens as decode rows. `FusedDecoder.run` replaces the
+embedding, the rotary lookup and the layer loop with one C call (`decode_layers`); the final norm, logits and
+sampling stay in torch. The layer descriptions hold raw pointers to the
 weights and KV caches, so they are built once for a given cache list and rebuilt if it changes.
 """
 
@@ -51,7 +52,7 @@ class FusedDecoder:
         self.lib = cpu_kernels.load_library()
         self.max_rows = max_rows()
         self._caches_key: tuple[int, ...] | None = None
-        self._layers: list[_Layer] = []
+        self._layers: ctypes.Array[_Layer] | None = None
         # deterministic mode: every step arrives as decode rows (prefill tokens too), of any count
         self.row_invariant = False
 
@@ -59,6 +60,10 @@ class FusedDecoder:
         m = self.model
         attn0 = m.layers[0].self_attn
         if self.lib is None or cpu_kernels.kernels_for(m.embed_tokens.weight) is None:
+            return False
+        # run() reads the embedding and rotary tables by row in C: plain [rows, width] tensors of the model dtype
+        tables = (m.embed_tokens.weight, m.rotary.cos, m.rotary.sin)
+        if any(not t.is_contiguous() or t.dtype != m.embed_tokens.weight.dtype for t in tables):
             return False
         if attn0.head_dim % 16 or m.config.hidden_size % 8 or m.layers[0].mlp.intermediate % 8:
             return False
@@ -69,48 +74,57 @@ class FusedDecoder:
                 return False
         return True
 
-    def accepts(self, x: torch.Tensor, meta: Any) -> bool:
+    def accepts(self, input_ids: torch.Tensor, meta: Any) -> bool:
         """A step of at most max_rows new tokens on the C attention path (decodes, or prefill and
         draft tokens as rows; any number of rows in row-invariant mode)."""
+        rows = input_ids.shape[0]
         return (not getattr(meta, "prefills", True) and getattr(meta, "decode_context_lens", None) is not None
-                and meta.num_decodes == x.shape[0]
-                and (self.row_invariant or x.shape[0] <= self.max_rows))
+                and meta.num_decodes == rows and (self.row_invariant or rows <= self.max_rows))
 
     def _build(self, caches: list[Any]) -> None:
         m = self.model
         cfg = m.config
-        self._layers = []
+        layers = []
         for layer, (k_cache, v_cache) in zip(m.layers, caches, strict=True):
             a, mlp = layer.self_attn, layer.mlp
-            self._layers.append(_Layer(
-                _qweight(a.qkv_proj), _qweight(a.o_proj), _qweight(mlp.gate_up_proj), _qweight(mlp.down_proj), layer.input_layernorm.weight.data_ptr(),
-                layer.post_attention_layernorm.weight.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
-                cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim, mlp.intermediate, k_cache.shape[1],
-                layer.input_layernorm.eps, a.head_dim ** -0.5))
+            layers.append(_Layer(
+                _qweight(a.qkv_proj), _qweight(a.o_proj), _qweight(mlp.gate_up_proj), _qweight(mlp.down_proj),
+                layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(),
+                k_cache.data_ptr(), v_cache.data_ptr(), cfg.hidden_size, a.num_heads, a.num_kv_heads, a.head_dim,
+                mlp.intermediate, k_cache.shape[1], layer.input_layernorm.eps, a.head_dim ** -0.5))
+        self._layers = (_Layer * len(layers))(*layers)  # one C array: decode_layers walks it
         self._caches_key = tuple(c[0].data_ptr() for c in caches)
 
-    def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[Any], meta: Any
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All layers for decode rows x [M, hidden], which is overwritten (the caller's fresh embedding
-        output); returns (last MLP output, residual) like the layer loop."""
+        """Embedding, rotary lookup and all layers for decode rows `input_ids` [M] at `positions` [M], in one
+        C call; returns (last MLP output, residual) [M, hidden] each, like the layer loop."""
         if self._caches_key != tuple(c[0].data_ptr() for c in caches):
             self._build(caches)
-        m_rows, hidden = x.shape
+        if input_ids.dtype != torch.int64 or positions.dtype != torch.int64:  # read as int64_t rows in C
+            input_ids, positions = input_ids.to(torch.int64), positions.to(torch.int64)
+        input_ids, positions = input_ids.contiguous(), positions.contiguous()
+        m = self.model
+        embed, cos_table, sin_table = m.embed_tokens.weight, m.rotary.cos, m.rotary.sin
+        m_rows, hidden = input_ids.shape[0], embed.shape[1]
         cfg_layer = self._layers[0]
         q_size = cfg_layer.heads * cfg_layer.head_dim
         qkv = q_size + 2 * cfg_layer.kv_heads * cfg_layer.head_dim
+        x = embed.new_empty((m_rows, hidden))
         residual = torch.empty_like(x)
-        work = x.new_empty(m_rows * (2 * hidden + qkv + 2 * q_size + 3 * cfg_layer.inter))
+        rot_dim = cos_table.shape[1]
+        rope = embed.new_empty(2 * m_rows * rot_dim)
+        work = embed.new_empty(m_rows * (2 * hidden + qkv + 2 * q_size + 3 * cfg_layer.inter))
         widest = max(hidden, cfg_layer.inter)
         scratch = torch.empty(m_rows * (widest + widest // 32 + 1), dtype=torch.float32)
-        cos, sin = cos.contiguous(), sin.contiguous()
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
-        code = cpu_kernels.dtype_code(x.dtype)
-        args = (x.data_ptr(), residual.data_ptr())
-        tail = (m_rows, cos.data_ptr(), sin.data_ptr(), meta.slot_mapping.data_ptr(), tables.data_ptr(),
-                tables.shape[1], lens.data_ptr(), work.data_ptr(), scratch.data_ptr(), code)
-        for i, layer in enumerate(self._layers):
-            rc = self.lib.decode_layer(ctypes.byref(layer), *args, int(i == 0), *tail)
-            if rc != 0:
-                raise RuntimeError(f"decode_layer rejected layer {i} (code {rc})")
+        failed = ctypes.c_int(-1)
+        rc = self.lib.decode_layers(
+            self._layers, len(self._layers), input_ids.data_ptr(), embed.data_ptr(), positions.data_ptr(),
+            cos_table.data_ptr(), sin_table.data_ptr(), rot_dim, rope.data_ptr(),
+            rope.data_ptr() + m_rows * rot_dim * rope.element_size(), x.data_ptr(), residual.data_ptr(), m_rows,
+            meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), work.data_ptr(),
+            scratch.data_ptr(), cpu_kernels.dtype_code(x.dtype), ctypes.byref(failed))
+        if rc != 0:
+            raise RuntimeError(f"decode_layer rejected layer {failed.value} (code {rc})")
         return x, residual
