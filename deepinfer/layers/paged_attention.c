@@ -14,7 +14,8 @@
  *   caller attends separately); lse, if not NULL: [B, H] log-sum-exp of the scaled scores, so the
  *   caller can merge this partial result with its own.
  * Two builds of the loop: AVX-512 (head_dim a multiple of 16, on CPUs that have it; it prefetches
- * the blocks ahead, see below) and AVX2 (everything else).
+ * the blocks ahead, see below; in bf16 on CPUs with AVX512-BF16 its scores use vdpbf16ps on the bf16
+ * query rows, see block_scores_bf16) and AVX2 (everything else).
  * Built together with gguf_gemm.c by deepinfer/layers/cpu_kernels.py.
  */
 #include <math.h>
