@@ -1,7 +1,7 @@
 """Where a batched decode step spends its CPU time, measured so that other load on the machine barely moves it.
 
 Wall-clock tok/s on a shared 2-core machine says more about the neighbours than about the engine. This
-script runs the offline chat workload of `throughput.py` (same prompts, greedy, ``ignore_eos``) with a
+script runs the offline chat workload of `throughput.py` (or `--workload shared`; same prompts, greedy, ``ignore_eos``) with a
 fixed torch thread count (default 1: no barrier partner to wait for, so CPU time is the work itself)
 and reports CPU seconds (``time.process_time``) per decode step, split by phase.
 
@@ -177,6 +177,8 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="deepinfer model (default: its built-in GGUF)")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--skip-steps", type=int, default=4, help="first steps left out (the prompts' prefill)")
+    ap.add_argument("--workload", choices=["chat", "shared"], default="chat",
+                    help="throughput.py's prompts: chat, or the same after a common ~400-token system prompt")
     args = ap.parse_args()
 
     from throughput import build_runs  # sibling script: the same chat prompts
@@ -185,8 +187,8 @@ def main() -> None:
 
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads, enable_prefix_caching=True,
               max_num_seqs=max(256, args.num_prompts))
-    runs = build_runs(llm.get_tokenizer(), args.num_prompts, 1)["chat"]
-    print(f"dtype {llm.engine.core.runner.dtype}, {args.threads} thread(s)")
+    runs = build_runs(llm.get_tokenizer(), args.num_prompts, 1)[args.workload]
+    print(f"dtype {llm.engine.core.runner.dtype}, {args.threads} thread(s), workload {args.workload}")
     phase_profile(llm, runs[1], runs[0], args.max_tokens, args.skip_steps)
     gemm_profile(llm.engine.core.runner.model, args.num_prompts)
 

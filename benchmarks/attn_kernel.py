@@ -1,0 +1,88 @@
+"""The paged decode attention kernel alone (`paged_attention.c`), in CPU milliseconds per decode step.
+
+A decode step of the offline chat workload at 64 rows, attention only: every layer's call of the C
+kernel over that layer's own KV cache (so the KV of the step is not cache-resident, as in the engine),
+one torch/OpenMP thread, `time.process_time` (CPU time: other load on a shared machine barely moves
+it). Block tables are scattered over the pool like the engine's. The default shape is SmolLM2-135M's
+(9 query heads over 3 kv heads, head size 64, 30 layers, bf16, 16-token blocks) with contexts of
+40-105 tokens (the chat workload's); `--context 300,420` stands for the shared-prefix workload's
+longer sequences. Prints the median of `--repeats` steps, each the sum over the layers. Run it once per
+build with `PYTHONPATH` at each checkout, interleaved, to compare two builds of the kernel::
+
+    PYTHONPATH=. python3 benchmarks/attn_kernel.py --repeats 15
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import torch  # noqa: E402
+
+from deepinfer.layers import cpu_kernels  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--context", default="40,105", help="lo,hi: context lengths drawn uniformly in [lo, hi]")
+    ap.add_argument("--heads", type=int, default=9)
+    ap.add_argument("--kv-heads", type=int, default=3)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--repeats", type=int, default=15)
+    args = ap.parse_args()
+
+    torch.set_num_threads(args.threads)
+    lib = cpu_kernels.load_library()
+    if lib is None:
+        raise SystemExit("the C kernels are unavailable on this machine")
+    dtype = getattr(torch, args.dtype)
+    gen = torch.Generator().manual_seed(0)
+    lo, hi = (int(x) for x in args.context.split(","))
+    lens = torch.randint(lo, hi + 1, (args.batch,), generator=gen)
+    bs, kvh, d = args.block_size, args.kv_heads, args.head_dim
+    blocks = int(((lens + bs - 1) // bs).sum()) + 8
+    perm = torch.randperm(blocks, generator=gen)
+    need = int(((lens + bs - 1) // bs).max())
+    tables = torch.zeros(args.batch, need, dtype=torch.long)
+    used = 0
+    for b, n in enumerate(lens.tolist()):
+        nb = (n + bs - 1) // bs
+        tables[b, :nb] = perm[used:used + nb]
+        used += nb
+    caches = [(torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype),
+               torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype)) for _ in range(args.layers)]
+    q = torch.randn(args.batch, args.heads, d, generator=gen).to(dtype)
+    out = torch.empty_like(q)
+    code = cpu_kernels.dtype_code(dtype)
+
+    def step() -> float:
+        t = time.process_time()
+        for k, v in caches:
+            rc = lib.paged_decode_attention(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(),
+                                            tables.data_ptr(), need, lens.data_ptr(), args.batch, args.heads, kvh,
+                                            d, bs, d ** -0.5, code, 0, None)
+            if rc != 0:
+                raise RuntimeError("the kernel rejected its arguments")
+        return (time.process_time() - t) * 1e3
+
+    for _ in range(3):
+        step()
+    times = [step() for _ in range(args.repeats)]
+    tokens = int(lens.sum()) * kvh * args.layers
+    med = statistics.median(times)
+    print(f"{args.dtype} B={args.batch} ctx {lo}-{hi} H={args.heads}/{kvh} D={d} layers={args.layers}: "
+          f"median {med:.2f} ms CPU per step (min {min(times):.2f}), "
+          f"{med * 1e6 / tokens:.2f} ns per (token, kv head)")
+
+
+if __name__ == "__main__":
+    main()
