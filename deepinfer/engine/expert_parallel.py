@@ -97,7 +97,9 @@ class ExpertParallel:
                                           self.comm)
             setattr(model.get_submodule(parent_name) if parent_name else model, attr, layer)
             self.layers.append(layer)
-        model.register_forward_pre_hook(self._on_forward)
+        # the step's sync runs when a forward reaches its first MoE layer, not on model.__call__: the runner
+        # calls model.hidden_states / compute_logits, which module hooks on the model never see
+        self.layers[0].register_forward_pre_hook(self._on_forward)
         self.balancer = ExpertBalancer(self.config, self.layers, self.rank, self.world, self.group, self.move_comm)
         logger.info("expert parallel rank %d/%d: %d MoE layers, %d slots each (%d experts, %d redundant)",
                     self.rank, self.world, len(self.layers), self.layers[0].placement.slots_per_rank,
