@@ -6,6 +6,8 @@
   changed, the per-rank imbalance fell, the output did not change; with a few rows per step the hot experts
   are moved, not replicated (a replica would not repay its weight reads);
 - a dead rank: its requests end with an error, /health answers 503, nothing hangs.
+
+All but one are slow; the default suite keeps a plain EP=2 against one process.
 """
 
 from __future__ import annotations
@@ -38,6 +40,16 @@ def v4_model(tmp_path_factory, default_model_dir) -> Path:
     path = tmp_path_factory.mktemp("v4ep") / "v4"
     build_v4(path, seed=3, tokenizer_dir=default_model_dir)
     return path
+
+
+def test_ep2_matches_one_process_in_the_default_suite(tiny_models):
+    """The one expert-parallel run the default suite keeps (the rest are slow): two ranks, four prompts
+    of different lengths, so a rank often enters a step with nothing of its own and must still join its
+    peer's MoE exchanges (a step protocol that misses a forward hangs here until gloo times out)."""
+    single, _ = _generate(tiny_models["qwen3_moe"])
+    ep, stats = _generate(tiny_models["qwen3_moe"], expert_parallel_size=2)
+    assert [r["expert_tokens_total"] > 0 for r in stats["ranks"]] == [True, True]
+    assert ep == single
 
 
 @pytest.mark.slow
