@@ -128,26 +128,6 @@ static inline void wide_store16(void *p, __m512 v, int bf16) {
     _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(wide_round16_bits(v), 16)));
 }
 
-static inline __m512 wide_exp16(__m512 x) {
-    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.f)), _mm512_set1_ps(88.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    const __m512i ni = _mm512_cvtps_epi32(n);
-    const __m512i half = _mm512_srai_epi32(ni, 1);
-    const __m512 e1 = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(half, _mm512_set1_epi32(127)), 23));
-    const __m512 e2 = _mm512_castsi512_ps(
-        _mm512_slli_epi32(_mm512_add_epi32(_mm512_sub_epi32(ni, half), _mm512_set1_epi32(127)), 23));
-    return _mm512_mul_ps(_mm512_mul_ps(p, e1), e2);
-}
 #define SILU_WIDE 1
 #else
 #define SILU_WIDE 0
@@ -167,7 +147,7 @@ void silu_mul(const void *gu, void *out, int M, int I, int dtype) {
         for (; i + 16 <= I; i += 16) {
             const __m512 g = wide_load16(g_row + i * es, bf16);
             const __m512 act = wide_round16(
-                _mm512_div_ps(g, _mm512_add_ps(one16, wide_exp16(_mm512_xor_ps(g, sign16)))), bf16);
+                _mm512_div_ps(g, _mm512_add_ps(one16, exp16(_mm512_xor_ps(g, sign16)))), bf16);
             wide_store16(o_row + i * es, _mm512_mul_ps(act, wide_load16(u_row + i * es, bf16)), bf16);
         }
 #endif

@@ -51,7 +51,9 @@ def test_batched_path_equals_the_layer_loop(tiny_models, arch, dtype, shared):
     taken = [args for args in steps if batched.accepts(args[0].view(-1, 1), args[3][0])]
     assert len(taken) == len(steps)  # prefill rows too
     rows = [args[0].shape[0] for args in taken]
-    assert rows[0] == sum(len(p) - len(prefix) for p in prompts) and rows.count(12) == 5
+    # every prompt token (after the cached prefix) and 5 decode tokens per sequence, however the scheduler
+    # chunked the prompts (its cost model sizes chunks from timings)
+    assert sum(rows) == sum(len(p) - len(prefix) for p in prompts) + 5 * len(prompts) and 12 in rows
     with torch.inference_mode():
         for args in taken:
             fast = model.hidden_states(*args)
