@@ -9,14 +9,14 @@ Lifecycle (one per engine; `LLMEngine` makes it when `ParallelConfig.expert_para
                                       this rank's slots of `initial_placement` (the loaders then copy only
                                       those experts from the checkpoint)
     .after_load()                     replicas within a rank get their weights
-    per step: model forwards ...      a forward pre-hook announces each forward (see below)
+    per step: model forwards ...      a pre-hook on the first MoE layer announces each forward (see below)
               .finish_tick()          idle ranks join the others' forwards; all switch to EPLB's moved
                                       weights when every rank has them; then EPLB's `end_step`
 
 Step protocol (ranks > 1). Attention is data-parallel, so ranks run different requests and may run a
-different number of forwards in a step (none, one, or several). Every forward starts with an all_reduce of
-1 ("I run a forward"); a rank done with its step all_reduces 0 in a loop: a non-zero sum means someone is in
-a forward, so it runs an idle one (each MoE layer's exchanges with no tokens) to match; a zero sum means
+different number of forwards in a step (none, one, or several). Every forward, on reaching its first MoE
+layer, all_reduces 1 ("I run a forward"); a rank done with its step all_reduces 0 in a loop: a non-zero sum
+means someone is in a forward, so it runs an idle one (each MoE layer's exchanges with no tokens) to match; a zero sum means
 every rank is done, and the step ends on all ranks at once. Every rank sees the same sequence of sums, so
 all agree on whether the step ran anything (the balancer's step count) and reach `end_step` together.
 """
