@@ -105,29 +105,6 @@ void rope_kv_write(const void *qkv, int T, int q_heads, int k_heads, int D, cons
 }
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-/* 16-lane twins of load8 / round8 / store8 / exp8: every lane runs the same operations as the 8-lane
- * versions, so results are bit-identical to them; half the instructions per value. */
-static inline __m512 wide_load16(const void *p, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-static inline __m512i wide_round16_bits(__m512 v) {
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    return _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-}
-
-static inline __m512 wide_round16(__m512 v, int bf16) {
-    if (!bf16) return v;
-    return _mm512_castsi512_ps(_mm512_and_si512(wide_round16_bits(v), _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
-static inline void wide_store16(void *p, __m512 v, int bf16) {
-    if (!bf16) { _mm512_storeu_ps((float *)p, v); return; }
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(wide_round16_bits(v), 16)));
-}
-
 #define SILU_WIDE 1
 #else
 #define SILU_WIDE 0
@@ -145,10 +122,10 @@ void silu_mul(const void *gu, void *out, int M, int I, int dtype) {
 #if SILU_WIDE
         const __m512 one16 = _mm512_set1_ps(1.f), sign16 = _mm512_set1_ps(-0.f);
         for (; i + 16 <= I; i += 16) {
-            const __m512 g = wide_load16(g_row + i * es, bf16);
-            const __m512 act = wide_round16(
+            const __m512 g = load16(g_row + i * es, bf16);
+            const __m512 act = round16(
                 _mm512_div_ps(g, _mm512_add_ps(one16, exp16(_mm512_xor_ps(g, sign16)))), bf16);
-            wide_store16(o_row + i * es, _mm512_mul_ps(act, wide_load16(u_row + i * es, bf16)), bf16);
+            store16(o_row + i * es, _mm512_mul_ps(act, load16(u_row + i * es, bf16)), bf16);
         }
 #endif
         for (; i < I; i += 8) {

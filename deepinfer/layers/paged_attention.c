@@ -156,26 +156,10 @@ static int decode_attention_avx2(const void *q, void *out, const void *k_cache, 
  * to back (its K/V rows for all heads are contiguous per token), and with G <= 4 grouped heads
  * every K row is loaded (and widened) once into registers for all of them. */
 
-static inline __m512 load16(const void *p, int bf16) {
-    if (!bf16) return _mm512_loadu_ps((const float *)p);
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* the 8-lane sum of the two halves (AVX-512F only: no DQ extract needed) */
 static inline __m256 fold16(__m512 a) {
     return _mm256_add_ps(_mm512_castps512_ps256(a),
                          _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)));
-}
-
-
-/* 16 lanes stored as float32, or rounded to bfloat16 (nearest even, as store1) when bf16 != 0 */
-static inline void store16(void *p, __m512 v, int bf16) {
-    if (!bf16) { _mm512_storeu_ps((float *)p, v); return; }
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    const __m512i r = _mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-    _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16)));
 }
 
 /* start_task and finish_task, 16 lanes at a time (the scalar loops were ~10% of a chat-length task);
