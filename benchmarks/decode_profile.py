@@ -72,8 +72,8 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
         _wrap(model.fused, "run", acc, "fused")
     for backend in {id(layer.self_attn.backend): layer.self_attn.backend for layer in model.layers}.values():
         _wrap(backend, "forward", acc, "attention")  # layers may share one backend object: wrap it once
-        if hasattr(backend, "attend_cached_decodes"):  # the batched path (layers/batched_decode.py)
-            _wrap(backend, "attend_cached_decodes", acc, "attention")
+        if hasattr(backend, "attend_cached_rows"):  # the batched path (layers/batched_decode.py)
+            _wrap(backend, "attend_cached_rows", acc, "attention")
     counts: collections.Counter = collections.Counter()
     step = core.step
     start: dict[str, float] = {}

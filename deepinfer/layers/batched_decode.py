@@ -1,4 +1,4 @@
-"""Decode steps of any size with the work between the matmuls in C: four C calls per decoder layer.
+"""Steps of any size with the work between the matmuls in C: four C calls per decoder layer.
 
 The per-layer torch path (models/llama.py) runs ~15 ops per layer: module calls, the QKV split and
 views, rotary, two KV-cache `index_copy_`, the query copy the attention kernel needs, norms, SiLU*mul,
@@ -11,9 +11,10 @@ Here a layer is
 
 with the matmuls left to `Linear` (oneDNN's packed weights) and the step's buffers allocated once.
 The kernels are the ones the torch path calls (elementwise.c, paged_attention.c), with the same
-rounding points, so the output is bit-identical to it. Used for all-decode steps on the C attention
-path (the whole-layer `FusedDecoder` keeps the few-row GGUF steps); prefills and sliding-window or
-q/k-norm models stay on the per-layer path.
+rounding points, so the output is bit-identical to it. Used for every step whose new tokens are all
+rows of the C attention kernel (decodes, and prefill chunks where the kernel serves them, see
+layers/torch_attention.py); the whole-layer `FusedDecoder` keeps the few-row GGUF steps, and
+sliding-window or q/k-norm models stay on the per-layer path.
 """
 
 from __future__ import annotations
@@ -81,13 +82,13 @@ class BatchedDecoder:
 
     @staticmethod
     def accepts(x: torch.Tensor, meta: Any) -> bool:
-        """An all-decode step whose attention runs on the C kernel (any number of rows)."""
+        """A step whose every new token is a row of the C attention kernel (any number of rows)."""
         return (getattr(meta, "decode_context_lens", None) is not None and not meta.prefills
                 and meta.num_decodes == x.shape[0] and x.is_contiguous())
 
     def run(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, caches: list[Any], meta: Any
             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """All layers for decode rows x [M, hidden] (the embedding output, which becomes the residual
+        """All layers for rows x [M, hidden] (the embedding output, which becomes the residual
         stream and is updated in place); returns (last MLP output, residual) like the layer loop."""
         lib = self.lib
         a0 = self.model.layers[0].self_attn
@@ -113,7 +114,7 @@ class BatchedDecoder:
             k_cache, v_cache = cache
             lib.rope_kv_write(qkv.data_ptr(), rows, heads, kv_heads, d, cos_p, sin_p, slots_p,
                               k_cache.data_ptr(), v_cache.data_ptr(), q_p, code)
-            attn = backend.attend_cached_decodes(q, cache, meta, refs.scale)
+            attn = backend.attend_cached_rows(q, cache, meta, refs.scale)
             o = refs.o.forward(attn.view(rows, q_size))
             if not o.is_contiguous():
                 o = o.contiguous()

@@ -139,16 +139,16 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, cache, meta: TorchAttentionMetadata, scale: float | None = None):
         k_cache, v_cache = cache
         num_blocks, bs, kvh, d = k_cache.shape
-        # gathering whole blocks as rows of a 2-D view is ~7x faster than index_select on the 4-D cache
-        k_rows, v_rows = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
         k_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, k)
         v_cache.view(-1, kvh, d).index_copy_(0, meta.slot_mapping, v)
+        if meta.decode_context_lens is not None:
+            return self._kernel_rows(q.contiguous(), k_cache, v_cache, meta, scale)
+        # gathering whole blocks as rows of a 2-D view is ~7x faster than index_select on the 4-D cache
+        k_rows, v_rows = k_cache.view(num_blocks, -1), v_cache.view(num_blocks, -1)
         heads = q.shape[1]
         group = heads // kvh
         nd = meta.num_decodes
         out = q.new_empty(q.shape) if meta.prefills else None
-        if meta.decode_context_lens is not None:
-            return self._kernel_rows(q.contiguous(), k_cache, v_cache, meta, scale)
         if nd:
             tables = meta.decode_block_tables
             keys = k_rows.index_select(0, tables.view(-1)).view(nd, -1, kvh, d).transpose(1, 2)
@@ -170,8 +170,8 @@ class TorchAttentionBackend(AttentionBackend):
             out[chunk.start:chunk.end] = o[0].transpose(0, 1)
         return out
 
-    def attend_cached_decodes(self, q: torch.Tensor, cache, meta: TorchAttentionMetadata,
-                              scale: float | None = None) -> torch.Tensor:
+    def attend_cached_rows(self, q: torch.Tensor, cache, meta: TorchAttentionMetadata,
+                           scale: float | None = None) -> torch.Tensor:
         """Attention of a step's rows whose new K/V the caller already wrote to their slots
         (layers/batched_decode.py does it in the pass that rotates them): q [rows, heads, D] contiguous;
         the C kernel path only (`meta.decode_context_lens` set)."""

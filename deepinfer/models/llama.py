@@ -167,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         return self.fused is not None
 
     def enable_batched_decode(self) -> bool:
-        """Run all-decode steps the whole-layer path does not take with C calls between the matmuls
+        """Run the kernel-row steps the whole-layer path does not take with C calls between the matmuls
         (see layers/batched_decode.py) when every layer qualifies; call after the weights are final
         (loaded, cast, packed). Returns whether it is on."""
         batched = BatchedDecoder(self)
