@@ -110,8 +110,8 @@ class ExpertBalancer:
             self.imbalance_first = self.imbalance
         if not self.config.enable_eplb or not self.layers or self.pending is not None:
             return
-        load = self._all_reduce(self.window.window_load())  # [layers, experts], all ranks' pairs
-        steps = self._all_reduce(self.window.window_steps_rows())  # [steps, layers, experts]
+        steps = self._all_reduce(self.window.window_steps_rows())  # [steps, layers, experts], all ranks' pairs
+        load = steps.sum(dim=0)  # the window's load: one all-reduce serves both
         typical = steps.median(dim=0).values.tolist()  # all ranks' rows of each expert in the median step
         # per rank (tokens spread evenly): the rows one rank's replica choice splits over the replicas
         changes = []
