@@ -103,12 +103,12 @@ class Speculator:
             if r.max_tokens is not None:
                 k = min(k, r.max_tokens - r.num_output_tokens - 1)  # the step also emits the target's token
             limits.append(max(0, k))
-        # the back-off and exploration rules (tries.py) need a proposer the speculator may skip at will
+        # the back-off and exploration rules (tries.py) and the price bound need a proposer the speculator
+        # may skip at will
         tries = self.policy.adaptive and self.proposer.skippable
+        priced = True
         if tries:
             limits = [0 if self.tries.backed_off(s, self.num_steps) else lim for s, lim in zip(states, limits, strict=True)]
-        priced = True
-        if self.proposer.skippable and self.policy.adaptive:
             firsts = [(math.sqrt(s.first_rate()) if self.proposer.confident else s.first_rate()) if lim else 0.0
                       for s, lim in zip(states, limits, strict=True)]
             if not any(firsts) or not self.policy.any_draft_can_pay(firsts, self.k_max):
