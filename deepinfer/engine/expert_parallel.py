@@ -16,8 +16,8 @@ Lifecycle (one per engine; `LLMEngine` makes it when `ParallelConfig.expert_para
 Step protocol (ranks > 1). Attention is data-parallel, so ranks run different requests and may run a
 different number of forwards in a step (none, one, or several). Every forward, on reaching its first MoE
 layer, all_reduces 1 ("I run a forward"); a rank done with its step all_reduces 0 in a loop: a non-zero sum
-means someone is in a forward, so it runs an idle one (each MoE layer's exchanges with no tokens) to match; a zero sum means
-every rank is done, and the step ends on all ranks at once. Every rank sees the same sequence of sums, so
+means someone is in a forward, so it runs an idle one (each MoE layer's exchanges with no tokens) to match;
+a zero sum means every rank is done, and the step ends on all ranks at once. Every rank sees the same sequence of sums, so
 all agree on whether the step ran anything (the balancer's step count) and reach `end_step` together.
 """
 
