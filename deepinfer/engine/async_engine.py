@@ -95,6 +95,8 @@ class AsyncEngine(EngineClient):
                 self._drain(block=not self.engine.has_unfinished())
                 if self.engine.has_unfinished():
                     self._deliver([(out.request_id, out) for out in self.engine.step()])
+                else:
+                    self.engine.core.idle_tick()
                 self._stats = self.engine.stats()
         except BaseException as e:  # noqa: BLE001 - any failure kills the loop; streams must learn of it
             logger.exception("engine loop died")

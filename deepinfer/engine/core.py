@@ -145,6 +145,15 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def idle_tick(self) -> None:
+        """Called by an engine loop while it waits for work: the thread governor keeps measuring what other
+        processes use, so the first step after an idle spell runs with the threads the machine has free now
+        (cpu_threads.py). On the thread that runs the forward, as the governor needs."""
+        if self._model_thread is not None:
+            self._model_thread.submit(self.runner.threads.tick)
+        else:
+            self.runner.threads.tick()
+
     def check_retention(self, retention_class: str | None) -> str:
         """The retention class a request naming `retention_class` gets; ValueError if this engine has none
         of that name."""

@@ -11,10 +11,17 @@ side in benchmarks/BENCHMARKS.md, "Co-located load").
 
 Every `interval` seconds the governor reads the machine's busy CPU time (/proc/stat) and this process's
 own (`time.process_time`); what other processes used is the difference. threads = the cores they leave
-free (rounded up from 0.7 of a core, at least 1, at most the starting count), applied once two
-consecutive windows agree, so a burst does not flip it. It is called on the thread that runs the forward
-(torch's OpenMP thread count is per calling thread). Off where /proc/stat is missing, and for a user's
-explicit `num_threads` or deterministic mode (a row's numerics must not depend on when others ran).
+free (rounded up from 0.7 of a core, at least 1, at most the starting count), applied once consecutive
+windows that agree cover `2 * interval` seconds, so a burst shorter than that does not flip it. A window
+is the time between two ticks: one tick per forward, so a window is at least one step long, and one long
+step (a 2,048-token prefill takes ~1.3 s on 2 cores) is evidence enough on its own; counting two windows
+instead held the wrong count for two whole long steps (measured under guidellm, whose own start-up keeps
+~0.6 of a core busy for the first ~6 s: the server's first wave of 32 prompts; BENCHMARKS.md, "Server:
+the cold first wave"). Between steps the engine loop ticks while it waits for work (`idle_tick`), so the
+first step after an idle spell starts from what other processes do now, not from an average reaching
+back to the last step. It is called on the thread that runs the forward (torch's OpenMP thread count is
+per calling thread). Off where /proc/stat is missing, and for a user's explicit `num_threads` or
+deterministic mode (a row's numerics must not depend on when others ran).
 """
 
 from __future__ import annotations
@@ -66,6 +73,7 @@ class ThreadGovernor:
         self.others: float | None = None  # cores other processes used over the last window (None: none yet)
         self._last: tuple[float, float, float] | None = None  # wall, machine busy, own cpu
         self._candidate: int | None = None
+        self._evidence = 0.0  # seconds of consecutive windows that proposed `_candidate`
 
     def tick(self) -> int:
         """Call before each forward; returns the thread count in force."""
@@ -80,16 +88,18 @@ class ThreadGovernor:
         if self._last is not None:
             wall0, busy0, own0 = self._last
             self.others = ((busy - busy0) - (own - own0)) / (now - wall0)
-            self._propose(threads_for(self.others, self.cpu_count, self.max_threads), self.others)
+            self._propose(threads_for(self.others, self.cpu_count, self.max_threads), self.others, now - wall0)
         self._last = (now, busy, own)
         return self.threads
 
-    def _propose(self, target: int, others: float) -> None:
+    def _propose(self, target: int, others: float, window: float) -> None:
         if target == self.threads:
             self._candidate = None
             return
-        if self._candidate != target:  # wait for a second window to agree
-            self._candidate = target
+        if self._candidate != target:
+            self._candidate, self._evidence = target, 0.0
+        self._evidence += window
+        if self._evidence < 2 * self.interval:  # wait until the agreeing windows outlast a burst
             return
         logger.info("other processes use %.1f of %d cores: model threads %d -> %d", others, self.cpu_count,
                     self.threads, target)

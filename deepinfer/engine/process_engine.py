@@ -292,6 +292,8 @@ def _serve_loop(engine, commands: Connection, outputs: Connection) -> None:
         if engine.has_unfinished():
             deltas = engine.step_tokens()
             changed = True
+        elif not busy:
+            engine.core.idle_tick()
         if ep is not None:
             if ep.finish_tick(stopping):
                 return

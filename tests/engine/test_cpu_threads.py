@@ -62,6 +62,38 @@ def test_a_spinning_process_takes_a_thread_and_gives_it_back():
         torch.set_num_threads(before)
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/stat") or (os.cpu_count() or 1) != 2,
+                    reason="reads /proc/stat; the thresholds below are for a 2-core machine")
+def test_evidence_is_counted_in_seconds_not_windows():
+    """One window as long as a long prefill step decides on its own; windows shorter than 2 x interval
+    must add up first (a burst does not flip the count)."""
+    if _others_busy() > 0.3:
+        pytest.skip("other processes keep a core of this machine busy")
+    before = torch.get_num_threads()
+    gov = ThreadGovernor(max_threads=2, interval=0.25)
+    gov.tick()  # opens the first window
+    spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.8)
+        gov.tick()
+        assert gov.threads == 1 and gov.changes == 1  # one 0.8 s window with a core taken
+    finally:
+        spinner.kill()
+        spinner.wait()
+    try:
+        gov.tick()  # the window the spinner ended in
+        time.sleep(0.3)
+        gov.tick()  # 0.3 s free: not yet evidence enough
+        if _others_busy(0.3) > 0.3:
+            pytest.skip("another process started keeping a core busy during the test")
+        assert gov.threads == 1
+        time.sleep(0.3)
+        gov.tick()  # 0.6 s of agreeing windows
+        assert gov.threads == 2 and gov.changes == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_on_by_default_off_for_an_explicit_thread_count(tiny_models):
     from deepinfer import LLM
 
