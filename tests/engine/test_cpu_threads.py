@@ -24,10 +24,12 @@ def test_threads_for_leaves_the_cores_others_use():
 
 def _others_busy(seconds: float = 1.0) -> float:
     """Cores other processes used over `seconds` (the governor's own measure, taken by a second one)."""
+    before = torch.get_num_threads()
     probe = ThreadGovernor(max_threads=2, interval=0.0)
     probe.tick()
     time.sleep(seconds)
-    probe.tick()
+    probe.tick()  # one window of `seconds` is evidence enough for it to set torch's count: put it back
+    torch.set_num_threads(before)
     return probe.others
 
 
@@ -108,4 +110,24 @@ def test_on_by_default_off_for_an_explicit_thread_count(tiny_models):
             finally:
                 llm.close()
     finally:
+        torch.set_num_threads(before)
+
+
+def test_an_idle_engine_keeps_measuring(tiny_models):
+    """Between requests the engine loops call `idle_tick`: the governor's window then ends now, not at the
+    last step (cpu_threads.py)."""
+    from deepinfer import LLM
+
+    before = torch.get_num_threads()
+    llm = LLM(model=str(tiny_models["llama"]), kv_store="none", kv_cache_memory="16MiB", profile_cost_model=False)
+    try:
+        gov = llm.engine.core.runner.threads
+        if not gov.enabled:
+            pytest.skip("the governor is off here (one thread or no /proc/stat)")
+        llm.engine.core.idle_tick()
+        time.sleep(gov.interval + 0.05)
+        llm.engine.core.idle_tick()
+        assert gov.others is not None  # a window was measured without any step running
+    finally:
+        llm.close()
         torch.set_num_threads(before)
