@@ -245,12 +245,92 @@ static inline __attribute__((always_inline)) int row1_bf16(const uint16_t *x, in
     return n;
 }
 
+/* M rows (2..MAX_ROWS, a compile-time constant at each call site, so the accumulators stay in registers
+ * instead of a stack array indexed by m) times NF output features: each block is dequantized once for
+ * all M rows and each x block loaded once for all NF features. Same order per (row, feature) as above:
+ * even blocks into acc, odd into accb, then one reduce of acc + accb, so the bits do not depend on M or
+ * NF. Returns the first feature it left (n1 - n < NF). */
+static inline __attribute__((always_inline)) int rowsm_bf16(const uint16_t *x, const int M, const int NF, int K,
+                                                             const int kind, const void *qs, const float *d,
+                                                             const float *mn, uint16_t *y, int N, int n0, int n1) {
+    const int nb = K / QK;
+    int n = n0;
+    for (; n + NF <= n1; n += NF) {
+        __m512 acc[4][MAX_ROWS], accb[4][MAX_ROWS];  /* NF <= 4 */
+#pragma GCC unroll 8
+        for (int r = 0; r < NF; r++)
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) acc[r][m] = accb[r][m] = _mm512_setzero_ps();
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            __m512bh w0[4], w1[4];
+#pragma GCC unroll 8
+            for (int r = 0; r < NF; r++) {
+                w0[r] = block_pbh(kind, qs, d, mn, n + r, nb, b);
+                w1[r] = block_pbh(kind, qs, d, mn, n + r, nb, b + 1);
+            }
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const __m512bh x0 = (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + b * QK);
+                const __m512bh x1 = (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + (b + 1) * QK);
+#pragma GCC unroll 8
+                for (int r = 0; r < NF; r++) {
+                    acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w0[r], x0);
+                    accb[r][m] = _mm512_dpbf16_ps(accb[r][m], w1[r], x1);
+                }
+            }
+        }
+        if (b < nb) {
+#pragma GCC unroll 8
+            for (int r = 0; r < NF; r++) {
+                const __m512bh w0 = block_pbh(kind, qs, d, mn, n + r, nb, b);
+#pragma GCC unroll 8
+                for (int m = 0; m < M; m++)
+                    acc[r][m] = _mm512_dpbf16_ps(acc[r][m], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + b * QK));
+            }
+        }
+#pragma GCC unroll 8
+        for (int r = 0; r < NF; r++)
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++)
+                store1(y, (int64_t)m * N + n + r, _mm512_reduce_add_ps(_mm512_add_ps(acc[r][m], accb[r][m])), 1);
+    }
+    return n;
+}
+
+/* one group of M rows over features [n0, n1): NF features at a time, then the rest one by one */
+static inline __attribute__((always_inline)) void rowsm_kind(const uint16_t *x, const int M, int K, const int kind,
+                                                              const void *qs, const float *d, const float *mn,
+                                                              uint16_t *y, int N, int n0, int n1) {
+    const int NF = M <= 2 ? 4 : M <= 4 ? 2 : 1;
+    n0 = rowsm_bf16(x, M, NF, K, kind, qs, d, mn, y, N, n0, n1);
+    if (NF > 1) rowsm_bf16(x, M, 1, K, kind, qs, d, mn, y, N, n0, n1);
+}
+
+static inline __attribute__((always_inline)) void rowsm_any(const uint16_t *x, const int M, int K, int kind,
+                                                             const void *qs, const float *d, const float *mn,
+                                                             uint16_t *y, int N, int n0, int n1) {
+    if (kind == 0) rowsm_kind(x, M, K, 0, qs, d, mn, y, N, n0, n1);
+    else if (kind == 1) rowsm_kind(x, M, K, 1, qs, d, mn, y, N, n0, n1);
+    else rowsm_kind(x, M, K, 3, qs, d, mn, y, N, n0, n1);
+}
+
 static void rows_bf16(const uint16_t *x, int M, int K, int kind, const void *qs, const float *d, const float *mn,
                       uint16_t *y, int N, int n0, int n1) {
     int nb = K / QK;
-    /* one copy of the loop per weight kind, the kind's branch out of the inner loop; not for Q8_0 (the
-     * LM head: one large matrix, which streams faster one feature at a time) */
-    if (M == 1 && kind != 1) {
+    switch (M) {
+    case 2: rowsm_any(x, 2, K, kind, qs, d, mn, y, N, n0, n1); return;
+    case 3: rowsm_any(x, 3, K, kind, qs, d, mn, y, N, n0, n1); return;
+    case 4: rowsm_any(x, 4, K, kind, qs, d, mn, y, N, n0, n1); return;
+    case 5: rowsm_any(x, 5, K, kind, qs, d, mn, y, N, n0, n1); return;
+    case 6: rowsm_any(x, 6, K, kind, qs, d, mn, y, N, n0, n1); return;
+    case 7: rowsm_any(x, 7, K, kind, qs, d, mn, y, N, n0, n1); return;
+    case 8: rowsm_any(x, 8, K, kind, qs, d, mn, y, N, n0, n1); return;
+    default: break;
+    }
+    /* M == 1: one copy of the loop per weight kind, the kind's branch out of the inner loop; not for Q8_0
+     * (the LM head: one large matrix, which streams faster one feature at a time) */
+    if (kind != 1) {
         if (kind == 0) n0 = row1_bf16(x, K, 0, qs, d, mn, y, n0, n1);
         else n0 = row1_bf16(x, K, 3, qs, d, mn, y, n0, n1);
     }
