@@ -50,9 +50,16 @@ static inline void widen(const void *x, int M, int K, float *out) {
 
 /* ---- float32 activations: the file's exact weight values ---------------------------------------- */
 
-/* rows [0, M) of one group (M <= MAX_ROWS); sums: the group's per-block sums of x */
-static void q4_1_rows_f32(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn,
-                          float *y, int N, const float *sums, int n0, int n1) {
+/* rows [0, M) of one group (M <= MAX_ROWS); sums: the group's per-block sums of x. Inlined with M a
+ * compile-time constant (the dispatchers below), so the per-row accumulators stay in registers (1.3-1.5x
+ * faster over the layer weights from memory). No SLP vectorization: with M constant gcc would pack the
+ * rows' scalar offset sums off[m] into one vector and contract their multiply-adds differently from
+ * the scalar code that one row gets (8 rows gave other bits than each row alone). */
+#define NO_SLP __attribute__((optimize("no-tree-slp-vectorize")))
+static inline __attribute__((always_inline)) NO_SLP void q4_1_rows_f32_m(const float *x, const int M, int K,
+                                                                         const uint8_t *qs, const float *d,
+                                                                         const float *mn, float *y, int N,
+                                                                         const float *sums, int n0, int n1) {
     int nb = K / QK;
     for (int n = n0; n < n1; n++) {
         float off[MAX_ROWS];
@@ -119,7 +126,8 @@ static void q4_1_rows_f32(const float *x, int M, int K, const uint8_t *qs, const
     }
 }
 
-static void q8_0_rows_f32(const float *x, int M, int K, const int8_t *qs, const float *d, float *y, int N, int n0,
+static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x, const int M, int K, const int8_t *qs,
+                                                                 const float *d, float *y, int N, int n0,
                           int n1) {
     int nb = K / QK;
     for (int n = n0; n < n1; n++) {
@@ -156,6 +164,33 @@ static void q8_0_rows_f32(const float *x, int M, int K, const int8_t *qs, const 
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum8(acc[m]);
 #endif
     }
+}
+
+/* one copy of each float32 kernel per row count */
+#define ROWS_SWITCH(CALL)            \
+    switch (M) {                     \
+        case 1: CALL(1); break;      \
+        case 2: CALL(2); break;      \
+        case 3: CALL(3); break;      \
+        case 4: CALL(4); break;      \
+        case 5: CALL(5); break;      \
+        case 6: CALL(6); break;      \
+        case 7: CALL(7); break;      \
+        default: CALL(8); break;     \
+    }
+
+static NO_SLP void q4_1_rows_f32(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn,
+                          float *y, int N, const float *sums, int n0, int n1) {
+#define Q4_1_F32(R) q4_1_rows_f32_m(x, R, K, qs, d, mn, y, N, sums, n0, n1)
+    ROWS_SWITCH(Q4_1_F32)
+#undef Q4_1_F32
+}
+
+static void q8_0_rows_f32(const float *x, int M, int K, const int8_t *qs, const float *d, float *y, int N, int n0,
+                          int n1) {
+#define Q8_0_F32(R) q8_0_rows_f32_m(x, R, K, qs, d, y, N, n0, n1)
+    ROWS_SWITCH(Q8_0_F32)
+#undef Q8_0_F32
 }
 
 /* ---- bfloat16 activations: the weights rounded to bfloat16 -------------------------------------- *
