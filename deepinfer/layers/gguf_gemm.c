@@ -51,7 +51,7 @@ static inline void widen(const void *x, int M, int K, float *out) {
 /* ---- float32 activations: the file's exact weight values ---------------------------------------- */
 
 /* rows [0, M) of one group (M <= MAX_ROWS); sums: the group's per-block sums of x. Inlined with M a
- * compile-time constant (the dispatchers below), so the per-row accumulators stay in registers (1.3-1.5x
+ * compile-time constant (the dispatchers below), so the per-row accumulators stay in registers (1.2-1.5x
  * faster over the layer weights from memory). No SLP vectorization: with M constant gcc would pack the
  * rows' scalar offset sums off[m] into one vector and contract their multiply-adds differently from
  * the scalar code that one row gets (8 rows gave other bits than each row alone). */
