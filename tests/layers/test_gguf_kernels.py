@@ -50,6 +50,42 @@ def test_kernel_takes_and_returns_bfloat16(blocks, name):
     assert ((out.double() - ref).abs() / ref.abs().clamp_min(1e-3)).median().item() < 4e-3
 
 
+def _odd_shaped(kind: str, n: int, nb: int, seed: int) -> gk.QuantizedWeight:
+    """Random blocks of an odd block count and feature count: the kernels' odd-block and thread-split tails."""
+    g = torch.Generator().manual_seed(seed)
+    width = 16 if kind == "q4_1" else 32
+    qs = torch.randint(0, 256, (n, nb * width), dtype=torch.uint8, generator=g)
+    d = torch.rand(n, nb, generator=g) * 0.05
+    mn = -torch.rand(n, nb, generator=g) * 0.4 if kind == "q4_1" else None
+    return gk.QuantizedWeight(kind, qs, d, mn, n, nb * gk.QK)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_row_count_gives_each_row_the_bits_of_a_single_row_call(blocks, dtype):
+    """Speculative verification and --deterministic rely on a row's result not depending on how many rows
+    share the call (1..16 rows: one and two passes of max_rows()): every row of an M-row call must equal
+    the same row multiplied alone, bit for bit, and the float64 product within the tolerances above."""
+    embd = blocks["token_embd.weight"]
+    weights = {
+        "q4_1": blocks["blk.0.ffn_up.weight"], "q4_1_wide_k": blocks["blk.0.ffn_down.weight"],
+        "q8_0": gk.QuantizedWeight("q8_0", embd.qs[:2051], embd.d[:2051], None, 2051, embd.k),
+        "q4_1_odd": _odd_shaped("q4_1", 37, 5, 0), "q8_0_odd": _odd_shaped("q8_0", 37, 5, 1),
+        "dense": gk.QuantizedWeight.dense(torch.randn(45, 160, generator=torch.Generator().manual_seed(2)).to(dtype)),
+    }
+    for name, w in weights.items():
+        x = torch.randn(16, w.k, generator=torch.Generator().manual_seed(3)).to(dtype)
+        alone = torch.cat([w.matmul(x[i:i + 1]) for i in range(16)])
+        ref = x.double() @ w.dequantize().double().T
+        if dtype == torch.float32:
+            assert ((alone.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, name
+        else:
+            assert ((alone.double() - ref).abs() / ref.abs().clamp_min(1e-3)).median().item() < 4e-3, name
+        for rows in range(2, 17):
+            out = w.matmul(x[:rows])
+            bad = (out != alone[:rows]).any(dim=1).nonzero().flatten().tolist()
+            assert not bad, f"{name}: rows {bad} of a {rows}-row call differ from the same rows alone"
+
+
 def test_engine_with_kernels_matches_float32_path():
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
     prompt = [{"role": "user", "content": "Name three colors of the rainbow."}]
