@@ -221,8 +221,15 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
     from deepinfer.engine.sampling_params import SamplingParams
     from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
 
+    import torch
+
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     ids = itertools.count()
+    # one thread: the step's CPU time (the model runs on this thread), which other processes on the machine
+    # barely move, where wall time doubled some counts at random on a shared machine and the isotonic pass
+    # then lifted their neighbours too; the load factor scales the table to the wall time of served steps.
+    # More threads: wall time (a thread's CPU time would count its spinning while a partner is descheduled)
+    cpu_clock = torch.get_num_threads() == 1
     started = time.perf_counter()
     best: dict[int, float] = {}
     # a warm-up step, then the counts up and down again: the faster of each count's two steps is kept
@@ -241,12 +248,14 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
         try:
             if not all(kv.allocate(s.request, context + s.num_new_tokens) for s in plan.scheduled):
                 break
+            cpu = time.thread_time()
             result = runner.execute(plan, kv.group_tables)
+            cpu = time.thread_time() - cpu
         finally:
             for r in reqs:
                 kv.free(r)
         if i > 0:
-            best[rows] = min(best.get(rows, math.inf), result.seconds)
+            best[rows] = min(best.get(rows, math.inf), cpu if cpu_clock else result.seconds)
         if time.perf_counter() - started > time_limit_s:
             break
     logger.info("speculative decoding: verification profile of %d row counts in %.2fs", len(best),
