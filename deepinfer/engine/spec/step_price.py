@@ -40,6 +40,7 @@ import time
 from collections import deque
 
 import numpy as np
+import torch
 
 from deepinfer.engine.cost_model import CostModel, chunk_features, empty_step
 
@@ -220,8 +221,6 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
     from deepinfer.engine.request import Request
     from deepinfer.engine.sampling_params import SamplingParams
     from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
-
-    import torch
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     ids = itertools.count()
