@@ -120,7 +120,76 @@ def test_step_price_table_is_monotone_robust_and_follows_measurements():
     smooth.seed([(r, 0.020 + 0.001 * r + (0.010 if r == 4 else 0.0)) for r in range(1, 9)])
     assert smooth.seconds(5) - smooth.seconds(3) < 0.006 and smooth.seconds(8) < 0.032
     counts = profile_row_counts(288, 8)
-    assert counts[:12] == list(range(1, 13)) and counts[-1] == 288 and len(counts) < 40
+    assert counts[:33] == list(range(1, 34)) and counts[-1] == 288 and len(counts) < 60
+    # both sides of the batched path's block edges, where its staircase steps
+    assert {48, 49, 64, 65, 128, 129} <= set(counts) and 50 not in counts
+    assert profile_row_counts(17, 8) == list(range(1, 18))
+
+
+def _staircase(r: int) -> float:
+    """The AMD machine's shape at one thread (benchmarks/BENCHMARKS.md, issue #21 session 15): the C path's
+    rows cheap up to 8, then the batched path in blocks of 16 rows (9-16 one price, 17-32 the next)."""
+    return 0.008 + 0.0017 * r if r <= 8 else 0.025 + 0.014 * ((r - 1) // 16)
+
+
+def test_step_price_keeps_the_batched_paths_staircase():
+    from deepinfer.engine.spec.step_price import StepPrice, profile_row_counts
+
+    price = StepPrice(CostModel(), c_path_rows=8)
+    price.seed([(r, _staircase(r)) for r in profile_row_counts(17 * 32, 8)])
+    t = price.table(80)
+    assert t[16] == pytest.approx(t[9]) and t[32] == pytest.approx(t[17])  # a block's rows cost the same
+    assert t[17] > t[16] * 1.4 and t[33] > t[32] * 1.2  # the next block's first row costs the jump
+    assert t[49] > t[48] and t[48] == pytest.approx(_staircase(48))
+
+
+def test_policy_fills_the_row_block_it_pays_for():
+    pol = DraftLengthPolicy(CostModel())
+    pol.price.c_path_rows = 8
+    pol.price.seed([(r, _staircase(r)) for r in range(1, 301)])
+    # batch 1, a long likely copy: 15 drafts fill the first block; the 16th would start the next block
+    assert pol.choose([Candidate(100, [0.9] * 16)], 1) == [15]
+    # batch 8 (the C path's last row): one likely draft each is worth the block they fill, a 2nd row each is not
+    assert pol.choose([Candidate(100, [0.7] * 5)] * 8, 8) == [1] * 8
+    # unlikely drafts are not worth the jump from the C path at all
+    assert pol.choose([Candidate(100, [0.1] * 5)] * 8, 8) == [0] * 8
+    # batch 32 (two full blocks): the 33rd row costs a block; drafts at 0.6 do not repay it, at 0.95 they do,
+    # and then only in whole blocks
+    assert pol.choose([Candidate(100, [0.6] * 4)] * 32, 32) == [0] * 32
+    drafts = sum(pol.choose([Candidate(100, [0.95] * 4)] * 32, 32))
+    assert drafts > 0 and (32 + drafts) % 16 == 0
+
+
+def test_the_skip_bound_reads_each_requests_estimates():
+    """The bound that lets a step skip the proposer is the choice itself on each request's best possible
+    drafts (per position max(estimate, prior)), so it never skips a step `choose` would draft in, and it
+    does skip a batch of requests whose drafts keep missing even where the first-rate bound would not."""
+    from deepinfer.engine.spec.policy import AcceptanceStats
+
+    pol = DraftLengthPolicy(CostModel())
+    pol.price.c_path_rows = 8
+    pol.price.seed([(r, _staircase(r)) for r in range(1, 301)])
+    prior = AcceptanceStats.new(0.6, 16)
+    missed = AcceptanceStats.new(0.1, 16)
+    for _ in range(4):
+        missed.observe(4, 0, 0.3)  # first drafts rejected: the estimate falls below the prior (0.1)
+    assert missed.estimates()[0] < 0.05 and missed.gain_ceiling()[0] == pytest.approx(0.1)
+    assert not pol.drafts_can_pay(8, [missed.gain_ceiling()] * 8)  # at batch 8: not worth the jump
+    assert pol.drafts_can_pay(8, [prior.gain_ceiling()] * 8)
+    # an upper bound of what `choose` does on the same estimates, for any proposal
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        b = int(rng.integers(1, 40))
+        stats = [AcceptanceStats.new(0.6, 16) for _ in range(b)]
+        for s in stats:
+            for _ in range(int(rng.integers(0, 4))):
+                d = int(rng.integers(1, 17))
+                s.observe(d, int(rng.integers(0, d + 1)), 0.3)
+            for _ in range(int(rng.integers(0, 30))):
+                s.relax()
+        cands = [Candidate(100, s.estimates()[:int(rng.integers(0, 17))]) for s in stats]
+        if any(pol.choose(cands, b)):
+            assert pol.drafts_can_pay(b, [s.gain_ceiling() for s in stats])
 
 
 def test_greedy_verification_keeps_the_matching_prefix():

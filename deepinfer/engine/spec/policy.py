@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -55,6 +55,8 @@ class AcceptanceStats:
     misses: int = 0  # consecutive verifications that kept no draft
     backoff_until: int = 0  # the speculator's step count before which the request proposes nothing
     backoff_steps: int = 0  # the length of its last back-off (doubles while the misses go on)
+    # gain_ceiling's cached bounds (plain, confident): valid until the next observation
+    _ceilings: dict[bool, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def new(cls, prior: float, k_max: int, relax_weight: float = 0.0) -> AcceptanceStats:
@@ -86,9 +88,22 @@ class AcceptanceStats:
                     out[j] = out[j - 1]
         return out
 
+    def gain_ceiling(self, confident: bool = False) -> np.ndarray:
+        """An upper bound, valid until the next `observe`, of the expected tokens each draft position adds
+        (`DraftLengthPolicy.choose`'s gains: prefix products of the keep probabilities) for any proposal:
+        per position max(estimate, prior), since idle steps only move an estimate towards the prior (with
+        a proposer's confidence c <= 1, sqrt(r c) <= sqrt(r)). `DraftLengthPolicy.drafts_can_pay` reads
+        it every step, so it is computed once per observation, not per step."""
+        cached = self._ceilings.get(confident)
+        if cached is None:
+            ceiling = np.maximum(np.asarray(self.estimates(), dtype=float), self.prior)
+            cached = self._ceilings[confident] = np.cumprod(np.sqrt(ceiling) if confident else ceiling)
+        return cached
+
     def observe(self, drafted: int, accepted: int, alpha: float) -> None:
         if drafted <= 0:
             return
+        self._ceilings.clear()
         self.settle()
         self.num_steps += 1
         self.num_draft_tokens += drafted
@@ -131,17 +146,27 @@ class DraftLengthPolicy:
         return [math.sqrt(max(0.0, r * c)) for r, c in zip(rates, confidence, strict=False)]
 
     def any_draft_can_pay(self, first_probs: list[float], k_max: int) -> bool:
-        """Whether any drafts could raise the step's expected tokens per second, given an upper bound of each
-        decoding request's first-draft keep probability: a request's k drafts gain at most k times it (its
-        gains are a falling prefix product), so m draft rows gain at most the sum of the m largest of those
-        bounds, k_max copies each. False: the speculator skips proposing this step (k = 0 costs nothing)."""
+        """`drafts_can_pay` from a looser bound: each decoding request's first-draft keep probability (its
+        k drafts gain at most k times it, a falling prefix product)."""
+        return self.drafts_can_pay(len(first_probs), [np.full(k_max, p) for p in first_probs if p > 0])
+
+    def drafts_can_pay(self, num_decodes: int, gain_bounds: list[np.ndarray]) -> bool:
+        """Whether any drafts could raise the step's expected tokens per second, given per decoding request
+        an upper bound of the gain of each draft position it may verify (non-increasing: e.g.
+        `AcceptanceStats.gain_ceiling` cut to the request's draft limit): m draft rows then gain at most
+        the sum of the m largest bounds, which is what `choose` maximises over. False: the speculator
+        skips proposing this step (k = 0 costs nothing). With exact per-position bounds rather than
+        k_max copies of the first one, a batch whose requests keep few drafts (chat, or any batch at the
+        price's jump) is skipped instead of looked up every step."""
         if not self.adaptive:
             return True
-        b = len(first_probs)
-        bounds = np.repeat(np.sort(np.asarray(first_probs, dtype=float))[::-1], k_max)
-        t = self.price.table(b + len(bounds)) + self.price.host_seconds
-        rate = (b + np.concatenate([[0.0], np.cumsum(bounds)])) / np.maximum(t[b:], 1e-9)
-        return bool(np.max(rate[1:]) > rate[0]) if len(bounds) else False
+        if not gain_bounds:
+            return False
+        b = num_decodes
+        gains = np.sort(np.concatenate(gain_bounds))[::-1]
+        t = self.price.table(b + len(gains))[b:] + self.price.host_seconds
+        rate = (b + np.concatenate([[0.0], np.cumsum(gains)])) / np.maximum(t, 1e-9)
+        return bool(np.max(rate[1:]) > rate[0])
 
     def choose(self, cands: list[Candidate], num_decodes: int) -> list[int]:
         """Draft tokens to verify per candidate; `num_decodes`: the step's decoding requests (one row each,

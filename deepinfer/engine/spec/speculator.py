@@ -21,7 +21,6 @@ requests, cut at the first token the grammar refuses (checked on the matcher, th
 
 from __future__ import annotations
 
-import math
 import time
 
 from deepinfer.config import SpeculativeMethod
@@ -109,9 +108,9 @@ class Speculator:
         priced = True
         if tries:
             limits = [0 if self.tries.backed_off(s, self.num_steps) else lim for s, lim in zip(states, limits, strict=True)]
-            firsts = [(math.sqrt(s.first_rate()) if self.proposer.confident else s.first_rate()) if lim else 0.0
-                      for s, lim in zip(states, limits, strict=True)]
-            if not any(firsts) or not self.policy.any_draft_can_pay(firsts, self.k_max):
+            confident = self.proposer.confident
+            bounds = [s.gain_ceiling(confident)[:lim] for s, lim in zip(states, limits, strict=True) if lim]
+            if not self.policy.drafts_can_pay(len(decodes), bounds):
                 # no drafts pay by the price: look up only requests owed exploration, every few steps
                 priced = False
                 lookup = self.num_steps % self.tries.lookup_every == 0

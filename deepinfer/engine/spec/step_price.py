@@ -9,12 +9,17 @@ linear fit over mixed batch sizes (the previous `DecodePrice`) averaged those re
 wrongly at both ends, so `StepPrice` keeps a table instead:
 
     T(R) = median of the recent measured steps of R rows (a few per row count), smoothed by a piecewise-
-           linear least-squares fit per regime (C path / torch path), made non-decreasing (isotonic: more
+           linear least-squares fit within the C path's regime, made non-decreasing (isotonic: more
            rows never cost less), linear between the row counts measured, extended past the largest
            measured R with the last measured seconds per row.
 
-Seeded at engine start by `profile_rows` (synthetic verification steps: every row count up to a few past
-the C path's limit, then about 25% apart up to what the batch can verify; each twice, the faster kept) and
+Past the C path the step time is a staircase, not a line: the batched path's matmuls take rows in blocks
+of 16 (at one thread on the AMD machine, 9-16 rows cost about the same, 17 a block more, then flat to 32),
+so the table is not smoothed there and the profile samples both sides of the first block edges.
+
+Seeded at engine start by `profile_rows` (synthetic verification steps: every row count through the first
+two row blocks, both sides of the next block edges, then about 25% apart up to what the batch can verify;
+each twice, the faster kept) and
 refreshed by every decode-phase step the engine runs (`observe`). A load factor (EWMA of measured over
 predicted seconds) scales the whole table and entries are stored divided by it: a busy machine makes the
 row counts in use slower, and the counts not in use (whose entries are older) must follow, or the policy
@@ -35,6 +40,7 @@ import time
 from collections import deque
 
 import numpy as np
+import torch
 
 from deepinfer.engine.cost_model import CostModel, chunk_features, empty_step
 
@@ -125,11 +131,14 @@ class StepPrice:
         rows = np.array(sorted(self._samples), dtype=float)
         secs = np.array([statistics.median(self._samples[int(r)]) for r in rows])
         weights = np.array([len(self._samples[int(r)]) for r in rows], dtype=float)
-        smooth = np.empty_like(secs)
-        for part in ((rows <= self.c_path_rows), (rows > self.c_path_rows)):  # the C path's regime, the rest
-            if part.any():
-                smooth[part] = spline_fit(rows[part], secs[part], weights[part])
-        secs = isotonic(list(smooth), list(weights))  # more rows never cost less
+        # the C path's regime is smooth: one slow count among its neighbours is shared with them. The
+        # batched path's is a staircase (oneDNN multiplies rows in blocks: 9-16 rows cost about the same, the
+        # 17th a block more, measured on the AMD machine at one thread), which a smoothing fit would turn
+        # into a ramp, pricing the rows that fill a block too high and the one that starts the next too low
+        c_path = rows <= self.c_path_rows
+        if c_path.sum() >= 4:
+            secs[c_path] = spline_fit(rows[c_path], secs[c_path], weights[c_path])
+        secs = isotonic(list(secs), list(weights))  # more rows never cost less
         grid = np.arange(size, dtype=float)
         table = np.interp(grid, rows, secs)
         # past the largest measured count: its seconds per row (a step that big is compute-bound)
@@ -178,10 +187,23 @@ def isotonic(values: list[float], weights: list[int]) -> np.ndarray:
     return np.array([m for m, _, n in blocks for _ in range(int(n))])
 
 
-def profile_row_counts(max_total: int, c_path_rows: int, limit: int = 512) -> list[int]:
-    """Row counts worth profiling: every count up to a few past the C decode path's limit, then ~25% apart."""
+# rows per block of the batched path's matmuls, the period of its staircase (`StepPrice._build`)
+ROW_BLOCK = 16
+
+
+def profile_row_counts(max_total: int, c_path_rows: int, limit: int = 512, block: int = ROW_BLOCK,
+                       dense_blocks: int = 8) -> list[int]:
+    """Row counts worth profiling: every count up to a few past the C decode path's limit and through the
+    batched path's first two row blocks (a staircase has to be sampled at its steps: every count there,
+    where batch 1 and small batches choose), then both sides of each block edge (b * block, b * block + 1)
+    up to `dense_blocks` blocks, then ~25% apart (steps of hundreds of rows, where a block is a small
+    fraction of the step)."""
     top = max(1, min(max_total, limit))
-    counts = list(range(1, min(top, max(c_path_rows, 8) + 4) + 1))
+    counts = list(range(1, min(top, max(c_path_rows + 4, 2 * block + 1)) + 1))
+    edge = (counts[-1] // block + 1) * block
+    while edge <= min(top, dense_blocks * block):
+        counts += [edge] + ([edge + 1] if edge < top else [])
+        edge += block
     r = counts[-1]
     while r < top:
         r = min(top, max(r + 1, int(r * 1.25)))
@@ -202,6 +224,11 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     ids = itertools.count()
+    # one thread: the step's CPU time (the model runs on this thread), which other processes on the machine
+    # barely move, where wall time doubled some counts at random on a shared machine and the isotonic pass
+    # then lifted their neighbours too; the load factor scales the table to the wall time of served steps.
+    # More threads: wall time (a thread's CPU time would count its spinning while a partner is descheduled)
+    cpu_clock = torch.get_num_threads() == 1
     started = time.perf_counter()
     best: dict[int, float] = {}
     # a warm-up step, then the counts up and down again: the faster of each count's two steps is kept
@@ -220,12 +247,14 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
         try:
             if not all(kv.allocate(s.request, context + s.num_new_tokens) for s in plan.scheduled):
                 break
+            cpu = time.thread_time()
             result = runner.execute(plan, kv.group_tables)
+            cpu = time.thread_time() - cpu
         finally:
             for r in reqs:
                 kv.free(r)
         if i > 0:
-            best[rows] = min(best.get(rows, math.inf), result.seconds)
+            best[rows] = min(best.get(rows, math.inf), cpu if cpu_clock else result.seconds)
         if time.perf_counter() - started > time_limit_s:
             break
     logger.info("speculative decoding: verification profile of %d row counts in %.2fs", len(best),
