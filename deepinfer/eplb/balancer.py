@@ -40,14 +40,11 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.config import ParallelConfig
-from deepinfer.eplb.placement import balanced_placement, rank_loads
+from deepinfer.eplb.policy import plan_placement
 from deepinfer.eplb.stats import ExpertLoadWindow
-from deepinfer.layers.ep_moe import SPLIT_ROWS, ExpertComm, ExpertParallelExperts, PreparedPlacement
+from deepinfer.layers.ep_moe import ExpertComm, ExpertParallelExperts, PreparedPlacement
 
 logger = logging.getLogger(__name__)
-
-# a layer's experts move only when the new placement lowers its busiest rank's expected load by this much
-MIN_GAIN = 0.05
 
 
 class ExpertBalancer:
@@ -113,14 +110,10 @@ class ExpertBalancer:
         steps = self._all_reduce(self.window.window_steps_rows())  # [steps, layers, experts], all ranks' pairs
         load = steps.sum(dim=0)  # the window's load: one all-reduce serves both
         typical = steps.median(dim=0).values.tolist()  # all ranks' rows of each expert in the median step
-        # per rank (tokens spread evenly): the rows one rank's replica choice splits over the replicas
         changes = []
         for layer, row, rows in zip(self.layers, load.tolist(), typical, strict=True):
-            row = [float(x) for x in row]
-            new = balanced_placement(row, self.world, self.config.num_redundant_experts, previous=layer.placement,
-                                     step_rows=[x / self.world for x in rows], min_replica_rows=SPLIT_ROWS)
-            busiest, now = max(rank_loads(new, row)), max(rank_loads(layer.placement, row))
-            if new != layer.placement and busiest < (1 - MIN_GAIN) * now:
+            new = plan_placement(row, rows, self.world, self.config.num_redundant_experts, layer.placement)
+            if new is not None:
                 changes.append((layer, new))
         if not changes:
             return
