@@ -36,6 +36,10 @@ logical expert e with c replicas and n of this rank's pairs in this forward:
   - the n pairs, in pair order, are cut into u contiguous chunks of equal size (to within one), chunk i to
     the i-th preferred replica.
 
+The rule's parts live in `eplb/policy.py` (`SPLIT_ROWS`, `replica_preference`, `replicas_used`,
+`chunk_rows`), which the `bench eplb` simulation uses too; `_choose_slots` below is its vectorised form
+(per-layer slot table built once per placement, no Python per pair or per slot in a forward).
+
 Replicas sit on distinct ranks (a `Placement` never holds an expert twice on one rank). The balancer adds
 a replica only where this rule would use it: an expert gets its c-th replica only where a rank's rows of it
 in the window's median step reach c x `SPLIT_ROWS` (`balanced_placement`'s `step_rows` / `min_replica_rows`);
