@@ -35,7 +35,7 @@ PHASES = {
     "step end (finish_tick)": ("expert_parallel.py", "finish_tick"),
     "balancer end_step": ("balancer.py", "end_step"),
     "engine stats (sent every step)": ("engine.py", "stats"),
-    "attention layers (gauge)": ("llama.py", "forward"),
+    "attention layers (gauge)": ("llama.py", "DecoderAttention.forward"),
 }
 
 
@@ -70,7 +70,12 @@ def _profiled_engine_main(config, commands, outputs, log_level, rank=None) -> No
 
 
 def summarise(files: list[Path]) -> str:
+    import inspect
     import pstats
+
+    from deepinfer.models.llama import DecoderAttention
+
+    attention_line = inspect.getsourcelines(DecoderAttention.forward)[1]
 
     lines = ["| per rank, per decode step | " + " | ".join(f.stem.split("_")[-2] for f in files) + " |",
              "|---|" + "---|" * len(files)]
@@ -80,7 +85,10 @@ def summarise(files: list[Path]) -> str:
         stats = pstats.Stats(str(f)).stats
         rows = {}
         for label, (file, fn) in PHASES.items():
-            hits = [v for (path, _, name), v in stats.items() if path.endswith("/" + file) and name == fn]
+            line = attention_line if fn == "DecoderAttention.forward" else None
+            fn = fn.rpartition(".")[2]
+            hits = [v for (path, at, name), v in stats.items()
+                    if path.endswith("/" + file) and name == fn and line in (None, at)]
             # the outermost entry of a name (largest cumulative time): a layer's forward, not a helper's
             rows[label] = 1000 * max((v[3] for v in hits), default=0.0) / steps
         a2a = [v for (path, _, name), v in stats.items() if name == "all_to_all_single" and path.endswith(".py")]
