@@ -8,7 +8,7 @@ unit vector per layer; experts 4 and 6 along +u, 5 and 7 along -u, the other row
 sign of x . u sends most tokens' two picks to {4, 6} or {5, 7}. The share of
 (token, expert) pairs those four experts receive is measured and printed.
 
-Per configuration (one engine of two rank processes, each with one CPU thread), the same workload:
+Per configuration (one engine of two rank processes, each with `--threads` CPU threads), the same workload:
 `--requests` prompts of `--prompt-len` random tokens, `--max-tokens` greedy tokens each (ignore_eos), spread
 by the front end over the two ranks. A warm-up batch first (long enough for EPLB to re-place: interval and
 window `--interval` steps), then `--repeats` timed batches; configurations run in the order off, R0, R2, R4,
@@ -22,7 +22,9 @@ then again in reverse (ABBA), each start a fresh engine. Reported (medians over 
 - the mechanism, independent of the machine's load (rank 0 / rank 1, per engine step of the timed batches,
   summed over the 8 MoE layers): expert pairs computed, expert weight reads (slots that ran a matmul: each
   reads the slot's 3 MiB of weights), and the expert compute seconds (`ExpertStats`). A code version
-  without the weight-read counter prints "-" for it.
+  without the weight-read counter prints "-" for it;
+- CPU ms per step per rank: each rank process's CPU time (user + system, all its threads: gloo's included)
+  over the timed batches / their engine steps; on a shared machine less noisy than the wall clock.
 
 Run: PYTHONPATH=. python3 benchmarks/eplb.py  (about 10 minutes on 2 cores)
 """
@@ -87,18 +89,22 @@ def run_config(path: Path, label: str, kwargs: dict, args, prompts) -> dict:
     from deepinfer import LLM, SamplingParams
 
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0, ignore_eos=True)
-    out: dict = {"label": label, "wall": [], "step": [], "imb": [], "pairs": [], "reads": [], "secs": []}
+    out: dict = {"label": label, "wall": [], "step": [], "imb": [], "pairs": [], "reads": [], "secs": [], "cpu": []}
     with LLM(str(path), dtype="float32", kv_cache_memory="256MiB", profile_cost_model=False,
              expert_parallel_size=2, eplb_step_interval=args.interval, eplb_window_steps=args.interval,
-             max_num_seqs=args.requests, **kwargs) as llm:
+             max_num_seqs=args.requests, num_threads=args.threads, **kwargs) as llm:
+        procs = [psutil.Process(r._proc.pid) for r in llm.ranks.ranks]
         llm.generate(prompts, sp)  # warm-up: EPLB re-places at least once here
         for _ in range(args.repeats):
             b = llm.stats()["eplb"]
+            cpu = [sum(p.cpu_times()[:2]) for p in procs]
             started = time.perf_counter()
             llm.generate(prompts, sp)
             wall = time.perf_counter() - started
+            cpu = [sum(p.cpu_times()[:2]) - c for p, c in zip(procs, cpu, strict=True)]
             e = llm.stats()["eplb"]
             steps = max(1, e["steps"] - b["steps"])
+            out["cpu"].append([c / steps for c in cpu])
             out["wall"].append(wall)
             out["step"].append(wall / steps)
             out["imb"].append(e["imbalance"])
@@ -107,7 +113,7 @@ def run_config(path: Path, label: str, kwargs: dict, args, prompts) -> dict:
                 out[key].append([(r.get(name, float("nan")) - q.get(name, float("nan"))) / steps
                                  for r, q in zip(e["ranks"], b["ranks"], strict=True)])
         e = llm.stats()["eplb"]
-        out["rss"] = [psutil.Process(r._proc.pid).memory_info().rss for r in llm.ranks.ranks]
+        out["rss"] = [p.memory_info().rss for p in procs]
         routed = torch.tensor([r["window_routed"] for r in e["ranks"]]).sum(0)  # [layers, experts]
         out["hot_share"] = float(routed[:, list(HOT)].sum() / routed.sum())
         out["placement0"] = e["placement"][0]
@@ -124,6 +130,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--skew", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank process (torch)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, 2048) for _ in range(args.prompt_len)] for _ in range(args.requests)]
@@ -137,17 +144,19 @@ def main() -> None:
             r = run_config(path, label, kw, args, prompts)
             results[label].append(r)
             print(f"  {label}: wall {[round(w, 2) for w in r['wall']]} s, imbalance {[round(i, 3) for i in r['imb']]},"
+                  f" CPU ms/step {[[round(1000 * c, 1) for c in x] for x in r['cpu']]},"
                   f" rebalances {r['rebalances']}, layer-0 placement {r['placement0']}", flush=True)
     tokens = args.requests * args.max_tokens
     slot_bytes = 8 * 3 * 512 * 512 * 4  # one expert slot in each of the 8 layers, fp32
     share = statistics.median(r["hot_share"] for runs in results.values() for r in runs)
     print(f"\nskew: experts 4-7 (of 16) receive {100 * share:.1f}% of the (token, expert) pairs (median over runs)")
     base = None
-    print(f"{args.requests} requests x {args.max_tokens} tokens, EP=2 (1 thread per rank), interval {args.interval}")
+    print(f"{args.requests} requests x {args.max_tokens} tokens, EP=2 ({args.threads} thread(s) per rank), "
+          f"interval {args.interval}")
     print("| config | imbalance | decode step (ms) | throughput (tok/s) | vs off | RSS per rank (MiB) | "
           "expert weights per rank (MiB) | pairs / step per rank | weight reads / step per rank | "
-          "expert ms / step per rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "expert ms / step per rank | CPU ms / step per rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for label, kw in configs:
         runs = results[label]
         imb = statistics.median(i for r in runs for i in r["imb"])
@@ -157,12 +166,13 @@ def main() -> None:
         rss = [statistics.median(r["rss"][k] for r in runs) / 2**20 for k in range(2)]
         slots = (16 + kw.get("num_redundant_experts", 0)) // 2
         per_rank = {key: [statistics.median(x[k] for r in runs for x in r[key]) for k in range(2)]
-                    for key in ("pairs", "reads", "secs")}
+                    for key in ("pairs", "reads", "secs", "cpu")}
         reads = "-" if per_rank["reads"][0] != per_rank["reads"][0] else "{:.1f} / {:.1f}".format(*per_rank["reads"])
         print(f"| {label} | {imb:.3f} | {1000 * step:.1f} | {thr:.1f} | {thr / base:.3f} | "
               f"{rss[0]:.0f} / {rss[1]:.0f} | {slots * slot_bytes / 2**20:.0f} | "
               "{:.1f} / {:.1f} | ".format(*per_rank["pairs"]) + reads + " | "
-              "{:.1f} / {:.1f} |".format(*(1000 * x for x in per_rank["secs"])))
+              "{:.1f} / {:.1f} | ".format(*(1000 * x for x in per_rank["secs"])) +
+              "{:.1f} / {:.1f} |".format(*(1000 * x for x in per_rank["cpu"])))
 
 
 if __name__ == "__main__":

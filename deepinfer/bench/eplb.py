@@ -3,7 +3,9 @@
 Per-step routing (a recorded trace, `eplb_trace.py`, or a Zipf prior) is replayed against N modelled ranks
 holding one MoE layer's E experts (+ R redundant slots) each, once per R, with the placement code the
 runtime uses (`deepinfer.eplb`): EPLB off (the contiguous `initial_placement`, R = 0) and EPLB on (every
-`interval` steps a `balanced_placement` from the `ExpertLoadWindow` of the last `window` steps).
+`interval` steps the balancer's rule, `eplb.policy.plan_placement`, on the `ExpertLoadWindow` of the last
+`window` steps: `balanced_placement` where a c-th replica needs c x `split_rows` rows of the expert per rank
+in the window's median step, kept only if it lowers the busiest rank's load by `MIN_GAIN`).
 
 Routing at scale. A small model's routing (4-16 experts, a few tokens per step) becomes E experts (default
 256, top-8, DeepSeek-V3/V4's) and tokens_per_rank * N tokens per step like this:
@@ -16,16 +18,22 @@ Routing at scale. A small model's routing (4-16 experts, a few tokens per step) 
      stationary deviation `drift` and correlation time `drift_steps` steps (content shifts what is hot).
   3. each token picks k distinct experts without replacement in proportion to the weights (Plackett-Luce,
      as Gumbel-top-k; `topk_counts`); a step's counts are the layer's loads.
+  4. the ranks' tokens are the same number each (data-parallel decode), so each expert's pairs of a step
+     come from the ranks as a uniform multinomial split (the same split for every R: one seeded stream).
   A trace whose E equals --experts can be replayed as recorded (`--replay-direct`).
 
 Cost model (per MoE layer, per step; stated defaults are an H200-class accelerator at DeepSeek-V3's expert
 shape, or `--measure-expert-cost` times a real matmul of the expert shape on this machine):
-  rank compute   = tokens_r * t_token + slots * t_slot: t_token = 6 * H * I flops / `tflops`, t_slot = one
-                   expert's weights (3 * H * I * weight_bytes) / `hbm_gbps` (read once per step per slot);
-                   a replicated expert's tokens split evenly among its replicas
+  replica choice = the engine's (`eplb.policy`, as `layers/ep_moe.py` runs it): a source rank's n pairs of
+                   an expert with c replicas go to u = min(c, max(1, n // split_rows)) replicas in that
+                   rank's order of preference (its own replica first, else a rotation), in chunks equal to
+                   within one; with few rows per rank (n < 2 x split_rows) all to ONE replica, not split
+  rank compute   = tokens_r * t_token + active slots * t_slot: t_token = 6 * H * I flops / `tflops`, t_slot
+                   = one expert's weights (3 * H * I * weight_bytes) / `hbm_gbps`, read once per step by
+                   each slot that got rows (a slot without rows reads nothing, as in the engine)
   all-to-all     = dispatch + combine, each latency + max over ranks of max(sent, received) pairs * H *
-                   bytes / `link_gbps`: a rank sends its tokens_per_rank * k pairs (the remote fraction
-                   (N - 1) / N) and receives the pairs routed to its slots, so routing imbalance slows the
+                   bytes / `link_gbps`, counting the pairs that leave their source rank under the replica
+                   choice (a rank's pairs of an expert it holds stay home), so routing imbalance slows the
                    exchange too; dispatch in `dispatch_bytes` per element (fp8), combine `combine_bytes` (bf16)
   step time      = sum over layers of dispatch + max over ranks of compute + combine (all ranks wait at
                    the combine); waiting = sum over ranks of (max - own compute); imbalance = max / mean of
@@ -33,8 +41,9 @@ shape, or `--measure-expert-cost` times a real matmul of the expert shape on thi
   memory of R    = R / N replicas per rank * 3 * H * I * weight_bytes * `model_moe_layers`.
 
 It is a model: no attention time (data parallel, the same on every rank), no shared expert, no overlap of
-communication with compute, replicas share a hot expert's tokens exactly evenly, weight movement at a
-rebalance is free (its size is reported).
+communication with compute, weight movement at a rebalance is free (its size is reported). `split_rows`
+defaults to the engine's `SPLIT_ROWS` (16, measured on this repository's CPU); the stated accelerator costs
+would put the break-even at t_slot / t_token rows (~42 at the defaults), which `--split-rows` can model.
 """
 
 from __future__ import annotations
@@ -50,7 +59,8 @@ import torch
 
 from deepinfer.bench.eplb_trace import RoutingTrace, load_trace, max_over_mean, record_trace
 from deepinfer.config import _f
-from deepinfer.eplb import ExpertLoadWindow, Placement, balanced_placement, initial_placement, moved_slots
+from deepinfer.eplb import ExpertLoadWindow, Placement, initial_placement, moved_slots
+from deepinfer.eplb.policy import SPLIT_ROWS, plan_placement, replica_preference
 
 DEFAULT_REDUNDANT = (0, 64, 128, 192, 256, 384, 512)
 
@@ -84,6 +94,8 @@ class EplbSimConfig:
     drift: float = _f(0.3, "Popularity drift: stationary std of each expert's log-weight deviation.")
     drift_steps: float = _f(200.0, "Popularity drift: correlation time in steps.")
     num_nodes: int | None = _f(None, "Hierarchical placement: ranks grouped into this many nodes.")
+    split_rows: int = _f(SPLIT_ROWS, "Rows of one expert on one rank that repay a further read of its weights "
+                         "(the engine's SPLIT_ROWS): the replica choice and the balancer's replica rule use it.")
     hidden: int = _f(7168, "Expert input width H (DeepSeek-V3: 7168).")
     intermediate: int = _f(2048, "Expert intermediate width I (DeepSeek-V3: 2048).")
     weight_bytes: float = _f(1.0, "Bytes per expert weight (fp8: 1).")
@@ -107,7 +119,7 @@ class EplbSimConfig:
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{name} must be integers ({e})") from e
         for name in ("experts", "top_k", "layers", "tokens_per_rank", "steps", "window", "interval", "hidden",
-                     "intermediate", "weight_bytes", "tflops", "hbm_gbps", "link_gbps", "model_moe_layers",
+                     "intermediate", "weight_bytes", "tflops", "hbm_gbps", "link_gbps", "model_moe_layers", "split_rows",
                      "drift_steps", "record_prompts", "record_prompt_len", "record_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive")
@@ -259,14 +271,36 @@ def synth_counts(cfg: EplbSimConfig, shares: list[np.ndarray], tokens: int, seed
     return out
 
 
-def share_matrix(p: Placement) -> np.ndarray:
-    """[experts, ranks]: the fraction of an expert's tokens each rank gets (1 / replicas per replica)."""
-    a = np.zeros((p.num_experts, p.num_ranks))
-    counts = p.replica_counts()
-    s = p.slots_per_rank
-    for slot, e in enumerate(p.physical_to_logical):
-        a[e, slot // s] += 1.0 / counts[e]
-    return a
+def preference_table(p: Placement) -> np.ndarray:
+    """[experts, ranks, max replicas]: each rank's replica slots of each expert in its order of preference
+    (`eplb.policy.replica_preference`, the engine's), padded with the first."""
+    width = max(p.replica_counts())
+    table = np.empty((p.num_experts, p.num_ranks, width), dtype=np.int64)
+    for e in range(p.num_experts):
+        slots = p.replicas(e)
+        if len(slots) == 1:
+            table[e] = slots[0]
+            continue
+        for r in range(p.num_ranks):
+            pref = replica_preference(p, r, e)
+            table[e, r] = pref + pref[:1] * (width - len(pref))
+    return table
+
+
+def route_rows(p: Placement, table: np.ndarray, rows: np.ndarray, split_rows: int) -> tuple[np.ndarray, np.ndarray]:
+    """The engine's replica choice for one layer's step: `rows` [experts, ranks] pairs by source rank ->
+    (rows per physical slot [slots], pairs from each source rank to each destination rank [ranks, ranks])."""
+    e, n = rows.shape
+    c = np.asarray(p.replica_counts(), dtype=np.int64)[:, None]
+    used = np.minimum(c, np.maximum(1, rows // split_rows))  # eplb.policy.replicas_used
+    i = np.arange(table.shape[2])[None, None, :]
+    r3, u3 = rows[:, :, None], used[:, :, None]
+    # eplb.policy.chunk_rows: chunk i of a rank's n rows is ceil((i + 1) n / u) - ceil(i n / u), none past u
+    size = np.where(i < u3, -((-(i + 1) * r3) // u3) + (-i * r3) // u3, 0)
+    slot_rows = np.bincount(table.ravel(), weights=size.ravel(), minlength=len(p.physical_to_logical))
+    src = np.broadcast_to(np.arange(n)[None, :, None], table.shape)
+    flow = np.bincount((src * n + table // p.slots_per_rank).ravel(), weights=size.ravel(), minlength=n * n)
+    return slot_rows, flow.reshape(n, n)
 
 
 def simulate(cfg: EplbSimConfig, counts: np.ndarray, tokens: np.ndarray, ranks: int, redundant: int | None,
@@ -276,29 +310,36 @@ def simulate(cfg: EplbSimConfig, counts: np.ndarray, tokens: np.ndarray, ranks: 
     r = redundant or 0
     placements = [initial_placement(experts, ranks, r) for _ in range(layers)]
     window = ExpertLoadWindow(layers, experts, cfg.window)
-    top_k = int(counts[0, 0].sum() // max(tokens[0], 1))
+    split = np.random.default_rng(cfg.seed + 7919 * ranks)  # the same source-rank split for every R
+    even = np.full(ranks, 1.0 / ranks)
     moved, rebalances = 0, 0
     step_s, expert_s, a2a_s, wait_s, imb = [], [], [], [], []
-    mats = [share_matrix(p) for p in placements]
-    remote = (ranks - 1) / ranks
+    tables = [preference_table(p) for p in placements]
     for t in range(steps):
         if redundant is not None and t > 0 and t % cfg.interval == 0:
-            load = window.window_load().numpy()
-            new = [balanced_placement(load[layer], ranks, r, num_nodes=cfg.num_nodes, previous=old)
-                   for layer, old in enumerate(placements)]
-            moved += sum(moved_slots(old, p) for old, p in zip(placements, new, strict=True))
+            load = window.window_load().tolist()
+            median = window.window_steps_rows().median(dim=0).values.tolist()
+            for layer, old in enumerate(placements):
+                new = plan_placement(load[layer], median[layer], ranks, r, old, split_rows=cfg.split_rows,
+                                     num_nodes=cfg.num_nodes)
+                if new is not None:
+                    moved += moved_slots(old, new)
+                    placements[layer], tables[layer] = new, preference_table(new)
             rebalances += 1
-            placements, mats = new, [share_matrix(p) for p in new]
         window.record(counts[t])
+        by_rank = split.multinomial(counts[t], even)  # [layers, experts, ranks]
         if t < cfg.interval:
             continue  # warm-up: before the first rebalance
-        send = tokens[t] / ranks * top_k * remote
         total = exp_total = a2a_total = wait_total = imb_total = 0.0
         for layer in range(layers):
-            rank_tok = counts[t, layer] @ mats[layer]  # [ranks]
-            compute = rank_tok * costs.token_s + placements[layer].slots_per_rank * costs.slot_s
+            p = placements[layer]
+            slot_rows, flow = route_rows(p, tables[layer], by_rank[layer], cfg.split_rows)
+            per_rank = slot_rows.reshape(ranks, p.slots_per_rank)
+            rank_tok = per_rank.sum(axis=1)
+            compute = rank_tok * costs.token_s + (per_rank > 0).sum(axis=1) * costs.slot_s
             peak = float(compute.max())
-            heaviest = max(send, float(rank_tok.max()) * remote)
+            home = np.diag(flow)
+            heaviest = float(max((flow.sum(axis=1) - home).max(), (flow.sum(axis=0) - home).max()))
             a2a = 2 * cfg.a2a_latency_us * 1e-6 + heaviest * cfg.hidden * (
                 cfg.dispatch_bytes + cfg.combine_bytes) / (cfg.link_gbps * 1e9)
             total += peak + a2a

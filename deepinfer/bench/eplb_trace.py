@@ -124,13 +124,15 @@ def record_trace(model: str, out: str | Path, *, skew: float = 1.0, prompts: int
             raise ValueError(f"{model}: MoE layers differ in experts or top-k ({num_experts}, {top_k})")
         e, k = num_experts.pop(), top_k.pop()
         bias = skew_bias(e, skew, seed)
-        step: dict = {}
         steps: list[tuple[int, np.ndarray]] = []
         hooks = []
 
         def count(layer: int, ids: torch.Tensor) -> None:
-            step["counts"][layer] += torch.bincount(ids.reshape(-1), minlength=e).numpy()
-            step["tokens"] = ids.shape[0]
+            # a forward's first MoE layer opens its step: the runner calls the model's `hidden_states` /
+            # `compute_logits`, so hooks on the model's own forward never run
+            if layer == 0:
+                steps.append((ids.shape[0], np.zeros((len(routers), e), dtype=np.int64)))
+            steps[-1][1][layer] += torch.bincount(ids.reshape(-1), minlength=e).numpy()
 
         def softmax_router_hook(layer: int):
             def hook(mod, args, output):
@@ -155,14 +157,6 @@ def record_trace(model: str, out: str | Path, *, skew: float = 1.0, prompts: int
                     m.gate_bias.add_(bias)
                 hooks.append(m.register_forward_pre_hook(v4_hook(layer)))
 
-        def open_step(mod, args):
-            step["counts"] = np.zeros((len(routers), e), dtype=np.int64)
-            step["tokens"] = 0
-
-        def close_step(mod, args, output):
-            steps.append((step["tokens"], step["counts"]))
-
-        hooks += [net.register_forward_pre_hook(open_step), net.register_forward_hook(close_step)]
         try:
             vocab = llm.engine.core.hf_config.vocab_size
             g = torch.Generator().manual_seed(seed)

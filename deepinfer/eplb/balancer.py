@@ -7,15 +7,17 @@ same step:
 
   1. the window's per-expert counts are all-reduced (int64: every rank gets the same numbers), and so are
      the per-rank expert tokens of the interval just ended (imbalance = max / mean, for /metrics);
-  2. with `enable_eplb`, each layer gets `balanced_placement(load, ranks, num_redundant, ...)`
-     (a deterministic function of the same numbers, so every rank computes the same placement without
-     sending it); an expert gets its c-th replica only where, in the window's median step, each rank's
-     rows of it (all ranks' rows / ranks) reach c x `SPLIT_ROWS`: where the replica choice
-     (`layers/ep_moe.py`) would cut a rank's rows into c chunks that each repay a weight read. Fewer rows
-     go to one replica per rank, so more replicas would only add weight reads. The median, not the mean:
-     a prefill step's thousands of rows would otherwise make replicas that every decode step pays for;
+  2. with `enable_eplb`, each layer gets `eplb.policy.plan_placement` (`balanced_placement(load, ranks,
+     num_redundant, ...)`: a deterministic function of the same numbers, so every rank computes the same
+     placement without sending it; `bench eplb` simulates with the same function); an expert gets its
+     c-th replica only where, in the window's median step, each rank's rows of it (all ranks' rows /
+     ranks) reach c x `SPLIT_ROWS`: where the replica choice (`layers/ep_moe.py`) would cut a rank's rows
+     into c chunks that each repay a weight read. Fewer rows go to one replica per rank, so more replicas
+     would only add weight reads. The median, not the mean: a prefill step's thousands of rows would
+     otherwise make replicas that every decode step pays for;
   3. a layer whose new placement lowers its busiest rank's expected load (window load) by at least
-     `MIN_GAIN` is re-placed (otherwise sampling noise would move weights every interval for nothing);
+     `MIN_GAIN` (`eplb/policy.py`) is re-placed (otherwise sampling noise would move weights every
+     interval for nothing);
   4. re-placing (`ExpertParallelExperts.apply_placement`): the weights of experts a rank newly holds (and
      their GGUF blocks, when the model has them) come from the rank that holds them, by all_to_all over
      the process group. Not from the checkpoint: the checkpoint may be a GGUF or a safetensors directory
@@ -40,14 +42,11 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.config import ParallelConfig
-from deepinfer.eplb.placement import balanced_placement, rank_loads
+from deepinfer.eplb.policy import plan_placement
 from deepinfer.eplb.stats import ExpertLoadWindow
-from deepinfer.layers.ep_moe import SPLIT_ROWS, ExpertComm, ExpertParallelExperts, PreparedPlacement
+from deepinfer.layers.ep_moe import ExpertComm, ExpertParallelExperts, PreparedPlacement
 
 logger = logging.getLogger(__name__)
-
-# a layer's experts move only when the new placement lowers its busiest rank's expected load by this much
-MIN_GAIN = 0.05
 
 
 class ExpertBalancer:
@@ -113,14 +112,10 @@ class ExpertBalancer:
         steps = self._all_reduce(self.window.window_steps_rows())  # [steps, layers, experts], all ranks' pairs
         load = steps.sum(dim=0)  # the window's load: one all-reduce serves both
         typical = steps.median(dim=0).values.tolist()  # all ranks' rows of each expert in the median step
-        # per rank (tokens spread evenly): the rows one rank's replica choice splits over the replicas
         changes = []
         for layer, row, rows in zip(self.layers, load.tolist(), typical, strict=True):
-            row = [float(x) for x in row]
-            new = balanced_placement(row, self.world, self.config.num_redundant_experts, previous=layer.placement,
-                                     step_rows=[x / self.world for x in rows], min_replica_rows=SPLIT_ROWS)
-            busiest, now = max(rank_loads(new, row)), max(rank_loads(layer.placement, row))
-            if new != layer.placement and busiest < (1 - MIN_GAIN) * now:
+            new = plan_placement(row, rows, self.world, self.config.num_redundant_experts, layer.placement)
+            if new is not None:
                 changes.append((layer, new))
         if not changes:
             return
@@ -166,8 +161,7 @@ class ExpertBalancer:
                 "rank_expert_tokens_interval": list(self.rank_pairs), "rebalances": self.rebalances,
                 "last_rebalance_time": self.last_rebalance_time,
                 "last_rebalance_seconds": self.last_rebalance_seconds,
-                "replicas": [[len(layer.placement.replicas(e)) for e in range(layer.num_logical)]
-                             for layer in self.layers],
+                "replicas": [layer.placement.replica_counts() for layer in self.layers],
                 "placement": [list(layer.placement.physical_to_logical) for layer in self.layers],
                 "window_routed": self.window.window_load().tolist() if self.window is not None else [],
                 # GGUF: slots multiplying their expert's quantized blocks, and expert matmul pairs they served

@@ -9,7 +9,7 @@ rank: `Placement` refuses that, as a second copy on one rank could only read the
 One forward, on every rank at once (ranks without tokens pass empty tensors and still take part):
 
     (token t, its j-th expert e) pairs ──▶ slot: one of e's replicas (replica choice, below)
-      ──▶ sort pairs by the slot's rank ──▶ all_to_all: pair counts, then rows of x and (slot, weight)
+      ──▶ sort pairs by the slot's rank ──▶ all_to_all: pair counts, then rows of x with (slot, weight) appended
       ──▶ each rank runs its slots' pairs grouped by slot (`RoutedExperts.compute`, one output row per pair)
       ──▶ all_to_all back ──▶ each token sums its k pair outputs in ascending logical expert id
 
@@ -36,6 +36,10 @@ logical expert e with c replicas and n of this rank's pairs in this forward:
   - the n pairs, in pair order, are cut into u contiguous chunks of equal size (to within one), chunk i to
     the i-th preferred replica.
 
+The rule's parts live in `eplb/policy.py` (`SPLIT_ROWS`, `replica_preference`, `replicas_used`,
+`chunk_rows`), which the `bench eplb` simulation uses too; `_choose_slots` below is its vectorised form
+(per-layer slot table built once per placement, no Python per pair or per slot in a forward).
+
 Replicas sit on distinct ranks (a `Placement` never holds an expert twice on one rank). The balancer adds
 a replica only where this rule would use it: an expert gets its c-th replica only where a rank's rows of it
 in the window's median step reach c x `SPLIT_ROWS` (`balanced_placement`'s `step_rows` / `min_replica_rows`);
@@ -61,12 +65,11 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.eplb.placement import Placement
+from deepinfer.eplb.policy import SPLIT_ROWS, replica_preference
 from deepinfer.layers.gguf_kernels import QuantizedWeight
 from deepinfer.layers.moe import RoutedExperts
 
-# rows that repay one more read of an expert's weights (see the module docstring): a rank splits an expert's
-# pairs over its replicas only in chunks of at least this many rows
-SPLIT_ROWS = 16
+__all__ = ["SPLIT_ROWS", "ExpertComm", "ExpertParallelExperts", "ExpertStats", "PreparedPlacement"]
 
 
 class ExpertComm:
@@ -136,22 +139,11 @@ class ExpertParallelExperts(RoutedExperts):
         reps = [placement.replicas(e) for e in range(self.num_logical)]
         if any(not r for r in reps):
             raise ValueError("a placement must hold every expert at least once")
-        prefs = [self._preference(e, r) for e, r in enumerate(reps)]
+        prefs = [replica_preference(placement, self.rank, e) for e in range(self.num_logical)]
         width = max(len(r) for r in reps)
         table = torch.tensor([p + [p[0]] * (width - len(p)) for p in prefs], dtype=torch.long)
         self.replica_table = table.to(self.w13.device)  # [logical, max replicas] slots, this rank's preference
         self.replica_count = torch.tensor([len(r) for r in reps], dtype=torch.long, device=self.w13.device)
-
-    def _preference(self, expert: int, slots: tuple[int, ...]) -> list[int]:
-        """`expert`'s replica slots in this rank's order of preference (see the module docstring)."""
-        s, c = self.placement.slots_per_rank, len(slots)
-        ranks = [p // s for p in slots]
-        if self.rank in ranks:
-            first = ranks.index(self.rank)
-        else:
-            j = sum(1 for q in range(self.rank) if q not in ranks)  # this rank among those without a replica
-            first = (j + expert) % c
-        return [slots[(first + i) % c] for i in range(c)]
 
     @property
     def num_logical_experts(self) -> int:
@@ -206,10 +198,13 @@ class ExpertParallelExperts(RoutedExperts):
             send = torch.bincount(dest, minlength=self.comm.world)
             recv = self.comm.exchange_counts(send)
             send = send.tolist()
+            # one exchange carries each pair's row of x and its (slot, weight) as float32 bits reinterpreted in
+            # x's dtype: exact, and one all_to_all per layer fewer than sending them apart
             meta = torch.stack([slot[order].to(torch.float32), w[order].to(torch.float32)], dim=1)
-            x_in = self.comm.exchange(x[token[order]], send, recv)
-            meta_in = self.comm.exchange(meta, send, recv)
-            y = self._compute_pairs(x_in, meta_in[:, 0].long(), meta_in[:, 1].to(w.dtype))
+            rows = torch.cat([x[token[order]], meta.view(x.dtype)], dim=1)
+            rows_in = self.comm.exchange(rows, send, recv)
+            meta_in = rows_in[:, self.hidden:].contiguous().view(torch.float32)
+            y = self._compute_pairs(rows_in[:, :self.hidden], meta_in[:, 0].long(), meta_in[:, 1].to(w.dtype))
             back = self.comm.exchange(y, recv, send)
             pair_out = torch.empty_like(back)
             pair_out[order] = back

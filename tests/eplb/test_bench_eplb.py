@@ -194,3 +194,33 @@ def test_topk_counts_sample_without_replacement():
     g = np.log(w) - np.log(rng.exponential(size=(20000, 64)))
     ref = np.bincount(np.argpartition(g, -4, axis=1)[:, -4:].ravel(), minlength=64) / 20000
     assert np.abs(ours - ref).max() < 0.02
+
+
+def test_simulated_replica_choice_is_the_engines():
+    """`route_rows` (the simulation) sends each source rank's rows where the engine's `_choose_slots` does:
+    random rows per (expert, rank) from 0 to 3 x SPLIT_ROWS, on a placement with 1-3 replicas per expert."""
+    import torch
+
+    from deepinfer.bench.eplb import preference_table, route_rows
+    from deepinfer.eplb.placement import Placement
+    from deepinfer.eplb.policy import SPLIT_ROWS, chunk_rows
+    from deepinfer.layers.ep_moe import ExpertParallelExperts
+    from deepinfer.layers.moe import RoutedExperts
+
+    experts, ranks = 8, 4
+    p = Placement(experts, ranks, (0, 2, 3, 1, 4, 5, 0, 1, 6, 1, 7, 2))
+    base = RoutedExperts(experts, 16, 12)
+    engine = [ExpertParallelExperts(base, p, r, None) for r in range(ranks)]
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        rows = rng.integers(0, 3 * SPLIT_ROWS, size=(experts, ranks))
+        slot_rows, flow = route_rows(p, preference_table(p), rows, SPLIT_ROWS)
+        want_slots = np.zeros(len(p.physical_to_logical))
+        want_flow = np.zeros((ranks, ranks))
+        for r, ep in enumerate(engine):
+            flat = torch.tensor([e for e in range(experts) for _ in range(int(rows[e, r]))], dtype=torch.long)
+            slots = ep._choose_slots(flat, torch.bincount(flat, minlength=experts)).numpy()
+            np.add.at(want_slots, slots, 1)
+            np.add.at(want_flow[r], slots // p.slots_per_rank, 1)
+        assert (slot_rows == want_slots).all() and (flow == want_flow).all()
+    assert chunk_rows(50, 3) == [17, 17, 16] and chunk_rows(31, 2) == [31, 0] and chunk_rows(0, 2) == [0, 0]

@@ -121,6 +121,12 @@ def _rank_main(rank: int, port: int, results) -> None:
                 out.append(_close(ep(x, ids, w), ref(x, ids, w)))
                 _, pairs, _, reads = ep.stats.take()
                 work.append((pairs, reads))
+            # bfloat16: the pairs' (slot, weight) travel as float32 bits inside the bf16 rows of x
+            ep.to(torch.bfloat16)
+            ref.to(torch.bfloat16)
+            x, ids, w = _batch(7 if rank == 0 else 4, 30 + rank)
+            got, want = ep(x.bfloat16(), ids, w.bfloat16()), ref(x.bfloat16(), ids, w.bfloat16())
+            out.append(got.dtype == torch.bfloat16 and torch.allclose(got.float(), want.float(), rtol=2e-2, atol=2e-2))
             results[rank] = (out, *moved, work)
     finally:
         dist.destroy_process_group()
@@ -133,8 +139,8 @@ def test_two_ranks_dispatch_combine_and_move_experts():
     with mp.Manager() as manager:
         results = manager.dict()
         mp.spawn(_rank_main, args=(free_port(), results), nprocs=2)
-        assert results[0][:3] == ([True] * 8, (7, 6, 5, 0, 1), (0, 1, 5, 6, 7))
-        assert results[1][:3] == ([True] * 8, (1, 2, 3, 4, 0), (0, 1, 2, 3, 4))
+        assert results[0][:3] == ([True] * 9, (7, 6, 5, 0, 1), (0, 1, 5, 6, 7))
+        assert results[1][:3] == ([True] * 9, (1, 2, 3, 4, 0), (0, 1, 2, 3, 4))
         # (pairs computed, slot weight reads) per rank: 5 rows of expert 0 stay on rank 0's replica (one read,
         # not one per replica), expert 6's go to rank 1; 36 rows split 18 / 18 over both replicas
         few, many = 5, 2 * SPLIT_ROWS + 4
