@@ -3,7 +3,8 @@ its routed experts multiplying their quantized blocks, against transformers load
 
 - default suite: the loader reads the expert width transformers' GGUF reader drops;
 - slow: the converted checkpoint's expert tensors are exactly the blocks' values; greedy output token-identical
-  to transformers (fp32 and bf16) with every expert slot on blocks and the blocks used; EP=2 with EPLB
+  to transformers in fp32 (in bf16, each token transformers' best or a near tie: see the test) with every expert
+  slot on blocks and the blocks used; EP=2 with EPLB
   re-placing a skewed router's experts mid-generation keeps the output and the moved experts' blocks.
 """
 
@@ -105,7 +106,23 @@ def test_greedy_matches_transformers_with_quantized_experts(files, quant, dtype)
         assert torch.equal(q13.dequantize().to(experts[1].w13.dtype), experts[1].w13[5].detach())
         assert torch.equal(q2.dequantize().to(experts[1].w2.dtype), experts[1].w2[5].detach())
     hf = hf_from_gguf(path, getattr(torch, dtype))
-    assert ours == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+    if dtype == "float32":
+        assert ours == [hf_greedy(hf, p, GREEDY.max_tokens) for p in PROMPTS]
+        return
+    # bf16: this random model's float32 top-two margins are 0.002-0.03 nats at several positions, under bf16's
+    # resolution of a logit (0.031 at |logit| in [4, 8)), so token identity with transformers' bf16 run depends
+    # on how each side rounds, not on which is more accurate. Since prefill attention runs on the paged kernel
+    # (float32 probabilities) instead of torch's flash attention (probabilities rounded to bf16), q4_1 flips a
+    # tie at token 11-13 of two prompts; both sides are equally far from float32 (max |logprob - fp32| over the
+    # top 20 after each prompt: ours 0.023 / 0.019 / 0.285 / 0.683, transformers 0.024 / 0.016 / 0.286 / 0.683).
+    # So, as for the other tiny models in bf16 (test_models_vs_hf.py): every token we pick is transformers'
+    # best, or within 0.05 nats of it, on our own sequence.
+    for p, toks in zip(PROMPTS, ours, strict=True):
+        with torch.no_grad():
+            ref = torch.log_softmax(hf(torch.tensor([p + toks])).logits[0].float(), -1)
+        for i, tok in enumerate(toks):
+            row = ref[len(p) - 1 + i]
+            assert row.max() - row[tok] < 0.05, f"token {i}: ours is not (nearly) transformers' best"
 
 
 @pytest.mark.slow
