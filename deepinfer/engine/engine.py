@@ -315,12 +315,16 @@ class LLMEngine:
             inflight = self._inflight or core.launch()
             if inflight is None:
                 outputs = []
-            elif core.speculator is not None and (inflight.ready is not None or _carries_drafts(inflight)):
+            elif core.speculator is not None and (_carries_drafts(inflight) or (
+                    inflight.ready is not None and core.speculator.wants_fresh_step(
+                        [item.request for item in inflight.plan.scheduled], core.max_model_len))):
                 # Speculative decoding: nothing is scheduled behind a step that verifies drafts (where its
                 # requests resume depends on how many drafts it keeps, so the scheduler would leave them out
-                # of a step scheduled ahead: they would sit a step out), nor behind a step that was itself
-                # scheduled ahead (its requests had a token in flight, so they drafted nothing; the next
-                # step is scheduled fresh, when they can). Steps without drafts still overlap in pairs.
+                # of a step scheduled ahead: they would sit a step out), nor, while drafts may pay, behind a
+                # step that was itself scheduled ahead (its requests had a token in flight, so they drafted
+                # nothing; the next step is scheduled fresh, when they can). Where the adaptive price says no
+                # drafts pay, steps overlap as without speculation (a chat batch would otherwise lose every
+                # other step's overlap: 5-7% of its throughput, BENCHMARKS.md session 15).
                 self._inflight = None
                 outputs = core.complete(inflight)
             else:

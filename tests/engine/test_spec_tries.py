@@ -175,3 +175,32 @@ def test_idle_drift_is_applied_lazily_as_the_per_step_rule():
     assert abs(lazy.first_rate() - eager[0]) < 1e-12
     lazy.settle()
     assert max(abs(a - b) for a, b in zip(lazy.rates, eager, strict=True)) < 1e-12
+
+
+def test_steps_overlap_where_no_drafts_can_pay():
+    """`wants_fresh_step` says whether the engine must wait for the step in flight (so its requests can draft
+    in the next) or may schedule the next step ahead of it, as without speculation."""
+    # batch 8 at the 9th row's jump with the prior's estimates: no draft pays, no exploration (rules off)
+    plain, _ = _speculator(jump=True, rules=TryRules())
+    reqs = [_req(f"r{i}", COPY if i == 0 else FRESH) for i in range(8)]
+    assert not plain.wants_fresh_step(reqs, 4096)
+    assert plain.propose(reqs, 4096) == {}  # the step it lets run without a fresh schedule drafts nothing anyway
+    # rows on the C path cheap: drafts at the prior pay, so the requests must get a fresh step to draft in
+    cheap, _ = _speculator(jump=False, rules=TryRules())
+    assert cheap.wants_fresh_step(reqs, 4096)
+    # ... but not a request whose own estimates say its drafts are not kept
+    for r in reqs:
+        cheap._state(r).rates = [0.01] * 8
+        cheap._state(r).prior = 0.01
+        cheap._state(r)._ceilings.clear()  # set by hand here, not by `observe` (which clears it)
+    assert not cheap.wants_fresh_step(reqs, 4096)
+    # exploration on: a fresh step exactly when the next step is an exploration lookup
+    spec, _ = _speculator(jump=True)
+    wants = []
+    for _ in range(2 * spec.tries.lookup_every):
+        wants.append(spec.wants_fresh_step(reqs, 4096))
+        spec.propose(reqs, 4096)
+    assert wants == [(s + 1) % spec.tries.lookup_every == 0 for s in range(2 * spec.tries.lookup_every)]
+    # a fixed draft length always drafts: always a fresh step
+    fixed = Speculator(SpeculativeMethod("ngram", 4, adaptive=False), CostModel(), NgramProposer(2, 5))
+    assert fixed.wants_fresh_step(reqs, 4096)

@@ -96,21 +96,14 @@ class Speculator:
         if not decodes:
             return {}
         states = [self._state(r) for r in decodes]
-        limits = []
-        for r in decodes:
-            k = min(self.k_max, max_model_len - r.num_tokens - 1)
-            if r.max_tokens is not None:
-                k = min(k, r.max_tokens - r.num_output_tokens - 1)  # the step also emits the target's token
-            limits.append(max(0, k))
+        limits = self._limits(decodes, max_model_len)
         # the back-off and exploration rules (tries.py) and the price bound need a proposer the speculator
         # may skip at will
-        tries = self.policy.adaptive and self.proposer.skippable
+        tries = self._skippable()
         priced = True
         if tries:
-            limits = [0 if self.tries.backed_off(s, self.num_steps) else lim for s, lim in zip(states, limits, strict=True)]
-            confident = self.proposer.confident
-            bounds = [s.gain_ceiling(confident)[:lim] for s, lim in zip(states, limits, strict=True) if lim]
-            if not self.policy.drafts_can_pay(len(decodes), bounds):
+            limits = self._unpaused(states, limits, self.num_steps)
+            if not self._drafts_can_pay(states, limits):
                 # no drafts pay by the price: look up only requests owed exploration, every few steps
                 priced = False
                 lookup = self.num_steps % self.tries.lookup_every == 0
@@ -146,6 +139,47 @@ class Speculator:
             else:
                 s.relax()
         return out
+
+    def wants_fresh_step(self, requests: list[Request], max_model_len: int) -> bool:
+        """Whether the engine should let the step in flight finish before it schedules the next one, so that
+        `requests` (that step's) can draft: a step scheduled ahead of the one in flight has their next token
+        pending, and they draft nothing in it (`propose`). False only where `propose` would give them no
+        drafts anyway: an adaptive, skippable proposer whose price says no drafts pay at this batch and no
+        exploration lookup is due next step. The engine then keeps overlapping host work with the model
+        (`LLMEngine.step_tokens`), as without speculation, instead of running every other step without it."""
+        if not self._skippable():
+            return True
+        requests = [r for r in requests if not r.finished]
+        if not requests:
+            return True
+        states = [self._state(r) for r in requests]
+        step = self.num_steps + 1  # the step the next `propose` counts
+        limits = self._unpaused(states, self._limits(requests, max_model_len), step)
+        if self._drafts_can_pay(states, limits):
+            return True
+        return step % self.tries.lookup_every == 0 and any(
+            lim and self.tries.explorable(s) for s, lim in zip(states, limits, strict=True))
+
+    def _skippable(self) -> bool:
+        return self.policy.adaptive and self.proposer.skippable
+
+    def _limits(self, requests: list[Request], max_model_len: int) -> list[int]:
+        """The most drafts each request may verify (the model length and its max_tokens leave room for)."""
+        limits = []
+        for r in requests:
+            k = min(self.k_max, max_model_len - r.num_tokens - 1)
+            if r.max_tokens is not None:
+                k = min(k, r.max_tokens - r.num_output_tokens - 1)  # the step also emits the target's token
+            limits.append(max(0, k))
+        return limits
+
+    def _unpaused(self, states: list[AcceptanceStats], limits: list[int], step: int) -> list[int]:
+        return [0 if self.tries.backed_off(s, step) else lim for s, lim in zip(states, limits, strict=True)]
+
+    def _drafts_can_pay(self, states: list[AcceptanceStats], limits: list[int]) -> bool:
+        confident = self.proposer.confident
+        bounds = [s.gain_ceiling(confident)[:lim] for s, lim in zip(states, limits, strict=True) if lim]
+        return self.policy.drafts_can_pay(len(states), bounds)
 
     def observe_step(self, num_rows: int, seconds: float) -> None:
         """A finished step in which every request decoded or verified drafts: `num_rows` rows (decodes and
