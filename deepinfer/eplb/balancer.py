@@ -10,10 +10,10 @@ same step:
   2. with `enable_eplb`, each layer gets `eplb.policy.plan_placement` (`balanced_placement(load, ranks,
      num_redundant, ...)`: a deterministic function of the same numbers, so every rank computes the same
      placement without sending it; `bench eplb` simulates with the same function); an expert gets its
-     c-th replica only where, in the window's median step, all ranks' rows of it reach c x `SPLIT_ROWS`:
-     the replica choice (`layers/ep_moe.py`) gives each of c replicas about 1/c of them, which then repays
-     its weight read; with fewer rows more replicas would only add weight reads. The median, not the
-     mean: a prefill step's thousands of rows would
+     c-th replica only where, in the window's median step, each rank's rows of it (all ranks' rows /
+     ranks) reach c x `SPLIT_ROWS`: where the replica choice (`layers/ep_moe.py`) would cut a rank's rows
+     into c chunks that each repay a weight read. Fewer rows go to one replica per rank, so more replicas
+     would only add weight reads. The median, not the mean: a prefill step's thousands of rows would
      otherwise make replicas that every decode step pays for;
   3. a layer whose new placement lowers its busiest rank's expected load (window load) by at least
      `MIN_GAIN` (`eplb/policy.py`) is re-placed (otherwise sampling noise would move weights every

@@ -9,15 +9,9 @@ otherwise a rotation over the ranks without one); its n pairs, in order, are cut
 equal size to within one (`chunk_rows`), chunk i to the i-th preferred replica.
 
 Re-placement (`plan_placement`, every balancer interval, every rank computing the same from all-reduced
-counts): `balanced_placement` of the window's load, where an expert gets its c-th replica only if its rows
-in the window's median step, all ranks together, reach c x `SPLIT_ROWS`: by the choice above each of c
-replicas then takes about 1/c of them (a holding rank's own rows, plus the rows of the ranks without a
-replica, spread over the replicas by the rotation), enough to repay its weight read; kept only if it
-lowers the busiest rank's expected load by at least `MIN_GAIN`. (Until session 15 the rule asked a
-*rank's* rows, all ranks' / ranks, to reach c x `SPLIT_ROWS`: that is when one rank would split its own
-rows, which at EP = 2 coincides within 2x, but at 64 ranks no expert ever qualified (a hot one has ~12-16
-rows per rank), so the redundant slots copied the coldest experts and balanced nothing; `bench eplb`,
-BENCHMARKS.md session 15.)
+counts): `balanced_placement` of the window's load, where an expert gets its c-th replica only if a rank's
+rows of it in the window's median step (all ranks' rows / ranks) reach c x `SPLIT_ROWS`; kept only if it
+lowers the busiest rank's expected load by at least `MIN_GAIN`.
 """
 
 from __future__ import annotations
@@ -72,10 +66,10 @@ def plan_placement(load: Sequence[float], median_step_rows: Sequence[float], num
                    num_nodes: int | None = None) -> Placement | None:
     """The balancer's decision for one layer: the new placement for the window's per-expert `load` (all
     ranks), or None to keep `current`. `median_step_rows`: all ranks' rows of each expert in the window's
-    median step; they must reach c x `split_rows` for a c-th replica (each replica's share repays a read)."""
+    median step; a rank's share of them (/ `num_ranks`) must reach c x `split_rows` for a c-th replica."""
     load = [float(x) for x in load]
     new = balanced_placement(load, num_ranks, num_redundant, num_nodes=num_nodes, previous=current,
-                             step_rows=[float(x) for x in median_step_rows], min_replica_rows=split_rows)
+                             step_rows=[float(x) / num_ranks for x in median_step_rows], min_replica_rows=split_rows)
     if new == current or max(rank_loads(new, load)) >= (1 - MIN_GAIN) * max(rank_loads(current, load)):
         return None
     return new

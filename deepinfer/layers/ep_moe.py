@@ -41,10 +41,9 @@ The rule's parts live in `eplb/policy.py` (`SPLIT_ROWS`, `replica_preference`, `
 (per-layer slot table built once per placement, no Python per pair or per slot in a forward).
 
 Replicas sit on distinct ranks (a `Placement` never holds an expert twice on one rank). The balancer adds
-a replica only where its share of the rows repays its weight read: an expert gets its c-th replica only where
-all ranks' rows of it in the window's median step reach c x `SPLIT_ROWS` (each of c replicas takes ~1/c of
-them: a holding rank's own rows plus the rotation's share of the others'; `eplb/policy.py`); with fewer rows
-per step the redundant slots copy the coldest experts, whose copies are rarely read at all.
+a replica only where this rule would use it: an expert gets its c-th replica only where a rank's rows of it
+in the window's median step reach c x `SPLIT_ROWS` (`balanced_placement`'s `step_rows` / `min_replica_rows`);
+with fewer rows per step the redundant slots copy the coldest experts, whose copies are rarely read at all.
 
 GGUF blocks (`RoutedExperts.attach_quantized`): each slot gets its logical expert's blocks at load; a
 re-placement moves them with the dense weights (a local copy keeps the slot's blocks, a slot filled from
