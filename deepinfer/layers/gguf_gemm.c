@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x
     }
 }
 
-/* one copy of each float32 kernel per row count */
+/* one copy of a kernel per row count */
 #define ROWS_SWITCH(CALL)            \
     switch (M) {                     \
         case 1: CALL(1); break;      \
@@ -271,14 +271,6 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[16])
                          _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-/* 16 float32 lanes rounded to bfloat16 words, as store1 rounds one */
-static inline __m256i round16_bf16(__m512 v) {
-    const __m512i b = _mm512_castps_si512(v);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-    return _mm512_cvtepi32_epi16(
-        _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16));
-}
-
 /* Ask for output feature n's blocks (quants, scales, offsets) ahead of use. Each thread walks its
  * features in order, one short run of bytes per array and feature; the 210 weights of a small model are
  * each too short for the hardware prefetcher to ramp up on (8 features ahead: ~3-8% off a pass over
@@ -331,7 +323,7 @@ static inline __attribute__((always_inline)) void rowsm_bf16(const uint16_t *x, 
 #pragma GCC unroll 16
         for (int s = 0; s < 16; s++) v[s] = s < M ? _mm512_add_ps(acc[s], accb[s]) : _mm512_setzero_ps();
         uint16_t out[16];
-        _mm256_storeu_si256((__m256i *)out, round16_bf16(reduce16(v)));
+        store16(out, reduce16(v), 1);  /* rounded to bfloat16 as store1 rounds one */
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = out[4 * (m % 4) + m / 4];
     }
@@ -348,16 +340,9 @@ static inline __attribute__((always_inline)) void rowsm_any(const uint16_t *x, c
 /* one group of M <= MAX_ROWS rows: one copy of the kernel per (M, kind) */
 static void rows_bf16(const uint16_t *x, int M, int K, int kind, const void *qs, const float *d, const float *mn,
                       uint16_t *y, int N, int n0, int n1) {
-    switch (M) {
-    case 1: rowsm_any(x, 1, K, kind, qs, d, mn, y, N, n0, n1); break;
-    case 2: rowsm_any(x, 2, K, kind, qs, d, mn, y, N, n0, n1); break;
-    case 3: rowsm_any(x, 3, K, kind, qs, d, mn, y, N, n0, n1); break;
-    case 4: rowsm_any(x, 4, K, kind, qs, d, mn, y, N, n0, n1); break;
-    case 5: rowsm_any(x, 5, K, kind, qs, d, mn, y, N, n0, n1); break;
-    case 6: rowsm_any(x, 6, K, kind, qs, d, mn, y, N, n0, n1); break;
-    case 7: rowsm_any(x, 7, K, kind, qs, d, mn, y, N, n0, n1); break;
-    default: rowsm_any(x, 8, K, kind, qs, d, mn, y, N, n0, n1); break;
-    }
+#define ROWSM(R) rowsm_any(x, R, K, kind, qs, d, mn, y, N, n0, n1)
+    ROWS_SWITCH(ROWSM)
+#undef ROWSM
 }
 #endif
 
