@@ -13,8 +13,12 @@ from deepinfer.layers.gguf_kernels import QuantizedWeight, max_rows
 
 
 def _can_pack(weight: torch.Tensor) -> bool:
-    return (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
-            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+    if not (weight.device.type == "cpu" and weight.dtype in (torch.bfloat16, torch.float32)
+            and torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")):
+        return False
+    # oneDNN's bf16 reorder refuses CPUs without AVX-512 BW/VL/DQ (or AVX-NE-CONVERT): on an AVX2-only CPU
+    # an explicit --dtype bfloat16 takes F.linear (torch emulates bf16 there)
+    return weight.dtype != torch.bfloat16 or torch.backends.cpu.get_cpu_capability() == "AVX512"
 
 
 class Linear(nn.Linear):
