@@ -4,8 +4,9 @@ Per-step routing (a recorded trace, `eplb_trace.py`, or a Zipf prior) is replaye
 holding one MoE layer's E experts (+ R redundant slots) each, once per R, with the placement code the
 runtime uses (`deepinfer.eplb`): EPLB off (the contiguous `initial_placement`, R = 0) and EPLB on (every
 `interval` steps the balancer's rule, `eplb.policy.plan_placement`, on the `ExpertLoadWindow` of the last
-`window` steps: `balanced_placement` where a c-th replica needs c x `split_rows` rows of the expert per rank
-in the window's median step, kept only if it lowers the busiest rank's load by `MIN_GAIN`).
+`window` steps: of two `balanced_placement`s, where a c-th replica needs c x `split_rows` rows of the expert
+per rank or in all ranks in the window's median step, the one whose busiest rank costs less in rows plus
+weight reads, kept only if it lowers the busiest rank's load by `MIN_GAIN`).
 
 Routing at scale. A small model's routing (4-16 experts, a few tokens per step) becomes E experts (default
 256, top-8, DeepSeek-V3/V4's) and tokens_per_rank * N tokens per step like this:

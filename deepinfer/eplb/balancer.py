@@ -9,12 +9,15 @@ same step:
      the per-rank expert tokens of the interval just ended (imbalance = max / mean, for /metrics);
   2. with `enable_eplb`, each layer gets `eplb.policy.plan_placement` (`balanced_placement(load, ranks,
      num_redundant, ...)`: a deterministic function of the same numbers, so every rank computes the same
-     placement without sending it; `bench eplb` simulates with the same function); an expert gets its
-     c-th replica only where, in the window's median step, each rank's rows of it (all ranks' rows /
-     ranks) reach c x `SPLIT_ROWS`: where the replica choice (`layers/ep_moe.py`) would cut a rank's rows
-     into c chunks that each repay a weight read. Fewer rows go to one replica per rank, so more replicas
-     would only add weight reads. The median, not the mean: a prefill step's thousands of rows would
-     otherwise make replicas that every decode step pays for;
+     placement without sending it; `bench eplb` simulates with the same function). It builds two
+     candidates that differ in when an expert earns its c-th replica, from its rows in the window's median
+     step: each rank's rows (all ranks' / ranks) reach c x `SPLIT_ROWS` (where a rank would cut its own
+     rows into c chunks that each repay a weight read: right at EP = 2, where packing alone balances), or
+     all ranks' rows do (each of c replicas gets ~1/c of them: right at 64-128 ranks, where a hot expert has
+     a few rows per rank); it takes the one whose busiest rank costs less in the median step, counting
+     rows plus a weight read (`SPLIT_ROWS` rows' worth) per slot that gets rows (`eplb.policy.step_cost`).
+     The median, not the mean: a prefill step's thousands of rows would otherwise make replicas that every
+     decode step pays for;
   3. a layer whose new placement lowers its busiest rank's expected load (window load) by at least
      `MIN_GAIN` (`eplb/policy.py`) is re-placed (otherwise sampling noise would move weights every
      interval for nothing);
