@@ -255,8 +255,53 @@ static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x
         default: CALL(8); break;     \
     }
 
+#ifndef __AVX512F__
+/* AVX2, one row: two output features per pass, the same operations per feature as q4_1_rows_f32_m (the
+ * same bits); the second feature's chains run while the first's wait, and the x block is loaded once. */
+static NO_SLP void q4_1_row1_f32(const float *x, int K, const uint8_t *qs, const float *d, const float *mn,
+                                 float *y, const float *sums, int n0, int n1) {
+    const int nb = K / QK;
+    int n = n0;
+    for (; n + 2 <= n1; n += 2) {
+        const uint8_t *row = qs + (int64_t)n * nb * 16;
+        const float *dn = d + (int64_t)n * nb, *mnn = mn + (int64_t)n * nb;
+        if (n + PREFETCH_AHEAD_F32 + 1 < n1)
+            prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * nb * 16, 2 * nb * 16,
+                              dn + (int64_t)PREFETCH_AHEAD_F32 * nb, mnn + (int64_t)PREFETCH_AHEAD_F32 * nb, 2 * nb);
+        __m256 a0 = _mm256_setzero_ps(), a0b = a0, a1 = a0, a1b = a0, w[4], v[4];
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            const float *xb = x + b * QK;
+            q4_1_block_w(row + b * 16, w);
+            q4_1_block_w(row + (nb + b) * 16, v);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b]), dot_block(w[0], w[1], w[2], w[3], xb), a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(dn[nb + b]), dot_block(v[0], v[1], v[2], v[3], xb), a1);
+            q4_1_block_w(row + (b + 1) * 16, w);
+            q4_1_block_w(row + (nb + b + 1) * 16, v);
+            a0b = _mm256_fmadd_ps(_mm256_set1_ps(dn[b + 1]), dot_block(w[0], w[1], w[2], w[3], xb + QK), a0b);
+            a1b = _mm256_fmadd_ps(_mm256_set1_ps(dn[nb + b + 1]), dot_block(v[0], v[1], v[2], v[3], xb + QK), a1b);
+        }
+        if (b < nb) {
+            q4_1_block_w(row + b * 16, w);
+            q4_1_block_w(row + (nb + b) * 16, v);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b]), dot_block(w[0], w[1], w[2], w[3], x + b * QK), a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(dn[nb + b]), dot_block(v[0], v[1], v[2], v[3], x + b * QK), a1);
+        }
+        y[n] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a0b), offset_sum8(mnn, sums, nb)));
+        y[n + 1] = hsum8(_mm256_add_ps(_mm256_add_ps(a1, a1b), offset_sum8(mnn + nb, sums, nb)));
+    }
+    if (n < n1) q4_1_rows_f32_m(x, 1, K, qs, d, mn, y, 0, sums, n, n1);
+}
+#endif
+
 static NO_SLP void q4_1_rows_f32(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn,
                           float *y, int N, const float *sums, int n0, int n1) {
+#ifndef __AVX512F__
+    if (M == 1) {
+        q4_1_row1_f32(x, K, qs, d, mn, y, sums, n0, n1);
+        return;
+    }
+#endif
 #define Q4_1_F32(R) q4_1_rows_f32_m(x, R, K, qs, d, mn, y, N, sums, n0, n1)
     ROWS_SWITCH(Q4_1_F32)
 #undef Q4_1_F32
