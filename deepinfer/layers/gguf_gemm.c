@@ -48,6 +48,53 @@ static inline void widen(const void *x, int M, int K, float *out) {
     for (int64_t i = 0; i < (int64_t)M * K; i++) out[i] = load1(x, i, 1);
 }
 
+#ifndef __AVX512F__
+/* AVX2 only: a Q4_1 block's 32 quants as float32 lanes in k order. Each half of the 16 bytes is widened
+ * straight from memory (vpmovzxbd with a load operand); the low nibbles of a byte's 32-bit lane are
+ * q[j], the lane shifted right by 4 gives q[j + 16]: 2 shuffles per block instead of 6 (load, 2 byte
+ * shifts, 4 widenings), which bound the 1-row kernel. The same integer values as before. */
+static inline __attribute__((always_inline)) void q4_1_block_w(const uint8_t *p, __m256 w[4]) {
+    const __m256i nib = _mm256_set1_epi32(0x0F);
+    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    const __m256i c = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8)));
+    w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, nib));
+    w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(c, nib));
+    w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4));
+    w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(c, 4));
+}
+
+/* AVX2 only: a Q8_0 block's 32 quants as float32 lanes, each 8 widened straight from memory (4 shuffles
+ * instead of 7) */
+static inline __attribute__((always_inline)) void q8_0_block_w(const int8_t *p, __m256 w[4]) {
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++) w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * j))));
+}
+
+/* sum over blocks b of mn[b] * sums[b] (Q4_1's offset term of one row and feature), 8 blocks per lane,
+ * the last nb % 8 through a masked load (the other lanes read as 0) */
+static inline __attribute__((always_inline)) __m256 offset_sum8(const float *mn, const float *sums, int nb) {
+    __m256 s = _mm256_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) s = _mm256_fmadd_ps(_mm256_loadu_ps(mn + b), _mm256_loadu_ps(sums + b), s);
+    if (b < nb) {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(nb - b), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        s = _mm256_fmadd_ps(_mm256_maskload_ps(mn + b, mask), _mm256_maskload_ps(sums + b, mask), s);
+    }
+    return s;
+}
+
+/* Ask for a feature's quants, scales and (Q4_1) offsets ahead of use: each weight of a small model is
+ * too short for the hardware prefetcher to ramp up on (as prefetch_feature does for bf16). */
+#define PREFETCH_AHEAD_F32 8
+static inline __attribute__((always_inline)) void prefetch_rows_f32(const void *q, int qbytes, const float *d,
+                                                                     const float *mn, int nb) {
+    for (int o = 0; o < qbytes; o += 64) _mm_prefetch((const char *)q + o, _MM_HINT_T0);
+    for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)d + o, _MM_HINT_T0);
+    if (mn)
+        for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)mn + o, _MM_HINT_T0);
+}
+#endif
+
 /* ---- float32 activations: the file's exact weight values ---------------------------------------- */
 
 /* rows [0, M) of one group (M <= MAX_ROWS); sums: the group's per-block sums of x. Inlined with M a
@@ -104,24 +151,38 @@ static inline __attribute__((always_inline)) NO_SLP void q4_1_rows_f32_m(const f
         for (int m = 0; m < M; m++)
             y[(int64_t)m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc16[m], acc16b[m])) + off[m];
 #else
-        __m256 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * 16));
-            __m128i lo = _mm_and_si128(bytes, _mm_set1_epi8(0x0F));
-            __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), _mm_set1_epi8(0x0F));
-            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(lo));
-            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)));
-            __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
-            __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
+        if (n + PREFETCH_AHEAD_F32 < n1) prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * nb * 16, nb * 16,
+                                                           dn + (int64_t)PREFETCH_AHEAD_F32 * nb,
+                                                           mnn + (int64_t)PREFETCH_AHEAD_F32 * nb, nb);
+        /* even blocks into acc, odd into accb (two dependency chains: one row no longer waits on one
+         * fmadd per block); the offsets' sum runs after the blocks, 8 blocks per lane */
+        __m256 acc[MAX_ROWS], accb[MAX_ROWS], w[4];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm256_setzero_ps();
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            q4_1_block_w(row + b * 16, w);
             __m256 scale = _mm256_set1_ps(dn[b]);
-            for (int m = 0; m < M; m++) {
-                __m256 s = dot_block(w0, w1, w2, w3, x + (int64_t)m * K + b * QK);
-                acc[m] = _mm256_fmadd_ps(scale, s, acc[m]);
-                off[m] += mnn[b] * sums[m * nb + b];
-            }
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + b * QK), acc[m]);
+            q4_1_block_w(row + b * 16 + 16, w);
+            scale = _mm256_set1_ps(dn[b + 1]);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++)
+                accb[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + (b + 1) * QK),
+                                          accb[m]);
         }
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum8(acc[m]) + off[m];
+        if (b < nb) {
+            q4_1_block_w(row + b * 16, w);
+            const __m256 scale = _mm256_set1_ps(dn[b]);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + b * QK), acc[m]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            y[(int64_t)m * N + n] = hsum8(_mm256_add_ps(_mm256_add_ps(acc[m], accb[m]), offset_sum8(mnn, sums + m * nb, nb)));
 #endif
     }
 }
@@ -148,20 +209,35 @@ static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x
         }
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = _mm512_reduce_add_ps(acc16[m]);
 #else
-        __m256 acc[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc[m] = _mm256_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            __m256i q = _mm256_loadu_si256((const __m256i *)(row + b * QK));
-            __m128i q0 = _mm256_castsi256_si128(q), q1 = _mm256_extracti128_si256(q, 1);
-            __m256 w0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q0));
-            __m256 w1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q0, 8)));
-            __m256 w2 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q1));
-            __m256 w3 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(q1, 8)));
+        if (n + PREFETCH_AHEAD_F32 < n1)
+            prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * K, K, dn + (int64_t)PREFETCH_AHEAD_F32 * nb, NULL, nb);
+        /* even blocks into acc, odd into accb, as the Q4_1 kernel */
+        __m256 acc[MAX_ROWS], accb[MAX_ROWS], w[4];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm256_setzero_ps();
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            q8_0_block_w(row + b * QK, w);
             __m256 scale = _mm256_set1_ps(dn[b]);
+#pragma GCC unroll 8
             for (int m = 0; m < M; m++)
-                acc[m] = _mm256_fmadd_ps(scale, dot_block(w0, w1, w2, w3, x + (int64_t)m * K + b * QK), acc[m]);
+                acc[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + b * QK), acc[m]);
+            q8_0_block_w(row + (b + 1) * QK, w);
+            scale = _mm256_set1_ps(dn[b + 1]);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++)
+                accb[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + (b + 1) * QK),
+                                          accb[m]);
         }
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum8(acc[m]);
+        if (b < nb) {
+            q8_0_block_w(row + b * QK, w);
+            const __m256 scale = _mm256_set1_ps(dn[b]);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++)
+                acc[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + b * QK), acc[m]);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum8(_mm256_add_ps(acc[m], accb[m]));
 #endif
     }
 }
@@ -179,8 +255,53 @@ static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x
         default: CALL(8); break;     \
     }
 
+#ifndef __AVX512F__
+/* AVX2, one row: two output features per pass, the same operations per feature as q4_1_rows_f32_m (the
+ * same bits); the second feature's chains run while the first's wait, and the x block is loaded once. */
+static NO_SLP void q4_1_row1_f32(const float *x, int K, const uint8_t *qs, const float *d, const float *mn,
+                                 float *y, const float *sums, int n0, int n1) {
+    const int nb = K / QK;
+    int n = n0;
+    for (; n + 2 <= n1; n += 2) {
+        const uint8_t *row = qs + (int64_t)n * nb * 16;
+        const float *dn = d + (int64_t)n * nb, *mnn = mn + (int64_t)n * nb;
+        if (n + PREFETCH_AHEAD_F32 + 1 < n1)
+            prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * nb * 16, 2 * nb * 16,
+                              dn + (int64_t)PREFETCH_AHEAD_F32 * nb, mnn + (int64_t)PREFETCH_AHEAD_F32 * nb, 2 * nb);
+        __m256 a0 = _mm256_setzero_ps(), a0b = a0, a1 = a0, a1b = a0, w[4], v[4];
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            const float *xb = x + b * QK;
+            q4_1_block_w(row + b * 16, w);
+            q4_1_block_w(row + (nb + b) * 16, v);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b]), dot_block(w[0], w[1], w[2], w[3], xb), a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(dn[nb + b]), dot_block(v[0], v[1], v[2], v[3], xb), a1);
+            q4_1_block_w(row + (b + 1) * 16, w);
+            q4_1_block_w(row + (nb + b + 1) * 16, v);
+            a0b = _mm256_fmadd_ps(_mm256_set1_ps(dn[b + 1]), dot_block(w[0], w[1], w[2], w[3], xb + QK), a0b);
+            a1b = _mm256_fmadd_ps(_mm256_set1_ps(dn[nb + b + 1]), dot_block(v[0], v[1], v[2], v[3], xb + QK), a1b);
+        }
+        if (b < nb) {
+            q4_1_block_w(row + b * 16, w);
+            q4_1_block_w(row + (nb + b) * 16, v);
+            a0 = _mm256_fmadd_ps(_mm256_set1_ps(dn[b]), dot_block(w[0], w[1], w[2], w[3], x + b * QK), a0);
+            a1 = _mm256_fmadd_ps(_mm256_set1_ps(dn[nb + b]), dot_block(v[0], v[1], v[2], v[3], x + b * QK), a1);
+        }
+        y[n] = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a0b), offset_sum8(mnn, sums, nb)));
+        y[n + 1] = hsum8(_mm256_add_ps(_mm256_add_ps(a1, a1b), offset_sum8(mnn + nb, sums, nb)));
+    }
+    if (n < n1) q4_1_rows_f32_m(x, 1, K, qs, d, mn, y, 0, sums, n, n1);
+}
+#endif
+
 static NO_SLP void q4_1_rows_f32(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn,
                           float *y, int N, const float *sums, int n0, int n1) {
+#ifndef __AVX512F__
+    if (M == 1) {
+        q4_1_row1_f32(x, K, qs, d, mn, y, sums, n0, n1);
+        return;
+    }
+#endif
 #define Q4_1_F32(R) q4_1_rows_f32_m(x, R, K, qs, d, mn, y, N, sums, n0, n1)
     ROWS_SWITCH(Q4_1_F32)
 #undef Q4_1_F32

@@ -86,6 +86,22 @@ def test_every_row_count_gives_each_row_the_bits_of_a_single_row_call(blocks, dt
             assert not bad, f"{name}: rows {bad} of a {rows}-row call differ from the same rows alone"
 
 
+
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("nb", [1, 2, 7, 8, 9, 17])
+def test_block_and_feature_tails(kind, nb):
+    """The float32 kernels' tails: an odd last block (two accumulator chains), block counts around the
+    8 blocks per lane of Q4_1's offset sum (masked remainder), and feature counts that leave the one-row
+    kernel's feature pairs a single feature; each row count matches float64 and a single row's bits."""
+    for n in (1, 2, 3, 9):
+        w = _odd_shaped(kind, n, nb, 10 * nb + n)
+        x = torch.randn(9, w.k, generator=torch.Generator().manual_seed(nb))
+        alone = torch.cat([w.matmul(x[i:i + 1]) for i in range(9)])
+        ref = x.double() @ w.dequantize().double().T
+        assert ((alone.double() - ref).abs().max() / ref.abs().max()).item() < 1e-5, (n, nb)
+        for rows in range(2, 10):
+            assert torch.equal(w.matmul(x[:rows]), alone[:rows]), (n, nb, rows)
+
 def test_engine_with_kernels_matches_float32_path():
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
     prompt = [{"role": "user", "content": "Name three colors of the rainbow."}]
