@@ -7,8 +7,15 @@ import math
 
 import pytest
 
-from deepinfer.eplb import initial_placement, rank_loads
-from deepinfer.eplb.policy import SPLIT_ROWS, plan_placement, step_cost
+from deepinfer.eplb import balanced_placement, initial_placement, rank_loads
+from deepinfer.eplb.policy import (
+    SPLIT_ROWS,
+    chunk_rows,
+    plan_placement,
+    replica_preference,
+    slot_rows,
+    step_cost,
+)
 
 
 def _hot_load(experts: int, hot: dict[int, float], cold: float) -> list[float]:
@@ -60,3 +67,22 @@ def test_at_64_ranks_hot_experts_get_replicas_from_all_ranks_rows():
     per_rank_only = plan_placement(load, rows, ranks, 0, initial_placement(experts, ranks, 0))
     assert per_rank_only is None or step_cost(new, rows) < step_cost(per_rank_only, rows)
     assert SPLIT_ROWS == 16  # the numbers above assume it
+
+
+@pytest.mark.parametrize(("ranks", "redundant", "rows_per_rank"), [(2, 2, 20), (8, 8, 3), (8, 24, 40), (16, 16, 70)])
+def test_slot_rows_is_the_replica_choice_when_every_rank_has_the_same_rows(ranks, redundant, rows_per_rank):
+    # slot_rows' closed form against the replica choice itself (replica_preference + chunk_rows, rank by rank)
+    experts = 16
+    load = [float(1 + (7 * e) % 5) ** 3 for e in range(experts)]
+    placement = balanced_placement(load, ranks, redundant)
+    expected = [0.0] * len(placement.physical_to_logical)
+    for e in range(experts):
+        for r in range(ranks):
+            for slot, n in zip(replica_preference(placement, r, e), chunk_rows(rows_per_rank, len(placement.replicas(e))),
+                               strict=True):
+                expected[slot] += n
+    got = slot_rows(placement, [float(rows_per_rank * ranks)] * experts)
+    assert got == pytest.approx(expected, abs=1e-9 + 1.0 * ranks)  # chunks are equal to within one row
+    assert sum(got) == pytest.approx(sum(expected))
+    if rows_per_rank % 4 == 0:  # chunks divide evenly (u <= 4 here): exact
+        assert got == pytest.approx(expected)
