@@ -65,7 +65,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.server_utils import cluster_workers, free_port, metric  # noqa: E402
+from deepinfer.cluster.auth import token_headers  # noqa: E402
+from deepinfer.config import CLUSTER_TOKEN_ENV  # noqa: E402
+from tests.server_utils import CLUSTER_TOKEN, cluster_workers, free_port, metric  # noqa: E402
 
 BLOCK = 16
 
@@ -313,6 +315,12 @@ def blocks_in_use(base: str, timeout: float = 20.0) -> float:
         time.sleep(0.3)
 
 
+def internal_headers() -> dict[str, str]:
+    """The cluster token header for `/internal/*` (the servers this script starts take the token from
+    $DEEPINFER_CLUSTER_TOKEN, as the test suite's do; without one every check passes)."""
+    return token_headers(os.environ.get(CLUSTER_TOKEN_ENV))
+
+
 def settled_workers(base: str, timeout: float = 30.0) -> list[str]:
     """Live workers of a cluster that still hold anything after `timeout` (running requests, KV in use,
     transfers pending, imported blocks held): [] when all are clean."""
@@ -323,7 +331,7 @@ def settled_workers(base: str, timeout: float = 30.0) -> list[str]:
             if not w["alive"]:
                 continue
             try:
-                ld = httpx.get(f"{w['url']}/internal/load", timeout=5).json()
+                ld = httpx.get(f"{w['url']}/internal/load", timeout=5, headers=internal_headers()).json()
             except httpx.HTTPError:
                 continue  # died since the router last looked
             held = {k: ld[k] for k in ("num_running", "transfers_pending", "kv_blocks_held", "kv_usage") if ld[k]}
@@ -442,7 +450,7 @@ def _cluster_case(ctx: Ctx, res: CaseResult, role: str) -> None:
         res.check(res.facts["completed_after_kill"] > 0, "the survivors served nothing after the kill")
         dirty = settled_workers(base)
         res.check(not dirty, f"workers still hold KV / requests after the load: {dirty}")
-        state = httpx.get(f"{base}/internal/workers", timeout=10).json()
+        state = httpx.get(f"{base}/internal/workers", timeout=10, headers=internal_headers()).json()
         res.facts["prefill_retries"] = state.get("prefill_retries")
         res.check(not next(w for w in state["workers"] if w["url"] == victim["url"])["alive"],
                   "the dead worker is still in rotation")
@@ -480,7 +488,7 @@ def case_decode_kill_transfer(ctx: Ctx, res: CaseResult) -> None:
             while victim is None and t.is_alive() and time.monotonic() < deadline:
                 for w in decoders:
                     with contextlib.suppress(httpx.HTTPError):
-                        if httpx.get(f"{w['url']}/internal/load", timeout=2).json()["transfers_pending"]:
+                        if httpx.get(f"{w['url']}/internal/load", timeout=2, headers=internal_headers()).json()["transfers_pending"]:
                             victim = w
                             break
                 time.sleep(0.01)
@@ -678,8 +686,8 @@ def case_transfer_corrupt(ctx: Ctx, res: CaseResult) -> None:
         load = Load(router, prompts, refs, ctx.max_tokens, 2)
         load.run_once()
         record(res, load.outcomes, allowed=("ok",))
-        ld = httpx.get(f"http://127.0.0.1:{dec}/internal/load", timeout=10).json()
-        sent = httpx.get(f"http://127.0.0.1:{pre}/internal/load", timeout=10).json().get("blocks_sent", 0)
+        ld = httpx.get(f"http://127.0.0.1:{dec}/internal/load", timeout=10, headers=internal_headers()).json()
+        sent = httpx.get(f"http://127.0.0.1:{pre}/internal/load", timeout=10, headers=internal_headers()).json().get("blocks_sent", 0)
         # `blocks_sent` is what the receiver acknowledged as verified; the prompts' full blocks are what
         # the prefill worker put on the wire
         full_blocks = sum(len(p) // BLOCK for p in prompts)
@@ -734,6 +742,8 @@ def main() -> int:
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="chaos-"))
     workdir.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("DEEPINFER_KV_STORE", "none")
+    # the clusters started here, our internal calls and tests.server_utils' share the test suite's token
+    os.environ[CLUSTER_TOKEN_ENV] = CLUSTER_TOKEN
     ctx = Ctx(args.model, workdir, concurrency=args.concurrency, max_tokens=args.max_tokens)
     results = []
     for name in args.cases.split(","):
