@@ -30,7 +30,7 @@ from deepinfer.engine.spec.metrics import SpecMetrics
 from deepinfer.engine.spec.ngram import NgramProposer
 from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLengthPolicy
 from deepinfer.engine.spec.proposer import Draft, Proposer
-from deepinfer.engine.spec.step_price import profile_row_counts, profile_rows
+from deepinfer.engine.spec.step_price import profile_order, profile_row_counts, profile_rows
 from deepinfer.engine.spec.suffix import SuffixProposer
 from deepinfer.engine.spec.tries import TryRules
 
@@ -70,6 +70,7 @@ class Speculator:
         fused = getattr(runner.model, "fused", None)
         if fused is not None and not fused.row_invariant:
             self.policy.price.c_path_rows = fused.max_rows
+        counts = profile_order(counts, self.policy.price.c_path_rows)
         sink, runner.stream_sink = runner.stream_sink, None  # the MTP proposer must not keep the profile's rows
         try:
             self.policy.price.seed(profile_rows(runner, kv, counts, k, context))
