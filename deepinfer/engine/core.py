@@ -257,7 +257,7 @@ class EngineCore:
         # run ahead of the plan, so the plan's own shape decides) prices verification
         if self.speculator is not None and all(item.num_new_tokens == 1 or item.draft_token_ids
                                                for item in plan.scheduled):
-            self.speculator.observe_step(plan.num_tokens, result.seconds)
+            self.speculator.observe_step(plan.num_tokens, result.seconds, result.cpu_seconds)
         for item in plan.scheduled:  # their KV is now written: what a KV exporter may read
             kept = len(result.accepted.get(item.request.request_id, ())) if item.draft_token_ids else item.num_new_tokens - 1
             item.request.num_kv_done_tokens = item.start + 1 + kept

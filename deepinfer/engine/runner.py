@@ -101,6 +101,10 @@ class StepResult:
     # and their logprobs (when the request asked for logprobs)
     accepted: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    # CPU time of prepare + run on the threads that ran them (`time.thread_time`): at one torch thread the
+    # step's own work, which other processes on a shared machine barely move (speculative decoding prices
+    # verification rows with it; wall time moved 2-3x between steps under load)
+    cpu_seconds: float = 0.0
 
 
 @dataclass
@@ -129,6 +133,7 @@ class PreparedStep:
     num_verify_rows: int = 0
     # (request id, first position, rows) per scheduled request, in row order (for `stream_sink`)
     row_requests: list[tuple[str, int, int]] = field(default_factory=list)
+    prepare_cpu_seconds: float = 0.0  # thread CPU time of `prepare`
 
 
 class ModelRunner:
@@ -345,7 +350,7 @@ class ModelRunner:
 
     def prepare(self, step: SchedulerOutput, group_tables: list[dict[str, list[int]]]) -> PreparedStep:
         """Build a step's inputs; `group_tables`: per KV layer group, request id -> block table."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         bs = self.block_size
         tokens: list[int] = []
         positions: list[int] = []
@@ -413,7 +418,8 @@ class ModelRunner:
             metas, torch.tensor(logits_rows + verify_rows + prompt_logits_rows, dtype=torch.long, device=dev),
             sample_reqs, len(tokens), time.perf_counter() - started, pending, prompt_rows=prompt_rows,
             verify_items=verify_items, num_verify_rows=len(verify_rows),
-            row_requests=[(i.request.request_id, i.start, i.num_new_tokens) for i in step.scheduled])
+            row_requests=[(i.request.request_id, i.start, i.num_new_tokens) for i in step.scheduled],
+            prepare_cpu_seconds=time.thread_time() - cpu_started)
 
     def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]],
                replay_base: int | None = None) -> tuple[list[list[int]], torch.Tensor]:
@@ -444,7 +450,7 @@ class ModelRunner:
     def run(self, step: PreparedStep) -> StepResult:
         """Forward + sampling. Reads only `step` and the sampled requests' params and token ids
         (which the engine does not change while a step runs)."""
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.thread_time()
         self.threads.tick()
         for row, request_id in step.pending_tokens:
             step.input_ids[row] = self._last_sampled[request_id]
@@ -485,7 +491,7 @@ class ModelRunner:
         ended = time.perf_counter()
         self._last_sampled = sampled
         return StepResult(sampled, logprobs, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
-                          accepted, accepted_logprobs)
+                          accepted, accepted_logprobs, step.prepare_cpu_seconds + time.thread_time() - cpu_started)
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
         """The prompt logprobs of `rows` from their final hidden states, `prompt_logprobs_chunk` rows at a

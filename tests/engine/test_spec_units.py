@@ -262,3 +262,22 @@ def test_config_parsing():
 
     with pytest.raises(ValueError, match="runs a model"):  # built by the engine core (model_proposers.py)
         build_proposer(cfg.speculative.speculative_config)
+
+
+def test_profile_measures_the_counts_that_shape_the_table_first():
+    """A profile cut short by its time limit (a slow machine) has the C path's counts and the block edges, so
+    the table past the cut is the staircase interpolated between edges, not a ramp from the last counts."""
+    from deepinfer.engine.spec.step_price import StepPrice, profile_order, profile_row_counts
+
+    counts = profile_row_counts(17 * 32, 8)
+    order = profile_order(counts, 8)
+    assert sorted(order) == sorted(counts)
+    assert order[:13] == [1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17, 32, 33]
+    assert order.index(64) < order.index(10)  # edges of larger blocks before the counts inside a block
+    cut = order[:order.index(33) + 1]  # the time limit hit after 33 rows
+    price = StepPrice(CostModel(), c_path_rows=8)
+    price.seed([(r, _staircase(r)) for r in cut])
+    t = price.table(64)
+    assert t[32] == pytest.approx(t[17]) and t[12] == pytest.approx(t[9])
+    # past the last measured count (33, the first row of a block): not the 32 -> 33 jump per row
+    assert t[48] < t[33] + 16 * (t[33] - t[32]) / 4

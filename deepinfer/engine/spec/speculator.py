@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from deepinfer.config import SpeculativeMethod
 from deepinfer.engine.cost_model import CostModel
 from deepinfer.engine.request import Request
@@ -30,7 +32,7 @@ from deepinfer.engine.spec.metrics import SpecMetrics
 from deepinfer.engine.spec.ngram import NgramProposer
 from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLengthPolicy
 from deepinfer.engine.spec.proposer import Draft, Proposer
-from deepinfer.engine.spec.step_price import profile_row_counts, profile_rows
+from deepinfer.engine.spec.step_price import profile_order, profile_row_counts, profile_rows
 from deepinfer.engine.spec.suffix import SuffixProposer
 from deepinfer.engine.spec.tries import TryRules
 
@@ -57,6 +59,13 @@ class Speculator:
         self.num_steps = 0  # proposals made (steps), the clock of back-offs
         self._last_propose: float | None = None
         self._last_run: float | None = None
+        # at one torch thread, steps are priced in CPU time (the model step's `cpu_seconds`, the host's
+        # `thread_time` between proposals), as the start-up profile measures them: on a shared machine wall
+        # time moved 2-3x from step to step, and the table built from it (each count's median of 5 wall
+        # samples over a lagging load factor) priced batch 1's 3rd row like a 2nd decode where it costs
+        # 20% of one, so the policy chose k = 1-2 where k = 3-5 paid (AVX2 fp32, code_edit). The load a
+        # step runs under slows every row count alike, so the choice between counts needs no wall time.
+        self.cpu_clock = torch.get_num_threads() == 1
 
     def calibrate(self, runner, kv, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Seed the price of verification with a short profile of verification steps (`step_price`)."""
@@ -70,6 +79,7 @@ class Speculator:
         fused = getattr(runner.model, "fused", None)
         if fused is not None and not fused.row_invariant:
             self.policy.price.c_path_rows = fused.max_rows
+        counts = profile_order(counts, self.policy.price.c_path_rows)
         sink, runner.stream_sink = runner.stream_sink, None  # the MTP proposer must not keep the profile's rows
         try:
             self.policy.price.seed(profile_rows(runner, kv, counts, k, context))
@@ -86,7 +96,7 @@ class Speculator:
         with a token still in flight (a step scheduled ahead, `overlap_host_work`) drafts nothing and is not
         counted: its drafts would follow a token not known yet."""
         decodes = [r for r in decodes if not r.num_pending_tokens]
-        now = time.perf_counter()
+        now = time.thread_time() if self.cpu_clock else time.perf_counter()
         if self._last_propose is not None and self._last_run is not None:
             # the wall time from the previous proposal to this one, less that step's model time, is the
             # host's share of a step (capped: an idle engine between requests is not host work)
@@ -181,9 +191,12 @@ class Speculator:
         bounds = [s.gain_ceiling(confident)[:lim] for s, lim in zip(states, limits, strict=True) if lim]
         return self.policy.drafts_can_pay(len(states), bounds)
 
-    def observe_step(self, num_rows: int, seconds: float) -> None:
+    def observe_step(self, num_rows: int, seconds: float, cpu_seconds: float | None = None) -> None:
         """A finished step in which every request decoded or verified drafts: `num_rows` rows (decodes and
-        drafts) in `seconds` of model-runner time (prices verification)."""
+        drafts) in `seconds` of model-runner time, `cpu_seconds` of its threads' CPU time (prices
+        verification; CPU time at one torch thread, see `cpu_clock`)."""
+        if self.cpu_clock and cpu_seconds:
+            seconds = cpu_seconds
         self.policy.price.observe(num_rows, seconds)
         self._last_run = seconds
 

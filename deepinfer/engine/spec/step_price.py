@@ -141,11 +141,15 @@ class StepPrice:
         secs = isotonic(list(secs), list(weights))  # more rows never cost less
         grid = np.arange(size, dtype=float)
         table = np.interp(grid, rows, secs)
-        # past the largest measured count: its seconds per row (a step that big is compute-bound)
+        # past the largest measured count: the slope over at least one row block before it (at least half
+        # its seconds per row: a step that big is compute-bound). Not the last two counts' slope: the profile
+        # measures both sides of each block edge (`profile_order`), and the jump from 32 to 33 rows taken
+        # as a per-row slope priced every row past 33 like a whole new block (~160 ms a row at one thread)
         last, top = rows[-1], secs[-1]
-        slope = top / last
-        if len(rows) > 1:
-            slope = max(slope * 0.5, (top - secs[-2]) / (last - rows[-2]))
+        slope = top / last * 0.5
+        back = np.nonzero(rows <= last - ROW_BLOCK)[0]
+        if len(back):
+            slope = max(slope, (top - secs[back[-1]]) / (last - rows[back[-1]]))
         table[grid > last] = top + slope * (grid[grid > last] - last)
         table[0] = 0.0
         return table
@@ -211,13 +215,29 @@ def profile_row_counts(max_total: int, c_path_rows: int, limit: int = 512, block
     return counts
 
 
+def profile_order(counts: list[int], c_path_rows: int, block: int = ROW_BLOCK, dense_blocks: int = 8) -> list[int]:
+    """`counts` in the order the profile measures them: the counts that shape the table first (every count
+    through the C decode path and the first row past it, then both sides of each row block's edge and the
+    sparse large counts, ascending), then the counts inside row blocks. The profile stops at its time
+    limit; on a slow machine (AVX2, float32: a step of 32 rows ~0.2 s at one thread) measuring every count
+    in order stopped near 20 rows, and the table past them was a ramp extrapolated from the last two
+    counts where the batched path's time is a staircase (flat 17..32 rows, a 33% jump at the 33rd): the
+    price at batch 8 / 32 was wrong exactly where the policy chooses. With the edges measured first, the
+    interpolation between two edges of one block is flat, as the staircase is."""
+    def shapes(r: int) -> bool:
+        return r <= c_path_rows + 1 or r % block in (0, 1) or r == counts[-1]
+    first = [r for r in counts if shapes(r) or r > dense_blocks * block]
+    taken = set(first)
+    return first + [r for r in counts if r not in taken]
+
+
 def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 128,
                  time_limit_s: float = 4.0) -> list[tuple[int, float]]:
     """Run two synthetic verification steps per row count (after a warm-up step) through the real runner
     and return (rows, the faster one's seconds). A step of R rows is ceil(R / (1 + k_max)) requests, each verifying up to
     `k_max` drafts, all decode rows as in real verification. The KV it writes is garbage in blocks that go
     straight back to the pool (as `cost_profile`); the drafts are all rejected or accepted, which does
-    not matter for timing. Stops once `time_limit_s` is spent."""
+    not matter for timing. Stops once its steps have taken `time_limit_s` (CPU seconds at one thread, else wall)."""
     from deepinfer.engine.request import Request
     from deepinfer.engine.sampling_params import SamplingParams
     from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -230,10 +250,14 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
     # More threads: wall time (a thread's CPU time would count its spinning while a partner is descheduled)
     cpu_clock = torch.get_num_threads() == 1
     started = time.perf_counter()
+    # the limit counts the steps' own time (CPU time at one thread): wall time on a machine shared with
+    # others (load 3-5 on 2 cores) cut the profile at 33 rows where an idle machine reaches 80
+    spent = 0.0
     best: dict[int, float] = {}
-    # a warm-up step, then the counts up and down again: the faster of each count's two steps is kept
-    # (on a shared machine one step can be slowed by others; a fast one cannot be sped up by them)
-    for i, rows in enumerate([row_counts[0]] + list(row_counts) + list(reversed(row_counts))):
+    # a warm-up step, then the counts twice in the given order (`profile_order`: what shapes the table
+    # first, so a time limit cuts the counts that matter least): the faster of each count's two steps is
+    # kept (on a shared machine one step can be slowed by others; a fast one cannot be sped up by them)
+    for i, rows in enumerate([row_counts[0]] + list(row_counts) + list(row_counts)):
         plan = SchedulerOutput()
         left = rows
         while left > 0:
@@ -250,12 +274,13 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
             cpu = time.thread_time()
             result = runner.execute(plan, kv.group_tables)
             cpu = time.thread_time() - cpu
+            spent += cpu if cpu_clock else result.seconds
         finally:
             for r in reqs:
                 kv.free(r)
         if i > 0:
             best[rows] = min(best.get(rows, math.inf), cpu if cpu_clock else result.seconds)
-        if time.perf_counter() - started > time_limit_s:
+        if spent > time_limit_s:
             break
     logger.info("speculative decoding: verification profile of %d row counts in %.2fs", len(best),
                 time.perf_counter() - started)
