@@ -70,6 +70,15 @@ static inline __attribute__((always_inline)) void q8_0_block_w(const int8_t *p, 
     for (int j = 0; j < 4; j++) w[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * j))));
 }
 
+/* acc[m] += d * (block b of weights w . row m of x), for the M rows: one block's step of the AVX2 float32 kernels */
+static inline __attribute__((always_inline)) void fma_block_rows(__m256 *acc, const __m256 w[4], float d, const float *x,
+                                                                  const int M, int K, int b) {
+    const __m256 scale = _mm256_set1_ps(d);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        acc[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + b * QK), acc[m]);
+}
+
 /* sum over blocks b of mn[b] * sums[b] (Q4_1's offset term of one row and feature), 8 blocks per lane,
  * the last nb % 8 through a masked load (the other lanes read as 0) */
 static inline __attribute__((always_inline)) __m256 offset_sum8(const float *mn, const float *sums, int nb) {
@@ -162,23 +171,13 @@ static inline __attribute__((always_inline)) NO_SLP void q4_1_rows_f32_m(const f
         int b = 0;
         for (; b + 2 <= nb; b += 2) {
             q4_1_block_w(row + b * 16, w);
-            __m256 scale = _mm256_set1_ps(dn[b]);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + b * QK), acc[m]);
+            fma_block_rows(acc, w, dn[b], x, M, K, b);
             q4_1_block_w(row + b * 16 + 16, w);
-            scale = _mm256_set1_ps(dn[b + 1]);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++)
-                accb[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + (b + 1) * QK),
-                                          accb[m]);
+            fma_block_rows(accb, w, dn[b + 1], x, M, K, b + 1);
         }
         if (b < nb) {
             q4_1_block_w(row + b * 16, w);
-            const __m256 scale = _mm256_set1_ps(dn[b]);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + b * QK), acc[m]);
+            fma_block_rows(acc, w, dn[b], x, M, K, b);
         }
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++)
@@ -218,23 +217,13 @@ static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x
         int b = 0;
         for (; b + 2 <= nb; b += 2) {
             q8_0_block_w(row + b * QK, w);
-            __m256 scale = _mm256_set1_ps(dn[b]);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + b * QK), acc[m]);
+            fma_block_rows(acc, w, dn[b], x, M, K, b);
             q8_0_block_w(row + (b + 1) * QK, w);
-            scale = _mm256_set1_ps(dn[b + 1]);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++)
-                accb[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + (b + 1) * QK),
-                                          accb[m]);
+            fma_block_rows(accb, w, dn[b + 1], x, M, K, b + 1);
         }
         if (b < nb) {
             q8_0_block_w(row + b * QK, w);
-            const __m256 scale = _mm256_set1_ps(dn[b]);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm256_fmadd_ps(scale, dot_block(w[0], w[1], w[2], w[3], x + (int64_t)m * K + b * QK), acc[m]);
+            fma_block_rows(acc, w, dn[b], x, M, K, b);
         }
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum8(_mm256_add_ps(acc[m], accb[m]));
