@@ -41,9 +41,10 @@ The rule's parts live in `eplb/policy.py` (`SPLIT_ROWS`, `replica_preference`, `
 (per-layer slot table built once per placement, no Python per pair or per slot in a forward).
 
 Replicas sit on distinct ranks (a `Placement` never holds an expert twice on one rank). The balancer adds
-a replica only where this rule would use it: an expert gets its c-th replica only where a rank's rows of it
-in the window's median step reach c x `SPLIT_ROWS` (`balanced_placement`'s `step_rows` / `min_replica_rows`);
-with fewer rows per step the redundant slots copy the coldest experts, whose copies are rarely read at all.
+a replica only where its rows repay its weight read under this rule: `eplb.policy.plan_placement` takes, of
+the placements where a c-th replica needs c x `SPLIT_ROWS` of the expert's rows in the window's median step
+per rank or in all ranks, the one whose busiest rank costs less in rows plus weight reads (`step_cost`);
+slots no replica earns copy the coldest experts, whose copies are rarely read at all.
 
 GGUF blocks (`RoutedExperts.attach_quantized`): each slot gets its logical expert's blocks at load; a
 re-placement moves them with the dense weights (a local copy keeps the slot's blocks, a slot filled from
