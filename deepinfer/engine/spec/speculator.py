@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import time
 
-import torch
-
 from deepinfer.config import SpeculativeMethod
 from deepinfer.engine.cost_model import CostModel
 from deepinfer.engine.request import Request
@@ -32,7 +30,12 @@ from deepinfer.engine.spec.metrics import SpecMetrics
 from deepinfer.engine.spec.ngram import NgramProposer
 from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLengthPolicy
 from deepinfer.engine.spec.proposer import Draft, Proposer
-from deepinfer.engine.spec.step_price import profile_order, profile_row_counts, profile_rows
+from deepinfer.engine.spec.step_price import (
+    prices_in_cpu_time,
+    profile_order,
+    profile_row_counts,
+    profile_rows,
+)
 from deepinfer.engine.spec.suffix import SuffixProposer
 from deepinfer.engine.spec.tries import TryRules
 
@@ -65,7 +68,7 @@ class Speculator:
         # samples over a lagging load factor) priced batch 1's 3rd row like a 2nd decode where it costs
         # 20% of one, so the policy chose k = 1-2 where k = 3-5 paid (AVX2 fp32, code_edit). The load a
         # step runs under slows every row count alike, so the choice between counts needs no wall time.
-        self.cpu_clock = torch.get_num_threads() == 1
+        self.cpu_clock = prices_in_cpu_time()
 
     def calibrate(self, runner, kv, max_model_len: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         """Seed the price of verification with a short profile of verification steps (`step_price`)."""

@@ -191,6 +191,15 @@ def isotonic(values: list[float], weights: list[int]) -> np.ndarray:
     return np.array([m for m, _, n in blocks for _ in range(int(n))])
 
 
+def prices_in_cpu_time() -> bool:
+    """Whether verification steps are priced in their thread CPU time (the profile here, and the served steps
+    `Speculator.observe_step` feeds the table): at one torch thread, where the model runs on the calling
+    thread and other processes on the machine barely move its CPU time, while wall time doubled some counts
+    at random on a shared machine (and the isotonic pass then lifted their neighbours too). With more
+    threads: wall time (a thread's CPU time would count its spinning while a partner is descheduled)."""
+    return torch.get_num_threads() == 1
+
+
 # rows per block of the batched path's matmuls, the period of its staircase (`StepPrice._build`)
 ROW_BLOCK = 16
 
@@ -244,11 +253,7 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
 
     greedy = SamplingParams(temperature=0.0, max_tokens=1)
     ids = itertools.count()
-    # one thread: the step's CPU time (the model runs on this thread), which other processes on the machine
-    # barely move, where wall time doubled some counts at random on a shared machine and the isotonic pass
-    # then lifted their neighbours too; the load factor scales the table to the wall time of served steps.
-    # More threads: wall time (a thread's CPU time would count its spinning while a partner is descheduled)
-    cpu_clock = torch.get_num_threads() == 1
+    cpu_clock = prices_in_cpu_time()
     started = time.perf_counter()
     # the limit counts the steps' own time (CPU time at one thread): wall time on a machine shared with
     # others (load 3-5 on 2 cores) cut the profile at 33 rows where an idle machine reaches 80
