@@ -2,8 +2,8 @@
 processes killed with SIGKILL, a real store on disk (corrupted, filled, slowed). Every request must end
 either with output identical to a clean run or with a clear error; nothing hangs, no KV block stays in use.
 
-The cluster cases start three to five processes each and are marked slow; the single-server cases run in
-the normal suite. Unit-level faults of the same parts live next to them (tests/kvcache/test_kv_tiers.py,
+The cluster cases start three to five processes each and are marked slow, as are three of the single-server
+store cases (~20-26 s each, CI time); the engine kill runs in the default suite. Unit-level faults of the same parts live next to them (tests/kvcache/test_kv_tiers.py,
 test_kv_prefetch.py, test_kvstore.py, test_cluster*.py, test_server_faults.py); these add load and the
 whole path from HTTP to disk.
 """
@@ -32,17 +32,20 @@ def test_engine_killed_under_load(tiny_models, tmp_path):
     assert res.facts["health_503_after_s"] < 15
 
 
+@pytest.mark.slow  # ~26 s
 def test_corrupt_store_objects_are_recomputed(tiny_models, tmp_path):
     res = _case("store_corrupt", tiny_models["llama"], tmp_path)
     assert res.facts["corrupt_counted"] > 0
     assert set(res.outcomes) <= {"ok", "ok_stream"}
 
 
+@pytest.mark.slow  # ~19 s
 def test_full_store_disk_keeps_serving(tiny_models, tmp_path):
     res = _case("store_full", tiny_models["llama"], tmp_path)
     assert res.facts["write_errors"] + res.facts["capacity_dropped"] > 0
 
 
+@pytest.mark.slow  # ~26 s
 def test_engine_killed_while_writing_the_store_leaves_nothing_half_loaded(tiny_models, tmp_path):
     res = _case("engine_kill_store", tiny_models["llama"], tmp_path)
     assert res.facts["store_tier_tokens"] > 0

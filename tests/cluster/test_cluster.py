@@ -359,6 +359,7 @@ def test_decode_worker_dying_mid_stream_loses_no_request(client, cluster):
     assert not next(w for w in _workers(cluster) if w["url"] == victim["url"])["alive"]
 
 
+@pytest.mark.slow  # ~50 s: a second cluster, pinned
 def test_pinned_workers_decode_next_to_their_prefill_worker(tiny_models, tmp_path):
     """`--pin-workers` deals the workers over the CPUs (prefill workers first). On an idle cluster the decode
     scores tie, and the deepinfer policy gives the tie to the decode worker sharing the prefill worker's CPUs."""

@@ -107,6 +107,7 @@ def _tokens(out) -> list[int]:
     return list(out.outputs[0].token_ids)
 
 
+@pytest.mark.slow  # ~66 s per dtype on an AVX2 machine
 @pytest.mark.parametrize("dtype", [p.id for p in DTYPES] if BF16_NATIVE else ["float32"])
 def test_deterministic_greedy_ignores_batching_chunking_and_cache_tiers(dtype, prompts, tmp_path):
     long, others = prompts
@@ -141,6 +142,7 @@ def test_deterministic_greedy_ignores_batching_chunking_and_cache_tiers(dtype, p
     assert _tokens(alone) == _tokens(mixed[5])
 
 
+@pytest.mark.slow  # ~100 s: a cluster of worker processes per dtype
 @pytest.mark.parametrize("dtype", [p.id for p in DTYPES] if BF16_NATIVE else ["float32"])
 def test_deterministic_cluster_matches_unified(dtype, prompts, tmp_path):
     """A 1P+1D cluster (the prefill worker computes the prompt and the first token, ships the KV, the

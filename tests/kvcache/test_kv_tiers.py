@@ -102,6 +102,7 @@ def test_restart_on_the_same_store(arch, tiny_models, tmp_path):
         _assert_all_free(llm)
 
 
+@pytest.mark.slow  # ~20 s: two engine processes
 def test_processes_share_one_store(tiny_models, tmp_path):
     model, p, q = tiny_models["llama"], _prompt(2, 70), _prompt(3, 50)
     with _llm(model, tmp_path) as llm:  # holds the store open while other processes use it

@@ -102,6 +102,7 @@ def test_block_and_feature_tails(kind, nb):
         for rows in range(2, 10):
             assert torch.equal(w.matmul(x[:rows]), alone[:rows]), (n, nb, rows)
 
+@pytest.mark.slow  # ~25 s: two default-model engines
 def test_engine_with_kernels_matches_float32_path():
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
     prompt = [{"role": "user", "content": "Name three colors of the rainbow."}]
@@ -116,7 +117,7 @@ def test_engine_with_kernels_matches_float32_path():
         assert abs(a.logprobs[i][x].logprob - b.logprobs[i][y].logprob) < 1e-3
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
 def test_whole_layer_c_path_matches_the_torch_layer_loop(dtype):
     """Small all-decode steps run each layer as one C call (layers/fused_decode.py); same kernels and
     rounding points as the torch path, so bf16 output is bit-identical and fp32 equal to ~1e-5."""

@@ -27,6 +27,7 @@ PROMPTS = [
 ]
 
 
+@pytest.mark.slow  # ~50 s: a 580-token prompt through transformers and the engine
 def test_gguf_reads_as_gemma3_text_with_norms_shifted_back(gemma3_gguf):
     from gguf import GGUFReader
     from transformers import Gemma3TextConfig

@@ -281,6 +281,7 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
+@pytest.mark.slow  # ~22 s: a cluster
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads worker environments from /proc")
 def test_cluster_keeps_tenants_apart_and_its_internals_need_the_token(tiny_models, tmp_path):
     """`serve --prefill-workers 1 --decode-workers 1` with no token given: it generates one and hands it to
