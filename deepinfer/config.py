@@ -303,7 +303,8 @@ class SchedulerConfig:
         "compute scheduler: once a step completes a prompt (its first token comes out of the step), later "
         "prefill chunks may stretch the step to at most this many times its predicted time so far, so a long "
         "prompt admitted with a short one does not hold the short one's first token for its whole prefill "
-        "(prompts of similar size still share steps). inf = the time budget alone.",
+        "(a further whole prompt joins such a step only while the first tokens it delays cost less than the "
+        "step overheads it saves, engine/policies.py). inf = no stretch limit.",
     )
     profile_cost_model: bool = _f(
         True,

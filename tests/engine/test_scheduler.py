@@ -7,10 +7,11 @@ from __future__ import annotations
 import argparse
 import random
 
+import numpy as np
 import pytest
 
 from deepinfer.config import EngineConfig, SchedulerConfig, add_config_arguments, engine_config_from_args
-from deepinfer.engine.cost_model import CostModel, StepWork
+from deepinfer.engine.cost_model import CostModel, StepWork, chunk_features
 from deepinfer.engine.policies import ComputeBudgetPolicy, TokenBudgetPolicy
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampling_params import SamplingParams
@@ -247,8 +248,9 @@ def test_a_long_prompt_does_not_hold_the_first_token_of_a_short_one_in_its_step(
     alone = CostModel(coefficients=COEFS).predict(StepWork(((40, 0),)))
     done, seconds = first_steps(2.0)
     assert done == {"short": 1, "long": 2} and seconds <= 2 * alone + 1e-12
-    done, seconds = first_steps(float("inf"))  # the time budget alone: the short one waits for the long one
-    assert done == {"short": 1, "long": 1} and seconds > 10 * alone
+    # without the stretch, the batching rule alone keeps the long one out (1 x its 0.15+ s > one 0.01 s overhead)
+    done, seconds = first_steps(float("inf"))
+    assert done == {"short": 1, "long": 2} and seconds <= 2 * alone + 1e-12
 
 
 @pytest.mark.parametrize("scheduler", ["tokens", "compute"])
@@ -267,14 +269,37 @@ def test_a_prompt_waits_for_its_prefix_being_computed_instead_of_computing_it_tw
     _assert_no_leak(s)
 
 
-def test_prompts_of_similar_size_still_share_a_step():
+@pytest.mark.parametrize("overhead", [0.01, 0.001, 1.0])
+def test_prompts_that_arrived_together_batch_while_the_overhead_saved_outweighs_the_delay(overhead):
+    """Eight similar prompts waiting together: the k-th joins a step that already completes p = k - 1 of them
+    only while p * (its prefill time) <= (step overhead) * (prompts queued from it on); every prompt in a step
+    is whole, and the rest go to the next steps. A cheap-overhead machine answers them in small groups, an
+    expensive one (an accelerator, where a step costs its weight reads) in one step."""
     s = _compute()
+    cm = s.cost_model
+    cm.coef = np.array([overhead, *COEFS[1:]])
     s.policy.time_budget_s = 10.0
-    for i in range(8):
-        s.add(_req(f"r{i}", 120 + 10 * i))
+    reqs = [_req(f"r{i}", 120 + 10 * i) for i in range(8)]
+    for r in reqs:
+        s.add(r)
+    expected = 0
+    for k, r in enumerate(reqs):
+        c = cm.predict_features(chunk_features(r.num_prompt_tokens, 0))
+        if expected and expected * c > overhead * (len(reqs) - k):
+            break
+        expected += 1
     out = _step(s)
-    assert len(out.scheduled) == 8
+    assert [x.request.request_id for x in out.scheduled] == [r.request_id for r in reqs[:expected]]
     assert all(x.start + x.num_new_tokens == x.request.num_prompt_tokens for x in out.scheduled)
+    assert expected == {0.01: 4, 0.001: 1, 1.0: 8}[overhead]
+    done = expected
+    while done < len(reqs):  # the rest follow in later steps, none cut into a chunk
+        out = _step(s)
+        prefills = [x for x in out.scheduled if x.num_new_tokens > 1]
+        assert prefills and all(x.start == 0 and x.num_new_tokens == x.request.num_prompt_tokens for x in prefills)
+        done += len(prefills)
+    assert all(r.finished for r in reqs)
+    _assert_no_leak(s)
 
 
 def test_aging_keeps_a_stream_of_short_prompts_from_starving_a_long_one():
