@@ -3,9 +3,9 @@ processes killed with SIGKILL, a real store on disk (corrupted, filled, slowed).
 either with output identical to a clean run or with a clear error; nothing hangs, no KV block stays in use.
 
 The cluster cases start three to five processes each and are marked slow, as are three of the single-server
-store cases (~20-26 s each, CI time); the engine kill runs in the default suite. Unit-level faults of the same parts live next to them (tests/kvcache/test_kv_tiers.py,
-test_kv_prefetch.py, test_kvstore.py, test_cluster*.py, test_server_faults.py); these add load and the
-whole path from HTTP to disk.
+store cases (~20-26 s each, CI time); the engine kill runs in the default suite. Unit-level faults of the same
+parts live next to them (tests/kvcache/test_kv_tiers.py, test_kv_prefetch.py, test_kvstore.py,
+test_cluster*.py, test_server_faults.py); these add load and the whole path from HTTP to disk.
 """
 
 from __future__ import annotations

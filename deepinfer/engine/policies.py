@@ -27,8 +27,9 @@ for its whole prefill.
 Within that stretch, a further prompt joins a step that already completes p prompts only if that lowers
 the sum of first-token times (`_worth_batching`): its whole remaining prefill (c seconds, predicted) delays
 those p first tokens by c each, while leaving it to the next step costs it and the n - 1 prompts queued
-behind it one step overhead o each (the cost model's fixed term): it joins iff p * c <= o * n, and a
-chunk that would not complete it never joins (a pure delay for the p). Where prefill is cheap beside a
+behind it one step overhead o each (the cost model's fixed term): it joins iff p * c <= o * n, and never
+when the rest of its prompt exceeds the step's token budget left (its chunk would be a pure delay for the
+p). One that passes may still be cut by the stretch bound above. Where prefill is cheap beside a
 step's overhead (an accelerator, short prompts) prompts batch as before; where it is expensive (a 158-
 token prompt takes ~0.4 s on a 2-core AVX2 machine in float32, against ~10 ms of overhead), a wave of
 prompts that arrived together is answered one by one instead of all at the end of one long step.

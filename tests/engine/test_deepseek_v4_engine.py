@@ -105,8 +105,9 @@ def test_prefix_hits_restore_window_rows_and_entries(v4):
 def test_preemption_recomputes_to_the_same_tokens(v4):
     """A KV pool too small for four long sequences at once: the newest are preempted and recomputed. The
     token policy admits all four while the first ones decode (chunks fill each step's 32 tokens); the compute
-    policy gives no partial chunk to a prompt in a step that completes another, so with this pool its later
-    prompts wait for room instead of being admitted and then preempted."""
+    policy admits no prompt whose rest exceeds the step's token budget into a step that completes another
+    (`_worth_batching`), so with this pool its later prompts wait for room instead of being admitted and then
+    preempted."""
     path, hf = v4
     prompts = _prompts(4, [30, 26, 33, 21], hf.config.vocab_size)
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
