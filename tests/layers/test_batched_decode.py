@@ -38,8 +38,11 @@ def _captured_steps(llm: LLM, prompts: list[list[int]]) -> list[list]:
 def test_batched_path_equals_the_layer_loop(tiny_models, arch, dtype, shared):
     """Each step of a real generation (the prompts' prefill, then 12-row decodes), run again on the same
     inputs with the batched path and with the layer loop: bit-identical final hidden states (rewriting a step's KV slots writes the same values).
-    Comparing per step on the same inputs keeps run-to-run differences (thread counts, scheduling) out."""
-    llm = LLM(str(tiny_models[arch]), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=shared)
+    Comparing per step on the same inputs keeps run-to-run differences (thread counts, scheduling) out.
+    The token-budget scheduler admits all twelve prompts in one step, so the decodes that follow have twelve
+    rows; the compute policy groups prompts by timed costs and may stagger them (then no step holds all 12)."""
+    llm = LLM(str(tiny_models[arch]), dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=shared,
+              scheduler="tokens")
     model = llm.engine.core.runner.model
     batched = model.batched
     assert batched is not None
@@ -51,8 +54,7 @@ def test_batched_path_equals_the_layer_loop(tiny_models, arch, dtype, shared):
     taken = [args for args in steps if batched.accepts(args[0].view(-1, 1), args[3][0])]
     assert len(taken) == len(steps)  # prefill rows too
     rows = [args[0].shape[0] for args in taken]
-    # every prompt token (after the cached prefix) and 5 decode tokens per sequence, however the scheduler
-    # chunked the prompts (its cost model sizes chunks from timings)
+    # every prompt token (after the cached prefix) and 5 decode tokens per sequence
     assert sum(rows) == sum(len(p) - len(prefix) for p in prompts) + 5 * len(prompts) and 12 in rows
     with torch.inference_mode():
         for args in taken:
