@@ -9,6 +9,9 @@ AVX2 / float32 machine of session 16, ms): a policy that picks better row counts
 the machine's load. Prefill and host time are left out (the same for every engine).
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python3 benchmarks/spec_modeled.py --workload code_edit --ks 3 5
+
+`--fixed-price` also prices the adaptive engine's choices by the table (no live measurements): the score
+of the policy alone, free of the live table's noise (whose row costs move with the machine's load).
 """
 
 from __future__ import annotations
@@ -38,6 +41,9 @@ def main() -> None:
     ap.add_argument("--k-max", type=int, default=16)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--table-ms", type=float, nargs="+", default=AVX2_FP32_MS, help="T(1), T(2), ... in ms")
+    ap.add_argument("--fixed-price", action="store_true",
+                    help="the adaptive engine prices verification by the same table (seeded, never updated, no "
+                         "host time) instead of its live measurements: scores the policy alone")
     args = ap.parse_args()
     table = args.table_ms
     rows_seen: list[int] = []
@@ -54,6 +60,8 @@ def main() -> None:
     results = {}
     for name, cfg in configs.items():
         llm = LLM(None, speculative_config=cfg, kv_cache_memory="256MiB", max_num_seqs=32, num_threads=1)
+        if args.fixed_price and cfg["adaptive"]:
+            _fix_price(llm.engine.core.scheduler.speculator.policy.price, table)
         spec.run_once(llm, ["Hello"], 4)
         ms = tokens = 0.0
         for i in range(4):
@@ -71,6 +79,16 @@ def main() -> None:
     base = none_ms / none_tokens
     print(f"{args.workload} b=1, modeled ms per token: none {base:.2f}  "
           + "  ".join(f"{name} {v:.2f} ({base / v:.2f}x)" for name, v in results.items()))
+
+
+def _fix_price(price, table: list[float]) -> None:
+    """Replace a StepPrice's profile by `table` (extended past its end by its last row's cost) and stop it
+    learning: no measured steps, no host time."""
+    price._samples.clear()
+    price.seed([(r, (table[min(r, len(table)) - 1]) / 1e3) for r in range(1, 4 * len(table)) for _ in range(5)])
+    price.observe = lambda *a, **kw: None
+    price.observe_host = lambda *a, **kw: None
+    price.host_seconds = 0.0
 
 
 if __name__ == "__main__":

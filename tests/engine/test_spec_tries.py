@@ -188,6 +188,10 @@ def test_steps_overlap_where_no_drafts_can_pay():
     # rows on the C path cheap: drafts at the prior pay, so the requests must get a fresh step to draft in
     cheap, _ = _speculator(jump=False, rules=TryRules())
     assert cheap.wants_fresh_step(reqs, 4096)
+    # ... where some request's tokens as they are now have an n-gram match (COPY's): requests that find
+    # none (chat, most steps) keep overlapping, though the price would pay for their drafts
+    assert not cheap.wants_fresh_step(reqs[1:], 4096)
+    assert cheap.propose(reqs[1:], 4096) == {}
     # ... but not a request whose own estimates say its drafts are not kept
     for r in reqs:
         cheap._state(r).rates = [0.01] * 8

@@ -30,6 +30,12 @@ class NgramProposer(Proposer):
         draft, match = find_match(req.token_ids[-self.max_lookback:], self.min_n, self.max_n, max_tokens)
         return Draft(tuple(draft), match=match)
 
+    def likely_to_propose(self, req: Request) -> bool:
+        """The request's last `min_n` tokens occur earlier (what `find_match` needs): a few µs of list
+        search. Chat output finds a match at ~11% of positions, code edits at ~86% (spec.py's prompts)."""
+        tokens = req.token_ids[-self.max_lookback:]
+        return len(tokens) > self.min_n and _occurs_earlier(tokens, self.min_n)
+
 
 def find_continuation(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
     """The up to `k` tokens after the most recent earlier occurrence of the longest suffix of `tokens`

@@ -23,6 +23,16 @@ decode path, so at batch 1 a 9th row costs a jump that a long, likely draft can 
 
 `adaptive=False`: every request verifies its whole proposal (up to `num_speculative_tokens`).
 
+What a request knows before its first verification, and what its proposal's match says: the engine keeps
+pooled estimates (`PooledAcceptance`), per draft position, over every request's verifications, overall and
+per match length (how many trailing tokens an n-gram proposal's copied place matched). A new request's
+estimates start from the pooled ones (a request of a workload the engine has been serving is not a
+stranger: with the fixed prior 0.6, code edits at batch 1 spent their first steps at k = 1-2 where k = 3
+paid); and a proposal's per-position probabilities are its request's estimates times its match length's
+pooled rate over the overall pooled rate (code edits: a 5-token match kept its first draft 89% of the time, a
+2- or 3-token match ~60%; one rate per request averaged them). Each pooled rate starts at the prior and
+counts it as two verifications, as a request's do, so a match length seen rarely stays near the prior.
+
 Around this price-driven choice, `tries.py` decides which requests are looked up at all (back-off after
 repeated misses) and gives untried requests with a strong proposer signal a few tries the price would not.
 """
@@ -55,12 +65,18 @@ class AcceptanceStats:
     misses: int = 0  # consecutive verifications that kept no draft
     backoff_until: int = 0  # the speculator's step count before which the request proposes nothing
     backoff_steps: int = 0  # the length of its last back-off (doubles while the misses go on)
-    # gain_ceiling's cached bounds (plain, confident): valid until the next observation
-    _ceilings: dict[bool, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
+    last_match: int = 0  # the match length of the proposal it last verified (`PooledAcceptance.observe`)
+    # gain_ceiling's cached bounds (plain, confident: per-position rates and their prefix products): valid
+    # until the next observation
+    _ceilings: dict[bool, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
-    def new(cls, prior: float, k_max: int, relax_weight: float = 0.0) -> AcceptanceStats:
-        return cls([prior] * k_max, [0] * k_max, prior=prior, relax_weight=relax_weight)
+    def new(cls, prior: float, k_max: int, relax_weight: float = 0.0,
+            rates: list[float] | None = None) -> AcceptanceStats:
+        """`rates`: the starting estimates (default: the prior at every position; the speculator passes
+        `PooledAcceptance.rates`), each counted as two verifications' worth, like the prior."""
+        start = list(rates[:k_max]) if rates is not None else [prior] * k_max
+        return cls(start, [0] * k_max, prior=prior, relax_weight=relax_weight)
 
     def settle(self) -> None:
         """Apply the idle steps' drift towards the prior: n steps of r += w (prior - r) in closed form (a
@@ -88,17 +104,24 @@ class AcceptanceStats:
                     out[j] = out[j - 1]
         return out
 
-    def gain_ceiling(self, confident: bool = False) -> np.ndarray:
+    def gain_ceiling(self, confident: bool = False, boost: np.ndarray | None = None) -> np.ndarray:
         """An upper bound, valid until the next `observe`, of the expected tokens each draft position adds
         (`DraftLengthPolicy.choose`'s gains: prefix products of the keep probabilities) for any proposal:
         per position max(estimate, prior), since idle steps only move an estimate towards the prior (with
-        a proposer's confidence c <= 1, sqrt(r c) <= sqrt(r)). `DraftLengthPolicy.drafts_can_pay` reads
-        it every step, so it is computed once per observation, not per step."""
+        a proposer's confidence c <= 1, sqrt(r c) <= sqrt(r)), times `boost` (per position, >= 1: the
+        largest match-length factor a proposal may carry, `PooledAcceptance.boost`), capped as
+        `PooledAcceptance.match_probs` caps. `DraftLengthPolicy.drafts_can_pay` reads it every step, so
+        the per-position ceiling is computed once per observation, not per step."""
         cached = self._ceilings.get(confident)
         if cached is None:
             ceiling = np.maximum(np.asarray(self.estimates(), dtype=float), self.prior)
-            cached = self._ceilings[confident] = np.cumprod(np.sqrt(ceiling) if confident else ceiling)
-        return cached
+            rates = np.sqrt(ceiling) if confident else ceiling
+            cached = self._ceilings[confident] = (rates, np.cumprod(rates))
+        if boost is None:
+            return cached[1]
+        rates = cached[0]
+        cap = np.maximum(rates, math.sqrt(MAX_KEEP_PROB) if confident else MAX_KEEP_PROB)
+        return np.cumprod(np.minimum(rates * boost[:len(rates)], cap))
 
     def observe(self, drafted: int, accepted: int, alpha: float) -> None:
         if drafted <= 0:
@@ -110,19 +133,101 @@ class AcceptanceStats:
         self.num_accepted_tokens += accepted
         # positions 1..accepted were kept; position accepted + 1 (if drafted) was tried and rejected;
         # later positions were never tried and tell nothing
-        # a running mean (weight 1 / (tries + 3): the prior counts as two tries) until the weight falls to
-        # alpha / 4, an EWMA after that. A fast EWMA (alpha itself) read the failures of code edits wrongly:
-        # they come at the edited identifiers and a copy resumes right after them, so the step after a
-        # failure is the one most likely to be kept, and a fast EWMA priced it the lowest
-        for j in range(min(drafted, accepted + 1, len(self.rates))):
-            w = max(1.0 / (self.tried[j] + 3), alpha / 4)
-            self.rates[j] += w * ((1.0 if j < accepted else 0.0) - self.rates[j])
-            self.tried[j] += 1
+        # a fast EWMA (alpha itself) read the failures of code edits wrongly: they come at the edited
+        # identifiers and a copy resumes right after them, so the step after a failure is the one most
+        # likely to be kept, and a fast EWMA priced it the lowest
+        update_rates(self.rates, self.tried, drafted, accepted, alpha / 4)
 
     def relax(self) -> None:
         """A step without drafts: drift back towards the prior (applied lazily, `settle`), so a request
         that was unlucky early is tried again later instead of never."""
         self.idle_steps += 1
+
+
+# the highest keep probability a match-length factor may raise an estimate to (gains must keep falling)
+MAX_KEEP_PROB = 0.99
+
+
+def update_rates(rates: list[float], tried: list[int], drafted: int, accepted: int, floor: float) -> None:
+    """One verification's news for per-position keep rates: positions 1..accepted were kept, position
+    accepted + 1 (if drafted) was tried and rejected, later ones were never tried and tell nothing. A
+    running mean (weight 1 / (tries + 3): the starting value counts as two tries) until the weight falls
+    to `floor`, an EWMA after that."""
+    for j in range(min(drafted, accepted + 1, len(rates))):
+        w = max(1.0 / (tried[j] + 3), floor)
+        rates[j] += w * ((1.0 if j < accepted else 0.0) - rates[j])
+        tried[j] += 1
+
+
+class PooledAcceptance:
+    """Per-position keep rates pooled over all of an engine's requests (one proposer), overall and per
+    proposal match length (`Draft.match`; 0: the proposer reports none): the starting estimates of a new
+    request (`rates`) and the factor a proposal's match length puts on its request's estimates
+    (`factors`). See the module docstring."""
+
+    # EWMA weight once the running mean has settled: about the last 50 verifications per position, so the
+    # pool follows a change of workload within a few requests
+    FLOOR = 0.02
+
+    def __init__(self, prior: float, k_max: int) -> None:
+        self.prior, self.k_max = prior, k_max
+        self._all = ([prior] * k_max, [0] * k_max)
+        self._by_match: dict[int, tuple[list[float], list[int]]] = {}
+        self._factors: dict[int, np.ndarray] = {}  # cached per match length until the next observation
+        self._boost: np.ndarray | None = None
+        self._boost_valid = False
+
+    @property
+    def rates(self) -> list[float]:
+        return list(self._all[0])
+
+    def observe(self, match: int, drafted: int, accepted: int) -> None:
+        if drafted <= 0:
+            return
+        update_rates(*self._all, drafted, accepted, self.FLOOR)
+        if match > 0:
+            bucket = self._by_match.setdefault(match, ([self.prior] * self.k_max, [0] * self.k_max))
+            update_rates(*bucket, drafted, accepted, self.FLOOR)
+        self._factors.clear()
+        self._boost_valid = False
+
+    def factors(self, match: int) -> np.ndarray | None:
+        """Per position: the match length's pooled keep rate over the overall one (None: no such match
+        length verified yet, or the proposer reports none; the estimates stand as they are)."""
+        if match <= 0 or match not in self._by_match:
+            return None
+        out = self._factors.get(match)
+        if out is None:
+            rates, tried = self._by_match[match]
+            out = np.asarray(rates) / np.maximum(np.asarray(self._all[0]), 1e-3)
+            # a position this match length never reached says nothing of it (its rate is the prior): the
+            # factor of the position before it, as `AcceptanceStats.estimates` fills untried positions
+            for j in range(1, len(out)):
+                if not tried[j]:
+                    out[j] = out[j - 1]
+            self._factors[match] = out
+        return out
+
+    def boost(self) -> np.ndarray | None:
+        """Per position, the largest factor any match length carries, at least 1 (None: none above 1): what
+        `AcceptanceStats.gain_ceiling` multiplies by to stay an upper bound of any proposal's gains."""
+        if not self._boost_valid:
+            self._boost_valid = True
+            self._boost = None
+            if self._by_match:
+                best = np.max(np.stack([self.factors(m) for m in self._by_match]), axis=0)  # type: ignore[misc]
+                if (best > 1.0).any():
+                    self._boost = np.maximum(best, 1.0)
+        return self._boost
+
+    def match_probs(self, estimates: list[float], match: int) -> list[float]:
+        """A proposal's per-position keep probabilities: its request's estimates times its match length's
+        factors; a factor raises an estimate to at most `MAX_KEEP_PROB` (an estimate already above it
+        stays)."""
+        f = self.factors(match)
+        if f is None:
+            return estimates
+        return [min(e * float(x), max(e, MAX_KEEP_PROB)) for e, x in zip(estimates, f, strict=False)]
 
 
 @dataclass

@@ -91,6 +91,13 @@ class Proposer(ABC):
     def propose(self, req: Request, max_tokens: int) -> Draft:
         """Up to `max_tokens` tokens likely to follow `req.token_ids`."""
 
+    def likely_to_propose(self, req: Request) -> bool:
+        """Whether a lookup on `req`'s tokens as they are now would find a draft (a cheap check; default:
+        True). The speculator asks it for requests whose next token is still in flight, to decide whether
+        the next step should wait for that token so they can draft: a proposer that copies from earlier
+        tokens finds a draft after the next token mostly where it finds one now."""
+        return True
+
     def propose_batch(self, reqs: list[Request], max_tokens: list[int]) -> list[Draft]:
         """One draft per request (`max_tokens[i]` at most); default: `propose` one by one."""
         return [self.propose(r, k) if k > 0 else Draft() for r, k in zip(reqs, max_tokens, strict=True)]

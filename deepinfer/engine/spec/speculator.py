@@ -28,7 +28,7 @@ from deepinfer.engine.cost_model import CostModel
 from deepinfer.engine.request import Request
 from deepinfer.engine.spec.metrics import SpecMetrics
 from deepinfer.engine.spec.ngram import NgramProposer
-from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLengthPolicy
+from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLengthPolicy, PooledAcceptance
 from deepinfer.engine.spec.proposer import Draft, Proposer
 from deepinfer.engine.spec.step_price import (
     prices_in_cpu_time,
@@ -57,6 +57,7 @@ class Speculator:
         self.k_max = method.num_speculative_tokens
         self.proposer = proposer or build_proposer(method)
         self.policy = DraftLengthPolicy(cost_model, method.adaptive)
+        self.pool = PooledAcceptance(method.initial_acceptance, self.k_max)
         self.metrics = SpecMetrics(self.proposer.name, self.k_max)
         self.tries = tries or TryRules()
         self.num_steps = 0  # proposals made (steps), the clock of back-offs
@@ -91,7 +92,8 @@ class Speculator:
 
     def _state(self, req: Request) -> AcceptanceStats:
         if req.spec is None:
-            req.spec = AcceptanceStats.new(self.method.initial_acceptance, self.k_max, self.method.acceptance_ewma / 4)
+            req.spec = AcceptanceStats.new(self.method.initial_acceptance, self.k_max, self.method.acceptance_ewma / 4,
+                                           self.pool.rates)
         return req.spec
 
     def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
@@ -137,7 +139,8 @@ class Speculator:
             cands.append((r, d))
         if priced:
             ks = self.policy.choose(
-                [Candidate(r.num_computed_tokens, self.policy.accept_probs(s.estimates(), d.confidence, len(d)))
+                [Candidate(r.num_computed_tokens, self.policy.accept_probs(
+                    self.pool.match_probs(s.estimates(), d.match), d.confidence, len(d)))
                  for (r, d), s in zip(cands, states, strict=True)], len(decodes))
         else:
             ks = [0] * len(cands)
@@ -149,6 +152,7 @@ class Speculator:
             r.draft_probs = d.probs[:k] if k and d.probs is not None else None
             if k:
                 out[r.request_id] = list(d.token_ids[:k])
+                s.last_match = d.match
             else:
                 s.relax()
         return out
@@ -157,9 +161,13 @@ class Speculator:
         """Whether the engine should let the step in flight finish before it schedules the next one, so that
         `requests` (that step's) can draft: a step scheduled ahead of the one in flight has their next token
         pending, and they draft nothing in it (`propose`). False only where `propose` would give them no
-        drafts anyway: an adaptive, skippable proposer whose price says no drafts pay at this batch and no
-        exploration lookup is due next step. The engine then keeps overlapping host work with the model
-        (`LLMEngine.step_tokens`), as without speculation, instead of running every other step without it."""
+        drafts, or likely none: an adaptive, skippable proposer whose price says no drafts pay at this
+        batch, or that would find no draft on any request's tokens as they are now
+        (`Proposer.likely_to_propose`), and no exploration lookup is due next step. The engine then keeps
+        overlapping host work with the model (`LLMEngine.step_tokens`), as without speculation, instead of
+        running every other step without it (chat at batch 1: the prior's drafts pay on the C path's cheap
+        rows, but an n-gram is found at ~11% of positions, and losing every other step's overlap cost 3-6%
+        of throughput)."""
         if not self._skippable():
             return True
         requests = [r for r in requests if not r.finished]
@@ -168,7 +176,9 @@ class Speculator:
         states = [self._state(r) for r in requests]
         step = self.num_steps + 1  # the step the next `propose` counts
         limits = self._unpaused(states, self._limits(requests, max_model_len), step)
-        if self._drafts_can_pay(states, limits):
+        likely = [lim if lim and self.proposer.likely_to_propose(r) else 0
+                  for r, lim in zip(requests, limits, strict=True)]
+        if self._drafts_can_pay(states, likely):
             return True
         return step % self.tries.lookup_every == 0 and any(
             lim and self.tries.explorable(s) for s, lim in zip(states, limits, strict=True))
@@ -191,7 +201,8 @@ class Speculator:
 
     def _drafts_can_pay(self, states: list[AcceptanceStats], limits: list[int]) -> bool:
         confident = self.proposer.confident
-        bounds = [s.gain_ceiling(confident)[:lim] for s, lim in zip(states, limits, strict=True) if lim]
+        boost = self.pool.boost()
+        bounds = [s.gain_ceiling(confident, boost)[:lim] for s, lim in zip(states, limits, strict=True) if lim]
         return self.policy.drafts_can_pay(len(states), bounds)
 
     def observe_step(self, num_rows: int, seconds: float, cpu_seconds: float | None = None) -> None:
@@ -206,6 +217,7 @@ class Speculator:
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         state = self._state(req)
         state.observe(drafted, accepted, self.method.acceptance_ewma)
+        self.pool.observe(state.last_match, drafted, accepted)
         if self.policy.adaptive:
             self.tries.after_verify(state, drafted, accepted, self.num_steps)
         self.metrics.verified(drafted, accepted)
