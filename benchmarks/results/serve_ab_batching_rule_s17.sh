@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
 # A/B of two source trees' `deepinfer serve` under guidellm: ab_serve.sh STREAMS REPEATS TREE_A TREE_B
+# Session 18: WRONG as written. Run from /work/main, `python3 -m` puts the working directory ahead of PYTHONPATH,
+# so both arms ran main's code. Kept as the record of what session 17 ran; see BENCHMARKS.md session 18.
 set -u
 STREAMS=$1; REPEATS=$2; A=$3; B=$4
 export HF_HUB_OFFLINE=1 GUIDELLM=/tmp/guidellm-venv/bin/guidellm MAX_REQUESTS=$((STREAMS*4)) OUT_DIR=/tmp/s17/ab

@@ -20,6 +20,7 @@ from deepinfer.engine.spec.policy import (
     PooledAcceptance,
 )
 from deepinfer.engine.spec.speculator import Speculator
+from tests.engine.spec_utils import random_acceptance_stats
 
 # the tail "5 6 7 8" occurred before (a 4-token match), followed by 9 10 11 ...
 LONG_MATCH = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 20, 21, 5, 6, 7, 8]
@@ -127,13 +128,7 @@ def test_the_skip_bound_covers_the_match_factors():
             keep = rng.random() < (0.2 + 0.15 * match)
             pool.observe(match, d, d if keep else int(rng.integers(0, d)))
         b = int(rng.integers(1, 40))
-        stats = [AcceptanceStats.new(0.6, 16, 0.075, pool.rates) for _ in range(b)]
-        for s in stats:
-            for _ in range(int(rng.integers(0, 4))):
-                d = int(rng.integers(1, 17))
-                s.observe(d, int(rng.integers(0, d + 1)), 0.3)
-            for _ in range(int(rng.integers(0, 30))):
-                s.relax()
+        stats = random_acceptance_stats(rng, b, pool.rates, relax_weight=0.075)
         cands = [Candidate(100, pool.match_probs(s.estimates(), int(rng.integers(0, 6)))[:int(rng.integers(0, 17))])
                  for s in stats]
         if any(pol.choose(cands, b)):

@@ -17,6 +17,7 @@ from deepinfer.engine.spec.ngram import NgramProposer, find_continuation
 from deepinfer.engine.spec.policy import Candidate, DraftLengthPolicy, expected_tokens
 from deepinfer.engine.spec.suffix import SuffixProposer
 from deepinfer.engine.spec.verify import verify
+from tests.engine.spec_utils import random_acceptance_stats
 
 
 def _req(tokens: list[int], rid: str = "r", **params) -> Request:
@@ -180,13 +181,7 @@ def test_the_skip_bound_reads_each_requests_estimates():
     rng = np.random.default_rng(0)
     for _ in range(300):
         b = int(rng.integers(1, 40))
-        stats = [AcceptanceStats.new(0.6, 16) for _ in range(b)]
-        for s in stats:
-            for _ in range(int(rng.integers(0, 4))):
-                d = int(rng.integers(1, 17))
-                s.observe(d, int(rng.integers(0, d + 1)), 0.3)
-            for _ in range(int(rng.integers(0, 30))):
-                s.relax()
+        stats = random_acceptance_stats(rng, b)
         cands = [Candidate(100, s.estimates()[:int(rng.integers(0, 17))]) for s in stats]
         if any(pol.choose(cands, b)):
             assert pol.drafts_can_pay(b, [s.gain_ceiling() for s in stats])
