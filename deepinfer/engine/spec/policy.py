@@ -98,10 +98,8 @@ class AcceptanceStats:
         the policy from ever trying the positions past the ones it has chosen so far."""
         self.settle()
         out = list(self.rates)
-        if self.tried and self.tried[0]:  # the untried positions are a suffix (reaching j means j - 1 kept)
-            for j in range(1, len(out)):
-                if not self.tried[j]:
-                    out[j] = out[j - 1]
+        if self.tried and self.tried[0]:
+            carry_forward_untried(out, self.tried)
         return out
 
     def gain_ceiling(self, confident: bool = False, boost: np.ndarray | None = None) -> np.ndarray:
@@ -146,6 +144,14 @@ class AcceptanceStats:
 
 # the highest keep probability a match-length factor may raise an estimate to (gains must keep falling)
 MAX_KEEP_PROB = 0.99
+
+
+def carry_forward_untried(values: list[float] | np.ndarray, tried: list[int]) -> None:
+    """Give each never-observed position after the first the value of the position before it, in place.
+    The untried positions are a suffix: reaching position j means position j - 1 was kept."""
+    for j in range(1, len(values)):
+        if not tried[j]:
+            values[j] = values[j - 1]
 
 
 def update_rates(rates: list[float], tried: list[int], drafted: int, accepted: int, floor: float) -> None:
@@ -200,11 +206,8 @@ class PooledAcceptance:
         if out is None:
             rates, tried = self._by_match[match]
             out = np.asarray(rates) / np.maximum(np.asarray(self._all[0]), 1e-3)
-            # a position this match length never reached says nothing of it (its rate is the prior): the
-            # factor of the position before it, as `AcceptanceStats.estimates` fills untried positions
-            for j in range(1, len(out)):
-                if not tried[j]:
-                    out[j] = out[j - 1]
+            # a position this match length never reached says nothing of it (its rate is the prior)
+            carry_forward_untried(out, tried)
             self._factors[match] = out
         return out
 
