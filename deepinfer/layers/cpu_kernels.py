@@ -1,6 +1,7 @@
 """The C kernels for x86 CPUs: compiled once with the system's gcc, loaded with ctypes.
 
-Sources: `gguf_gemm.c` (matmuls from GGUF quantized blocks), `paged_attention.c` (decode
+Sources: `gguf_gemm.c` (matmuls from GGUF quantized blocks), `panel_gemm.c` (float32 matmuls on
+weights packed in 16-feature panels, AVX2 CPUs), `paged_attention.c` (decode
 attention reading the paged KV cache in place) and `elementwise.c` (fused residual + RMSNorm,
 rotary, SiLU-and-multiply, row argmax, categorical sampling, grammar token masks), and `decode_layer.c` (a whole decoder layer for a few
 decoding sequences, composed of the others, and the whole layer stack in one call). They are built into one shared
@@ -29,7 +30,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).with_name(n)
-            for n in ("gguf_gemm.c", "paged_attention.c", "elementwise.c", "decode_layer.c")]
+            for n in ("gguf_gemm.c", "panel_gemm.c", "paged_attention.c", "elementwise.c", "decode_layer.c")]
 _HEADERS = [Path(__file__).with_name("cpu_common.h")]
 _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
@@ -91,6 +92,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.q8_0_gemm.argtypes = [vp, i, i, vp, vp, vp, i, vp, i]
     lib.dense_gemm.argtypes = [vp, i, i, vp, vp, i, vp, i]
     lib.max_rows.restype = i
+    lib.panel_gemm_f32.argtypes = [vp, i, i, vp, vp, i]
+    lib.panel_gemm_preferred.restype = i
     lib.paged_decode_attention.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, ctypes.c_float, i,
                                            ctypes.c_int64, vp]
     lib.paged_decode_attention.restype = i

@@ -1,0 +1,86 @@
+"""`panel_gemm.c` (float32 products on weights packed in 16-feature panels) against a float64 reference, and
+the `Linear` that picks it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer.layers import cpu_kernels
+from deepinfer.layers.linear import Linear, pack_panels, panel_matmul
+
+pytestmark = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="needs x86-64 with AVX2 and gcc")
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    return (x.double() @ w.double().T).float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 64, 131])
+@pytest.mark.parametrize("k,n", [(32, 16), (100, 48), (576, 960), (1536, 576)])
+def test_panel_product_matches_float64(rows, k, n):
+    # every tail-tile size (rows % 6 = 1..5), several tiles, K not a multiple of anything, one and many panels
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=gen)
+    w = torch.randn(n, k, generator=gen) / k ** 0.5
+    y = panel_matmul(x, pack_panels(w))
+    assert y.shape == (rows, n)
+    torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-5)
+
+
+def test_a_rows_result_does_not_depend_on_the_other_rows():
+    # the sums run in k order for every tile position and row count: a row alone equals the same row in a batch
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(37, 576, generator=gen)
+    panels = pack_panels(torch.randn(96, 576, generator=gen))
+    full = panel_matmul(x, panels)
+    for r in (0, 5, 6, 30, 36):
+        assert torch.equal(panel_matmul(x[r:r + 1], panels)[0], full[r])
+    assert torch.equal(panel_matmul(x[6:19], panels), full[6:19])
+
+
+def test_zero_rows_and_bad_input():
+    panels = pack_panels(torch.randn(32, 64))
+    assert panel_matmul(torch.empty(0, 64), panels).shape == (0, 32)
+    with pytest.raises(ValueError, match="float32"):
+        panel_matmul(torch.randn(3, 48), panels)
+    with pytest.raises(ValueError, match="float32"):
+        panel_matmul(torch.randn(3, 64, dtype=torch.bfloat16), panels)
+
+
+@pytest.mark.skipif(not (cpu_kernels.load_library() and cpu_kernels.load_library().panel_gemm_preferred()),
+                    reason="the panel kernel serves float32 only on CPUs without AVX-512")
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_serves_float32_batches_from_panels(bias):
+    gen = torch.Generator().manual_seed(3)
+    lin = Linear(576, 960, bias=bias)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(960, 576, generator=gen) / 24)
+        if bias:
+            lin.bias.copy_(torch.randn(960, generator=gen))
+    assert lin.pack()
+    assert lin._panels is not None and lin._packed is None
+    x = torch.randn(40, 576, generator=gen)
+    expected = _reference(x, lin.weight) + (lin.bias if bias else 0)
+    torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
+    # a non-contiguous input (a column slice) takes the same path
+    wide = torch.randn(40, 600, generator=gen)
+    torch.testing.assert_close(lin(wide[:, 10:586]), lin(wide[:, 10:586].contiguous()), rtol=0, atol=0)
+
+
+def test_linear_without_panels_where_features_do_not_fill_them():
+    # 100 output features are not a multiple of 16: oneDNN (or torch) keeps serving the layer
+    lin = Linear(64, 100, bias=False)
+    lin.pack()
+    assert lin._panels is None
+    x = torch.randn(20, 64)
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight), rtol=1e-5, atol=1e-5)
+
+
+def test_row_invariant_linear_drops_its_panels():
+    lin = Linear(64, 32, bias=False)
+    lin.pack()
+    lin.make_row_invariant()
+    assert lin._panels is None and lin._packed is None
+    assert not lin.pack()
