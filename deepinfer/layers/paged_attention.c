@@ -13,9 +13,10 @@
  *   skip: context tokens to leave out at the start (a multiple of block_size; a shared prefix the
  *   caller attends separately); lse, if not NULL: [B, H] log-sum-exp of the scaled scores, so the
  *   caller can merge this partial result with its own.
- * Two builds of the loop: AVX-512 (head_dim a multiple of 16, on CPUs that have it; it prefetches
- * the blocks ahead, see below; in bf16 on CPUs with AVX512-BF16 its scores use vdpbf16ps on the bf16
- * query rows, see block_scores_bf16) and AVX2 (everything else).
+ * One loop (decode_attention_tasks) over (sequence, kv head) tasks, with its block arithmetic in two
+ * widths: 16 lanes (AVX-512, head_dim a multiple of 16, on CPUs that have it; in bf16 on CPUs with
+ * AVX512-BF16 its scores use vdpbf16ps on the bf16 query rows, see block_scores_bf16) and 8 lanes
+ * (AVX2: every other case). Both prefetch the blocks ahead and load each K row once for all grouped heads.
  * Built together with gguf_gemm.c by deepinfer/layers/cpu_kernels.py.
  */
 #include <math.h>
@@ -51,110 +52,148 @@ static inline void exp_shifted(float *s, int n, float mx, float *sum) {
     *sum += total;
 }
 
-/* a (sequence, kv head) task's state: its G query rows (scaled) as float32, empty outputs; `row` is
- * the first query head's index in [B * H] */
-static inline void start_task(const void *q, float (*qf)[MAX_D], float (*acc)[MAX_D], float *m, float *l, int64_t row,
-                              int G, int D, float scale, int bf16) {
+/* ---- 8 lanes (AVX2; built on every x86 CPU) ----
+ * A task's state: its G query rows (scaled) as float32, its G output rows, and per row the running max m
+ * and sum l of the online softmax; `row` is the first query head's index in [B * H]. */
+static inline void start_task8(const void *q, float (*qf)[MAX_D], float (*acc)[MAX_D], float *m, float *l,
+                               int64_t row, int G, int D, float scale, int bf16) {
+    const int esize = bf16 ? 2 : 4;
+    const char *qb = (const char *)q + row * D * esize;
+    const __m256 sc = _mm256_set1_ps(scale);
     for (int g = 0; g < G; g++) {
-        for (int d = 0; d < D; d++) qf[g][d] = load1(q, (row + g) * D + d, bf16) * scale;
-        memset(acc[g], 0, sizeof(float) * D);
+        for (int d = 0; d < D; d += 8) {
+            _mm256_store_ps(&qf[g][d], _mm256_mul_ps(load8(qb + (int64_t)(g * D + d) * esize, bf16), sc));
+            _mm256_store_ps(&acc[g][d], _mm256_setzero_ps());
+        }
         m[g] = -INFINITY;
         l[g] = 0.f;
     }
 }
 
 /* normalise and store the task's G output rows (and their log-sum-exp when asked) */
-static inline void finish_task(void *out, float *lse, float (*acc)[MAX_D], const float *m, const float *l, int64_t row,
-                               int G, int D, int bf16) {
+static inline void finish_task8(void *out, float *lse, float (*acc)[MAX_D], const float *m, const float *l,
+                                int64_t row, int G, int D, int bf16) {
+    const int esize = bf16 ? 2 : 4;
     for (int g = 0; g < G; g++) {
         const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
         if (lse) lse[row + g] = l[g] > 0.f ? m[g] + logf(l[g]) : -INFINITY;
-        for (int d = 0; d < D; d++) store1(out, (row + g) * D + d, acc[g][d] * inv, bf16);
+        const __m256 iv = _mm256_set1_ps(inv);
+        char *o = (char *)out + (row + g) * D * esize;
+        for (int d = 0; d < D; d += 8) store8(o + (int64_t)d * esize, _mm256_mul_ps(_mm256_load_ps(&acc[g][d]), iv), bf16);
     }
 }
 
-static int decode_attention_avx2(const void *q, void *out, const void *k_cache, const void *v_cache,
-                                 const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
-                                 int B, int H, int KVH, int D, int block_size, float scale, int dtype,
-                                 int64_t skip, float *lse) {
-    const int G = H / KVH, bf16 = dtype == 1, esize = bf16 ? 2 : 4;
-    const int64_t row_stride = (int64_t)KVH * D;  /* elements between consecutive tokens of one head */
-#pragma omp parallel for schedule(dynamic, 1) collapse(2)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < KVH; h++) {
-            float qf[MAX_GROUP][MAX_D], acc[MAX_GROUP][MAX_D], m[MAX_GROUP], l[MAX_GROUP];
-            float s[MAX_GROUP][MAX_BS], corr[MAX_GROUP];
-            start_task(q, qf, acc, m, l, (int64_t)b * H + h * G, G, D, scale, bf16);
-            const int64_t ctx = context_lens[b];
-            const int64_t *table = block_tables + (int64_t)b * max_blocks;
-            for (int64_t start = skip; start < ctx; start += block_size) {
-                const int n = (int)(ctx - start < block_size ? ctx - start : block_size);
-                const int64_t first = (table[start / block_size] * block_size * row_stride + (int64_t)h * D);
-                const char *kb = (const char *)k_cache + first * esize;
-                const char *vb = (const char *)v_cache + first * esize;
-                const int64_t tstride = row_stride * esize;  /* bytes between tokens */
-                /* scores of this block: four tokens at a time, so four dot products are in flight */
-                for (int g = 0; g < G; g++) {
-                    int t = 0;
-                    for (; t + 4 <= n; t += 4) {
-                        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-                        const char *k0 = kb + t * tstride;
-                        for (int d = 0; d < D; d += 8) {
-                            const __m256 qv = _mm256_loadu_ps(&qf[g][d]);
-                            a0 = _mm256_fmadd_ps(qv, load8(k0 + d * esize, bf16), a0);
-                            a1 = _mm256_fmadd_ps(qv, load8(k0 + tstride + d * esize, bf16), a1);
-                            a2 = _mm256_fmadd_ps(qv, load8(k0 + 2 * tstride + d * esize, bf16), a2);
-                            a3 = _mm256_fmadd_ps(qv, load8(k0 + 3 * tstride + d * esize, bf16), a3);
-                        }
-                        _mm_storeu_ps(&s[g][t], hsum4x8(a0, a1, a2, a3));
-                    }
-                    for (; t < n; t++) {
-                        __m256 a = _mm256_setzero_ps();
-                        for (int d = 0; d < D; d += 8)
-                            a = _mm256_fmadd_ps(_mm256_loadu_ps(&qf[g][d]), load8(kb + t * tstride + d * esize, bf16), a);
-                        s[g][t] = hsum8(a);
-                    }
-                }
-                /* online softmax: new running max, rescale, probabilities of this block */
-                for (int g = 0; g < G; g++) {
-                    float mx = m[g];
-                    for (int t = 0; t < n; t++) mx = s[g][t] > mx ? s[g][t] : mx;
-                    const float correction = expf(m[g] - mx);
-                    m[g] = mx;
-                    l[g] *= correction;
-                    exp_shifted(s[g], n, mx, &l[g]);
-                    corr[g] = correction;
-                }
-                /* acc = acc * correction + p . V, one 8-wide slice of the head at a time: each V slice
-                 * is loaded (and widened) once for all grouped query heads; up to 4 groups stay in registers */
-                for (int d = 0; d < D; d += 8) {
-                    for (int g0 = 0; g0 < G; g0 += 4) {
-                        const int gn = G - g0 < 4 ? G - g0 : 4;
-                        __m256 a[4];
-                        for (int j = 0; j < gn; j++)
-                            a[j] = _mm256_mul_ps(_mm256_set1_ps(corr[g0 + j]), _mm256_loadu_ps(&acc[g0 + j][d]));
-                        for (int t = 0; t < n; t++) {
-                            const __m256 v = load8(vb + t * tstride + d * esize, bf16);
-                            for (int j = 0; j < gn; j++)
-                                a[j] = _mm256_fmadd_ps(_mm256_set1_ps(s[g0 + j][t]), v, a[j]);
-                        }
-                        for (int j = 0; j < gn; j++) _mm256_storeu_ps(&acc[g0 + j][d], a[j]);
-                    }
-                }
-            }
-            finish_task(out, lse, acc, m, l, (int64_t)b * H + h * G, G, D, bf16);
+/* s[g][t..t+3] = q[g] . K[t..t+3] for the G (<= 4, constant after inlining) grouped heads: each K row is
+ * loaded (and widened) once and multiplied by every grouped query; four dot products per head in flight */
+static inline __attribute__((always_inline)) void scores_quad8(const float (*qf)[MAX_D], float (*s)[MAX_BS], int G,
+                                                               const char *k0, int64_t tstride, int D, int esize,
+                                                               int bf16, int t) {
+    __m256 a[4][4];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 4; j++) a[g][j] = _mm256_setzero_ps();
+    for (int d = 0; d < D; d += 8) {
+        __m256 k[4];
+        for (int j = 0; j < 4; j++) k[j] = load8(k0 + j * tstride + d * esize, bf16);
+        for (int g = 0; g < G; g++) {
+            const __m256 qv = _mm256_load_ps(&qf[g][d]);
+            for (int j = 0; j < 4; j++) a[g][j] = _mm256_fmadd_ps(qv, k[j], a[g][j]);
         }
     }
-    return 0;
+    for (int g = 0; g < G; g++) _mm_storeu_ps(&s[g][t], hsum4x8(a[g][0], a[g][1], a[g][2], a[g][3]));
+}
+
+static void block_scores8(const float (*qf)[MAX_D], float (*s)[MAX_BS], int G, const char *kb, int64_t tstride,
+                          int n, int D, int esize, int bf16) {
+    int t = 0;
+    for (; t + 4 <= n; t += 4) {
+        const char *k0 = kb + t * tstride;
+        for (int g0 = 0; g0 < G; g0 += 4) {
+            const float (*qg)[MAX_D] = qf + g0;
+            float (*sg)[MAX_BS] = s + g0;
+            switch (G - g0 < 4 ? G - g0 : 4) {  /* constant G: the accumulators stay in registers */
+                case 1: scores_quad8(qg, sg, 1, k0, tstride, D, esize, bf16, t); break;
+                case 2: scores_quad8(qg, sg, 2, k0, tstride, D, esize, bf16, t); break;
+                case 3: scores_quad8(qg, sg, 3, k0, tstride, D, esize, bf16, t); break;
+                default: scores_quad8(qg, sg, 4, k0, tstride, D, esize, bf16, t);
+            }
+        }
+    }
+    for (; t < n; t++) {
+        const char *kt = kb + t * tstride;
+        for (int g = 0; g < G; g++) {
+            __m256 a = _mm256_setzero_ps();
+            for (int d = 0; d < D; d += 8) a = _mm256_fmadd_ps(_mm256_load_ps(&qf[g][d]), load8(kt + d * esize, bf16), a);
+            s[g][t] = hsum8(a);
+        }
+    }
+}
+
+/* online softmax over one block's n scores of one head: updates m, l; leaves probabilities in s;
+ * returns the factor by which the head's accumulated output must be rescaled */
+static inline float block_softmax8(float *s, int n, float *m, float *l) {
+    float mx = *m;
+    for (int t = 0; t < n; t++) mx = s[t] > mx ? s[t] : mx;
+    const float correction = expf(*m - mx);
+    *m = mx;
+    *l *= correction;
+    exp_shifted(s, n, mx, l);
+    return correction;
+}
+
+/* acc[g] = acc[g] * corr[g] + sum over t of p[g][t] V[t] for GN grouped heads and ND 8-wide slices from
+ * lane d0 (GN x ND accumulators, GN broadcasts and one V slice: at most 16 registers); each output lane
+ * sums its products in t order */
+static inline __attribute__((always_inline)) void values_tile8(float (*acc)[MAX_D], const float (*s)[MAX_BS],
+                                                               const float *corr, int GN, int ND, const char *vb,
+                                                               int64_t tstride, int n, int d0, int esize, int bf16) {
+    __m256 a[4][4];
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < ND; i++)
+            a[g][i] = _mm256_mul_ps(_mm256_set1_ps(corr[g]), _mm256_load_ps(&acc[g][d0 + 8 * i]));
+    for (int t = 0; t < n; t++) {
+        __m256 p[4];
+        for (int g = 0; g < GN; g++) p[g] = _mm256_set1_ps(s[g][t]);
+        for (int i = 0; i < ND; i++) {
+            const __m256 v = load8(vb + t * tstride + (d0 + 8 * i) * esize, bf16);
+            for (int g = 0; g < GN; g++) a[g][i] = _mm256_fmadd_ps(p[g], v, a[g][i]);
+        }
+    }
+    for (int g = 0; g < GN; g++)
+        for (int i = 0; i < ND; i++) _mm256_store_ps(&acc[g][d0 + 8 * i], a[g][i]);
+}
+
+/* acc = acc * correction + p . V over one block, for the G grouped heads of a kv head: up to 3 heads
+ * take 32 lanes of the head per pass over the block's V rows, 4 heads 16 lanes */
+static void block_values8(float (*acc)[MAX_D], const float (*s)[MAX_BS], const float *corr, int G, const char *vb,
+                          int64_t tstride, int n, int D, int esize, int bf16) {
+    for (int g0 = 0; g0 < G; g0 += 4) {
+        const int gn = G - g0 < 4 ? G - g0 : 4;
+        float (*ag)[MAX_D] = acc + g0;
+        const float (*sg)[MAX_BS] = s + g0;
+        const float *cg = corr + g0;
+        int d = 0;
+        if (gn == 4) {
+            for (; d + 16 <= D; d += 16) values_tile8(ag, sg, cg, 4, 2, vb, tstride, n, d, esize, bf16);
+        } else {
+            for (; d + 32 <= D; d += 32)
+                switch (gn) {
+                    case 1: values_tile8(ag, sg, cg, 1, 4, vb, tstride, n, d, esize, bf16); break;
+                    case 2: values_tile8(ag, sg, cg, 2, 4, vb, tstride, n, d, esize, bf16); break;
+                    default: values_tile8(ag, sg, cg, 3, 4, vb, tstride, n, d, esize, bf16);
+                }
+        }
+        for (; d < D; d += 8)
+            switch (gn) {
+                case 1: values_tile8(ag, sg, cg, 1, 1, vb, tstride, n, d, esize, bf16); break;
+                case 2: values_tile8(ag, sg, cg, 2, 1, vb, tstride, n, d, esize, bf16); break;
+                case 3: values_tile8(ag, sg, cg, 3, 1, vb, tstride, n, d, esize, bf16); break;
+                default: values_tile8(ag, sg, cg, 4, 1, vb, tstride, n, d, esize, bf16);
+            }
+    }
 }
 
 #ifdef __AVX512F__
-/* ---- AVX-512: 16 lanes, each sequence's heads on one thread, K read once for all grouped heads ----
- * The AVX2 loop above streams each K row once per grouped query head and is bound by the
- * ~7.5 GB/s it reaches on a 2-core Xeon (a plain streaming read gets ~21 GB/s there). Here a
- * task is (sequence, kv head) as before, but the tasks of one sequence run on one thread back
- * to back (its K/V rows for all heads are contiguous per token), and with G <= 4 grouped heads
- * every K row is loaded (and widened) once into registers for all of them. */
+/* ---- 16 lanes (AVX-512): the same arithmetic as the 8-lane helpers above, twice as wide ---- */
 
 /* the 8-lane sum of the two halves (AVX-512F only: no DQ extract needed) */
 static inline __m256 fold16(__m512 a) {
@@ -414,95 +453,135 @@ static void block_values(float (*acc)[MAX_D], const float (*s)[MAX_BS], const fl
     }
 }
 
+#endif  /* __AVX512F__ */
+
 #ifndef PREFETCH_BLOCKS
 #define PREFETCH_BLOCKS 2  /* how many blocks ahead of the one computing are requested */
 #endif
 
-/* prefetch head h's rows of block `block` (the first `rows` tokens of it) for K and V */
+/* prefetch heads h..h+nh-1's rows of block `block` (the first `rows` tokens of it) for K and V */
 static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t block, int block_size,
-                                  int64_t row_stride, int h, int D, int esize, int64_t rows) {
+                                  int64_t row_stride, int h, int nh, int D, int esize, int64_t rows) {
     const int n = rows < block_size ? (int)rows : block_size;
     const int64_t first = (block * block_size * row_stride + (int64_t)h * D) * esize;
     const int64_t tstride = row_stride * esize;
     for (int t = 0; t < n; t++)
-        for (int off = 0; off < D * esize; off += 64) {
+        for (int off = 0; off < nh * D * esize; off += 64) {
             _mm_prefetch((const char *)k_cache + first + t * tstride + off, _MM_HINT_T0);
             _mm_prefetch((const char *)v_cache + first + t * tstride + off, _MM_HINT_T0);
         }
 }
 
-static int decode_attention_avx512(const void *q, void *out, const void *k_cache, const void *v_cache,
-                                   const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
-                                   int B, int H, int KVH, int D, int block_size, float scale, int dtype,
-                                   int64_t skip, float *lse) {
+/* one block of a task in the width the loop was built for (wide: 16 lanes, AVX-512 builds only; dot_bf16:
+ * the scores from the bf16 query rows qrow) */
+static inline __attribute__((always_inline)) void task_block(int wide, int dot_bf16, float (*qf)[MAX_D],
+                                                             const void *qrow, float (*acc)[MAX_D],
+                                                             float (*s)[MAX_BS], float *m, float *l, float *corr,
+                                                             int G, const char *kb, const char *vb, int64_t tstride,
+                                                             int n, int D, float scale, int esize, int bf16) {
+#ifdef __AVX512F__
+    if (wide) {
+#ifdef __AVX512BF16__
+        if (dot_bf16)
+            block_scores_bf16((const uint16_t *)qrow, s, G, kb, tstride, n, D, scale);
+        else
+#endif
+            block_scores((const float (*)[MAX_D])qf, s, G, kb, tstride, n, D, esize, bf16);
+        for (int g = 0; g < G; g++) corr[g] = block_softmax(s[g], n, &m[g], &l[g]);
+        block_values(acc, (const float (*)[MAX_BS])s, corr, G, vb, tstride, n, D, esize, bf16);
+        return;
+    }
+#endif
+    (void)wide, (void)dot_bf16, (void)qrow, (void)scale;
+    block_scores8((const float (*)[MAX_D])qf, s, G, kb, tstride, n, D, esize, bf16);
+    for (int g = 0; g < G; g++) corr[g] = block_softmax8(s[g], n, &m[g], &l[g]);
+    block_values8(acc, (const float (*)[MAX_BS])s, corr, G, vb, tstride, n, D, esize, bf16);
+}
+
+/* A task is one sequence's kv heads h0..h0+span-1: all of them (span = KVH) while there are enough
+ * sequences to keep every thread busy, so that each block's K and V rows (all heads of a token are
+ * contiguous) are read whole, one after the other; single heads otherwise. With G <= 4 grouped query heads
+ * every K row is loaded (and widened) once into registers for all of them. A loop that walked one kv head
+ * through all blocks, then the next, reached ~7 GB/s on a 2-core Xeon and on a 2-core EPYC (scattered
+ * 256-byte slices of 768-byte rows); `wide` is a constant in each caller. */
+static inline __attribute__((always_inline)) int decode_attention_tasks(
+        const void *q, void *out, const void *k_cache, const void *v_cache, const int64_t *block_tables,
+        int max_blocks, const int64_t *context_lens, int B, int H, int KVH, int D, int block_size, float scale,
+        int dtype, int64_t skip, float *lse, int wide) {
     const int G = H / KVH, bf16 = dtype == 1, esize = bf16 ? 2 : 4;
     const int64_t row_stride = (int64_t)KVH * D, tstride = row_stride * esize;
-    const int tasks = B * KVH;
+    const int span = B >= 4 * omp_get_max_threads() && H <= MAX_GROUP ? KVH : 1;
+    const int per_seq = KVH / span, tasks = B * per_seq;
 #ifdef __AVX512BF16__
-    const int dot_bf16 = bf16;  /* scores from the bf16 query rows with vdpbf16ps (block_scores_bf16) */
+    const int dot_bf16 = wide && bf16;  /* scores from the bf16 query rows with vdpbf16ps (block_scores_bf16) */
 #else
     const int dot_bf16 = 0;
 #endif
-    /* a sequence's heads go to one thread while there are enough sequences to keep every thread busy */
     int chunk = tasks / (4 * omp_get_max_threads());
-    chunk = chunk < 1 ? 1 : chunk > KVH ? KVH : chunk;
+    chunk = chunk < 1 ? 1 : chunk > per_seq ? per_seq : chunk;
 #pragma omp parallel
     {
     int previous = -1;  /* the task this thread ran last: it has requested this task's first blocks */
 #pragma omp for schedule(dynamic, chunk)
     for (int task = 0; task < tasks; task++) {
-        const int b = task / KVH, h = task % KVH;
+        const int b = task / per_seq, h0 = task % per_seq * span;
+        const int64_t row = (int64_t)b * H + h0 * G;  /* the task's first query head in [B * H] */
         float qf[MAX_GROUP][MAX_D] __attribute__((aligned(64)));
         float acc[MAX_GROUP][MAX_D] __attribute__((aligned(64)));
         float s[MAX_GROUP][MAX_BS] __attribute__((aligned(64)));
         float m[MAX_GROUP], l[MAX_GROUP], corr[MAX_GROUP];
-        start_task16(q, qf, acc, m, l, (int64_t)b * H + h * G, G, D, scale, bf16, !dot_bf16);
+#ifdef __AVX512F__
+        if (wide)
+            start_task16(q, qf, acc, m, l, row, span * G, D, scale, bf16, !dot_bf16);
+        else
+#endif
+            start_task8(q, qf, acc, m, l, row, span * G, D, scale, bf16);
         const int64_t ctx = context_lens[b];
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
         if (previous != task - 1)
             for (int64_t ahead = skip; ahead < ctx && ahead < skip + PREFETCH_BLOCKS * block_size; ahead += block_size)
-                prefetch_block(k_cache, v_cache, table[ahead / block_size], block_size, row_stride, h, D, esize,
-                               ctx - ahead);
+                prefetch_block(k_cache, v_cache, table[ahead / block_size], block_size, row_stride, h0, span, D,
+                               esize, ctx - ahead);
         previous = task;
         /* where this task's blocks end (block-aligned), for prefetching past it into the next task */
         const int64_t end = skip + (ctx - skip + block_size - 1) / block_size * block_size;
         for (int64_t start = skip; start < ctx; start += block_size) {
             const int n = (int)(ctx - start < block_size ? ctx - start : block_size);
-            const int64_t first = table[start / block_size] * block_size * row_stride + (int64_t)h * D;
-            const char *kb = (const char *)k_cache + first * esize;
-            const char *vb = (const char *)v_cache + first * esize;
             /* blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across
-             * them: ask for the blocks ahead while this one computes (measured 3x: the kernel ran at
+             * them: ask for the blocks ahead while this one computes (measured 3x on a Xeon: the kernel ran at
              * ~7 GB/s on scattered blocks and ~23 GB/s on cache-resident ones). Near the task's end the
-             * blocks ahead are the next task's (this sequence's next head, or the next sequence): with a
-             * sequence's heads on one thread it usually runs next here, and a chat context of 3-7 blocks
-             * otherwise starts every task on two blocks that nobody requested early. */
+             * blocks ahead are the next task's: it usually runs next on this thread, and a chat context of
+             * 3-7 blocks otherwise starts every task on two blocks that nobody requested early. */
             const int64_t ahead = start + PREFETCH_BLOCKS * block_size;
             if (ahead < ctx) {
-                prefetch_block(k_cache, v_cache, table[ahead / block_size], block_size, row_stride, h, D, esize,
-                               ctx - ahead);
+                prefetch_block(k_cache, v_cache, table[ahead / block_size], block_size, row_stride, h0, span, D,
+                               esize, ctx - ahead);
             } else if (task + 1 < tasks && ahead >= end) {
-                const int nb = (task + 1) / KVH, nh = (task + 1) % KVH;
+                const int nb = (task + 1) / per_seq, nh = (task + 1) % per_seq * span;
                 const int64_t at = skip + (ahead - end), nctx = context_lens[nb];
                 if (at < nctx)
                     prefetch_block(k_cache, v_cache, block_tables[(int64_t)nb * max_blocks + at / block_size],
-                                   block_size, row_stride, nh, D, esize, nctx - at);
+                                   block_size, row_stride, nh, span, D, esize, nctx - at);
             }
-#ifdef __AVX512BF16__
-            if (dot_bf16)
-                block_scores_bf16((const uint16_t *)q + ((int64_t)b * H + h * G) * D, s, G, kb, tstride, n, D, scale);
-            else
-#endif
-                block_scores((const float (*)[MAX_D])qf, s, G, kb, tstride, n, D, esize, bf16);
-            for (int g = 0; g < G; g++) corr[g] = block_softmax(s[g], n, &m[g], &l[g]);
-            block_values(acc, (const float (*)[MAX_BS])s, corr, G, vb, tstride, n, D, esize, bf16);
+            const int64_t first = table[start / block_size] * block_size * row_stride;
+            for (int h = h0; h < h0 + span; h++) {
+                const int i = (h - h0) * G;  /* this kv head's query heads in the task's state */
+                const char *kb = (const char *)k_cache + (first + (int64_t)h * D) * esize;
+                const char *vb = (const char *)v_cache + (first + (int64_t)h * D) * esize;
+                task_block(wide, dot_bf16, qf + i, (const char *)q + (row + i) * D * esize, acc + i, s, m + i, l + i,
+                           corr, G, kb, vb, tstride, n, D, scale, esize, bf16);
+            }
         }
-        finish_task16(out, lse, acc, m, l, (int64_t)b * H + h * G, G, D, bf16);
+#ifdef __AVX512F__
+        if (wide)
+            finish_task16(out, lse, acc, m, l, row, span * G, D, bf16);
+        else
+#endif
+            finish_task8(out, lse, acc, m, l, row, span * G, D, bf16);
     }
     }
     return 0;
 }
-#endif
 
 int paged_decode_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
@@ -511,9 +590,9 @@ int paged_decode_attention(const void *q, void *out, const void *k_cache, const 
     if (D > MAX_D || D % 8 || H % KVH || H / KVH > MAX_GROUP || block_size > MAX_BS) return -1;
 #ifdef __AVX512F__
     if (D % 16 == 0)
-        return decode_attention_avx512(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH, D,
-                                       block_size, scale, dtype, skip, lse);
+        return decode_attention_tasks(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH, D,
+                                      block_size, scale, dtype, skip, lse, 1);
 #endif
-    return decode_attention_avx2(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH, D,
-                                 block_size, scale, dtype, skip, lse);
+    return decode_attention_tasks(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH, D,
+                                  block_size, scale, dtype, skip, lse, 0);
 }

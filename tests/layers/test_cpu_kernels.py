@@ -36,11 +36,13 @@ def _decode_batch(lens: list[int], block_size: int, num_blocks: int, gen: torch.
 @pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 8, 32, 16), (16, 2, 128, 32),
                                                                  (4, 1, 64, 8), (12, 2, 48, 16), (6, 1, 40, 16),
                                                                  (5, 1, 80, 16), (6, 2, 96, 16), (4, 2, 256, 16)])
-def test_paged_decode_kernel_matches_gather_sdpa(dtype, heads, kv_heads, head_dim, block_size):
+@pytest.mark.parametrize("copies", [1, 6])
+def test_paged_decode_kernel_matches_gather_sdpa(dtype, heads, kv_heads, head_dim, block_size, copies):
     # head sizes 48 / 80 (a 16-lane tail after 32-lane chunks), 64 / 128 / 256 and 96 (the bf16 dot path's
-    # fixed and generic chunk counts), groups of 1-8 (4 at a time); contexts end inside, at and past a block
+    # fixed and generic chunk counts), groups of 1-8 (4 at a time); contexts end inside, at and past a block.
+    # 7 sequences: one kv head per task on 2+ threads; 42: a sequence's kv heads together (up to 10 threads)
     gen = torch.Generator().manual_seed(heads * 100 + head_dim)
-    lens = [1, 2, block_size, block_size + 1, 37, 300, 5]
+    lens = [1, 2, block_size, block_size + 1, 37, 300, 5] * copies
     num_blocks = sum((n + block_size - 1) // block_size for n in lens) + 7
     batch = _decode_batch(lens, block_size, num_blocks, gen)
     b = len(lens)
