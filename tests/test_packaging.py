@@ -45,7 +45,9 @@ def test_wheel_in_a_fresh_venv_generates_with_the_c_kernels(tmp_path):
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)])  # torch & co. from the system
     python, cli = venv / "bin" / "python", venv / "bin" / "deepinfer"
-    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)])
+    # --ignore-installed: a deepinfer in the system's site-packages (an editable checkout, as CI's) would
+    # otherwise count as already installed and the venv would import that one
+    _run([str(python), "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--ignore-installed", str(wheel)])
 
     cache = tmp_path / "cache"  # fresh: the kernels must be compiled from the wheel's sources
     cache.mkdir()
