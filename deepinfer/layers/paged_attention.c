@@ -13,7 +13,7 @@
  *   skip: context tokens to leave out at the start (a multiple of block_size; a shared prefix the
  *   caller attends separately); lse, if not NULL: [B, H] log-sum-exp of the scaled scores, so the
  *   caller can merge this partial result with its own.
- * One loop (decode_attention_tasks) over (sequence, kv head) tasks, with its block arithmetic in two
+ * One loop (decode_attention_tasks) over tasks of one sequence's kv heads, with its block arithmetic in two
  * widths: 16 lanes (AVX-512, head_dim a multiple of 16, on CPUs that have it; in bf16 on CPUs with
  * AVX512-BF16 its scores use vdpbf16ps on the bf16 query rows, see block_scores_bf16) and 8 lanes
  * (AVX2: every other case). Both prefetch the blocks ahead and load each K row once for all grouped heads.
@@ -193,7 +193,8 @@ static void block_values8(float (*acc)[MAX_D], const float (*s)[MAX_BS], const f
 }
 
 #ifdef __AVX512F__
-/* ---- 16 lanes (AVX-512): the same arithmetic as the 8-lane helpers above, twice as wide ---- */
+/* ---- 16 lanes (AVX-512): the same steps as the 8-lane helpers above, 16 lanes wide (the softmax's
+ * masked tail and the bf16 dot product make its float rounding differ from theirs) ---- */
 
 /* the 8-lane sum of the two halves (AVX-512F only: no DQ extract needed) */
 static inline __m256 fold16(__m512 a) {
