@@ -63,7 +63,7 @@ static void qgemm(const qweight *w, const void *x, int M, void *y, float *scratc
 }
 
 /* work: M * (2 * hidden + qkv + 2 * q_size + 3 * inter) elements of the model dtype;
- * scratch: M * (max(hidden, inter) * 33 / 32 + 1) floats */
+ * scratch: M * (max(hidden, inter) * 33 / 32 + 1) + 16 floats */
 int decode_layer(const decoder_layer *L, void *x, void *residual, int first, int M,
                  const void *cos, const void *sin, const int64_t *slots,
                  const int64_t *block_tables, int max_blocks, const int64_t *context_lens,

@@ -116,7 +116,7 @@ class FusedDecoder:
         rope = embed.new_empty(2 * m_rows * rot_dim)
         work = embed.new_empty(m_rows * (2 * hidden + qkv + 2 * q_size + 3 * cfg_layer.inter))
         widest = max(hidden, cfg_layer.inter)
-        scratch = torch.empty(m_rows * (widest + widest // 32 + 1), dtype=torch.float32)
+        scratch = torch.empty(m_rows * (widest + widest // 32 + 1) + 16, dtype=torch.float32)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         failed = ctypes.c_int(-1)
         rc = self.lib.decode_layers(
