@@ -109,8 +109,8 @@ static inline __attribute__((always_inline)) void prefetch_rows_f32(const void *
  * block). Nibble k of every dword is isolated in place, v & (0xF << 4k), and converted: q * 2^4k, exact
  * in float32 (the top nibble, which would set the sign bit, is shifted down instead). 8 weights cost an
  * and and a convert, with no widening shuffles: ~14 instructions per block instead of 16, and the 1-row
- * kernel is bound by instruction count. Over the 120 projections of SmolLM2-135M from memory on one thread
- * (Zen 3): 1 row 11% faster than widening each block, 2 rows 7%, 3 rows 5%, 4 rows 1%; 5-8 rows 2-5% slower.
+ * kernel is bound by instruction count. Over SmolLM2-135M's layer weights from memory on one Zen 3 core
+ * (benchmarks/gemm_rows.py): 1 row 10% faster than widening each block, 2-4 rows 1-5%; 5-8 rows 2-6% slower.
  * The weights come in the order (k, dword) instead of k, so each row of x is permuted to match once per
  * call (pair_x) and pre-scaled by 2^-4k: every product is q * x exactly as before; only the summation
  * order differs. An odd last block goes the one-block way (q4_1_block_w) on plain x. */
@@ -156,7 +156,7 @@ static inline __attribute__((always_inline)) void q4_1_pair_acc(const __m256 dv,
     *acc = _mm256_fmadd_ps(dv, t, _mm256_fmadd_ps(dv, s, *acc));
 }
 
-/* ... and all 8 steps from the pair's weight vectors w (for 4+ rows: the 8 vectors stay in registers and
+/* ... and all 8 steps from the pair's weight vectors w (5-8 rows: the 8 vectors stay in registers and
  * each row needs only its s, t and acc) */
 static inline __attribute__((always_inline)) void q4_1_pair_dot(const __m256 w[8], const float *xp, const __m256 dv,
                                                                 __m256 *acc) {
