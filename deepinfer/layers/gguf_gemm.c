@@ -112,8 +112,8 @@ static inline __attribute__((always_inline)) void prefetch_rows_f32(const void *
  * kernel is bound by instruction count. Over SmolLM2-135M's layer weights from memory on one Zen 3 core
  * (benchmarks/gemm_rows.py): 1 row 10% faster than widening each block, 2-4 rows 1-5%; 5-8 rows 2-6% slower.
  * The weights come in the order (k, dword) instead of k, so each row of x is permuted to match once per
- * call (pair_x) and pre-scaled by 2^-4k: every product is q * x exactly as before; only the summation
- * order differs. An odd last block goes the one-block way (q4_1_block_w) on plain x. */
+ * call (pair_x) and pre-scaled by 2^-4k: every product is q * x exactly as before (for |x| >= 2^-102, below
+ * which x * 2^-24 is subnormal and loses bits); only the summation order differs. An odd last block goes the one-block way (q4_1_block_w) on plain x. */
 static void pair_x(const float *x, int K, float *xp) {
     const int nb = K / QK;
     /* dword l holds bytes 4 (l % 4) .. + 3 of block b + l / 4; byte j's low nibble is q[j], its high nibble
