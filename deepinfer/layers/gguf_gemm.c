@@ -113,7 +113,8 @@ static inline __attribute__((always_inline)) void prefetch_rows_f32(const void *
  * (benchmarks/gemm_rows.py): 1 row 10% faster than widening each block, 2-4 rows 1-5%; 5-8 rows 2-6% slower.
  * The weights come in the order (k, dword) instead of k, so each row of x is permuted to match once per
  * call (pair_x) and pre-scaled by 2^-4k: every product is q * x exactly as before (for |x| >= 2^-102, below
- * which x * 2^-24 is subnormal and loses bits); only the summation order differs. An odd last block goes the one-block way (q4_1_block_w) on plain x. */
+ * which x * 2^-24 is subnormal and loses bits); only the summation order differs. An odd last block goes
+ * the one-block way (q4_1_block_w) on plain x. */
 static void pair_x(const float *x, int K, float *xp) {
     const int nb = K / QK;
     /* dword l holds bytes 4 (l % 4) .. + 3 of block b + l / 4; byte j's low nibble is q[j], its high nibble
@@ -349,7 +350,7 @@ static NO_SLP void q4_1_row1_f32(const float *x, int K, const uint8_t *qs, const
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, w[4], v[4];
         int b = 0;
         for (; b + 2 <= nb; b += 2) {
-            /* the two features' chains one k at a time, as q4_1_rows_f32_m does for 1-3 rows */
+            /* the two features' chains one k at a time, as q4_1_rows_f32_m does for 1-4 rows */
             const __m256i q0 = _mm256_loadu_si256((const __m256i *)(row + b * 16));
             const __m256i q1 = _mm256_loadu_si256((const __m256i *)(row + (nb + b) * 16));
             __m256 s0, t0, s1, t1;
