@@ -10,7 +10,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.spec.ngram import NgramProposer, find_match
 from deepinfer.engine.spec.speculator import Speculator
-from deepinfer.engine.spec.tries import TryRules
+from deepinfer.engine.spec.tries import ExploreLedger, TryRules
 
 # a copy-friendly prompt: the tail "5 6 7 8" occurred before, followed by 9 10 11 12 13 14 ...
 COPY = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 20, 21, 5, 6, 7, 8]
@@ -30,18 +30,25 @@ class CountingNgram(NgramProposer):
         return super().propose(req, max_tokens)
 
 
-ON = TryRules(misses=3, tries=2)  # the rules switched on (off by default: tries.py)
+ON = TryRules(misses=3, tries=2)  # the back-off switched on too (off by default: tries.py)
+OFF = TryRules(tries=0)  # no exploration
 
 
-def _speculator(jump: bool, rules: TryRules = ON) -> tuple[Speculator, CountingNgram]:
-    """k_max 8; `jump`: steps of up to 8 rows cost the same, the 9th row a jump (CPU at batch 8), else every row
-    costs 1/40 of a step (batch 1 on the C path: drafts at the prior's 0.6 pay)."""
+def _speculator(jump: bool = False, rules: TryRules = ON, elapsed: float = 100.0,
+                dear: bool = False) -> tuple[Speculator, CountingNgram]:
+    """k_max 8, the C decode path's 8 rows; `jump`: steps of up to 8 rows cost the same, the 9th row a jump (CPU
+    at batch 8); `dear`: every row costs 0.8 of a one-row step (a pessimistic start-up table: at the prior's
+    0.6 no draft pays at any batch); else every row costs 1/40 of a step (batch 1 on the C path: drafts at the
+    prior's 0.6 pay). `elapsed`: seconds of decode steps already run (exploration's budget is a share)."""
     proposer = CountingNgram()
     spec = Speculator(SpeculativeMethod("ngram", 8), CostModel(), proposer, rules)
+    spec.ledger.observe(elapsed)
     price = spec.policy.price
     price.c_path_rows = 8
     if jump:
         price.seed([(r, 0.020 if r <= 8 else 0.045 + 0.001 * (r - 8)) for r in range(1, 301)])
+    elif dear:
+        price.seed([(r, 0.010 * (1 + 0.8 * (r - 1))) for r in range(1, 301)])
     else:
         price.seed([(r, 0.040 + 0.001 * r) for r in range(1, 301)])
     return spec, proposer
@@ -68,11 +75,11 @@ def _first_drafts(spec: Speculator, reqs: list[Request]) -> dict[str, list[int]]
     return {}
 
 
-def test_untried_request_with_a_long_match_is_explored_at_batch_8():
-    spec, proposer = _speculator(jump=True)
-    plain, _ = _speculator(jump=True, rules=TryRules(tries=0))
-    reqs = [_req(f"r{i}", COPY if i == 0 else FRESH) for i in range(8)]
-    # by the price alone no draft pays at batch 8 (the 9th row's jump) at the prior's estimate
+def test_untried_request_with_a_long_match_is_explored_on_the_c_path():
+    spec, proposer = _speculator(dear=True)
+    plain, _ = _speculator(dear=True, rules=OFF)
+    reqs = [_req(f"r{i}", COPY if i == 0 else FRESH) for i in range(3)]
+    # by the price alone no draft pays (every row 0.8 of a step) at the prior's estimate
     assert plain.propose(reqs, 4096) == {}
     # exploration: `tokens` drafts for the untried request with a long match, none for the others (within
     # `lookup_every` steps: where the price's bound skips the proposer, it is looked up that often)
@@ -85,15 +92,28 @@ def test_untried_request_with_a_long_match_is_explored_at_batch_8():
     assert not spec.tries.explorable(reqs[0].spec)  # two tries: from here its estimates decide
 
 
-def test_requests_the_price_skips_are_looked_up_only_for_exploration_every_few_steps():
+def test_exploration_stays_on_the_c_path():
+    """Past the C decode path's rows exploration cost more than its ledger priced (tries.py): at batch 8 (the
+    9th row's jump) nothing is explored or looked up; at batch 6 an exploring request gets the 2 rows left."""
     spec, proposer = _speculator(jump=True)
     reqs = [_req(f"r{i}", COPY if i == 0 else FRESH) for i in range(8)]
+    for _ in range(2 * spec.tries.lookup_every):
+        assert not spec.wants_fresh_step(reqs, 4096)
+        assert spec.propose(reqs, 4096) == {}
+    assert proposer.lookups == 0
+    spec, _ = _speculator(dear=True)
+    assert _first_drafts(spec, reqs[:6]) == {"r0": [9, 10]}
+
+
+def test_requests_the_price_skips_are_looked_up_only_for_exploration_every_few_steps():
+    spec, proposer = _speculator(dear=True)
+    reqs = [_req(f"r{i}", COPY if i == 0 else FRESH) for i in range(4)]
     for r in reqs[1:]:  # unlikely drafts everywhere else: the bound says no draft can pay
         spec._state(r).rates = [0.05] * 8
     spec._state(reqs[0]).rates = [0.05] * 8
     seen = [spec.propose(reqs, 4096) for _ in range(spec.tries.lookup_every)]
     assert seen[:-1] == [{}] * (spec.tries.lookup_every - 1)
-    assert proposer.lookups == 8  # all on the last step: every request is still owed its tries
+    assert proposer.lookups == 4  # all on the last step: every request is still owed its tries
     assert seen[-1] == {"r0": [9, 10, 11, 12]}
     for r in reqs:  # tried twice (and missed): nobody is owed a try, nobody is looked up any more
         r.spec.tried[0] = spec.tries.tries
@@ -104,12 +124,12 @@ def test_requests_the_price_skips_are_looked_up_only_for_exploration_every_few_s
 
 
 def test_short_matches_and_plain_policy_are_not_explored():
-    spec, _ = _speculator(jump=True)
+    spec, _ = _speculator(dear=True)
     short = _req("s", [1, 2, 9, 7, 1, 2])  # the tail "1 2" matched: 2 tokens, below min_match
-    reqs = [short] + [_req(f"f{i}", FRESH) for i in range(7)]
+    reqs = [short] + [_req(f"f{i}", FRESH) for i in range(3)]
     for _ in range(2 * spec.tries.lookup_every):
         assert spec.propose(reqs, 4096) == {}
-    off, _ = _speculator(jump=True, rules=TryRules(tries=0))  # exploration off: as before, nothing at all
+    off, _ = _speculator(dear=True, rules=OFF)  # exploration off: as before, nothing at all
     for _ in range(2 * off.tries.lookup_every):
         assert off.propose([_req("c", COPY)] + reqs[1:], 4096) == {}
 
@@ -142,15 +162,15 @@ def test_repeated_misses_back_off_and_retry_after_n_steps():
     assert req.spec.backoff_steps == 0 and req.spec.misses == 0
 
 
-def test_rules_are_off_by_default():
+def test_back_off_is_off_and_exploration_on_by_default():
     spec, proposer = _speculator(jump=False, rules=TryRules())
     req = _req("r", COPY)
     for _ in range(10):  # misses never back off: a lookup every step, the price decides
         spec.propose([req], 4096)
         spec.verified(req, 2, 0)
     assert req.spec.backoff_until == 0 and proposer.lookups == 10
-    spec, _ = _speculator(jump=True, rules=TryRules())
-    assert spec.propose([_req("c", COPY)] + [_req(f"f{i}", FRESH) for i in range(7)], 4096) == {}
+    spec, _ = _speculator(dear=True, rules=TryRules())
+    assert _first_drafts(spec, [_req("c", COPY)] + [_req(f"f{i}", FRESH) for i in range(3)]) == {"c": [9, 10, 11, 12]}
 
 
 def test_fixed_draft_length_never_backs_off():
@@ -181,12 +201,12 @@ def test_steps_overlap_where_no_drafts_can_pay():
     """`wants_fresh_step` says whether the engine must wait for the step in flight (so its requests can draft
     in the next) or may schedule the next step ahead of it, as without speculation."""
     # batch 8 at the 9th row's jump with the prior's estimates: no draft pays, no exploration (rules off)
-    plain, _ = _speculator(jump=True, rules=TryRules())
+    plain, _ = _speculator(jump=True, rules=OFF)
     reqs = [_req(f"r{i}", COPY if i == 0 else FRESH) for i in range(8)]
     assert not plain.wants_fresh_step(reqs, 4096)
     assert plain.propose(reqs, 4096) == {}  # the step it lets run without a fresh schedule drafts nothing anyway
     # rows on the C path cheap: drafts at the prior pay, so the requests must get a fresh step to draft in
-    cheap, _ = _speculator(jump=False, rules=TryRules())
+    cheap, _ = _speculator(jump=False, rules=OFF)
     assert cheap.wants_fresh_step(reqs, 4096)
     # ... where some request's tokens as they are now have an n-gram match (COPY's): requests that find
     # none (chat, most steps) keep overlapping, though the price would pay for their drafts
@@ -199,12 +219,84 @@ def test_steps_overlap_where_no_drafts_can_pay():
         cheap._state(r)._ceilings.clear()  # set by hand here, not by `observe` (which clears it)
     assert not cheap.wants_fresh_step(reqs, 4096)
     # exploration on: a fresh step exactly when the next step is an exploration lookup
-    spec, _ = _speculator(jump=True)
+    spec, _ = _speculator(dear=True)
+    reqs = reqs[:4]
     wants = []
     for _ in range(2 * spec.tries.lookup_every):
         wants.append(spec.wants_fresh_step(reqs, 4096))
         spec.propose(reqs, 4096)
     assert wants == [(s + 1) % spec.tries.lookup_every == 0 for s in range(2 * spec.tries.lookup_every)]
+    # ... while its budget lasts
+    spent, _ = _speculator(dear=True, elapsed=0.0)
+    spent.ledger.charge(1.0)
+    assert not any(spent.wants_fresh_step(reqs, 4096) or spent.propose(reqs, 4096)
+                   for _ in range(2 * spec.tries.lookup_every))
     # a fixed draft length always drafts: always a fresh step
     fixed = Speculator(SpeculativeMethod("ngram", 4, adaptive=False), CostModel(), NgramProposer(2, 5))
     assert fixed.wants_fresh_step(reqs, 4096)
+
+
+def _advance(req: Request, tokens: list[int]) -> None:
+    req.token_ids += tokens
+    req.num_computed_tokens = len(req.token_ids) - 1
+
+
+def test_exploration_costs_at_most_its_budget_where_its_drafts_are_not_kept():
+    """Batch 2 at a price where no draft pays, every request's proposal a long match that is never kept
+    (chat's long n-gram matches): exploration runs (its first steps), then stops at its budget's share of
+    the steps' time, fresh requests owed tries or not."""
+    spec, proposer = _speculator(dear=True, rules=TryRules(), elapsed=0.0)
+    price = spec.policy.price
+    total = extra = 0.0
+    explored_steps = 0
+    for step in range(2000):
+        reqs = [_req(f"r{step}-{i}", COPY) for i in range(2)]  # new every step: each is owed its tries
+        out = spec.propose(reqs, 4096)
+        rows = 2 + sum(len(d) for d in out.values())
+        for r in reqs:
+            if r.request_id in out:
+                spec.verified(r, len(out[r.request_id]), 0)
+        explored_steps += bool(out)
+        seconds = price.seconds(rows)
+        spec.observe_step(rows, seconds)
+        total += seconds
+        extra += seconds - price.seconds(2)
+    assert explored_steps > 0
+    # within the budget, give or take the start-up allowance (one step) and the last exploring step's charge
+    # (both requests exploring at once: 2 + 6 rows, the C path's limit)
+    assert spec.tries.budget == 0.02
+    assert extra <= 0.02 * total + price.seconds(8)
+    assert spec.ledger.spent <= 0.02 * spec.ledger.elapsed + price.seconds(8)
+
+
+def test_a_pessimistic_start_up_price_is_corrected_by_exploration():
+    """Batch 1, a start-up table that priced every draft row at 0.8 of a decode (a noisy moment: no draft pays
+    at the prior's 0.6 keep rate) where a row really costs 0.2, and a request that copies its prompt (every
+    draft kept). Without exploration nothing is ever verified, so the estimates and the table stay as they
+    started; with it, the explored verifications teach both and the price soon drafts by itself."""
+    seq = list(range(1, 400))
+
+    def run(rules: TryRules) -> tuple[int, int]:
+        spec = Speculator(SpeculativeMethod("ngram", 8), CostModel(), NgramProposer(2, 5), rules)
+        price = spec.policy.price
+        price.c_path_rows = 8
+        price.seed([(r, 0.010 * (1 + 0.8 * (r - 1))) for r in range(1, 65)])
+        req = Request("copy", seq[:200] + seq[:8], SamplingParams(temperature=0.0, max_tokens=150))
+        req.num_computed_tokens = len(req.token_ids) - 1
+        priced = drafted = 0
+        for _ in range(60):
+            out = spec.propose([req], 4096).get("copy", [])
+            explored = req.spec.explore_refund > 0
+            pos = len(req.token_ids) - 200  # the copy's next token is seq[pos]
+            assert out == seq[pos:pos + len(out)]  # the n-gram proposal continues the copy
+            if out:
+                spec.verified(req, len(out), len(out))
+                drafted += len(out)
+                priced += not explored
+            _advance(req, seq[pos:pos + len(out) + 1])
+            spec.observe_step(1 + len(out), 0.010 * (1 + 0.2 * len(out)))
+        return priced, drafted
+
+    assert run(OFF) == (0, 0)
+    priced, drafted = run(TryRules())
+    assert priced >= 10 and drafted >= 60

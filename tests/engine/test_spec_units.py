@@ -276,3 +276,16 @@ def test_profile_measures_the_counts_that_shape_the_table_first():
     assert t[32] == pytest.approx(t[17]) and t[12] == pytest.approx(t[9])
     # past the last measured count (33, the first row of a block): not the 32 -> 33 jump per row
     assert t[48] < t[33] + 16 * (t[33] - t[32]) / 4
+
+
+def test_profile_measures_the_small_counts_three_times_first():
+    """The counts where batch 1 and small batches choose are measured three times (the fastest kept) before
+    anything else, so a time limit cannot leave them with one noisy step each."""
+    from deepinfer.engine.spec.step_price import profile_order, profile_row_counts, profile_schedule
+
+    order = profile_order(profile_row_counts(17 * 32, 8), 8)
+    steps = profile_schedule(order, 8)
+    small = list(range(1, 10))
+    assert steps[:27] == small * 3
+    assert sorted(set(steps)) == sorted(order)
+    assert all(steps.count(r) == 2 for r in order if r > 9)

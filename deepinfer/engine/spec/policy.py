@@ -66,6 +66,10 @@ class AcceptanceStats:
     backoff_until: int = 0  # the speculator's step count before which the request proposes nothing
     backoff_steps: int = 0  # the length of its last back-off (doubles while the misses go on)
     last_match: int = 0  # the match length of the proposal it last verified (`PooledAcceptance.observe`)
+    # exploration's refund (`tries.ExploreLedger`) for its drafts in flight: seconds per kept token past the
+    # first `explored_from` (the ones the price chose); 0: the drafts were not explored
+    explore_refund: float = 0.0
+    explored_from: int = 0
     # gain_ceiling's cached bounds (plain, confident: per-position rates and their prefix products): valid
     # until the next observation
     _ceilings: dict[bool, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)

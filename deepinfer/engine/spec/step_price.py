@@ -19,7 +19,7 @@ so the table is not smoothed there and the profile samples both sides of the fir
 
 Seeded at engine start by `profile_rows` (synthetic verification steps: every row count through the first
 two row blocks, both sides of the next block edges, then about 25% apart up to what the batch can verify;
-each twice, the faster kept) and
+the counts through the C path three times, the others twice, the fastest kept: `profile_schedule`) and
 refreshed by every decode-phase step the engine runs (`observe`). A load factor (EWMA of measured over
 predicted seconds) scales the whole table and entries are stored divided by it: a busy machine makes the
 row counts in use slower, and the counts not in use (whose entries are older) must follow, or the policy
@@ -240,10 +240,23 @@ def profile_order(counts: list[int], c_path_rows: int, block: int = ROW_BLOCK, d
     return first + [r for r in counts if r not in taken]
 
 
+def profile_schedule(order: list[int], c_path_rows: int, small_rounds: int = 3) -> list[int]:
+    """The profile's steps: the counts through the C decode path and the first row past it `small_rounds`
+    times each, round by round, then the rest of `order` (`profile_order`) twice. Each count keeps its
+    fastest step; the small counts are where batch 1 and small batches choose, and where one slow step
+    among two (a noisy moment on a shared machine) priced a draft row at 0.8 of a decode instead of 0.3
+    (session 21: no draft was ever verified at batch 1, and the table was never corrected). They are
+    cheap: ~0.2 s for a third round on the AVX2 machine, where the 4 s limit cut the whole profile after
+    its first round."""
+    small = [r for r in order if r <= c_path_rows + 1]
+    rest = [r for r in order if r > c_path_rows + 1]
+    return small * small_rounds + rest * 2
+
+
 def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 128,
                  time_limit_s: float = 4.0) -> list[tuple[int, float]]:
-    """Run two synthetic verification steps per row count (after a warm-up step) through the real runner
-    and return (rows, the faster one's seconds). A step of R rows is ceil(R / (1 + k_max)) requests, each verifying up to
+    """Run the synthetic verification steps `row_counts` lists (`profile_schedule`: a count may repeat),
+    after a warm-up step, through the real runner and return (rows, each count's fastest seconds). A step of R rows is ceil(R / (1 + k_max)) requests, each verifying up to
     `k_max` drafts, all decode rows as in real verification. The KV it writes is garbage in blocks that go
     straight back to the pool (as `cost_profile`); the drafts are all rejected or accepted, which does
     not matter for timing. Stops once its steps have taken `time_limit_s` (CPU seconds at one thread, else wall)."""
@@ -259,10 +272,10 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
     # others (load 3-5 on 2 cores) cut the profile at 33 rows where an idle machine reaches 80
     spent = 0.0
     best: dict[int, float] = {}
-    # a warm-up step, then the counts twice in the given order (`profile_order`: what shapes the table
-    # first, so a time limit cuts the counts that matter least): the faster of each count's two steps is
-    # kept (on a shared machine one step can be slowed by others; a fast one cannot be sped up by them)
-    for i, rows in enumerate([row_counts[0]] + list(row_counts) + list(row_counts)):
+    # a warm-up step, then the counts in the given order (what shapes the table first, so a time limit cuts
+    # the counts that matter least): the fastest of each count's steps is kept (on a shared machine one
+    # step can be slowed by others; a fast one cannot be sped up by them)
+    for i, rows in enumerate([row_counts[0]] + list(row_counts)):
         plan = SchedulerOutput()
         left = rows
         while left > 0:

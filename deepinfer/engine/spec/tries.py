@@ -16,7 +16,21 @@ fixed k = 5 gained 1.14x). A request tried fewer than `tries` times whose propos
 matched at least `min_match` of its last tokens (an n-gram that long rarely repeats by chance) verifies
 at least `tokens` drafts: a few steps per request, after which its estimates decide. Proposers that say
 nothing about their match (`Draft.match == 0`) are never explored. Requests not eligible for the price's
-choice are looked up for exploration every `lookup_every` steps only (a lookup costs tens of µs).
+choice are looked up for exploration every `lookup_every` steps only (a lookup costs tens of µs, and the
+engine schedules that step fresh instead of ahead of the one in flight).
+
+Exploration's budget (`ExploreLedger`): explored drafts cost the rows the price would not have bought, and
+earn the tokens they keep. The ledger charges each exploring step its predicted extra seconds (the step
+price at the explored row count less the price at the chosen one) and each exploration lookup a tenth of a
+step (the overlap it gives up), refunds every kept explored token at the step's seconds per token, and
+allows exploration while the net charge stays within `budget` of the decode steps' measured time (plus
+one step's worth at start, so a fresh engine can try at once). Where explored drafts are kept (code
+edits) the refunds pay for it and the estimates they teach soon make the price choose drafts itself;
+where they are not (chat at batch 8, whose long n-gram matches are rarely kept, each try paying the
+9th row's jump) exploration stops at `budget` of the time. It exists for a start-up price table measured
+in a noisy moment: on the 2-core AVX2 machine one engine start priced a batch-1 draft row above what the
+prior's estimate earns, so no draft was ever verified, nothing learned and the table never corrected
+(code_edit b=1 0.74x of a fixed k = 5, session 21).
 """
 
 from __future__ import annotations
@@ -29,19 +43,20 @@ from deepinfer.engine.spec.proposer import Draft
 
 @dataclass(frozen=True)
 class TryRules:
-    """Off by default (`misses=0`, `tries=0`): measured on the shared machine (BENCHMARKS.md, "adaptive
-    draft length: the k = 0 step, back-off and exploration") both lost more than they gained: the back-off
-    stopped json b=1 drafting where the prior's optimism pays (rows on the C path are cheap), exploration
-    at batch 8 paid the row-count jump on chat and json requests whose long matches were not kept. The
-    rules stay for the tuning that needs a quiet machine (`Speculator(..., tries=TryRules(misses=3, tries=2))`)."""
+    """The back-off is off by default (`misses=0`): measured on the shared machine (BENCHMARKS.md,
+    "adaptive draft length: the k = 0 step, back-off and exploration") it stopped json b=1 drafting where
+    the prior's optimism pays (rows on the C path are cheap). Exploration is on within its budget (without
+    one, at batch 8 it paid the row-count jump on chat and json requests whose long matches were not kept:
+    chat b=8 0.86x of no speculation)."""
 
     misses: int = 0  # consecutive verifications that kept nothing before a back-off (0: never back off)
     first_backoff: int = 8  # steps
     max_backoff: int = 128
-    tries: int = 0  # exploration: verifications a request gets on the strength of its match alone (0: none)
+    tries: int = 2  # exploration: verifications a request gets on the strength of its match alone (0: none)
     min_match: int = 3  # tokens the proposal's match must span
     tokens: int = 4  # drafts an exploring request verifies
     lookup_every: int = 4  # steps between exploration lookups of requests the price would not draft
+    budget: float = 0.02  # exploration's net cost as a share of the decode steps' time (`ExploreLedger`)
 
     def backed_off(self, state: AcceptanceStats, step: int) -> bool:
         return step < state.backoff_until
@@ -71,3 +86,26 @@ class TryRules:
             state.misses = 0
             state.backoff_steps = min(self.max_backoff, 2 * state.backoff_steps or self.first_backoff)
             state.backoff_until = step + state.backoff_steps
+
+
+@dataclass
+class ExploreLedger:
+    """Exploration's net cost against the time it may spend (module docstring). Seconds throughout."""
+
+    spent: float = 0.0  # charges less refunds
+    elapsed: float = 0.0  # measured decode-phase step time
+    step: float = 0.0  # the latest such step's time: the start-up allowance
+    LOOKUP_SHARE = 0.1  # of a step: an exploration lookup step run fresh instead of overlapped
+
+    def allows(self, budget: float) -> bool:
+        return budget > 0 and self.spent <= budget * self.elapsed + self.step
+
+    def observe(self, seconds: float) -> None:
+        self.elapsed += seconds
+        self.step = seconds
+
+    def charge(self, seconds: float) -> None:
+        self.spent += max(0.0, seconds)
+
+    def refund(self, seconds: float) -> None:
+        self.spent -= max(0.0, seconds)
