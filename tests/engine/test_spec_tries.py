@@ -10,7 +10,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.spec.ngram import NgramProposer, find_match
 from deepinfer.engine.spec.speculator import Speculator
-from deepinfer.engine.spec.tries import ExploreLedger, TryRules
+from deepinfer.engine.spec.tries import TryRules
 
 # a copy-friendly prompt: the tail "5 6 7 8" occurred before, followed by 9 10 11 12 13 14 ...
 COPY = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 20, 21, 5, 6, 7, 8]
