@@ -13,6 +13,8 @@
  *   skip: context tokens to leave out at the start (a multiple of block_size; a shared prefix the
  *   caller attends separately); lse, if not NULL: [B, H] log-sum-exp of the scaled scores, so the
  *   caller can merge this partial result with its own.
+ * Long contexts are attended in fixed segments whose states merge in order, so that a few sequences can
+ * spread one context over every thread and a row's bits still depend on its context alone (SEG_BLOCKS).
  * One loop (decode_attention_tasks) over tasks of one sequence's kv heads, with its block arithmetic in two
  * widths: 16 lanes (AVX-512, head_dim a multiple of 16, on CPUs that have it; in bf16 on CPUs with
  * AVX512-BF16 its scores use vdpbf16ps on the bf16 query rows, see block_scores_bf16) and 8 lanes
@@ -21,6 +23,7 @@
  */
 #include <math.h>
 #include <omp.h>
+#include <stdlib.h>
 
 #include "cpu_common.h"
 
@@ -499,88 +502,221 @@ static inline __attribute__((always_inline)) void task_block(int wide, int dot_b
     block_values8(acc, (const float (*)[MAX_BS])s, corr, G, vb, tstride, n, D, esize, bf16);
 }
 
-/* A task is one sequence's kv heads h0..h0+span-1: all of them (span = KVH) while there are enough
- * sequences to keep every thread busy, so that each block's K and V rows (all heads of a token are
- * contiguous) are read whole, one after the other; single heads otherwise. With G <= 4 grouped query heads
- * every K row is loaded (and widened) once into registers for all of them. A loop that walked one kv head
- * through all blocks, then the next, reached ~7 GB/s on a 2-core Xeon and on a 2-core EPYC (scattered
- * 256-byte slices of 768-byte rows); `wide` is a constant in each caller. */
+/* Segments: a context is attended in segments of SEG_BLOCKS blocks (boundaries at multiples of
+ * SEG_BLOCKS * block_size from token 0), each from a fresh online-softmax state, and the segments' states
+ * are merged in order (merge_rows). A row's result is then a function of its context alone, whether one
+ * thread walks all its segments (many sequences: a task per sequence or kv head) or the segments run as
+ * tasks of their own on different threads (a few sequences: `split`). Splitting is what lets a single long
+ * sequence use every thread: with one task per kv head, 3 kv heads on 2 threads kept one thread idle a
+ * third of the time (a batch-1 step over a 1,900-token context: 17.4 ms of CPU for 12.0 ms of work).
+ * Contexts of one segment (up to 256 tokens at 16-token blocks) are computed exactly as before. */
+#define SEG_BLOCKS 16
+
+/* segments of a context [skip, ctx) (skip and the segment length seg are multiples of the block size) */
+static inline int64_t seg_count(int64_t skip, int64_t ctx, int64_t seg) {
+    return ctx <= skip ? 0 : (ctx - 1) / seg - skip / seg + 1;
+}
+
+/* R rows' online-softmax state (acc rows of stride as, running max m, sum l) merged into the state (macc,
+ * stride ms; mm, ml); first: copied. One function, not inlined, for the in-order merge on one thread and
+ * the merge of split segments, so that both give the same bits. */
+static __attribute__((noinline)) void merge_rows(float *macc, int ms, float *mm, float *ml, const float *acc,
+                                                 int as, const float *m, const float *l, int R, int D, int first) {
+    for (int r = 0; r < R; r++) {
+        float *a = macc + (int64_t)r * ms;
+        const float *b = acc + (int64_t)r * as;
+        if (first) {
+            memcpy(a, b, (size_t)D * sizeof(float));
+            mm[r] = m[r];
+            ml[r] = l[r];
+            continue;
+        }
+        const float mx = mm[r] > m[r] ? mm[r] : m[r];
+        const float ca = expf(mm[r] - mx), cb = expf(m[r] - mx);
+        ml[r] = fmaf(ml[r], ca, l[r] * cb);
+        mm[r] = mx;
+        const __m256 va = _mm256_set1_ps(ca), vb = _mm256_set1_ps(cb);
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(_mm256_loadu_ps(a + d), va,
+                                                    _mm256_mul_ps(_mm256_loadu_ps(b + d), vb)));
+    }
+}
+
+/* a fresh online-softmax state for R rows */
+static inline void reset_rows(float (*acc)[MAX_D], float *m, float *l, int R, int D) {
+    for (int r = 0; r < R; r++) {
+        memset(acc[r], 0, (size_t)D * sizeof(float));
+        m[r] = -INFINITY;
+        l[r] = 0.f;
+    }
+}
+
+/* A task is one sequence's kv heads h0..h0+span-1 over tokens [t0, t1): all of them (span = KVH) while there
+ * are enough sequences to keep every thread busy, so that each block's K and V rows (all heads of a token
+ * are contiguous) are read whole, one after the other, and the task walks the whole context (merging its
+ * segments as it goes); otherwise single heads, and where a context has more than one segment each segment
+ * is a task of its own (`split`: their states go to `part` and are merged after). With G <= 4 grouped query
+ * heads every K row is loaded (and widened) once into registers for all of them. A loop that walked one kv
+ * head through all blocks, then the next, reached ~7 GB/s on a 2-core Xeon and on a 2-core EPYC (scattered
+ * 256-byte slices of 768-byte rows); `wide` is a constant in each caller. Returns -2 if the split state
+ * cannot be allocated. */
 static inline __attribute__((always_inline)) int decode_attention_tasks(
         const void *q, void *out, const void *k_cache, const void *v_cache, const int64_t *block_tables,
         int max_blocks, const int64_t *context_lens, int B, int H, int KVH, int D, int block_size, float scale,
         int dtype, int64_t skip, float *lse, int wide) {
     const int G = H / KVH, bf16 = dtype == 1, esize = bf16 ? 2 : 4;
     const int64_t row_stride = (int64_t)KVH * D, tstride = row_stride * esize;
+    const int64_t seg = (int64_t)SEG_BLOCKS * block_size;
     const int span = B >= 4 * omp_get_max_threads() && H <= MAX_GROUP ? KVH : 1;
-    const int per_seq = KVH / span, tasks = B * per_seq;
+    const int per_seq = KVH / span, units = B * per_seq;
+    int split = 0;
+    if (span == 1)
+        for (int b = 0; b < B && !split; b++) split = seg_count(skip, context_lens[b], seg) > 1;
+    /* split: task -> (unit, segment); first[u]: unit u's first task */
+    int64_t tasks = units, *first = NULL;
+    float *part = NULL;
+    if (split) {
+        first = malloc(sizeof(int64_t) * (units + 1));
+        if (!first) return -2;
+        first[0] = 0;
+        for (int u = 0; u < units; u++) {
+            const int64_t n = seg_count(skip, context_lens[u / per_seq], seg);
+            first[u + 1] = first[u] + (n > 0 ? n : 1);
+        }
+        tasks = first[units];
+        part = malloc(sizeof(float) * tasks * G * (D + 2));  /* per task: G acc rows, G maxima, G sums */
+        if (!part) {
+            free(first);
+            return -2;
+        }
+    }
 #ifdef __AVX512BF16__
     const int dot_bf16 = wide && bf16;  /* scores from the bf16 query rows with vdpbf16ps (block_scores_bf16) */
 #else
     const int dot_bf16 = 0;
 #endif
-    int chunk = tasks / (4 * omp_get_max_threads());
-    chunk = chunk < 1 ? 1 : chunk > per_seq ? per_seq : chunk;
+    int64_t chunk = tasks / (4 * omp_get_max_threads());
+    chunk = chunk < 1 ? 1 : !split && chunk > per_seq ? per_seq : chunk;
 #pragma omp parallel
     {
-    int previous = -1;  /* the task this thread ran last: it has requested this task's first blocks */
+    int64_t previous = -1;  /* the task this thread ran last: it has requested this task's first blocks */
 #pragma omp for schedule(dynamic, chunk)
-    for (int task = 0; task < tasks; task++) {
-        const int b = task / per_seq, h0 = task % per_seq * span;
+    for (int64_t task = 0; task < tasks; task++) {
+        int unit = (int)task, sg = -1;  /* sg: the segment a split task computes */
+        if (split) {
+            int lo = 0, hi = units - 1;  /* the unit whose tasks include this one */
+            while (lo < hi) {
+                const int mid = (lo + hi + 1) / 2;
+                if (first[mid] <= task) lo = mid; else hi = mid - 1;
+            }
+            unit = lo;
+            sg = (int)(task - first[unit]);
+        }
+        const int b = unit / per_seq, h0 = unit % per_seq * span, R = span * G;
         const int64_t row = (int64_t)b * H + h0 * G;  /* the task's first query head in [B * H] */
         float qf[MAX_GROUP][MAX_D] __attribute__((aligned(64)));
         float acc[MAX_GROUP][MAX_D] __attribute__((aligned(64)));
+        float macc[MAX_GROUP][MAX_D] __attribute__((aligned(64)));  /* earlier segments, merged */
         float s[MAX_GROUP][MAX_BS] __attribute__((aligned(64)));
-        float m[MAX_GROUP], l[MAX_GROUP], corr[MAX_GROUP];
+        float m[MAX_GROUP], l[MAX_GROUP], corr[MAX_GROUP], mm[MAX_GROUP], ml[MAX_GROUP];
 #ifdef __AVX512F__
         if (wide)
-            start_task16(q, qf, acc, m, l, row, span * G, D, scale, bf16, !dot_bf16);
+            start_task16(q, qf, acc, m, l, row, R, D, scale, bf16, !dot_bf16);
         else
 #endif
-            start_task8(q, qf, acc, m, l, row, span * G, D, scale, bf16);
+            start_task8(q, qf, acc, m, l, row, R, D, scale, bf16);
         const int64_t ctx = context_lens[b];
         const int64_t *table = block_tables + (int64_t)b * max_blocks;
+        int64_t t0 = skip, t1 = ctx;
+        if (split) {
+            const int64_t s0 = (skip / seg + sg) * seg;
+            t0 = s0 > skip ? s0 : skip;
+            t1 = s0 + seg < ctx ? s0 + seg : ctx;
+        }
         if (previous != task - 1)
-            for (int64_t ahead = skip; ahead < ctx && ahead < skip + PREFETCH_BLOCKS * block_size; ahead += block_size)
+            for (int64_t ahead = t0; ahead < t1 && ahead < t0 + PREFETCH_BLOCKS * block_size; ahead += block_size)
                 prefetch_block(k_cache, v_cache, table[ahead / block_size], block_size, row_stride, h0, span, D,
                                esize, ctx - ahead);
         previous = task;
         /* where this task's blocks end (block-aligned), for prefetching past it into the next task */
-        const int64_t end = skip + (ctx - skip + block_size - 1) / block_size * block_size;
-        for (int64_t start = skip; start < ctx; start += block_size) {
-            const int n = (int)(ctx - start < block_size ? ctx - start : block_size);
+        const int64_t end = t0 + (t1 - t0 + block_size - 1) / block_size * block_size;
+        int merged = 0;  /* segments merged into macc so far (a task that walks a whole context) */
+        for (int64_t start = t0; start < t1; start += block_size) {
+            if (start > t0 && start % seg == 0) {  /* a segment ends: merge it, start the next one fresh */
+                merge_rows(&macc[0][0], MAX_D, mm, ml, &acc[0][0], MAX_D, m, l, R, D, !merged);
+                merged++;
+                reset_rows(acc, m, l, R, D);
+            }
+            const int n = (int)(t1 - start < block_size ? t1 - start : block_size);
             /* blocks lie anywhere in the pool, so the hardware prefetcher cannot run ahead across
              * them: ask for the blocks ahead while this one computes (measured 3x on a Xeon: the kernel ran at
              * ~7 GB/s on scattered blocks and ~23 GB/s on cache-resident ones). Near the task's end the
-             * blocks ahead are the next task's: it usually runs next on this thread, and a chat context of
-             * 3-7 blocks otherwise starts every task on two blocks that nobody requested early. */
+             * blocks ahead are the next task's: it usually runs next on this thread (a split task's next
+             * segment, or the next sequence's heads), and a chat context of 3-7 blocks otherwise starts every
+             * task on two blocks that nobody requested early. */
             const int64_t ahead = start + PREFETCH_BLOCKS * block_size;
             if (ahead < ctx) {
                 prefetch_block(k_cache, v_cache, table[ahead / block_size], block_size, row_stride, h0, span, D,
                                esize, ctx - ahead);
-            } else if (task + 1 < tasks && ahead >= end) {
-                const int nb = (task + 1) / per_seq, nh = (task + 1) % per_seq * span;
+            } else if (!split && task + 1 < tasks && ahead >= end) {
+                const int nb = (int)(task + 1) / per_seq, nh = (int)(task + 1) % per_seq * span;
                 const int64_t at = skip + (ahead - end), nctx = context_lens[nb];
                 if (at < nctx)
                     prefetch_block(k_cache, v_cache, block_tables[(int64_t)nb * max_blocks + at / block_size],
                                    block_size, row_stride, nh, span, D, esize, nctx - at);
             }
-            const int64_t first = table[start / block_size] * block_size * row_stride;
+            const int64_t first_row = table[start / block_size] * block_size * row_stride;
             for (int h = h0; h < h0 + span; h++) {
                 const int i = (h - h0) * G;  /* this kv head's query heads in the task's state */
-                const char *kb = (const char *)k_cache + (first + (int64_t)h * D) * esize;
-                const char *vb = (const char *)v_cache + (first + (int64_t)h * D) * esize;
+                const char *kb = (const char *)k_cache + (first_row + (int64_t)h * D) * esize;
+                const char *vb = (const char *)v_cache + (first_row + (int64_t)h * D) * esize;
                 task_block(wide, dot_bf16, qf + i, (const char *)q + (row + i) * D * esize, acc + i, s, m + i, l + i,
                            corr, G, kb, vb, tstride, n, D, scale, esize, bf16);
             }
         }
+        if (split) {  /* this segment's state, merged with its neighbours' below */
+            float *p = part + task * G * (D + 2);
+            for (int g = 0; g < G; g++) memcpy(p + (int64_t)g * D, acc[g], (size_t)D * sizeof(float));
+            memcpy(p + (int64_t)G * D, m, (size_t)G * sizeof(float));
+            memcpy(p + (int64_t)G * D + G, l, (size_t)G * sizeof(float));
+            continue;
+        }
+        if (merged) {  /* the last segment, then the merged state is the task's */
+            merge_rows(&macc[0][0], MAX_D, mm, ml, &acc[0][0], MAX_D, m, l, R, D, 0);
+            for (int r = 0; r < R; r++) memcpy(acc[r], macc[r], (size_t)D * sizeof(float));
+            memcpy(m, mm, (size_t)R * sizeof(float));
+            memcpy(l, ml, (size_t)R * sizeof(float));
+        }
 #ifdef __AVX512F__
         if (wide)
-            finish_task16(out, lse, acc, m, l, row, span * G, D, bf16);
+            finish_task16(out, lse, acc, m, l, row, R, D, bf16);
         else
 #endif
-            finish_task8(out, lse, acc, m, l, row, span * G, D, bf16);
+            finish_task8(out, lse, acc, m, l, row, R, D, bf16);
+    }
+    if (split) {
+#pragma omp for schedule(static)
+        for (int unit = 0; unit < units; unit++) {
+            const int b = unit / per_seq, h0 = unit % per_seq;
+            const int64_t row = (int64_t)b * H + h0 * G;
+            float acc[MAX_GROUP][MAX_D] __attribute__((aligned(64)));
+            float m[MAX_GROUP], l[MAX_GROUP];
+            for (int64_t t = first[unit]; t < first[unit + 1]; t++) {
+                const float *p = part + t * G * (D + 2);
+                merge_rows(&acc[0][0], MAX_D, m, l, p, D, p + (int64_t)G * D, p + (int64_t)G * D + G, G, D,
+                           t == first[unit]);
+            }
+#ifdef __AVX512F__
+            if (wide)
+                finish_task16(out, lse, acc, m, l, row, G, D, bf16);
+            else
+#endif
+                finish_task8(out, lse, acc, m, l, row, G, D, bf16);
+        }
     }
     }
+    free(part);
+    free(first);
     return 0;
 }
 

@@ -64,6 +64,45 @@ def test_paged_decode_kernel_matches_gather_sdpa(dtype, heads, kv_heads, head_di
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_contexts_give_a_row_the_same_bits_alone_in_a_batch_and_at_any_thread_count(dtype):
+    """Contexts of several segments (paged_attention.c: 256 tokens at 16-token blocks): a lone sequence's
+    segments are tasks of their own spread over the threads and merged after; in a batch of 16 each sequence's
+    kv heads walk the whole context on one thread, merging as they go. A row's output is the same bits either
+    way, at one thread and at two, and close to SDPA over the gathered context."""
+    heads, kv_heads, head_dim, bs = 9, 3, 64, 16
+    gen = torch.Generator().manual_seed(7)
+    long = [1900, 700, 257, 256]
+    lens = long + [40] * 12
+    num_blocks = sum((n + bs - 1) // bs for n in lens) + 3
+    batch = _decode_batch(lens, bs, num_blocks, gen)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    k = torch.randn(len(lens), kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(len(lens), kv_heads, head_dim, generator=gen).to(dtype)
+    base = [torch.randn(num_blocks, bs, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2)]
+
+    def run(use_kernel: bool, rows: list[int], threads: int) -> torch.Tensor:
+        backend = TorchAttentionBackend(CPU, use_cpu_kernel=use_kernel)
+        cache = backend.allocate_cache(1, num_blocks, bs, kv_heads, head_dim, dtype, CPU)[0]
+        cache[0].copy_(base[0])
+        cache[1].copy_(base[1])
+        sub = AttentionBatch([1] * len(rows), [lens[i] for i in rows], [batch.block_tables[i] for i in rows],
+                             len(rows), batch.slot_mapping[rows], bs)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            return backend.forward(q[rows], k[rows], v[rows], cache, backend.prepare(sub))
+        finally:
+            torch.set_num_threads(before)
+
+    everyone = list(range(len(lens)))
+    in_batch = run(True, everyone, 2)
+    torch.testing.assert_close(in_batch.float(), run(False, everyone, 2).float(), atol=TOL[dtype], rtol=TOL[dtype])
+    for i in range(len(long)):
+        for threads in (1, 2):
+            assert torch.equal(run(True, [i], threads)[0], in_batch[i]), (lens[i], threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_rms_norm_matches_reference(dtype):
     gen = torch.Generator().manual_seed(1)
     norm = RMSNorm(64, eps=1e-5).to(dtype)
