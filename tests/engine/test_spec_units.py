@@ -289,3 +289,19 @@ def test_profile_measures_the_small_counts_three_times_first():
     assert steps[:27] == small * 3
     assert sorted(set(steps)) == sorted(order)
     assert all(steps.count(r) == 2 for r in order if r > 9)
+
+
+def test_drafts_must_clear_their_break_even_by_the_margin():
+    """A draft row that costs 0.75 of what a kept token saves (batch 8 past the C path on the AVX2 machine):
+    drafts kept with probability 0.8 are past the break-even but within the estimates' error, and are not
+    chosen; 0.9 clears it by more than the margin."""
+    from deepinfer.engine.spec.policy import Candidate, DraftLengthPolicy
+
+    pol = DraftLengthPolicy(CostModel())
+    # T(8) = 0.08 s: a kept token saves 0.01 s; each draft row costs 0.0075 s
+    pol.price.seed([(r, 0.08 + 0.0075 * (r - 8) if r >= 8 else 0.01 * r) for r in range(1, 301)])
+    assert DraftLengthPolicy.MARGIN == 0.1
+    for p, want in ((0.8, False), (0.9, True)):
+        ks = pol.choose([Candidate(100, [p])] * 8, 8)
+        assert (sum(ks) > 0) == want, (p, ks)
+        assert pol.drafts_can_pay(8, [np.full(1, p)] * 8) == want
