@@ -9,7 +9,10 @@ Workloads (greedy, so all three engines emit the same tokens; tok/s = generated 
 The three engines live in this process, built from one config that differs only in
 `speculative_config`; each (workload, batch) row runs every engine once per repeat, in an order that
 rotates between repeats (A/B interleaved: a load change on a shared machine hits all three), and the
-table reports medians over repeats and the ratios to no speculation. Next to wall-clock tok/s it reports
+table reports medians over repeats and the ratios to no speculation. A fourth engine, a second copy of
+no speculation (`--no-control` leaves it out), gives each row its noise floor: the ratio of two identical
+engines ("A/A"; on the 2-core AVX2 machine at batch 8 it read 0.88-1.02 over three repeats, as wide as the
+differences the targets ask about). Next to wall-clock tok/s it reports
 the ratios of CPU time per token (`time.process_time`, all of the process's threads): on a shared machine
 wall time moves with the others' load, CPU time far less (most robust with `--num-threads 1`, where no
 thread spins waiting for another).
@@ -124,6 +127,8 @@ def main() -> None:
     ap.add_argument("--method", default="ngram", choices=["ngram", "suffix"])
     ap.add_argument("--k-max", type=int, default=16, help="adaptive: the longest draft it may choose")
     ap.add_argument("--num-threads", type=int, default=None, help="torch threads per engine (default: torch's)")
+    ap.add_argument("--no-control", dest="control", action="store_false",
+                    help="leave out the second no-speculation engine (the A/A noise floor)")
     args = ap.parse_args()
 
     common = dict(kv_cache_memory="768MiB", max_num_seqs=max(args.batches), num_threads=args.num_threads)
@@ -132,6 +137,8 @@ def main() -> None:
         "k5": {"method": args.method, "num_speculative_tokens": 5, "adaptive": False},
         "adaptive": {"method": args.method, "num_speculative_tokens": args.k_max, "adaptive": True},
     }
+    if args.control:
+        configs["none_b"] = None
     engines = {name: LLM(args.model, speculative_config=cfg, **common) for name, cfg in configs.items()}
     names = list(engines)
     for llm in engines.values():  # warm-up (kernels, caches) outside the measurement
@@ -168,21 +175,22 @@ def main() -> None:
                    med["adaptive"] / med["none"], med["adaptive"] / med["k5"],
                    cmed["k5"] / cmed["none"], cmed["adaptive"] / cmed["none"], cmed["adaptive"] / cmed["k5"],
                    statistics.median(accept["k5"]) if accept["k5"] else 0.0,
-                   statistics.median(accept["adaptive"]) if accept["adaptive"] else 0.0)
+                   statistics.median(accept["adaptive"]) if accept["adaptive"] else 0.0,
+                   med["none_b"] / med["none"] if "none_b" in med else float("nan"))
             rows.append(row)
             print("{:<10} b={:<3} none {:7.1f}  k5 {:7.1f}  adaptive {:7.1f} tok/s | k5/none {:.2f}  "
                   "adaptive/none {:.2f}  adaptive/k5 {:.2f} | CPU: {:.2f} {:.2f} {:.2f} | accept k5 {:.2f} "
-                  "adaptive {:.2f}".format(*row), flush=True)
+                  "adaptive {:.2f} | A/A {:.2f}".format(*row), flush=True)
     print(f"\nmethod={args.method}, max_tokens={args.max_tokens}, repeats={args.repeats}, "
           f"num_threads={args.num_threads} (medians, engines interleaved in rotating order; CPU: the same "
           "ratios of tokens per CPU second)")
     print("| workload | batch | none tok/s | k=5 tok/s | adaptive tok/s | k=5 / none | adaptive / none | "
           "adaptive / k=5 | CPU k=5 / none | CPU adaptive / none | CPU adaptive / k=5 | acceptance k=5 | "
-          "acceptance adaptive |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "acceptance adaptive | A/A: none (2nd copy) / none |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} "
-              "| {:.2f} |".format(*r))
+              "| {:.2f} | {:.2f} |".format(*r))
     for llm in engines.values():
         llm.close()
 
