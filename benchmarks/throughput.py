@@ -5,6 +5,10 @@ Workloads (greedy, ``ignore_eos``, every prompt generates exactly ``--max-tokens
 * ``chat``   -- ``--num-prompts`` short user questions, chat template applied.
 * ``shared`` -- the same questions after a common ~400-token system prompt.
 * ``single`` -- single-stream decode: one chat prompt.
+* ``long``   -- single stream after a long context: one question after the system prompt four times over
+  (~1,650 tokens; the run tag is in the question, so the long prefix is cached after the warm-up as in a
+  long conversation, and the timed runs are mostly decoding at that context). Its fraction of the bound
+  is not printed: the weight-only memory bound leaves out the KV it reads.
 
 Every run (warm-up and each timed repeat) tags the user messages with the run
 index, so a prefix cache can reuse the genuinely shared prefix but never a whole
@@ -119,6 +123,8 @@ SYSTEM_PROMPT = (
     "Now answer the visitor's question below."
 )
 
+LONG_REPEAT = 4  # the long workload's system prompt, this many times over
+
 Prompts = list[list[int]]
 Runs = dict[str, list[Prompts]]  # workload -> [warm-up prompts, repeat 1 prompts, ...]
 
@@ -130,7 +136,8 @@ def build_runs(tok: Any, num_prompts: int, repeats: int) -> Runs:
         return list(tok(text, add_special_tokens=False)["input_ids"])
 
     qs = [QUESTIONS[i % len(QUESTIONS)] for i in range(num_prompts)]
-    runs: Runs = {"chat": [], "shared": [], "single": []}
+    runs: Runs = {"chat": [], "shared": [], "single": [], "long": []}
+    long_system = " ".join([SYSTEM_PROMPT] * LONG_REPEAT)
     for r in range(repeats + 1):
         users = [f"(run {r}) {q}" for q in qs]
         runs["chat"].append([encode([{"role": "user", "content": u}]) for u in users])
@@ -141,6 +148,7 @@ def build_runs(tok: Any, num_prompts: int, repeats: int) -> Runs:
             ]
         )
         runs["single"].append(runs["chat"][-1][:1])
+        runs["long"].append([encode([{"role": "system", "content": long_system}, {"role": "user", "content": users[0]}])])
     return runs
 
 
@@ -308,9 +316,9 @@ def run_llamacpp(args: argparse.Namespace, runs: Runs) -> list[dict[str, Any]]:
     gguf = resolve_model(args.deepinfer_model).source
     if gguf.suffix != ".gguf":
         sys.exit(f"llamacpp needs a .gguf model; deepinfer's model is {gguf}")
-    single = {n: p for n, p in runs.items() if n == "single"}
+    single = {n: p for n, p in runs.items() if n in ("single", "long")}
     if not single:
-        print("llamacpp runs the single workload only; skipped", file=sys.stderr)
+        print("llamacpp runs the single-stream workloads only; skipped", file=sys.stderr)
         return []
     spec = {"gguf": str(gguf), "n_threads": len(os.sched_getaffinity(0)), "max_tokens": args.max_tokens,
             "decode_only": args.llamacpp_decode_only, "contention": args.contention,
@@ -337,7 +345,7 @@ def bound_fraction(r: dict[str, Any], bounds: tuple[Any, Any] | None, args: argp
         r["engine"] == "deepinfer" and (args.deepinfer_model is None or args.deepinfer_model.endswith(".gguf")))
     if r["engine"] == "llamacpp" and r["workload"] == "single":
         dtype = "float32"  # reads the GGUF blocks: the memory bound does not depend on a compute dtype
-    if dtype not in machine.flops:
+    if dtype not in machine.flops or r["workload"] == "long":
         return "-"
     frac, kind = hw_bounds.fraction(tok_per_s, r["workload"] == "single", machine, cost, dtype, gguf)
     return f"{frac:.2f} {kind}"
@@ -389,7 +397,7 @@ def print_table(results: list[dict[str, Any]], bounds: tuple[Any, Any] | None = 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engines", default="deepinfer,hf,vllm", help="comma list of deepinfer,hf,vllm,llamacpp")
-    ap.add_argument("--workloads", default="chat,shared,single", help="comma list of chat,shared,single")
+    ap.add_argument("--workloads", default="chat,shared,single", help="comma list of chat,shared,single,long")
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)

@@ -4,6 +4,8 @@ fixed step-price table (no timings)."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from deepinfer.config import SpeculativeMethod
 from deepinfer.engine.cost_model import CostModel
 from deepinfer.engine.request import Request
@@ -300,3 +302,23 @@ def test_a_pessimistic_start_up_price_is_corrected_by_exploration():
     assert run(OFF) == (0, 0)
     priced, drafted = run(TryRules())
     assert priced >= 10 and drafted >= 60
+
+
+def test_a_batch_whose_proposals_were_priced_out_skips_the_lookup_for_a_few_steps():
+    """Batch 8 at the 9th row's jump with estimates that make the loose bound say drafts may pay: one step
+    looks the proposals up and prices them out; the next QUIET_STEPS steps at that batch size skip the
+    lookup (and overlap), a smaller batch looks up again at once."""
+    spec, proposer = _speculator(jump=True, rules=OFF)
+    reqs = [_req(f"r{i}", COPY) for i in range(8)]
+    for r in reqs:  # high enough for the bound (boosted ceilings), not for the choice at the jump
+        spec._state(r).rates = [0.8] * 8
+        spec._state(r).prior = 0.8
+        spec._state(r)._ceilings.clear()
+    spec.pool.boost = lambda: np.full(8, 1.25)  # a match length kept more often than average (the bound's boost)
+    assert spec.propose(reqs, 4096) == {} and proposer.lookups == 8
+    for _ in range(spec.QUIET_STEPS - 1):
+        assert not spec.wants_fresh_step(reqs, 4096)
+        assert spec.propose(reqs, 4096) == {}
+    assert proposer.lookups == 8
+    spec.propose(reqs[:7], 4096)  # fewer decodes: cheaper rows, looked up again
+    assert proposer.lookups == 15
