@@ -542,6 +542,20 @@ static __attribute__((noinline)) void merge_rows(float *macc, int ms, float *mm,
     }
 }
 
+/* normalise and store R output rows in the width the loop was built for (finish_task16 / finish_task8) */
+static inline __attribute__((always_inline)) void finish_task(int wide, void *out, float *lse, float (*acc)[MAX_D],
+                                                              const float *m, const float *l, int64_t row, int R,
+                                                              int D, int bf16) {
+#ifdef __AVX512F__
+    if (wide) {
+        finish_task16(out, lse, acc, m, l, row, R, D, bf16);
+        return;
+    }
+#endif
+    (void)wide;
+    finish_task8(out, lse, acc, m, l, row, R, D, bf16);
+}
+
 /* a fresh online-softmax state for R rows */
 static inline void reset_rows(float (*acc)[MAX_D], float *m, float *l, int R, int D) {
     for (int r = 0; r < R; r++) {
@@ -687,12 +701,7 @@ static inline __attribute__((always_inline)) int decode_attention_tasks(
             memcpy(m, mm, (size_t)R * sizeof(float));
             memcpy(l, ml, (size_t)R * sizeof(float));
         }
-#ifdef __AVX512F__
-        if (wide)
-            finish_task16(out, lse, acc, m, l, row, R, D, bf16);
-        else
-#endif
-            finish_task8(out, lse, acc, m, l, row, R, D, bf16);
+        finish_task(wide, out, lse, acc, m, l, row, R, D, bf16);
     }
     if (split) {
 #pragma omp for schedule(static)
@@ -706,12 +715,7 @@ static inline __attribute__((always_inline)) int decode_attention_tasks(
                 merge_rows(&acc[0][0], MAX_D, m, l, p, D, p + (int64_t)G * D, p + (int64_t)G * D + G, G, D,
                            t == first[unit]);
             }
-#ifdef __AVX512F__
-            if (wide)
-                finish_task16(out, lse, acc, m, l, row, G, D, bf16);
-            else
-#endif
-                finish_task8(out, lse, acc, m, l, row, G, D, bf16);
+            finish_task(wide, out, lse, acc, m, l, row, G, D, bf16);
         }
     }
     }

@@ -192,9 +192,10 @@ class Speculator:
         """The most rows an exploring step may have: the C decode path's (`StepPrice.c_path_rows`; no limit
         without one). Past it, on the 2-core AVX2 machine, exploration cost far more than the ledger's
         price of its rows (chat b=32 0.94x, code_edit b=8 0.90x of the same engine without it, 5 repeats
-        interleaved): steps that verify drafts give up the overlap of host work, and the estimates it
-        taught made the price choose drafts that did not pay. What it is for, a start-up table that priced
-        batch 1's draft rows too high, happens on the C path."""
+        interleaved; the ledger held its priced cost at 2%): there a draft row costs most of what a kept
+        token saves, and the estimates exploration taught let the price choose drafts near their
+        break-even. What it is for, a start-up table that priced batch 1's draft rows too high, happens on
+        the C path."""
         return self.policy.price.c_path_rows or 1 << 30
 
     def _may_explore(self, decodes: int) -> bool:
@@ -228,8 +229,8 @@ class Speculator:
 
     def _quiet(self, decodes: int, step: int) -> bool:
         """Whether the step skips the lookup and the price: within QUIET_STEPS of a step that looked up and
-        priced proposals for a batch this size or smaller (at least the C decode path's rows: below it a
-        lookup is cheap and drafts pay often) and chose none. The bound of `_drafts_can_pay` is
+        priced proposals for a batch this size or smaller (at least the C decode path's rows, any size
+        without one: below it a lookup is cheap and drafts pay often) and chose none. The bound of `_drafts_can_pay` is
         loose where drafts are near their break-even (batch 8 past the C path: a boosted ceiling of 0.99
         against a break-even of ~0.83), and the lookups and the choice it then allows every step cost
         ~0.8 ms of a 30 ms step (code_edit b=8 on the AVX2 machine) for drafts that are not chosen."""
