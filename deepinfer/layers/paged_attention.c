@@ -697,11 +697,10 @@ static inline __attribute__((always_inline)) int decode_attention_tasks(
         }
         if (merged) {  /* the last segment, then the merged state is the task's */
             merge_rows(&macc[0][0], MAX_D, mm, ml, &acc[0][0], MAX_D, m, l, R, D, 0);
-            for (int r = 0; r < R; r++) memcpy(acc[r], macc[r], (size_t)D * sizeof(float));
-            memcpy(m, mm, (size_t)R * sizeof(float));
-            memcpy(l, ml, (size_t)R * sizeof(float));
+            finish_task(wide, out, lse, macc, mm, ml, row, R, D, bf16);
+        } else {
+            finish_task(wide, out, lse, acc, m, l, row, R, D, bf16);
         }
-        finish_task(wide, out, lse, acc, m, l, row, R, D, bf16);
     }
     if (split) {
 #pragma omp for schedule(static)
