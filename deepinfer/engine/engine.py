@@ -317,7 +317,8 @@ class LLMEngine:
                 outputs = []
             elif core.speculator is not None and (_carries_drafts(inflight) or (
                     inflight.ready is not None and core.speculator.wants_fresh_step(
-                        [item.request for item in inflight.plan.scheduled], core.max_model_len))):
+                        [item.request for item in inflight.plan.scheduled], core.max_model_len,
+                        core.scheduler.decode_batch_ahead()))):
                 # Speculative decoding: nothing is scheduled behind a step that verifies drafts (where its
                 # requests resume depends on how many drafts it keeps, so the scheduler would leave them out
                 # of a step scheduled ahead: they would sit a step out), nor, while drafts may pay, behind a

@@ -115,6 +115,11 @@ class Scheduler:
 
     # ------------------------------------------------------------------ schedule
 
+    def decode_batch_ahead(self) -> int:
+        """The decode batch of the next few steps: the running requests (decoding or computing their prompt)
+        and the waiting ones the batch has room for (speculation values a kept token by it)."""
+        return min(self.config.max_num_seqs, len(self.running) + len(self.waiting))
+
     def take_failed(self) -> list[Request]:
         """Requests the engine ended with an error (`Request.error`) since the last call."""
         failed, self.failed = self.failed, []
@@ -137,7 +142,8 @@ class Scheduler:
         prefill_chunks: list[ScheduledRequest] = []
         decodes = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1 and not self._ends_pending(r)]
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
-        drafts = self.speculator.propose(decodes, self.max_model_len) if self.speculator is not None else {}
+        drafts = self.speculator.propose(decodes, self.max_model_len, self.decode_batch_ahead()) \
+            if self.speculator is not None else {}
         verifying: list[ScheduledRequest] = []
         for req in decodes:  # oldest first; never held back by the time budget
             if budget == 0:

@@ -119,7 +119,7 @@ def test_prefill_worker_killed_mid_stream_is_retried_and_the_partial_transfer_dr
     victim = None
     deadline = time.monotonic() + 60
     while victim is None:  # some blocks have landed on the decode worker: the stream is under way
-        assert time.monotonic() < deadline and t.is_alive(), "the prefill finished before it could be killed"
+        assert time.monotonic() < deadline and t.is_alive(), ("the prefill finished before it could be killed", result)
         if _load(decoder)["blocks_imported"] - before["blocks_imported"] >= 4:
             # the worker computing the prompt: its queued-seconds estimate counts down and can reach 0
             # before the prompt is done, so the running sequence is what identifies it

@@ -322,3 +322,29 @@ def test_a_batch_whose_proposals_were_priced_out_skips_the_lookup_for_a_few_step
     assert proposer.lookups == 8
     spec.propose(reqs[:7], 4096)  # fewer decodes: cheaper rows, looked up again
     assert proposer.lookups == 15
+
+
+def test_a_request_decoding_ahead_of_its_batch_prices_its_drafts_as_that_batch():
+    """Through the scheduler: a request that decodes while the rest of its batch still waits or computes its
+    prompt drafts as one of that batch. At the 9th row's jump, a lone decode drafts (its extra rows are free
+    on the C path); with 7 more requests about to decode, the same proposal would cost the batch the jump,
+    and it verifies none (it would only run ahead of the others and finish first)."""
+    from deepinfer.config import SchedulerConfig
+    from deepinfer.engine.scheduler import Scheduler
+    from deepinfer.kvcache.manager import KVCacheManager
+
+    def drafts_while_others_prefill(others: int) -> tuple[int, int]:
+        spec, _ = _speculator(jump=True, rules=OFF)
+        s = Scheduler(SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=32), KVCacheManager(128, 4, "m", "l"),
+                      256, speculator=spec)
+        lead = Request("lead", list(COPY), SamplingParams(temperature=0.0, max_tokens=64))
+        s.add(lead)
+        s.update(s.schedule(), {"lead": 9})  # the prompt in one step; "... 7 8 9" continues as COPY did
+        for i in range(others):
+            s.add(Request(f"p{i}", list(range(200 + i, 260 + i)), SamplingParams(temperature=0.0, max_tokens=8)))
+        out = s.schedule()
+        return s.decode_batch_ahead(), sum(len(x.draft_token_ids) for x in out.scheduled)
+
+    assert drafts_while_others_prefill(0)[1] > 0
+    batch, drafted = drafts_while_others_prefill(7)
+    assert drafted == 0 and batch == 8

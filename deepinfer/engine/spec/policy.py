@@ -287,8 +287,9 @@ class DraftLengthPolicy:
         return bool(np.max(rate[1:]) > rate[0])
 
     def choose(self, cands: list[Candidate], num_decodes: int) -> list[int]:
-        """Draft tokens to verify per candidate; `num_decodes`: the step's decoding requests (one row each,
-        the candidates included)."""
+        """Draft tokens to verify per candidate; `num_decodes`: the decode batch the candidates are part of
+        (one row each, the candidates included; with `Speculator.propose`'s `batch`, requests about to decode
+        count too, priced as decode rows)."""
         if not self.adaptive:
             return [len(c.accept_probs) for c in cands]
         ks = [0] * len(cands)

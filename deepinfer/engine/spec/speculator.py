@@ -102,10 +102,18 @@ class Speculator:
                                            self.pool.rates)
         return req.spec
 
-    def propose(self, decodes: list[Request], max_model_len: int) -> dict[str, list[int]]:
+    def propose(self, decodes: list[Request], max_model_len: int, batch: int = 0) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of a step (request id -> drafts; absent: none). A request
         with a token still in flight (a step scheduled ahead, `overlap_host_work`) drafts nothing and is not
-        counted: its drafts would follow a token not known yet."""
+        counted: its drafts would follow a token not known yet.
+
+        `batch`: the decode batch these requests are part of, counting requests that will decode within a few
+        steps (still computing their prompt, or admitted next), at least the decodes. The policy values a
+        kept token at a step of that batch, not of the decodes alone: while seven of a batch of eight
+        prefill, the first to decode would otherwise price its drafts as a lone request's (a kept token
+        worth a whole step), and the tokens it gains only make it finish ahead of the others, leaving a tail
+        of smaller steps that cost nearly as much (code_edit b=8 on the AVX2 machine: ~10 such drafting
+        steps per run, 0.93x of no speculation)."""
         decodes = [r for r in decodes if not r.num_pending_tokens]
         now = time.thread_time() if self.cpu_clock else time.perf_counter()
         if self._last_propose is not None and self._last_run is not None:
@@ -118,14 +126,15 @@ class Speculator:
             return {}
         states = [self._state(r) for r in decodes]
         limits = self._limits(decodes, max_model_len)
+        batch = max(batch, len(decodes))
         # the back-off and exploration rules (tries.py) and the price bound need a proposer the speculator
         # may skip at will
         tries = self._skippable()
-        explore = tries and self._may_explore(len(decodes))
+        explore = tries and self._may_explore(batch)
         priced = True
         if tries:
             limits = self._unpaused(states, limits, self.num_steps)
-            if self._quiet(len(decodes), self.num_steps) or not self._drafts_can_pay(states, limits):
+            if self._quiet(batch, self.num_steps) or not self._drafts_can_pay(states, limits, batch):
                 # no drafts pay by the price: look up only requests owed exploration, every few steps
                 priced = False
                 lookup = explore and self.num_steps % self.tries.lookup_every == 0
@@ -150,15 +159,15 @@ class Speculator:
             ks = self.policy.choose(
                 [Candidate(r.num_computed_tokens, self.policy.accept_probs(
                     self.pool.match_probs(s.estimates(), d.match), d.confidence, len(d)))
-                 for (r, d), s in zip(cands, states, strict=True)], len(decodes))
+                 for (r, d), s in zip(cands, states, strict=True)], batch)
         else:
             ks = [0] * len(cands)
         if priced and tries and not any(ks) and any(len(d) for _, d in cands) \
-                and len(decodes) >= self.policy.price.c_path_rows:
+                and batch >= self.policy.price.c_path_rows:
             # proposals priced out: the next QUIET_STEPS steps at this batch size or larger skip the lookup
-            self._quiet_until, self._quiet_decodes = self.num_steps + self.QUIET_STEPS, len(decodes)
+            self._quiet_until, self._quiet_decodes = self.num_steps + self.QUIET_STEPS, batch
         if explore:
-            ks = self._explore(cands, states, ks)
+            ks = self._explore(cands, states, ks, batch)
         out = {}
         for (r, d), s, k in zip(cands, states, ks, strict=True):
             self.metrics.chose(k)
@@ -170,10 +179,11 @@ class Speculator:
                 s.relax()
         return out
 
-    def _explore(self, cands: list[tuple[Request, Draft]], states: list[AcceptanceStats], ks: list[int]) -> list[int]:
+    def _explore(self, cands: list[tuple[Request, Draft]], states: list[AcceptanceStats], ks: list[int],
+                 batch: int) -> list[int]:
         """The priced draft lengths `ks` raised by exploration (`tries.py`), its cost charged to the ledger."""
         price, decodes = self.policy.price, len(cands)
-        room = self._explore_rows() - decodes - sum(ks)  # explored rows stay on the C path
+        room = self._explore_rows() - batch - sum(ks)  # explored rows stay on the C path
         explored = []
         for (_, d), s, k in zip(cands, states, ks, strict=True):
             e = min(max(k, self.tries.explore(s, d)), k + max(0, room))
@@ -182,7 +192,7 @@ class Speculator:
         if explored == ks:
             return ks
         self.ledger.charge(price.seconds(decodes + sum(explored)) - price.seconds(decodes + sum(ks)))
-        per_token = price.seconds(decodes) / decodes  # what a kept token saves: its share of a plain step
+        per_token = price.seconds(batch) / batch  # what a kept token saves: its share of a plain step
         for s, k, e in zip(states, ks, explored, strict=True):
             if e > k:
                 s.explored_from, s.explore_refund = k, per_token
@@ -201,13 +211,13 @@ class Speculator:
     def _may_explore(self, decodes: int) -> bool:
         return decodes < self._explore_rows() and self.ledger.allows(self.tries.budget)
 
-    def wants_fresh_step(self, requests: list[Request], max_model_len: int) -> bool:
+    def wants_fresh_step(self, requests: list[Request], max_model_len: int, batch: int = 0) -> bool:
         """Whether the engine should let the step in flight finish before it schedules the next one, so that
         `requests` (that step's) can draft: a step scheduled ahead of the one in flight has their next token
         pending, and they draft nothing in it (`propose`). False only where `propose` would give them no
         drafts, or likely none: an adaptive, skippable proposer whose price says no drafts pay at this
         batch, or that would find no draft on any request's tokens as they are now
-        (`Proposer.likely_to_propose`), and no exploration lookup is due next step. The engine then keeps
+        (`Proposer.likely_to_propose`), and no exploration lookup is due next step (`batch` as in `propose`). The engine then keeps
         overlapping host work with the model (`LLMEngine.step_tokens`), as without speculation, instead of
         running every other step without it (chat at batch 1: the prior's drafts pay on the C path's cheap
         rows, but an n-gram is found at ~11% of positions, and losing every other step's overlap cost 3-6%
@@ -222,9 +232,10 @@ class Speculator:
         limits = self._unpaused(states, self._limits(requests, max_model_len), step)
         likely = [lim if lim and self.proposer.likely_to_propose(r) else 0
                   for r, lim in zip(requests, limits, strict=True)]
-        if not self._quiet(len(requests), step) and self._drafts_can_pay(states, likely):
+        batch = max(batch, len(requests))
+        if not self._quiet(batch, step) and self._drafts_can_pay(states, likely, batch):
             return True
-        return step % self.tries.lookup_every == 0 and self._may_explore(len(requests)) and any(
+        return step % self.tries.lookup_every == 0 and self._may_explore(batch) and any(
             lim and self.tries.explorable(s) for s, lim in zip(states, limits, strict=True))
 
     def _quiet(self, decodes: int, step: int) -> bool:
@@ -252,11 +263,11 @@ class Speculator:
     def _unpaused(self, states: list[AcceptanceStats], limits: list[int], step: int) -> list[int]:
         return [0 if self.tries.backed_off(s, step) else lim for s, lim in zip(states, limits, strict=True)]
 
-    def _drafts_can_pay(self, states: list[AcceptanceStats], limits: list[int]) -> bool:
+    def _drafts_can_pay(self, states: list[AcceptanceStats], limits: list[int], batch: int) -> bool:
         confident = self.proposer.confident
         boost = self.pool.boost()
         bounds = [s.gain_ceiling(confident, boost)[:lim] for s, lim in zip(states, limits, strict=True) if lim]
-        return self.policy.drafts_can_pay(len(states), bounds)
+        return self.policy.drafts_can_pay(batch, bounds)
 
     def observe_step(self, num_rows: int, seconds: float, cpu_seconds: float | None = None) -> None:
         """A finished step in which every request decoded or verified drafts: `num_rows` rows (decodes and
