@@ -305,3 +305,27 @@ def test_drafts_must_clear_their_break_even_by_the_margin():
         ks = pol.choose([Candidate(100, [p])] * 8, 8)
         assert (sum(ks) > 0) == want, (p, ks)
         assert pol.drafts_can_pay(8, [np.full(1, p)] * 8) == want
+
+
+def test_the_draft_count_is_the_same_in_plain_python_and_in_numpy():
+    """`DraftLengthPolicy._best_count` runs small inputs in plain Python and large ones in numpy: both must
+    choose the same count (the first maximum, or the first count that beats none) on the same table, here
+    the CPU shape (C path to 8 rows, then a jump and 16-row blocks) under a few host times and batches."""
+    rng = np.random.default_rng(0)
+    policy = DraftLengthPolicy(CostModel())
+    policy.price.c_path_rows = 8
+    policy.price.seed([(r, 0.008 + 0.004 * min(r, 8) + (0.015 + 0.02 * ((r - 9) // 16) if r > 8 else 0.0))
+                       for r in range(1, 600)])
+    chosen = set()
+    for trial in range(300):
+        b = int(rng.integers(1, 40))
+        gains = sorted(np.cumprod(rng.uniform(0.3, 1.0, int(rng.integers(1, 120)))).tolist(), reverse=True)
+        policy.price.host_seconds = float(rng.choice([0.0, 0.0005, 0.005]))
+        for first in (False, True):
+            policy.SMALL = 1 << 20
+            python = policy._best_count(b, gains, first)
+            policy.SMALL = 0
+            assert policy._best_count(b, gains, first) == python, (trial, b, first)
+            chosen.add(python)
+    assert len(chosen) > 5  # the inputs reach many different counts, none among them included
+    assert 0 in chosen

@@ -250,6 +250,7 @@ class Candidate:
 
 
 class DraftLengthPolicy:
+    SMALL = 64  # `_best_count`: gains past this many go through numpy
     MARGIN = 0.1  # how far drafts' expected gain must clear their break-even to be chosen (module docstring)
 
     def __init__(self, cost_model: CostModel, adaptive: bool = True) -> None:
@@ -280,20 +281,39 @@ class DraftLengthPolicy:
             return True
         if not gain_bounds:
             return False
-        # plain Python over a few dozen floats, stopping at the first count that pays: it runs every step
-        # between model steps that have evicted its code and data from the caches, where the numpy version
-        # (a dozen small-array calls) took ~140 us a step at batch 1 on the AVX2 machine (~2% of the step)
-        b = num_decodes
-        gains = sorted((g for bound in gain_bounds for g in bound.tolist()), reverse=True)
+        if sum(len(bound) for bound in gain_bounds) > self.SMALL:
+            gains: list[float] | np.ndarray = np.sort(np.concatenate(gain_bounds))[::-1]
+        else:
+            gains = sorted((g for bound in gain_bounds for g in bound.tolist()), reverse=True)
+        return self._best_count(num_decodes, gains, first_gain=True) > 0
+
+    def _best_count(self, b: int, gains: list[float] | np.ndarray, first_gain: bool = False) -> int:
+        """The number m of draft rows (0..len(gains)) that maximises the expected tokens per second of a step
+        of `b` decodes, (b + sum of the first m `gains` / (1 + MARGIN)) / (T(b + m) + H): the first maximum
+        (the fewest drafts among equals); with `first_gain`, the first m that beats m = 0 (0: none does).
+
+        It runs every step, between model steps that have evicted its code and data from the caches: up to
+        `SMALL` gains in plain Python (the numpy version, a dozen small-array calls, took ~140 us a step at
+        batch 1 on the AVX2 machine, ~2% of the step; this one ~60), more in numpy (a batch of 32 has up to
+        512 gains). Both compute the same values in the same order."""
         host = self.price.host_seconds
-        t = self.price.table(b + len(gains)).tolist()
-        plain = b / max(t[b] + host, 1e-9)
-        kept = 0.0
+        t = self.price.table(b + len(gains))
+        if len(gains) > self.SMALL:
+            rate = (b + np.concatenate([[0.0], np.cumsum(gains)]) / (1 + self.MARGIN)) / np.maximum(t[b:] + host, 1e-9)
+            if first_gain:
+                above = np.flatnonzero(rate[1:] > rate[0])
+                return int(above[0]) + 1 if len(above) else 0
+            return int(np.argmax(rate))
+        t = t.tolist()
+        best, best_rate, kept = 0, b / max(t[b] + host, 1e-9), 0.0
         for m, g in enumerate(gains, 1):
             kept += g
-            if (b + kept / (1 + self.MARGIN)) / max(t[b + m] + host, 1e-9) > plain:
-                return True
-        return False
+            rate = (b + kept / (1 + self.MARGIN)) / max(t[b + m] + host, 1e-9)
+            if rate > best_rate:  # strictly: the first maximum
+                if first_gain:
+                    return m
+                best, best_rate = m, rate
+        return best
 
     def choose(self, cands: list[Candidate], num_decodes: int) -> list[int]:
         """Draft tokens to verify per candidate; `num_decodes`: the decode batch the candidates are part of
@@ -316,14 +336,7 @@ class DraftLengthPolicy:
             probs = cands[i].accept_probs
             if j + 1 < len(probs) and probs[j + 1] > 0:
                 heapq.heappush(heap, (g * probs[j + 1], i, j + 1))
-        b, host = num_decodes, self.price.host_seconds
-        t = self.price.table(b + len(gains)).tolist()
-        best, best_rate, kept = 0, b / max(t[b] + host, 1e-9), 0.0
-        for m, g in enumerate(gains, 1):  # plain Python, as in `drafts_can_pay`
-            kept += g
-            rate = (b + kept / (1 + self.MARGIN)) / max(t[b + m] + host, 1e-9)
-            if rate > best_rate:  # strictly: the first maximum, the fewest drafts among equals
-                best, best_rate = m, rate
+        best = self._best_count(num_decodes, gains)
         for i in order[:best]:
             ks[i] += 1
         return ks
