@@ -329,3 +329,39 @@ def test_the_draft_count_is_the_same_in_plain_python_and_in_numpy():
             chosen.add(python)
     assert len(chosen) > 5  # the inputs reach many different counts, none among them included
     assert 0 in chosen
+
+
+def _match_by_hand(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
+    """The n-gram rule spelled out: for n from max_n down to min_n, the most recent earlier place (with a
+    token after it) where the last n tokens occur; the up to k tokens after it, and n."""
+    end = len(tokens) - 1
+    for n in range(min(max_n, end), min_n - 1, -1):
+        tail = tokens[-n:]
+        for s in range(end - n, -1, -1):
+            if tokens[s:s + n] == tail:
+                return tokens[s + n:s + n + k], n
+    return [], 0
+
+
+def test_the_ngram_search_matches_the_rule_spelled_out():
+    """`find_match` searches the tokens' bytes (4 per token) with `bytes.rfind`: against a plain scan, on
+    random sequences over small vocabularies (many repeats) and large token ids (bytes that repeat inside
+    tokens, so hits that straddle two tokens must be skipped)."""
+    from deepinfer.engine.spec.ngram import find_match
+
+    rng = np.random.default_rng(1)
+    found = 0
+    for trial in range(3000):
+        size = int(rng.integers(1, 80))
+        if trial % 5 == 4:  # ids made of the same few bytes: the last tokens' bytes occur across token edges
+            tokens = rng.choice([0x01010101, 0x00010101, 0x01010100, 0x01000101], size).tolist()
+        else:
+            tokens = rng.integers(0, [3, 8, 50, 49152][trial % 4], size).tolist()
+        min_n, max_n, k = int(rng.integers(1, 4)), int(rng.integers(3, 7)), int(rng.integers(0, 10))
+        min_n = min(min_n, max_n)
+        want = _match_by_hand(tokens, min_n, max_n, k) if k > 0 and len(tokens) > min_n else ([], 0)
+        if not want[0]:
+            want = ([], 0)
+        assert find_match(tokens, min_n, max_n, k) == want, (tokens, min_n, max_n, k)
+        found += bool(want[0])
+    assert found > 500

@@ -2,15 +2,15 @@
 output so far) and propose what followed them there.
 
 For n from `max_n` down to `min_n`, the most recent earlier occurrence of the last n tokens wins; the
-draft is the tokens after it (up to k). Stateless and pure CPU: one vectorised scan of the sequence per
-request per step (numpy), so no index to keep in sync with preemption or rollback. No confidence: a
+draft is the tokens after it (up to k). Stateless and pure CPU: a few searches in C over the sequence's bytes per
+request per step (`find_match`), so no index to keep in sync with preemption or rollback. No confidence: a
 match says nothing about how likely the continuation is; the draft carries the match's length
 (`Draft.match`), which the speculator reads as a reason to try a request it knows nothing about yet.
 """
 
 from __future__ import annotations
 
-import numpy as np
+from array import array
 
 from deepinfer.engine.request import Request
 from deepinfer.engine.spec.proposer import Draft, Proposer
@@ -46,31 +46,25 @@ def find_continuation(tokens: list[int], min_n: int, max_n: int, k: int) -> list
 def find_match(tokens: list[int], min_n: int, max_n: int, k: int) -> tuple[list[int], int]:
     """`find_continuation`'s tokens and the length of the suffix matched (0 with no draft).
 
-    One pass instead of one scan per n: the earlier positions holding the last token are the candidate
-    match ends, and each of the up to `max_n - 1` comparisons before them extends the match lengths of the
-    candidates still matching (it runs every step for every decode: ~10x fewer numpy calls)."""
+    The tokens as 4-byte integers in one bytes object, and for n from the longest down, `bytes.rfind` of
+    the last n tokens' bytes before the final token (a hit at an offset that is not a whole token is skipped):
+    a search in C instead of numpy arrays built and compared every step. It runs for every decode of every
+    step, between model steps that have evicted its code and data from the caches: the numpy version
+    took ~70 us a request there (code edits at batch 32 on the AVX2 machine: ~2 ms a step, 2% of it)."""
     n_tok = len(tokens)
     if k <= 0 or n_tok <= min_n or not _occurs_earlier(tokens, min_n):
         return [], 0
-    arr = np.asarray(tokens, dtype=np.int64)
-    ends = np.flatnonzero(arr[:n_tok - 1] == arr[n_tok - 1])  # something follows each of them
-    if not len(ends):
-        return [], 0
-    length = np.ones(len(ends), dtype=np.int64)
-    alive = np.ones(len(ends), dtype=bool)
-    for back in range(1, min(max_n, n_tok - 1)):
-        prev = ends - back
-        alive &= prev >= 0
-        alive[alive] = arr[prev[alive]] == arr[n_tok - 1 - back]
-        if not alive.any():
-            break
-        length += alive
-    best = int(length.max())
-    if best < min_n:
-        return [], 0
-    start = int(ends[np.flatnonzero(length == best)[-1]]) + 1
-    draft = tokens[start:start + k]
-    return draft, best if draft else 0
+    buf = array("i", tokens).tobytes()
+    end = n_tok - 1  # a match must end before the last token (something follows it)
+    for n in range(min(max_n, end), min_n - 1, -1):
+        pattern = buf[4 * (n_tok - n):]
+        hi = 4 * end
+        while (pos := buf.rfind(pattern, 0, hi)) >= 0:
+            if pos % 4 == 0:
+                start = pos // 4 + n
+                return tokens[start:start + k], n
+            hi = pos + len(pattern) - 1  # straddles tokens: look further back
+    return [], 0
 
 
 def _occurs_earlier(tokens: list[int], n: int) -> bool:
