@@ -64,7 +64,7 @@ class Speculator:
         self.metrics = SpecMetrics(self.proposer.name, self.k_max)
         self.tries = tries or TryRules()
         self.ledger = ExploreLedger()
-        self._quiet_until, self._quiet_decodes = 0, 0  # `_quiet`
+        self._quiet_until, self._quiet_batch = 0, 0  # `_quiet`
         self.num_steps = 0  # proposals made (steps), the clock of back-offs
         self._last_propose: float | None = None
         self._last_run: float | None = None
@@ -165,7 +165,7 @@ class Speculator:
         if priced and tries and not any(ks) and any(len(d) for _, d in cands) \
                 and batch >= self.policy.price.c_path_rows:
             # proposals priced out: the next QUIET_STEPS steps at this batch size or larger skip the lookup
-            self._quiet_until, self._quiet_decodes = self.num_steps + self.QUIET_STEPS, batch
+            self._quiet_until, self._quiet_batch = self.num_steps + self.QUIET_STEPS, batch
         if explore:
             ks = self._explore(cands, states, ks, batch)
         out = {}
@@ -208,8 +208,8 @@ class Speculator:
         the C path."""
         return self.policy.price.c_path_rows or 1 << 30
 
-    def _may_explore(self, decodes: int) -> bool:
-        return decodes < self._explore_rows() and self.ledger.allows(self.tries.budget)
+    def _may_explore(self, batch: int) -> bool:
+        return batch < self._explore_rows() and self.ledger.allows(self.tries.budget)
 
     def wants_fresh_step(self, requests: list[Request], max_model_len: int, batch: int = 0) -> bool:
         """Whether the engine should let the step in flight finish before it schedules the next one, so that
@@ -217,11 +217,11 @@ class Speculator:
         pending, and they draft nothing in it (`propose`). False only where `propose` would give them no
         drafts, or likely none: an adaptive, skippable proposer whose price says no drafts pay at this
         batch, or that would find no draft on any request's tokens as they are now
-        (`Proposer.likely_to_propose`), and no exploration lookup is due next step (`batch` as in `propose`). The engine then keeps
-        overlapping host work with the model (`LLMEngine.step_tokens`), as without speculation, instead of
-        running every other step without it (chat at batch 1: the prior's drafts pay on the C path's cheap
-        rows, but an n-gram is found at ~11% of positions, and losing every other step's overlap cost 3-6%
-        of throughput)."""
+        (`Proposer.likely_to_propose`), and no exploration lookup is due next step (`batch` as in
+        `propose`). The engine then keeps overlapping host work with the model (`LLMEngine.step_tokens`),
+        as without speculation, instead of running every other step without it (chat at batch 1: the
+        prior's drafts pay on the C path's cheap rows, but an n-gram is found at ~11% of positions, and
+        losing every other step's overlap cost 3-6% of throughput)."""
         if not self._skippable():
             return True
         requests = [r for r in requests if not r.finished]
@@ -238,14 +238,14 @@ class Speculator:
         return step % self.tries.lookup_every == 0 and self._may_explore(batch) and any(
             lim and self.tries.explorable(s) for s, lim in zip(states, limits, strict=True))
 
-    def _quiet(self, decodes: int, step: int) -> bool:
+    def _quiet(self, batch: int, step: int) -> bool:
         """Whether the step skips the lookup and the price: within QUIET_STEPS of a step that looked up and
         priced proposals for a batch this size or smaller (at least the C decode path's rows, any size
         without one: below it a lookup is cheap and drafts pay often) and chose none. The bound of `_drafts_can_pay` is
         loose where drafts are near their break-even (batch 8 past the C path: a boosted ceiling of 0.99
         against a break-even of ~0.83), and the lookups and the choice it then allows every step cost
         ~0.8 ms of a 30 ms step (code_edit b=8 on the AVX2 machine) for drafts that are not chosen."""
-        return step < self._quiet_until and decodes >= self._quiet_decodes
+        return step < self._quiet_until and batch >= self._quiet_batch
 
     def _skippable(self) -> bool:
         return self.policy.adaptive and self.proposer.skippable
