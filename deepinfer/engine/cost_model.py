@@ -42,6 +42,7 @@ DEFAULT_COEFFICIENTS = (0.03, 4.5e-4, 5e-4, 2.5e-7, 5e-6)
 OUTLIER = 3.0  # see CostModel._fit
 PROFILE_PREFILL_TOKENS = 32  # profile steps with this many new tokens or more measure a prefill rate
 EXTRAPOLATION_CAP = 3.0  # see CostModel.bounded_prefill_seconds
+_PLAIN_CHUNKS = 16  # see step_features
 
 
 def empty_step() -> np.ndarray:
@@ -68,20 +69,32 @@ def chunk_features(new_tokens: int, context: int) -> np.ndarray:
     return f
 
 
-def step_features(chunks: Sequence[tuple[int, int]]) -> np.ndarray:
-    """The terms of a whole step: the overhead (once, if anything runs) plus each chunk's terms.
-    Vectorized: it runs for every step, with up to max_num_seqs chunks."""
-    f = np.zeros(len(TERMS))
+def step_terms(chunks: Sequence[tuple[int, int]]) -> tuple[float, ...]:
+    """The terms of a whole step as plain floats: the overhead (once, if anything runs) plus each chunk's
+    terms. It runs for every step (the scheduler's prediction, the observation), with up to max_num_seqs
+    chunks: plain Python for a few chunks (a numpy pass costs ~10 us even for one, several times that
+    between model steps, whose weight reads leave the host's caches cold), vectorized above. Both give the
+    same values (integer-valued sums)."""
     if not chunks:
-        return f
+        return (0.0,) * len(TERMS)
+    if len(chunks) <= _PLAIN_CHUNKS:
+        token = pair = ctx = 0
+        for c, p in chunks:
+            token += c
+            if c == 1:
+                ctx += p + 1
+            else:
+                pair += c * p + c * (c + 1) // 2
+        return 1.0, float(token), float(len(chunks)), float(pair), float(ctx)
     c, p = np.asarray(chunks, dtype=float).T
     decode = c == 1
-    f[_OVERHEAD] = 1.0
-    f[_TOKEN] = c.sum()
-    f[_SEQ] = len(c)
-    f[_PAIR] = (c * p + c * (c + 1) / 2)[~decode].sum()
-    f[_CTX] = (p[decode] + 1).sum()
-    return f
+    return (1.0, float(c.sum()), float(len(c)), float((c * p + c * (c + 1) / 2)[~decode].sum()),
+            float((p[decode] + 1).sum()))
+
+
+def step_features(chunks: Sequence[tuple[int, int]]) -> np.ndarray:
+    """`step_terms` as an array."""
+    return np.array(step_terms(chunks))
 
 
 @dataclass(frozen=True)
@@ -103,31 +116,88 @@ class StepWork:
 
 
 def nnls(a: np.ndarray, b: np.ndarray, tol: float = 1e-10) -> np.ndarray:
-    """min ||a x - b|| subject to x >= 0 (Lawson-Hanson active set); small dense problems only."""
-    n = a.shape[1]
-    passive = np.zeros(n, dtype=bool)
-    x = np.zeros(n)
-    grad = a.T @ (b - a @ x)
+    """min ||a x - b|| subject to x >= 0, for a tall `a` with few full-rank columns (see `nnls_normal`)."""
+    return nnls_normal(a.T @ a, a.T @ b, tol)
+
+
+def nnls_normal(gram: np.ndarray, rhs: np.ndarray, tol: float = 1e-10, start: Sequence[bool] | None = None
+                ) -> np.ndarray:
+    """min ||a x - b|| subject to x >= 0, given only gram = a^T a and rhs = a^T b: Lawson-Hanson's active set
+    on the normal equations, in plain Python (n is the cost model's 5 terms; a numpy call costs more than a
+    5 x 5 elimination). `start`: the terms to try as the active set first (the previous fit's positive
+    ones): if the solution on them is positive it is the starting point, and a refit whose set did not change
+    takes one solve. The cost model keeps its columns scaled to unit norm and its Gram matrix positive
+    definite (the prior's rows), so squaring the condition number costs nothing it needs. A refit ran every 8
+    steps at ~1.4 ms (a least-squares solve over the whole window per active-set change), ~2% of a single
+    stream's token; now ~0.1 ms."""
+    g = [[float(v) for v in row] for row in gram]
+    c = [float(v) for v in rhs]
+    n = len(c)
+    x = [0.0] * n
+    passive = [False] * n
+    if start is not None and any(start):
+        keep = [i for i in range(n) if start[i]]
+        z = _solve_sub(g, c, keep)
+        if all(v > tol for v in z):
+            for i, v in zip(keep, z, strict=True):
+                x[i], passive[i] = v, True
+    grad = _gradient(g, c, x)
     for _ in range(3 * n):
-        if passive.all() or grad[~passive].max() <= tol:
+        free = [i for i in range(n) if not passive[i]]
+        if not free:
             break
-        passive[np.argmax(np.where(passive, -np.inf, grad))] = True
+        best = max(free, key=grad.__getitem__)  # the first of equal ones, as argmax
+        if grad[best] <= tol:
+            break
+        passive[best] = True
         while True:
-            z = np.zeros(n)
-            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
-            if (z[passive] > tol).all():
+            keep = [i for i in range(n) if passive[i]]
+            z = [0.0] * n
+            for i, v in zip(keep, _solve_sub(g, c, keep), strict=True):
+                z[i] = v
+            if all(z[i] > tol for i in keep):
                 break
             # step from x towards z until the first passive variable hits zero, then drop it
-            shrink = passive & (z <= tol)
-            alpha = np.min(x[shrink] / np.maximum(x[shrink] - z[shrink], 1e-300))
-            x = x + alpha * (z - x)
-            passive &= x > tol
-            if not passive.any():
-                z = np.zeros(n)
+            alpha = min(x[i] / max(x[i] - z[i], 1e-300) for i in keep if z[i] <= tol)
+            x = [xi + alpha * (zi - xi) for xi, zi in zip(x, z, strict=True)]
+            passive = [p and xi > tol for p, xi in zip(passive, x, strict=True)]
+            if not any(passive):
+                z = [0.0] * n
                 break
         x = z
-        grad = a.T @ (b - a @ x)
-    return x
+        grad = _gradient(g, c, x)
+    return np.array(x)
+
+
+def _gradient(g: list[list[float]], c: list[float], x: list[float]) -> list[float]:
+    """rhs - gram x"""
+    return [ci - sum(gij * xj for gij, xj in zip(row, x, strict=True)) for ci, row in zip(c, g, strict=True)]
+
+
+def _solve_sub(g: list[list[float]], c: list[float], keep: list[int]) -> list[float]:
+    """The unconstrained least-squares solution on the columns `keep`: gram[keep, keep] z = rhs[keep] by
+    Gaussian elimination with partial pivoting; a singular subsystem (collinear columns, no prior) gets
+    numpy's minimum-norm solution instead."""
+    m = len(keep)
+    a = [[g[i][j] for j in keep] + [c[i]] for i in keep]
+    tiny = 1e-12 * max(abs(g[i][i]) for i in keep)
+    for col in range(m):
+        piv = max(range(col, m), key=lambda r: abs(a[r][col]))
+        if abs(a[piv][col]) <= tiny:
+            sub = np.array([[g[i][j] for j in keep] for i in keep])
+            return np.linalg.lstsq(sub, np.array([c[i] for i in keep]), rcond=None)[0].tolist()
+        a[col], a[piv] = a[piv], a[col]
+        pivot_row = a[col]
+        for r in range(col + 1, m):
+            f = a[r][col] / pivot_row[col]
+            if f:
+                row = a[r]
+                for k in range(col, m + 1):
+                    row[k] -= f * pivot_row[k]
+    z = [0.0] * m
+    for r in range(m - 1, -1, -1):
+        z[r] = (a[r][m] - sum(a[r][k] * z[k] for k in range(r + 1, m))) / a[r][r]
+    return z
 
 
 class CostModel:
@@ -139,11 +209,13 @@ class CostModel:
                               dtype=float)
         if self.prior.shape != (len(TERMS),) or (self.prior < 0).any():
             raise ValueError(f"need {len(TERMS)} nonnegative coefficients ({', '.join(TERMS)})")
-        self.coef = self.prior.copy()
+        self.coef = self.prior.copy()  # (the setter keeps a plain copy for `observe`)
         self.refit_every = refit_every
         self.prior_weight = prior_weight
-        self._x: deque[np.ndarray] = deque(maxlen=window)
-        self._y: deque[float] = deque(maxlen=window)
+        # the fit window, a ring: rows [0, _count) hold samples, _next is where the next one goes
+        self._xs = np.zeros((window, len(TERMS)))
+        self._ys = np.zeros(window)
+        self._count = self._next = 0
         self._since_fit = 0
         # prediction quality of observed steps, each predicted before it joined the fit
         self.num_observations = 0
@@ -153,13 +225,23 @@ class CostModel:
         self.profiled_seconds_per_token = 0.0  # the start-up profile's median rate on fresh prefill chunks
 
     @property
+    def coef(self) -> np.ndarray:
+        """The coefficients in `TERMS` order (seconds per unit)."""
+        return self._coef
+
+    @coef.setter
+    def coef(self, value: Iterable[float]) -> None:
+        self._coef = np.array(value, dtype=float)
+        self._coef_list = self._coef.tolist()
+
+    @property
     def coefficients(self) -> dict[str, float]:
         return {t: float(c) for t, c in zip(TERMS, self.coef, strict=True)}
 
     @property
     def num_samples(self) -> int:
         """Measured steps in the fit window (profile steps until observed ones push them out)."""
-        return len(self._y)
+        return self._count
 
     # ------------------------------------------------------------------ predict
 
@@ -215,7 +297,7 @@ class CostModel:
                 rates.append(seconds / work.num_tokens)  # a fresh prefill chunk alone
         if rates:
             self.profiled_seconds_per_token = statistics.median(rates)
-        if self._y:
+        if self._count:
             self._fit()
             self.prior = self.coef.copy()
 
@@ -231,11 +313,12 @@ class CostModel:
         return predicted
 
     def observe(self, work: StepWork, seconds: float) -> None:
-        """Record a measured step: track the prediction error, add it to the window, refit now and then."""
-        features = work.features()
-        if not features[_SEQ] or seconds <= 0:
+        """Record a measured step: track the prediction error, add it to the window, refit now and then.
+        Plain Python floats up to the window: it runs between every two model steps."""
+        terms = step_terms(work.chunks)
+        if not terms[_SEQ] or seconds <= 0:
             return
-        predicted = self.predict_features(features)
+        predicted = sum(c * t for c, t in zip(self._coef_list, terms, strict=True))
         self.last_predicted, self.last_actual = predicted, seconds
         self.last_error = (predicted - seconds) / seconds
         alpha = 0.05 if self.num_observations else 1.0
@@ -243,18 +326,20 @@ class CostModel:
         self.ema_step_seconds += alpha * (seconds - self.ema_step_seconds)
         self._abs_errors.append(abs(self.last_error))
         self.num_observations += 1
-        self._add(features, seconds)
+        self._add(terms, seconds)
         self._since_fit += 1
         if self._since_fit >= self.refit_every:
             self._fit()
 
-    def _add(self, features: np.ndarray, seconds: float) -> None:
-        self._x.append(features)
-        self._y.append(seconds)
+    def _add(self, features: np.ndarray | Sequence[float], seconds: float) -> None:
+        self._xs[self._next] = features
+        self._ys[self._next] = seconds
+        self._next = (self._next + 1) % len(self._ys)
+        self._count = min(self._count + 1, len(self._ys))
 
     def _fit(self) -> None:
         self._since_fit = 0
-        x, y = np.array(self._x), np.array(self._y)
+        x, y = self._xs[:self._count], self._ys[:self._count]
         coef = self._solve(x, y)
         # A step that some other process stalled (a shared CPU, a page fault storm) can take many times
         # its work's worth; with few samples (the profile) one such step skews every term, so refit once
@@ -268,14 +353,16 @@ class CostModel:
         # relative error: divide each row by its measured time, so the target is 1 (and a stalled step's
         # residual is at most 1, however long it took)
         rows = x / np.maximum(y, 1e-6)[:, None]
-        # weak pull towards the prior, in units of relative change of each coefficient
+        # weak pull towards the prior, in units of relative change of each coefficient: one extra row per
+        # term, (w / ref) at its column with target w * prior / ref, added here to the normal equations
         ref = np.where(self.prior > 0, self.prior, DEFAULT_COEFFICIENTS)
         w = math.sqrt(self.prior_weight)
-        a = np.vstack([rows, np.diag(w / ref)])
-        b = np.concatenate([np.ones(len(y)), w * self.prior / ref])
-        scale = np.linalg.norm(a, axis=0)  # unit columns: the terms differ by ~10 orders of magnitude
+        ridge = w / ref
+        gram = rows.T @ rows + np.diag(ridge * ridge)
+        rhs = rows.sum(axis=0) + ridge * (w * self.prior / ref)
+        scale = np.sqrt(np.diag(gram))  # unit columns: the terms differ by ~10 orders of magnitude
         scale[scale == 0] = 1.0
-        return nnls(a / scale, b) / scale
+        return nnls_normal(gram / np.outer(scale, scale), rhs / scale, start=self.coef > 0) / scale
 
     # ------------------------------------------------------------------ metrics
 

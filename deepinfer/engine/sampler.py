@@ -42,7 +42,9 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits: [len(reqs), vocab], float32 or the model's dtype (widened here unless every row is plain
         greedy: an argmax over bfloat16 values is the argmax of their exact float32 copy)."""
-        if logits.dtype != torch.float32 and not all(_plain_greedy(r) for r in reqs):
+        if all(_plain_greedy(r) for r in reqs):  # each row's argmax and nothing else (most steps of most batches)
+            return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(reqs))
+        if logits.dtype != torch.float32:
             logits = logits.float()
         lp_rows = [i for i, r in enumerate(reqs) if r.params.logprobs is not None]
         raw_logprobs = torch.log_softmax(logits[lp_rows], dim=-1) if lp_rows else None

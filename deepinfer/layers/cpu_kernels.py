@@ -106,7 +106,8 @@ def load_library() -> ctypes.CDLL | None:
     lib.apply_token_bitmask.argtypes = [vp, i, vp, i, vp, i, i]
     lib.decode_layer.argtypes = [vp, vp, vp, i, i, vp, vp, vp, vp, i, vp, vp, vp, i]
     lib.decode_layer.restype = i
-    lib.decode_layers.argtypes = [vp, i, vp, vp, vp, vp, vp, i, vp, vp, vp, vp, i, vp, vp, i, vp, vp, vp, i, vp]
+    lib.decode_layers.argtypes = [vp, i, vp, vp, vp, vp, vp, i, vp, vp, vp, vp, i, vp, vp, i, vp, vp, vp, i, vp,
+                                  vp, ctypes.c_float, vp, i, vp]
     lib.decode_layers.restype = i
     _lib = lib
     return lib

@@ -127,14 +127,17 @@ class TorchAttentionBackend(AttentionBackend):
         """Every new token as a decode row: its sequence's block table, context up to its own position."""
         bs = batch.block_size
         max_blocks = (max(batch.context_lens) + bs - 1) // bs
-        tables, lens = [], []
+        # plain lists and one tensor each: torch calls per row cost ~10 us each hot, several times that between
+        # model steps (the weights leave the host's caches cold), and a batch has up to max_num_seqs rows
+        tables: list[list[int]] = []
+        lens: list[int] = []
         for q, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True):
             row = table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks]))  # padding is never read
-            tables.append(torch.tensor(row, dtype=torch.long).expand(q, -1))
-            lens.append(torch.arange(ctx - q + 1, ctx + 1, dtype=torch.long))
-        decode_tables = torch.cat(tables).contiguous()
+            tables.extend([row] * q)
+            lens.extend(range(ctx - q + 1, ctx + 1))
+        decode_tables = torch.tensor(tables, dtype=torch.long)
         return TorchAttentionMetadata(batch.slot_mapping, decode_tables.shape[0], decode_tables, None,
-                                      torch.cat(lens), [])
+                                      torch.tensor(lens, dtype=torch.long), [])
 
     def forward(self, q, k, v, cache, meta: TorchAttentionMetadata, scale: float | None = None):
         k_cache, v_cache = cache

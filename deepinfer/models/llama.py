@@ -201,16 +201,15 @@ class LlamaForCausalLM(nn.Module):
         """The forward up to the LM head: the final (normed) hidden states of the rows `logits_indices`
         [len(logits_indices), hidden] (`compute_logits` turns them into logits, in row chunks if need be)."""
         if self.fused is not None and self.fused.accepts(input_ids, metas[0]):
-            x, residual = self.fused.run(input_ids, positions, caches, metas[0])
+            return self.fused.final_hidden(input_ids, positions, caches, metas[0], logits_indices, self.norm)
+        x = self.embed_tokens(input_ids)
+        cos, sin = self.rotary.lookup(positions)
+        if self.batched is not None and self.batched.accepts(x, metas[0]):
+            x, residual = self.batched.run(x, cos, sin, caches, metas[0])
         else:
-            x = self.embed_tokens(input_ids)
-            cos, sin = self.rotary.lookup(positions)
-            if self.batched is not None and self.batched.accepts(x, metas[0]):
-                x, residual = self.batched.run(x, cos, sin, caches, metas[0])
-            else:
-                residual = None
-                for layer, cache, gi in zip(self.layers, caches, self.layer_group, strict=True):
-                    x, residual = layer(x, residual, cos, sin, cache, metas[gi])
+            residual = None
+            for layer, cache, gi in zip(self.layers, caches, self.layer_group, strict=True):
+                x, residual = layer(x, residual, cos, sin, cache, metas[gi])
         x, residual = x[logits_indices], residual[logits_indices]
         return self.norm(x, residual)[0]
 

@@ -18,6 +18,8 @@ from deepinfer.engine.cost_model import (
     chunk_features,
     empty_step,
     nnls,
+    nnls_normal,
+    step_features,
 )
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -51,6 +53,64 @@ def test_nnls():
     np.testing.assert_allclose(nnls(a, a @ x), x, atol=1e-9)
     y = nnls(a, rng.random(30) - 0.8)
     assert (y >= 0).all()
+
+
+def test_nnls_matches_scipy():
+    """The normal-equation active set against scipy's NNLS (another implementation, on the tall system
+    itself) on random problems shaped like the cost model's: 5 unit-norm columns of very different raw
+    scales, targets that leave some coefficients at the bound."""
+    from scipy.optimize import nnls as scipy_nnls
+
+    rng = np.random.default_rng(3)
+    at_bound = 0
+    for _ in range(300):
+        a = rng.random((60, 5)) * 10.0 ** rng.uniform(-9, 0, 5)
+        a /= np.linalg.norm(a, axis=0)
+        b = rng.random(60) - rng.uniform(0, 1)
+        expected = scipy_nnls(a, b)[0]
+        np.testing.assert_allclose(nnls(a, b), expected, atol=1e-8)
+        at_bound += int((expected == 0).any())
+    assert at_bound > 100  # the active set did work, not only unconstrained solves
+
+
+def test_a_warm_started_nnls_finds_the_cold_solution():
+    """`start` (the previous fit's positive terms) only changes where the search begins: from any
+    starting set, right or wrong, the same solution as from none."""
+    rng = np.random.default_rng(4)
+    for _ in range(200):
+        a = rng.random((40, 5))
+        b = rng.random(40) - rng.uniform(0, 1)
+        gram, rhs = a.T @ a, a.T @ b
+        cold = nnls_normal(gram, rhs)
+        for start in ([True] * 5, [False] * 5, list(rng.random(5) < 0.5), list(cold > 0)):
+            np.testing.assert_allclose(nnls_normal(gram, rhs, start=start), cold, atol=1e-10)
+
+
+def test_step_features_are_the_same_in_plain_python_and_in_numpy(monkeypatch):
+    from deepinfer.engine import cost_model
+
+    rng = random.Random(5)
+    for _ in range(300):
+        chunks = [(1, rng.randrange(0, 5000)) for _ in range(rng.randrange(0, 40))]
+        chunks += [(rng.randrange(2, 2048), rng.randrange(0, 8000)) for _ in range(rng.randrange(0, 4))]
+        rng.shuffle(chunks)
+        monkeypatch.setattr(cost_model, "_PLAIN_CHUNKS", 10**9)
+        plain = step_features(chunks)
+        monkeypatch.setattr(cost_model, "_PLAIN_CHUNKS", 0)
+        assert np.array_equal(plain, step_features(chunks)), chunks
+
+
+def test_the_fit_window_forgets_the_oldest_steps():
+    """The window is a ring of the last `window` steps: after the machine's speed changes, a window's worth
+    of new steps is all the fit sees."""
+    rng = random.Random(6)
+    cm = CostModel(coefficients=TRUE, window=64)
+    for regime in (TRUE, TRUE * 3):
+        for _ in range(64):
+            work = _random_work(rng)
+            cm.observe(work, float(regime @ work.features()))
+    assert cm.num_samples == 64
+    np.testing.assert_allclose(cm.coef, TRUE * 3, rtol=0.02)
 
 
 def test_recovers_known_coefficients():

@@ -138,3 +138,33 @@ def test_whole_layer_c_path_matches_the_torch_layer_loop(dtype):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
         for la, lb, tok in zip(a.outputs[0].logprobs, b.outputs[0].logprobs, a.outputs[0].token_ids, strict=True):
             assert abs(la[tok].logprob - lb[tok].logprob) <= tol
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=pytest.mark.slow)])
+def test_the_c_path_final_norm_is_the_torch_norm_of_the_gathered_rows(dtype):
+    """`FusedDecoder.final_hidden` finishes the model's final RMSNorm of the logits rows inside the layers' C
+    call: the same bits as gathering x and residual in torch and calling the norm, for any rows in any
+    order; a row outside the step is an IndexError, not a read past the buffers."""
+    llm = LLM(None, dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    fused, original = model.fused, model.fused.final_hidden
+    checked = []
+
+    def checking(input_ids, positions, caches, meta, rows, norm):
+        out = original(input_ids, positions, caches, meta, rows, norm)
+        # running the step again writes the same K / V into the same slots
+        x, residual = fused.run(input_ids, positions, caches, meta)
+        m = input_ids.shape[0]
+        for pick in (rows, torch.arange(m - 1, -1, -1), torch.tensor([m - 1])):
+            got = original(input_ids, positions, caches, meta, pick, norm)
+            assert torch.equal(got, norm(x[pick], residual[pick])[0])
+        assert torch.equal(out, norm(x[rows], residual[rows])[0])
+        with pytest.raises(IndexError):
+            original(input_ids, positions, caches, meta, torch.tensor([0, m]), norm)
+        checked.append(m)
+        return out
+
+    fused.final_hidden = checking
+    prompts = [[2000 + i, 17, 18, 19, 20] * 3 for i in range(3)]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert max(checked) == 3
