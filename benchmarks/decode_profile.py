@@ -69,7 +69,8 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
             _wrap(lin, "forward", acc, "layer_matmuls")
     _wrap(model.lm_head, "forward", acc, "lm_head_matmul")
     if model.fused is not None:  # the whole-layer C path of small decode steps (batch 1 lands here)
-        _wrap(model.fused, "run", acc, "fused")
+        # from the embedding to the final norm of the logits rows (older trees: to the last layer)
+        _wrap(model.fused, "final_hidden" if hasattr(model.fused, "final_hidden") else "run", acc, "fused")
     for backend in {id(layer.self_attn.backend): layer.self_attn.backend for layer in model.layers}.values():
         _wrap(backend, "forward", acc, "attention")  # layers may share one backend object: wrap it once
         if hasattr(backend, "attend_cached_rows"):  # the batched path (layers/batched_decode.py)
@@ -102,7 +103,7 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
         ("  glue: norms, rotary, KV write, SiLU*mul, embedding, Python between",
          acc["layers"] - acc["layer_matmuls"] - acc["attention"]),
         ("  (MLP blocks, per-layer torch path only)", acc["mlp"]),
-        ("  whole layers in C (FusedDecoder.run, <= 8 rows)", acc["fused"]),
+        ("  whole layers in C (FusedDecoder, <= 8 rows)", acc["fused"]),
         ("LM head + float32 logits", acc["lm_head"]),
         ("  of which the LM head matmul", acc["lm_head_matmul"]),
         ("sampling (rest of ModelRunner.run)", acc["run"] - acc["layers"] - acc["lm_head"]),

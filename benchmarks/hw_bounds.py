@@ -55,10 +55,17 @@ def _best(fn, repeats: int) -> float:
     return best
 
 
-def measure_machine(dtypes: tuple[str, ...] = ("bfloat16", "float32"), n: int = 2048,
+def measure_machine(dtypes: tuple[str, ...] | None = None, n: int = 2048,
                     read_mib: int = 512, repeats: int = 5) -> Machine:
+    """`dtypes` default: float32, and bfloat16 where the CPU multiplies it natively (AVX-512 BF16 / AMX; on an
+    AVX2-only CPU torch's bfloat16 matmul is a slow fallback that no engine here runs, and timing it took
+    ~5 minutes per run on the 2-core AMD machine)."""
     import torch
 
+    from deepinfer.engine.runner import cpu_has_fast_bf16
+
+    if dtypes is None:
+        dtypes = ("bfloat16", "float32") if cpu_has_fast_bf16() else ("float32",)
     flops = {}
     for name in dtypes:
         dt = getattr(torch, name)
