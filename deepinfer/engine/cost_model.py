@@ -42,7 +42,7 @@ DEFAULT_COEFFICIENTS = (0.03, 4.5e-4, 5e-4, 2.5e-7, 5e-6)
 OUTLIER = 3.0  # see CostModel._fit
 PROFILE_PREFILL_TOKENS = 32  # profile steps with this many new tokens or more measure a prefill rate
 EXTRAPOLATION_CAP = 3.0  # see CostModel.bounded_prefill_seconds
-_PLAIN_CHUNKS = 16  # see step_features
+_PLAIN_CHUNKS = 16  # see step_terms
 
 
 def empty_step() -> np.ndarray:
@@ -128,8 +128,8 @@ def nnls_normal(gram: np.ndarray, rhs: np.ndarray, tol: float = 1e-10, start: Se
     ones): if the solution on them is positive it is the starting point, and a refit whose set did not change
     takes one solve. The cost model keeps its columns scaled to unit norm and its Gram matrix positive
     definite (the prior's rows), so squaring the condition number costs nothing it needs. A refit ran every 8
-    steps at ~1.4 ms (a least-squares solve over the whole window per active-set change), ~2% of a single
-    stream's token; now ~0.1 ms."""
+    steps at ~1.4 ms in the engine (a least-squares solve over the whole window per active-set change), ~2% of
+    a single stream's token; now ~0.5 ms there (0.17 ms hot, mostly the Gram matrix's numpy calls)."""
     g = [[float(v) for v in row] for row in gram]
     c = [float(v) for v in rhs]
     n = len(c)
@@ -209,6 +209,8 @@ class CostModel:
                               dtype=float)
         if self.prior.shape != (len(TERMS),) or (self.prior < 0).any():
             raise ValueError(f"need {len(TERMS)} nonnegative coefficients ({', '.join(TERMS)})")
+        if window < 1:
+            raise ValueError(f"the fit window needs at least one step, got {window}")
         self.coef = self.prior.copy()  # (the setter keeps a plain copy for `observe`)
         self.refit_every = refit_every
         self.prior_weight = prior_weight

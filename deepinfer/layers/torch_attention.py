@@ -127,15 +127,16 @@ class TorchAttentionBackend(AttentionBackend):
         """Every new token as a decode row: its sequence's block table, context up to its own position."""
         bs = batch.block_size
         max_blocks = (max(batch.context_lens) + bs - 1) // bs
-        # plain lists and one tensor each: torch calls per row cost ~10 us each hot, several times that between
-        # model steps (the weights leave the host's caches cold), and a batch has up to max_num_seqs rows
+        # plain lists and one tensor each: torch calls per sequence cost ~10 us each hot, several times that
+        # between model steps (the weights leave the host's caches cold), and a batch has up to max_num_seqs
         tables: list[list[int]] = []
         lens: list[int] = []
         for q, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True):
-            row = table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks]))  # padding is never read
-            tables.extend([row] * q)
+            tables.append(table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])))  # padding never read
             lens.extend(range(ctx - q + 1, ctx + 1))
         decode_tables = torch.tensor(tables, dtype=torch.long)
+        if len(lens) != len(tables):  # a sequence with several rows (drafts, prefill tokens): its table per row
+            decode_tables = decode_tables.repeat_interleave(torch.tensor(batch.query_lens), dim=0)
         return TorchAttentionMetadata(batch.slot_mapping, decode_tables.shape[0], decode_tables, None,
                                       torch.tensor(lens, dtype=torch.long), [])
 
