@@ -61,8 +61,10 @@ class FusedDecoder:
         attn0 = m.layers[0].self_attn
         if self.lib is None or cpu_kernels.kernels_for(m.embed_tokens.weight) is None:
             return False
-        # run() reads the embedding and rotary tables by row in C: plain [rows, width] tensors of the model dtype
-        tables = (m.embed_tokens.weight, m.rotary.cos, m.rotary.sin)
+        # the C call reads the embedding and rotary tables by row and every norm's weight (each layer's two, the
+        # model's final one): plain contiguous tensors of the model dtype
+        tables = [m.embed_tokens.weight, m.rotary.cos, m.rotary.sin, m.norm.weight]
+        tables += [n.weight for layer in m.layers for n in (layer.input_layernorm, layer.post_attention_layernorm)]
         if any(not t.is_contiguous() or t.dtype != m.embed_tokens.weight.dtype for t in tables):
             return False
         if attn0.head_dim % 16 or m.config.hidden_size % 8 or m.layers[0].mlp.intermediate % 8:
@@ -99,21 +101,17 @@ class FusedDecoder:
             ) -> tuple[torch.Tensor, torch.Tensor]:
         """Embedding, rotary lookup and all layers for decode rows `input_ids` [M] at `positions` [M], in one
         C call; returns (last MLP output, residual) [M, hidden] each, like the layer loop."""
-        x, residual, _ = self._call(input_ids, positions, caches, meta, None, None)
+        x, residual, _ = self._call(input_ids, positions, caches, meta, None)
         return x, residual
 
     def final_hidden(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
-                     rows: torch.Tensor, norm: Any) -> torch.Tensor:
-        """As `run`, then the model's final RMSNorm `norm` of the rows `rows` (indices into the M rows) in the
-        same C call: `norm(x[rows], residual[rows])[0]`, the same values (see `decode_layers`)."""
-        w = norm.weight
-        if w.dtype != self.model.embed_tokens.weight.dtype or not w.is_contiguous():  # the torch norm's own path
-            x, residual = self.run(input_ids, positions, caches, meta)
-            return norm(x[rows], residual[rows])[0]
-        return self._call(input_ids, positions, caches, meta, rows, norm)[2]
+                     rows: torch.Tensor) -> torch.Tensor:
+        """As `run`, then the model's final RMSNorm of the rows `rows` (indices into the M rows) in the same C
+        call: `model.norm(x[rows], residual[rows])[0]`, the same values (see `decode_layers`)."""
+        return self._call(input_ids, positions, caches, meta, rows)[2]
 
     def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
-              rows: torch.Tensor | None, norm: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+              rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         if self._caches_key != tuple(c[0].data_ptr() for c in caches):
             self._build(caches)
         if input_ids.dtype != torch.int64 or positions.dtype != torch.int64:  # read as int64_t rows in C
@@ -134,19 +132,18 @@ class FusedDecoder:
         scratch = torch.empty(m_rows * (widest + widest // 32 + 1) + 16, dtype=torch.float32)
         tables, lens = meta.decode_block_tables, meta.decode_context_lens
         out = None
+        final = (None, 0.0, None, 0, None)  # decode_layers' final-norm arguments: none
         if rows is not None:
             rows = rows.to(torch.int64).contiguous()
             out = embed.new_empty((rows.shape[0], hidden))
+            final = (m.norm.weight.data_ptr(), m.norm.eps, rows.data_ptr(), rows.shape[0], out.data_ptr())
         failed = ctypes.c_int(-1)
         rc = self.lib.decode_layers(
             self._layers, len(self._layers), input_ids.data_ptr(), embed.data_ptr(), positions.data_ptr(),
             cos_table.data_ptr(), sin_table.data_ptr(), rot_dim, rope.data_ptr(),
             rope.data_ptr() + m_rows * rot_dim * rope.element_size(), x.data_ptr(), residual.data_ptr(), m_rows,
             meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), work.data_ptr(),
-            scratch.data_ptr(), cpu_kernels.dtype_code(x.dtype), ctypes.byref(failed),
-            norm.weight.data_ptr() if out is not None else None, norm.eps if out is not None else 0.0,
-            rows.data_ptr() if out is not None else None, rows.shape[0] if out is not None else 0,
-            out.data_ptr() if out is not None else None)
+            scratch.data_ptr(), cpu_kernels.dtype_code(x.dtype), ctypes.byref(failed), *final)
         if rc == -3:
             raise IndexError(f"a row to normalize lies outside the step's {m_rows} rows")
         if rc != 0:

@@ -201,7 +201,7 @@ class LlamaForCausalLM(nn.Module):
         """The forward up to the LM head: the final (normed) hidden states of the rows `logits_indices`
         [len(logits_indices), hidden] (`compute_logits` turns them into logits, in row chunks if need be)."""
         if self.fused is not None and self.fused.accepts(input_ids, metas[0]):
-            return self.fused.final_hidden(input_ids, positions, caches, metas[0], logits_indices, self.norm)
+            return self.fused.final_hidden(input_ids, positions, caches, metas[0], logits_indices)
         x = self.embed_tokens(input_ids)
         cos, sin = self.rotary.lookup(positions)
         if self.batched is not None and self.batched.accepts(x, metas[0]):

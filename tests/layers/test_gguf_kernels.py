@@ -147,20 +147,20 @@ def test_the_c_path_final_norm_is_the_torch_norm_of_the_gathered_rows(dtype):
     order; a row outside the step is an IndexError, not a read past the buffers."""
     llm = LLM(None, dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False)
     model = llm.engine.core.runner.model
-    fused, original = model.fused, model.fused.final_hidden
+    fused, original, norm = model.fused, model.fused.final_hidden, model.norm
     checked = []
 
-    def checking(input_ids, positions, caches, meta, rows, norm):
-        out = original(input_ids, positions, caches, meta, rows, norm)
+    def checking(input_ids, positions, caches, meta, rows):
+        out = original(input_ids, positions, caches, meta, rows)
         # running the step again writes the same K / V into the same slots
         x, residual = fused.run(input_ids, positions, caches, meta)
         m = input_ids.shape[0]
         for pick in (rows, torch.arange(m - 1, -1, -1), torch.tensor([m - 1])):
-            got = original(input_ids, positions, caches, meta, pick, norm)
+            got = original(input_ids, positions, caches, meta, pick)
             assert torch.equal(got, norm(x[pick], residual[pick])[0])
         assert torch.equal(out, norm(x[rows], residual[rows])[0])
         with pytest.raises(IndexError):
-            original(input_ids, positions, caches, meta, torch.tensor([0, m]), norm)
+            original(input_ids, positions, caches, meta, torch.tensor([0, m]))
         checked.append(m)
         return out
 
