@@ -105,7 +105,13 @@ class EngineCore:
         if self.speculator is not None and sc.profile_cost_model:
             self.speculator.calibrate(self.runner, self.kv, self.max_model_len, sc.max_num_seqs,
                                       sc.max_num_batched_tokens)
-        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model, self.speculator)
+        # several decode steps per call (only in steps where nobody drafts): not with steps scheduled ahead of
+        # the running one's tokens (a step's later tokens would be unknown to the next one's inputs), nor with
+        # a proposer that reads the target's hidden states of every token (MTP)
+        proposer_reads_hidden = self.speculator is not None and self.config.speculative.speculative_config.method == "mtp"
+        steps_rows = 0 if proposer_reads_hidden or sc.overlap_host_work == "on" else self.runner.decode_steps_rows()
+        self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model, self.speculator,
+                                   steps_rows)
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
                     bs, self.runner.kv_cache_bytes / 2**20)
         logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)
@@ -252,14 +258,17 @@ class EngineCore:
             self.idle_gap_seconds += gap
             self.idle_gap_last = gap
             self.num_idle_gaps += 1
-        self.cost_model.observe(StepWork.from_output(plan), result.seconds)
+        # a call of several decode steps: each step is one of the plan's shape
+        steps = 1 + max((len(v) for v in result.accepted.values()), default=0) if plan.scheduled[0].num_steps > 1 else 1
+        self.cost_model.observe(StepWork.from_output(plan), result.seconds / steps)
         # a decode-phase step (every item a decode or a verification; a pending token makes num_tokens
         # run ahead of the plan, so the plan's own shape decides) prices verification
         if self.speculator is not None and all(item.num_new_tokens == 1 or item.draft_token_ids
                                                for item in plan.scheduled):
-            self.speculator.observe_step(plan.num_tokens, result.seconds, result.cpu_seconds)
+            self.speculator.observe_step(plan.num_tokens, result.seconds, result.cpu_seconds, steps)
         for item in plan.scheduled:  # their KV is now written: what a KV exporter may read
-            kept = len(result.accepted.get(item.request.request_id, ())) if item.draft_token_ids else item.num_new_tokens - 1
+            multi = item.draft_token_ids or item.num_steps > 1
+            kept = len(result.accepted.get(item.request.request_id, ())) if multi else item.num_new_tokens - 1
             item.request.num_kv_done_tokens = item.start + 1 + kept
         before = {item.request.request_id: len(item.request.token_ids) for item in plan.scheduled}
         advanced = self.scheduler.update(plan, result.sampled, result.accepted)

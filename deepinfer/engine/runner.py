@@ -134,6 +134,7 @@ class PreparedStep:
     # (request id, first position, rows) per scheduled request, in row order (for `stream_sink`)
     row_requests: list[tuple[str, int, int]] = field(default_factory=list)
     prepare_cpu_seconds: float = 0.0  # thread CPU time of `prepare`
+    num_steps: int = 1  # greedy decode steps of every row in one call (the scheduler's `num_steps`)
 
 
 class ModelRunner:
@@ -362,6 +363,7 @@ class ModelRunner:
         verify_rows: list[int] = []
         verify_items: list[tuple[Request, int, list[int]]] = []
         num_decodes = 0
+        num_steps = max((item.num_steps for item in step.scheduled), default=1)
         for item in step.scheduled:
             req, start, n = item.request, item.start, item.num_new_tokens
             end = start + n
@@ -411,7 +413,8 @@ class ModelRunner:
                 floors = [item.request.kv_floor for item in step.scheduled
                           for _ in range(_attention_rows(item))] if window is not None else None
                 metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
-                                                                 slot_mapping, bs, window, floors)))
+                                                                 slot_mapping, bs, window, floors,
+                                                                 lookahead=num_steps - 1)))
         dev = self.device
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
@@ -419,7 +422,8 @@ class ModelRunner:
             sample_reqs, len(tokens), time.perf_counter() - started, pending, prompt_rows=prompt_rows,
             verify_items=verify_items, num_verify_rows=len(verify_rows),
             row_requests=[(i.request.request_id, i.start, i.num_new_tokens) for i in step.scheduled],
-            prepare_cpu_seconds=time.thread_time() - cpu_started)
+            prepare_cpu_seconds=time.thread_time() - cpu_started,
+            num_steps=num_steps)
 
     def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]],
                replay_base: int | None = None) -> tuple[list[list[int]], torch.Tensor]:
@@ -461,6 +465,8 @@ class ModelRunner:
         self.threads.tick()
         for row, request_id in step.pending_tokens:
             step.input_ids[row] = self._last_sampled[request_id]
+        if step.num_steps > 1 and not step.pending_tokens and self.model.fused.accepts(step.input_ids, step.metas[0]):
+            return self._run_steps(step, started, cpu_started)
         num_sampled = len(step.sample_reqs)
         num_scored = num_sampled + step.num_verify_rows
         hidden = None
@@ -499,6 +505,34 @@ class ModelRunner:
         self._last_sampled = sampled
         return StepResult(sampled, logprobs, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
                           accepted, accepted_logprobs, step.prepare_cpu_seconds + time.thread_time() - cpu_started)
+
+    def _run_steps(self, step: PreparedStep, started: float, cpu_started: float) -> StepResult:
+        """`step.num_steps` greedy steps of its decode rows in one C call (`FusedDecoder.decode_steps`): each
+        request's last token is `sampled`, the ones before it `accepted` (as kept drafts are). The call stops
+        after a step that produced a stop token of any row (EOS unless ignored, stop_token_ids); a stop string
+        is matched later, on the text, as after any step."""
+        reqs = step.sample_reqs
+        stops = {t for r in reqs for t in r.params.stop_token_ids}
+        stops.update(t for r in reqs if not r.params.ignore_eos for t in r.eos_token_ids)
+        tokens = self.model.fused.decode_steps(step.input_ids, step.positions, self.kv_caches, step.metas[0],
+                                               self.model.lm_head, step.num_steps, sorted(stops))
+        columns = tokens.t().tolist()  # one per row: the rows are the requests, in order
+        sampled = {r.request_id: col[-1] for r, col in zip(reqs, columns, strict=True)}
+        accepted = {r.request_id: col[:-1] for r, col in zip(reqs, columns, strict=True)}
+        ended = time.perf_counter()
+        self._last_sampled = sampled
+        return StepResult(sampled, {}, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
+                          accepted, {}, step.prepare_cpu_seconds + time.thread_time() - cpu_started)
+
+    def decode_steps_rows(self) -> int:
+        """The most decode rows `run` can take several greedy steps of in one call: the whole-layer C path's
+        row limit where the model has it and its logits are the LM head's plain product (0: none)."""
+        fused = getattr(self.model, "fused", None)
+        head = getattr(self.model, "lm_head", None)
+        if fused is None or head is None or not getattr(self.model, "plain_logits", lambda: False)():
+            return 0
+        q = head.quantized
+        return fused.max_rows if q is not None and q.kind != "dense" and head.bias is None else 0
 
     def _prompt_logprobs(self, hidden: torch.Tensor, rows: list[tuple[Request, int, int]]) -> None:
         """The prompt logprobs of `rows` from their final hidden states, `prompt_logprobs_chunk` rows at a

@@ -42,7 +42,7 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request]) -> SamplerOutput:
         """logits: [len(reqs), vocab], float32 or the model's dtype (widened here unless every row is plain
         greedy: an argmax over bfloat16 values is the argmax of their exact float32 copy)."""
-        if all(_plain_greedy(r) for r in reqs):  # each row's argmax and nothing else (most steps of most batches)
+        if all(plain_greedy(r) for r in reqs):  # each row's argmax and nothing else (most steps of most batches)
             return SamplerOutput(argmax_rows(logits).tolist(), [None] * len(reqs))
         if logits.dtype != torch.float32:
             logits = logits.float()
@@ -262,7 +262,7 @@ def _keep(sorted_p: torch.Tensor, mass: torch.Tensor, k: torch.Tensor, nucleus: 
     return sorted_p.masked_fill(drop, 0.0)
 
 
-def _plain_greedy(r: Request) -> bool:
+def plain_greedy(r: Request) -> bool:
     """A row `process` leaves alone and `_choose` takes the argmax of, with no logprobs to compute."""
     p = r.params
     return (p.temperature <= 0 and p.logprobs is None and not p.needs_penalties and not p.logit_bias

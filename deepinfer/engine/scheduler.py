@@ -20,6 +20,11 @@ last token and k draft tokens from the `Speculator`, when its blocks fit without
 it decodes one token); `update` appends the tokens the runner's verification kept, rewinds
 `num_computed_tokens` to them and frees the blocks only rejected positions used (`KVCacheManager.truncate`).
 
+Several decode steps per pass (`num_scheduler_steps`): when the step is nothing but plain greedy decodes
+(at most `decode_steps_rows` of them) and no request waits, each is scheduled with `num_steps` > 1 and
+blocks for that many tokens; the runner decodes them in one C call, each step's argmax the next one's input,
+and `update` appends the tokens like kept drafts (cut at a stop condition, the KV past it rolled back).
+
 Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
 whose grammar failed is finished with `Request.error` and reported through `take_failed`. `update`
 advances a request's grammar matcher once per appended token, and the grammar's termination ends it.
@@ -42,6 +47,7 @@ from deepinfer.engine.policies import (
     resolve_step_time_budget,
 )
 from deepinfer.engine.request import Request, RequestStatus
+from deepinfer.engine.sampler import plain_greedy
 from deepinfer.kvcache.manager import KVCacheManager, PrefixHit
 
 if TYPE_CHECKING:
@@ -58,6 +64,8 @@ class ScheduledRequest:
     start: int  # num_computed_tokens when scheduled
     # speculative decoding: draft tokens verified after the request's last token (num_new_tokens = 1 + k)
     draft_token_ids: list[int] = field(default_factory=list)
+    # greedy decode steps the runner takes for this one-token row in one call (its tokens fed back in C)
+    num_steps: int = 1
 
 
 @dataclass
@@ -78,9 +86,10 @@ class SchedulerOutput:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  policy: PrefillPolicy | None = None, cost_model: CostModel | None = None,
-                 speculator: Speculator | None = None) -> None:
+                 speculator: Speculator | None = None, decode_steps_rows: int = 0) -> None:
         """`policy` defaults to the one `config.scheduler` names, built on `cost_model` (default: an
-        uncalibrated CostModel); `speculator`: speculative decoding (None: off)."""
+        uncalibrated CostModel); `speculator`: speculative decoding (None: off); `decode_steps_rows`: the most
+        decodes the runner can take several steps of in one call (0: none, `num_scheduler_steps` is moot)."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -94,6 +103,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.failed: list[Request] = []  # ended by the engine with `Request.error`, not yet reported
         self.speculator = speculator
+        self.decode_steps_rows = decode_steps_rows
 
     # ------------------------------------------------------------------ queue
 
@@ -212,7 +222,32 @@ class Scheduler:
         out.scheduled.extend(ones)
         out.scheduled.extend(verifying)
         out.scheduled.extend(s for s in prefill_chunks if s.num_new_tokens != 1)
+        steps = self._decode_steps(out)
+        for item in out.scheduled if steps > 1 else ():
+            item.num_steps = steps
         return out
+
+    def _decode_steps(self, out: SchedulerOutput) -> int:
+        """How many greedy decode steps the runner takes for this step's rows in one call: 1 unless every row is
+        a plain greedy decode (at most `decode_steps_rows` of them) and nobody waits (a new prompt would wait for
+        the whole call); then up to `num_scheduler_steps`, no row past its max_tokens or the model length, with
+        blocks for every step (never preempting anyone; without them, one step)."""
+        items = out.scheduled
+        limit = self.config.num_scheduler_steps
+        if limit <= 1 or not items or len(items) > self.decode_steps_rows or self.waiting or out.preempted:
+            return 1
+        steps = limit
+        for item in items:
+            req = item.request
+            if item.num_new_tokens != 1 or item.draft_token_ids or req.num_tokens != item.start + 1 \
+                    or not plain_greedy(req):
+                return 1
+            if req.max_tokens is not None:
+                steps = min(steps, req.max_tokens - req.num_output_tokens)
+            steps = min(steps, self.max_model_len - req.num_tokens)
+        if steps <= 1 or not all(self.kv.allocate(item.request, steps) for item in items):
+            return 1
+        return steps
 
     def _blocks_in_prefill(self, prefills: list[Request]) -> set[bytes]:
         """Hashes of the full prompt blocks that running prefills have yet to compute. A waiting prompt whose
@@ -308,7 +343,8 @@ class Scheduler:
         finished while it ran are skipped; one preempted by a step scheduled ahead of this result
         still gets its token (it was sampled from valid KV), so output never depends on timing.
         `accepted`: per request that verified drafts, the drafts kept (appended before its sampled
-        token; a stop condition met by one of them ends the request there)."""
+        token; a stop condition met by one of them ends the request there); per request decoded for several
+        steps, the tokens before the last step's, appended the same way."""
         if not out.committed:  # schedule() -> update() with nothing in between (the step ran inline)
             self.commit(out)
         advanced = []
@@ -318,9 +354,9 @@ class Scheduler:
             if token is not None:
                 req.num_pending_tokens = max(0, req.num_pending_tokens - 1)
             kept: list[int] = []
-            if item.draft_token_ids:
+            if item.draft_token_ids or item.num_steps > 1:
                 kept = (accepted or {}).get(req.request_id, []) if token is not None else []
-                if self.speculator is not None and token is not None:
+                if self.speculator is not None and token is not None and item.draft_token_ids:
                     self.speculator.verified(req, len(item.draft_token_ids), len(kept))
                 if req.status is RequestStatus.RUNNING and not req.finished:
                     # KV is valid for the last token and the kept drafts only: roll the rest back

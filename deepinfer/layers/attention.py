@@ -40,6 +40,9 @@ class AttentionBatch:
     # models with their own KV state (DeepSeek-V4): per sequence, the end of a replayed prefix hit; state
     # kept for the whole sequence that positions before it complete is held, and not written again
     replay_ends: list[int] | None = None
+    # positions past its context that each sequence's block table must still cover: the runner decodes
+    # `lookahead` more tokens per row in the same call (`num_scheduler_steps`; the C rows path only)
+    lookahead: int = 0
 
 
 class AttentionBackend(ABC):

@@ -109,6 +109,9 @@ def load_library() -> ctypes.CDLL | None:
     lib.decode_layers.argtypes = [vp, i, vp, vp, vp, vp, vp, i, vp, vp, vp, vp, i, vp, vp, i, vp, vp, vp, i, vp,
                                   vp, ctypes.c_float, vp, i, vp]
     lib.decode_layers.restype = i
+    lib.decode_steps.argtypes = [vp, i, vp, vp, vp, vp, vp, i, vp, vp, vp, vp, i, vp, vp, i, vp, vp, vp, i, vp,
+                                 vp, ctypes.c_float, vp, vp, vp, vp, i, vp, i, vp]
+    lib.decode_steps.restype = i
     _lib = lib
     return lib
 

@@ -152,3 +152,49 @@ int decode_layers(const decoder_layer *layers, int n_layers, const int64_t *ids,
     }
     return 0;
 }
+
+void argmax_rows(const void *x, int M, int N, int64_t *out, int dtype);
+
+/* Greedy decoding of the M rows, up to n_steps tokens each, in one call. A step is decode_layers with every
+ * row's final norm (into `hidden` [M, hidden]), the LM head `head` through qgemm (for M <= MAX_ROWS the block
+ * kernel, as the torch path's Linear takes) into `logits` [M, vocab] of the model dtype, and each row's argmax
+ * (argmax_rows, the greedy sampler's kernel): the same kernels on the same values as one engine step per
+ * token. Row m's token of step j is tokens[j * M + m] and the next step's input; positions, context_lens and
+ * slots (all [M], changed in place) advance one token, a position p's slot being
+ * block_tables[m][p / block_size] * block_size + p % block_size (the caller has allocated the blocks of
+ * every position up to the last step's). It stops early after a step in which a row produced one of
+ * stop_ids ([n_stop]). Between model steps the host's Python runs cold (the weights evict its caches every
+ * step) and cost ~0.9 ms per single-stream token, ~12% of it; here it is paid once per call.
+ * Returns the steps done (>= 1), decode_layers' error code (*failed: the layer), or -4 when a row's block
+ * table (max_blocks wide) ends before a step's position. */
+int decode_steps(const decoder_layer *layers, int n_layers, const int64_t *ids, const void *embed,
+                 int64_t *positions, const void *cos_table, const void *sin_table, int rot_dim, void *cos_buf,
+                 void *sin_buf, void *x, void *residual, int M, int64_t *slots, const int64_t *block_tables,
+                 int max_blocks, int64_t *context_lens, void *work, float *scratch, int dtype, int *failed,
+                 const void *final_norm, float final_eps, int64_t *rows, void *hidden, const qweight *head,
+                 void *logits, int n_steps, const int64_t *stop_ids, int n_stop, int64_t *tokens) {
+    const int bs = layers[0].block_size;
+    for (int m = 0; m < M; m++) rows[m] = m;
+    for (int j = 0; j < n_steps; j++) {
+        if (j > 0) {
+            for (int m = 0; m < M; m++) {
+                const int64_t p = ++positions[m];
+                if (p / bs >= max_blocks) return -4;  /* a table that does not reach this step */
+                context_lens[m]++;
+                slots[m] = block_tables[(int64_t)m * max_blocks + p / bs] * bs + p % bs;
+            }
+        }
+        int rc = decode_layers(layers, n_layers, j == 0 ? ids : tokens + (int64_t)(j - 1) * M, embed, positions,
+                               cos_table, sin_table, rot_dim, cos_buf, sin_buf, x, residual, M, slots, block_tables,
+                               max_blocks, context_lens, work, scratch, dtype, failed, final_norm, final_eps, rows, M,
+                               hidden);
+        if (rc != 0) return rc;
+        qgemm(head, hidden, M, logits, scratch, dtype);
+        int64_t *out = tokens + (int64_t)j * M;
+        argmax_rows(logits, M, head->n, out, dtype);
+        for (int m = 0; m < M; m++)
+            for (int s = 0; s < n_stop; s++)
+                if (out[m] == stop_ids[s]) return j + 1;
+    }
+    return n_steps;
+}

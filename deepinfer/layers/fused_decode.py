@@ -12,7 +12,7 @@ weights and KV caches, so they are built once for a given cache list and rebuilt
 from __future__ import annotations
 
 import ctypes
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,6 +36,15 @@ class _Layer(ctypes.Structure):
 
 
 _KINDS = {"q4_1": 0, "q8_0": 1, "dense": 2}
+
+
+class _Call(NamedTuple):
+    """decode_layers' leading arguments and the tensors their pointers name (held while the call runs)."""
+
+    args: tuple
+    x: torch.Tensor
+    residual: torch.Tensor
+    buffers: tuple[torch.Tensor, ...]
 
 
 def _qweight(linear: Linear) -> _QWeight:
@@ -110,8 +119,41 @@ class FusedDecoder:
         call: `model.norm(x[rows], residual[rows])[0]`, the same values (see `decode_layers`)."""
         return self._call(input_ids, positions, caches, meta, rows)[2]
 
-    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
-              rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def decode_steps(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
+                     head: Linear, num_steps: int, stop_ids: list[int]) -> torch.Tensor:
+        """Greedy decoding of the rows `input_ids` for up to `num_steps` tokens in one C call (`decode_steps`):
+        each step the layers, the model's final norm, the LM head `head` and each row's argmax, the same
+        kernels on the same values as that many steps of `final_hidden`, `head` and the greedy sampler.
+        Every row's blocks must hold its positions up to the last step's. Returns the tokens [steps, M],
+        steps < num_steps when a row produced one of `stop_ids` at the last of them."""
+        q = head.quantized
+        if q is None or q.kind == "dense" or head.bias is not None:
+            raise ValueError("decode_steps needs an LM head with GGUF blocks and no bias")
+        m_rows = input_ids.shape[0]
+        # the C call advances positions, context lengths and slots step by step: its own copies
+        positions = positions.to(torch.int64).clone()
+        lens, slots = meta.decode_context_lens.clone(), meta.slot_mapping.clone()
+        embed = self.model.embed_tokens.weight
+        hidden = embed.new_empty((m_rows, embed.shape[1]))
+        logits = embed.new_empty((m_rows, q.n))
+        tokens = torch.empty((num_steps, m_rows), dtype=torch.int64)
+        stops = torch.tensor(stop_ids or [-1], dtype=torch.int64)
+        rows = torch.empty(m_rows, dtype=torch.int64)
+        call = self._args(input_ids, positions, caches, meta, slots, lens)
+        m = self.model
+        failed = ctypes.c_int(-1)
+        rc = self.lib.decode_steps(*call.args, ctypes.byref(failed), m.norm.weight.data_ptr(), m.norm.eps, rows.data_ptr(),
+                                   hidden.data_ptr(), ctypes.byref(_qweight(head)), logits.data_ptr(), num_steps,
+                                   stops.data_ptr(), len(stop_ids), tokens.data_ptr())
+        if rc == -4:
+            raise IndexError(f"a row's block table ends before its position after {num_steps - 1} more steps")
+        if rc < 0:
+            raise RuntimeError(f"decode_layer rejected layer {failed.value} (code {rc})")
+        return tokens[:rc]
+
+    def _args(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
+              slots: torch.Tensor, lens: torch.Tensor) -> _Call:
+        """decode_layers' arguments up to `dtype`, with the buffers of an M-row step they point into."""
         if self._caches_key != tuple(c[0].data_ptr() for c in caches):
             self._build(caches)
         if input_ids.dtype != torch.int64 or positions.dtype != torch.int64:  # read as int64_t rows in C
@@ -130,20 +172,28 @@ class FusedDecoder:
         work = embed.new_empty(m_rows * (2 * hidden + qkv + 2 * q_size + 3 * cfg_layer.inter))
         widest = max(hidden, cfg_layer.inter)
         scratch = torch.empty(m_rows * (widest + widest // 32 + 1) + 16, dtype=torch.float32)
-        tables, lens = meta.decode_block_tables, meta.decode_context_lens
+        tables = meta.decode_block_tables
+        args = (self._layers, len(self._layers), input_ids.data_ptr(), embed.data_ptr(), positions.data_ptr(),
+                cos_table.data_ptr(), sin_table.data_ptr(), rot_dim, rope.data_ptr(),
+                rope.data_ptr() + m_rows * rot_dim * rope.element_size(), x.data_ptr(), residual.data_ptr(), m_rows,
+                slots.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), work.data_ptr(),
+                scratch.data_ptr(), cpu_kernels.dtype_code(x.dtype))
+        return _Call(args, x, residual, (input_ids, positions, rope, work, scratch))
+
+    def _call(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
+              rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        call = self._args(input_ids, positions, caches, meta, meta.slot_mapping, meta.decode_context_lens)
+        m_rows = input_ids.shape[0]
+        x, residual = call.x, call.residual
         out = None
         final = (None, 0.0, None, 0, None)  # decode_layers' final-norm arguments: none
         if rows is not None:
             rows = rows.to(torch.int64).contiguous()
-            out = embed.new_empty((rows.shape[0], hidden))
-            final = (m.norm.weight.data_ptr(), m.norm.eps, rows.data_ptr(), rows.shape[0], out.data_ptr())
+            out = x.new_empty((rows.shape[0], x.shape[1]))
+            final = (self.model.norm.weight.data_ptr(), self.model.norm.eps, rows.data_ptr(), rows.shape[0],
+                     out.data_ptr())
         failed = ctypes.c_int(-1)
-        rc = self.lib.decode_layers(
-            self._layers, len(self._layers), input_ids.data_ptr(), embed.data_ptr(), positions.data_ptr(),
-            cos_table.data_ptr(), sin_table.data_ptr(), rot_dim, rope.data_ptr(),
-            rope.data_ptr() + m_rows * rot_dim * rope.element_size(), x.data_ptr(), residual.data_ptr(), m_rows,
-            meta.slot_mapping.data_ptr(), tables.data_ptr(), tables.shape[1], lens.data_ptr(), work.data_ptr(),
-            scratch.data_ptr(), cpu_kernels.dtype_code(x.dtype), ctypes.byref(failed), *final)
+        rc = self.lib.decode_layers(*call.args, ctypes.byref(failed), *final)
         if rc == -3:
             raise IndexError(f"a row to normalize lies outside the step's {m_rows} rows")
         if rc != 0:

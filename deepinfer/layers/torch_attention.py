@@ -126,7 +126,7 @@ class TorchAttentionBackend(AttentionBackend):
     def _prepare_rows(self, batch: AttentionBatch) -> TorchAttentionMetadata:
         """Every new token as a decode row: its sequence's block table, context up to its own position."""
         bs = batch.block_size
-        max_blocks = (max(batch.context_lens) + bs - 1) // bs
+        max_blocks = (max(batch.context_lens) + batch.lookahead + bs - 1) // bs
         # plain lists and one tensor each: torch calls per sequence cost ~10 us each hot, several times that
         # between model steps (the weights leave the host's caches cold), and a batch has up to max_num_seqs
         tables: list[list[int]] = []

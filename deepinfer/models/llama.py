@@ -190,6 +190,11 @@ class LlamaForCausalLM(nn.Module):
         returns float32 logits [len(logits_indices), vocab]."""
         return self.compute_logits(self.hidden_states(input_ids, positions, caches, metas, logits_indices))
 
+    def plain_logits(self) -> bool:
+        """Whether `compute_logits` is the LM head's product alone (a subclass that changes it, e.g. soft-caps
+        the logits, says no), so a C path may take the head's product for the logits."""
+        return type(self).compute_logits is LlamaForCausalLM.compute_logits
+
     def compute_logits(self, hidden: torch.Tensor, float32: bool = True) -> torch.Tensor:
         """Final hidden states [rows, hidden] -> float32 logits [rows, vocab]; `float32=False`: in the head's
         dtype (the sampler widens them only where it needs to; greedy rows take their argmax as they are)."""

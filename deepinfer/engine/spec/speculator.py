@@ -269,14 +269,16 @@ class Speculator:
         bounds = [s.gain_ceiling(confident, boost)[:lim] for s, lim in zip(states, limits, strict=True) if lim]
         return self.policy.drafts_can_pay(batch, bounds)
 
-    def observe_step(self, num_rows: int, seconds: float, cpu_seconds: float | None = None) -> None:
+    def observe_step(self, num_rows: int, seconds: float, cpu_seconds: float | None = None, steps: int = 1) -> None:
         """A finished step in which every request decoded or verified drafts: `num_rows` rows (decodes and
         drafts) in `seconds` of model-runner time, `cpu_seconds` of its threads' CPU time (prices
-        verification; CPU time at one torch thread, see `cpu_clock`)."""
+        verification; CPU time at one torch thread, see `cpu_clock`). `steps` > 1: that many decode steps
+        of the rows in one call (`num_scheduler_steps`, where no request drafted): each is priced at its
+        share, the host time between calls comes once per call."""
         if self.cpu_clock and cpu_seconds:
             seconds = cpu_seconds
-        self.policy.price.observe(num_rows, seconds)
-        self.ledger.observe(seconds)
+        self.policy.price.observe(num_rows, seconds / steps)
+        self.ledger.observe(seconds, steps)
         self._last_run = seconds
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:

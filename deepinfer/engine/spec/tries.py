@@ -100,9 +100,10 @@ class ExploreLedger:
     def allows(self, budget: float) -> bool:
         return budget > 0 and self.spent <= budget * self.elapsed + self.step
 
-    def observe(self, seconds: float) -> None:
+    def observe(self, seconds: float, steps: int = 1) -> None:
+        """`steps` decode-phase steps took `seconds` (several in one call: `num_scheduler_steps`)."""
         self.elapsed += seconds
-        self.step = seconds
+        self.step = seconds / steps
 
     def charge(self, seconds: float) -> None:
         self.spent += max(0.0, seconds)
