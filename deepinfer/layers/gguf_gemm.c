@@ -95,14 +95,28 @@ static inline __attribute__((always_inline)) __m256 offset_sum8(const float *mn,
 }
 
 /* Ask for a feature's quants, scales and (Q4_1) offsets ahead of use: each weight of a small model is
- * too short for the hardware prefetcher to ramp up on (as prefetch_feature does for bf16). */
+ * too short for the hardware prefetcher to ramp up on (as prefetch_feature does for bf16). `stream`: the
+ * call reads these weights once (at most MAX_ROWS rows, one pass), so they are asked for non-temporally
+ * and do not pass through L2 into L3 on their way out. A decode step streams ~110 MB of weights
+ * (SmolLM2-135M) through caches of a few MB: cached, they evicted the KV cache, the activations and the
+ * host's own data every step and paid an L2 -> L3 victim write per line. On the 2-core Zen 3 a single
+ * stream decoded ~5% faster (benchmarks/BENCHMARKS.md, session 26). Passes over more rows re-read the
+ * weights per group of MAX_ROWS rows from cache, so they keep the temporal hint. */
 #define PREFETCH_AHEAD_F32 8
 static inline __attribute__((always_inline)) void prefetch_rows_f32(const void *q, int qbytes, const float *d,
-                                                                     const float *mn, int nb) {
-    for (int o = 0; o < qbytes; o += 64) _mm_prefetch((const char *)q + o, _MM_HINT_T0);
-    for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)d + o, _MM_HINT_T0);
-    if (mn)
-        for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)mn + o, _MM_HINT_T0);
+                                                                     const float *mn, int nb, int stream) {
+#define PREFETCH_ROWS(HINT)                                                                    \
+    do {                                                                                       \
+        for (int o = 0; o < qbytes; o += 64) _mm_prefetch((const char *)q + o, HINT);          \
+        for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)d + o, HINT);          \
+        if (mn)                                                                                \
+            for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)mn + o, HINT);     \
+    } while (0)
+    if (stream)
+        PREFETCH_ROWS(_MM_HINT_NTA);
+    else
+        PREFETCH_ROWS(_MM_HINT_T0);
+#undef PREFETCH_ROWS
 }
 
 /* AVX2 float32 Q4_1 by block pairs. Two blocks' 32 quant bytes are one 256-bit load of 8 dwords (4 per
@@ -194,7 +208,8 @@ static inline __attribute__((always_inline)) void q4_1_pair_rows(const __m256i q
 static inline __attribute__((always_inline)) NO_SLP void q4_1_rows_f32_m(const float *x, const int M, int K,
                                                                          const uint8_t *qs, const float *d,
                                                                          const float *mn, float *y, int N,
-                                                                         const float *sums, int n0, int n1) {
+                                                                         const float *sums, int n0, int n1,
+                                                                         int stream) {
     int nb = K / QK;
     for (int n = n0; n < n1; n++) {
         float off[MAX_ROWS];
@@ -241,7 +256,7 @@ static inline __attribute__((always_inline)) NO_SLP void q4_1_rows_f32_m(const f
 #else
         if (n + PREFETCH_AHEAD_F32 < n1) prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * nb * 16, nb * 16,
                                                            dn + (int64_t)PREFETCH_AHEAD_F32 * nb,
-                                                           mnn + (int64_t)PREFETCH_AHEAD_F32 * nb, nb);
+                                                           mnn + (int64_t)PREFETCH_AHEAD_F32 * nb, nb, stream);
         /* x is pair_x's permutation of the rows; the offsets' sum runs after the blocks, 8 blocks per lane */
         __m256 acc[MAX_ROWS], w[8];
 #pragma GCC unroll 8
@@ -277,7 +292,7 @@ static inline __attribute__((always_inline)) NO_SLP void q4_1_rows_f32_m(const f
 
 static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x, const int M, int K, const int8_t *qs,
                                                                  const float *d, float *y, int N, int n0,
-                          int n1) {
+                                                                 int n1, int stream) {
     int nb = K / QK;
     for (int n = n0; n < n1; n++) {
         const int8_t *row = qs + (int64_t)n * K;
@@ -298,7 +313,8 @@ static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = _mm512_reduce_add_ps(acc16[m]);
 #else
         if (n + PREFETCH_AHEAD_F32 < n1)
-            prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * K, K, dn + (int64_t)PREFETCH_AHEAD_F32 * nb, NULL, nb);
+            prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * K, K, dn + (int64_t)PREFETCH_AHEAD_F32 * nb, NULL, nb,
+                              stream);
         /* even blocks into acc, odd into accb, as the Q4_1 kernel */
         __m256 acc[MAX_ROWS], accb[MAX_ROWS], w[4];
 #pragma GCC unroll 8
@@ -338,7 +354,7 @@ static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x
  * same bits); the second feature's chains run while the first's wait, and the x values are loaded once.
  * x is pair_x's permutation. */
 static NO_SLP void q4_1_row1_f32(const float *x, int K, const uint8_t *qs, const float *d, const float *mn,
-                                 float *y, const float *sums, int n0, int n1) {
+                                 float *y, const float *sums, int n0, int n1, int stream) {
     const int nb = K / QK;
     int n = n0;
     for (; n + 2 <= n1; n += 2) {
@@ -346,7 +362,8 @@ static NO_SLP void q4_1_row1_f32(const float *x, int K, const uint8_t *qs, const
         const float *dn = d + (int64_t)n * nb, *mnn = mn + (int64_t)n * nb;
         if (n + PREFETCH_AHEAD_F32 + 1 < n1)
             prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * nb * 16, 2 * nb * 16,
-                              dn + (int64_t)PREFETCH_AHEAD_F32 * nb, mnn + (int64_t)PREFETCH_AHEAD_F32 * nb, 2 * nb);
+                              dn + (int64_t)PREFETCH_AHEAD_F32 * nb, mnn + (int64_t)PREFETCH_AHEAD_F32 * nb, 2 * nb,
+                              stream);
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, w[4], v[4];
         int b = 0;
         for (; b + 2 <= nb; b += 2) {
@@ -372,26 +389,26 @@ static NO_SLP void q4_1_row1_f32(const float *x, int K, const uint8_t *qs, const
         y[n] = hsum8(_mm256_add_ps(a0, offset_sum8(mnn, sums, nb)));
         y[n + 1] = hsum8(_mm256_add_ps(a1, offset_sum8(mnn + nb, sums, nb)));
     }
-    if (n < n1) q4_1_rows_f32_m(x, 1, K, qs, d, mn, y, 0, sums, n, n1);
+    if (n < n1) q4_1_rows_f32_m(x, 1, K, qs, d, mn, y, 0, sums, n, n1, stream);
 }
 #endif
 
 static NO_SLP void q4_1_rows_f32(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn,
-                          float *y, int N, const float *sums, int n0, int n1) {
+                          float *y, int N, const float *sums, int n0, int n1, int stream) {
 #ifndef __AVX512F__
     if (M == 1) {
-        q4_1_row1_f32(x, K, qs, d, mn, y, sums, n0, n1);
+        q4_1_row1_f32(x, K, qs, d, mn, y, sums, n0, n1, stream);
         return;
     }
 #endif
-#define Q4_1_F32(R) q4_1_rows_f32_m(x, R, K, qs, d, mn, y, N, sums, n0, n1)
+#define Q4_1_F32(R) q4_1_rows_f32_m(x, R, K, qs, d, mn, y, N, sums, n0, n1, stream)
     ROWS_SWITCH(Q4_1_F32)
 #undef Q4_1_F32
 }
 
 static void q8_0_rows_f32(const float *x, int M, int K, const int8_t *qs, const float *d, float *y, int N, int n0,
-                          int n1) {
-#define Q8_0_F32(R) q8_0_rows_f32_m(x, R, K, qs, d, y, N, n0, n1)
+                          int n1, int stream) {
+#define Q8_0_F32(R) q8_0_rows_f32_m(x, R, K, qs, d, y, N, n0, n1, stream)
     ROWS_SWITCH(Q8_0_F32)
 #undef Q8_0_F32
 }
@@ -619,6 +636,7 @@ static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, 
         }
     }
     const float *xq = xf;  /* the Q4_1 float32 kernels' view of x */
+    const int stream = M <= MAX_ROWS;  /* one pass over the weights: see prefetch_rows_f32 */
     if (path == 0 && kind == 0) {
         block_sums(xf, M, K, scratch);
 #ifndef __AVX512F__
@@ -644,9 +662,9 @@ static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, 
                 rows_f32lanes(xf + (int64_t)m0 * K, rows, K, kind, qs, d, mn, yg, N, dtype == 1, n0, n1);
             } else if (kind == 0) {
                 q4_1_rows_f32(xq + (int64_t)m0 * K, rows, K, (const uint8_t *)qs, d, mn, (float *)yg, N,
-                              scratch + (int64_t)m0 * (K / QK), n0, n1);
+                              scratch + (int64_t)m0 * (K / QK), n0, n1, stream);
             } else {
-                q8_0_rows_f32(xf + (int64_t)m0 * K, rows, K, (const int8_t *)qs, d, (float *)yg, N, n0, n1);
+                q8_0_rows_f32(xf + (int64_t)m0 * K, rows, K, (const int8_t *)qs, d, (float *)yg, N, n0, n1, stream);
             }
         }
     }
