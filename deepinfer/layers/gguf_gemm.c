@@ -100,8 +100,9 @@ static inline __attribute__((always_inline)) __m256 offset_sum8(const float *mn,
  * and do not pass through L2 into L3 on their way out. A decode step streams ~110 MB of weights
  * (SmolLM2-135M) through caches of a few MB: cached, they evicted the KV cache, the activations and the
  * host's own data every step and paid an L2 -> L3 victim write per line. On the 2-core Zen 3 a single
- * stream decoded ~5% faster (benchmarks/BENCHMARKS.md, session 26). Passes over more rows re-read the
- * weights per group of MAX_ROWS rows from cache, so they keep the temporal hint. */
+ * stream decoded 1-6% faster, with the machine's state (benchmarks/BENCHMARKS.md, session 26; 8 rows,
+ * bound by their FMAs, unchanged). Passes over more rows re-read the weights per group of MAX_ROWS
+ * rows from cache, so they keep the temporal hint. */
 #define PREFETCH_AHEAD_F32 8
 static inline __attribute__((always_inline)) void prefetch_rows_f32(const void *q, int qbytes, const float *d,
                                                                      const float *mn, int nb, int stream) {
