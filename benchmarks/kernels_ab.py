@@ -32,15 +32,10 @@ def load_both(b_dir: Path):
     lib_a = ck.load_library()
     if lib_a is None:
         raise SystemExit("the C kernels are unavailable on this machine")
-    sources, headers = ck._SOURCES, ck._HEADERS
-    missing = [p.name for p in sources + headers if not (b_dir / p.name).is_file()]
+    missing = [n for n in ck.SOURCE_NAMES + ck.HEADER_NAMES if not (b_dir / n).is_file()]
     if missing:
         raise SystemExit(f"{b_dir} lacks {', '.join(missing)}")
-    ck._lib, ck._SOURCES, ck._HEADERS = False, [b_dir / p.name for p in sources], [b_dir / p.name for p in headers]
-    try:
-        lib_b = ck.load_library()
-    finally:
-        ck._lib, ck._SOURCES, ck._HEADERS = lib_a, sources, headers
+    lib_b = ck.load_library_from(b_dir)
     if lib_b is None:
         raise SystemExit(f"the kernels in {b_dir} did not build")
     return lib_a, lib_b

@@ -21,9 +21,10 @@ after that run), so quiet and contended runs interleave in time; the table print
 median next to the quiet one and their ratio. vLLM's runner does the same inside its process.
 
 Next to each tok/s the table prints its fraction of the machine's bound, measured in the same run,
-before the engines and again after them, the best of each kept (``hw_bounds.py``): batched workloads against matmul FLOP/s in the engine's dtype (model FLOPs per
-token), single stream against streaming-read bandwidth (the weight bytes that engine reads per
-token: the GGUF's for deepinfer's default model, the HF copy's in its dtype for vLLM / HF).
+before the engines and again after them, the best of each kept (``hw_bounds.py``): batched workloads
+against matmul FLOP/s in the engine's dtype (model FLOPs per token), single stream against
+streaming-read bandwidth (the weight bytes that engine reads per token: the GGUF's for deepinfer's
+default model, the HF copy's in its dtype for vLLM / HF).
 
 Usage (system python; vLLM runs in its own venv through a subprocess)::
 

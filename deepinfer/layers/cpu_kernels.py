@@ -29,9 +29,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).with_name(n)
-            for n in ("gguf_gemm.c", "panel_gemm.c", "paged_attention.c", "elementwise.c", "decode_layer.c")]
-_HEADERS = [Path(__file__).with_name("cpu_common.h")]
+SOURCE_NAMES = ("gguf_gemm.c", "panel_gemm.c", "paged_attention.c", "elementwise.c", "decode_layer.c")
+HEADER_NAMES = ("cpu_common.h",)
 _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
 
@@ -49,11 +48,11 @@ def _cpu_identity() -> str | None:
     return "\n".join(lines)
 
 
-def _build(target: Path) -> bool:
+def _build(target: Path, sources: list[Path]) -> bool:
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    result = subprocess.run(["gcc", *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], capture_output=True, text=True)
+    result = subprocess.run(["gcc", *_FLAGS, *map(str, sources), "-o", tmp, "-lm"], capture_output=True, text=True)
     if result.returncode != 0:
         os.unlink(tmp)
         logger.warning("could not compile the CPU kernels: %s", result.stderr[-500:])
@@ -65,9 +64,15 @@ def _build(target: Path) -> bool:
 def load_library() -> ctypes.CDLL | None:
     """Compile (once per sources + CPU) and load the kernels; None where unavailable."""
     global _lib
-    if _lib is not False:
-        return _lib  # type: ignore[return-value]
-    _lib = None
+    if _lib is False:
+        _lib = load_library_from(Path(__file__).parent)
+    return _lib  # type: ignore[return-value]
+
+
+def load_library_from(directory: Path) -> ctypes.CDLL | None:
+    """Compile (once per sources + CPU) and load the kernels whose sources lie in `directory`, uncached
+    (load_library serves this package's; benchmarks/kernels_ab.py loads a second build beside it)."""
+    sources = [directory / n for n in SOURCE_NAMES]
     cpu = _cpu_identity()
     if platform.machine() not in ("x86_64", "AMD64") or cpu is None or shutil.which("gcc") is None:
         logger.info("CPU kernels unavailable (need x86-64 with AVX2 and gcc); using torch ops")
@@ -75,15 +80,15 @@ def load_library() -> ctypes.CDLL | None:
     from deepinfer.weights.loader import cache_root
 
     key = hashlib.blake2b(digest_size=8)
-    for src in _SOURCES + _HEADERS:
+    for src in sources + [directory / n for n in HEADER_NAMES]:
         key.update(src.read_bytes())
     key.update(" ".join(_FLAGS).encode())
     key.update(cpu.encode())
     target = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()}.so"
     if not target.exists():
-        if not _build(target):
+        if not _build(target, sources):
             return None
-        logger.info("compiled the CPU kernels from %s", _SOURCES[0].parent)
+        logger.info("compiled the CPU kernels from %s", directory)
     lib = ctypes.CDLL(str(target))
     logger.info("CPU kernels loaded from %s", target)
     # pointers travel as plain ints (tensor.data_ptr()): ctypes.cast per argument cost ~1.5 us a call
@@ -112,7 +117,6 @@ def load_library() -> ctypes.CDLL | None:
     lib.decode_steps.argtypes = [vp, i, vp, vp, vp, vp, vp, i, vp, vp, vp, vp, i, vp, vp, i, vp, vp, vp, i, vp,
                                  vp, ctypes.c_float, vp, vp, vp, vp, i, vp, i, vp]
     lib.decode_steps.restype = i
-    _lib = lib
     return lib
 
 
