@@ -5,6 +5,9 @@ script runs the offline chat workload of `throughput.py` (or `--workload shared`
 fixed torch thread count (default 1: no barrier partner to wait for, so CPU time is the work itself)
 and reports CPU seconds (``time.process_time``) per decode step, split by phase.
 
+``--clock wall`` times the phases by the wall clock instead (with 2 threads, CPU time also counts a thread
+spinning while the other works).
+
 Only the steps after the prompts' prefill count (``--skip-steps``). Phases:
 
 * the decoder layers (embedding included), and inside them the four projections, the attention backend
@@ -38,26 +41,26 @@ from typing import Any
 import deepinfer  # noqa: F401 - before torch, for its OpenMP settings
 
 
-def _timed(acc: collections.Counter, key: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+def _timed(acc: collections.Counter, key: str, fn: Callable[..., Any], clock: Callable[[], float]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
-        t = time.process_time()
+        t = clock()
         try:
             return fn(*args, **kwargs)
         finally:
-            acc[key] += time.process_time() - t
+            acc[key] += clock() - t
     return wrapper
 
 
-def _wrap(obj: Any, name: str, acc: collections.Counter, key: str) -> None:
-    setattr(obj, name, _timed(acc, key, getattr(obj, name)))
-
-
-def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max_tokens: int, skip: int) -> None:
+def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max_tokens: int, skip: int,
+                  clock: Callable[[], float] = time.process_time) -> None:
     from deepinfer import SamplingParams
 
     core = llm.engine.core
     model = core.runner.model
     acc: collections.Counter = collections.Counter()
+
+    def _wrap(obj: Any, name: str, acc: collections.Counter, key: str) -> None:
+        setattr(obj, name, _timed(acc, key, getattr(obj, name), clock))
     _wrap(core, "step", acc, "step")
     _wrap(core.runner, "run", acc, "run")
     _wrap(core.runner, "prepare", acc, "prepare")
@@ -112,7 +115,7 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
     ]
     print(f"{len(prompts)} prompts x {max_tokens} tokens: {steps} steps, process CPU {cpu:.2f} s, "
           f"wall {wall:.2f} s ({len(prompts) * max_tokens / wall:.0f} tok/s wall)")
-    print(f"CPU ms per decode step, the {steps} steps after the first {skip} (total {1000 * acc['step'] / steps:.2f}):")
+    print(f"{'CPU' if clock is time.process_time else 'wall'} ms per decode step, the {steps} steps after the first {skip} (total {1000 * acc['step'] / steps:.2f}):")
     for name, sec in rows:
         print(f"  {1000 * sec / steps:8.2f}  {100 * sec / acc['step']:5.1f}%  {name}")
 
@@ -177,6 +180,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1: CPU time is the work itself)")
     ap.add_argument("--model", default=None, help="deepinfer model (default: its built-in GGUF)")
     ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--clock", choices=["cpu", "wall"], default="cpu",
+                    help="phases in CPU time (both threads' sum, spin-waits included) or wall-clock time")
     ap.add_argument("--skip-steps", type=int, default=4, help="first steps left out (the prompts' prefill)")
     ap.add_argument("--workload", choices=["chat", "shared"], default="chat",
                     help="throughput.py's prompts: chat, or the same after a common ~400-token system prompt")
@@ -190,7 +195,8 @@ def main() -> None:
               max_num_seqs=max(256, args.num_prompts))
     runs = build_runs(llm.get_tokenizer(), args.num_prompts, 1)[args.workload]
     print(f"dtype {llm.engine.core.runner.dtype}, {args.threads} thread(s), workload {args.workload}")
-    phase_profile(llm, runs[1], runs[0], args.max_tokens, args.skip_steps)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    phase_profile(llm, runs[1], runs[0], args.max_tokens, args.skip_steps, clock)
     gemm_profile(llm.engine.core.runner.model, args.num_prompts)
 
 

@@ -181,7 +181,7 @@ class ModelRunner:
             self._make_row_invariant()
         packed = sum(m.pack() for m in self.model.modules() if isinstance(m, Linear))
         if packed:
-            logger.info("packed %d projections for oneDNN", packed)
+            logger.info("packed %d projections (panels for panel_gemm.c, or oneDNN)", packed)
         if hasattr(self.model, "enable_batched_decode") and self.model.enable_batched_decode():
             logger.info("decode steps run norms, rotary, KV writes and SiLU*mul as C calls between the matmuls")
         logger.info("loaded weights (%s, %s) in %.1fs", self.dtype, self.device, time.perf_counter() - started)

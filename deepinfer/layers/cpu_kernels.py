@@ -99,6 +99,10 @@ def load_library_from(directory: Path) -> ctypes.CDLL | None:
     lib.max_rows.restype = i
     lib.panel_gemm_f32.argtypes = [vp, i, i, vp, vp, i]
     lib.panel_gemm_preferred.restype = i
+    lib.panel_gemm_bf16.argtypes = [vp, i, i, vp, vp, vp, i]
+    lib.panel_gemm_bf16.restype = i
+    lib.panel_gemm_bf16_preferred.restype = i
+    lib.panel_gemm_bf16_supported.restype = i
     lib.paged_decode_attention.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, ctypes.c_float, i,
                                            ctypes.c_int64, vp]
     lib.paged_decode_attention.restype = i

@@ -1,5 +1,5 @@
-"""`panel_gemm.c` (float32 products on weights packed in 16-feature panels) against a float64 reference, and
-the `Linear` that picks it."""
+"""`panel_gemm.c` (float32 products on weights packed in 16-feature panels, bfloat16 ones in 32-feature panels)
+against a float64 reference, and the `Linear` that picks it."""
 
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ def test_a_rows_result_does_not_depend_on_the_other_rows():
 def test_zero_rows_and_bad_input():
     panels = pack_panels(torch.randn(32, 64))
     assert panel_matmul(torch.empty(0, 64), panels).shape == (0, 32)
-    with pytest.raises(ValueError, match="float32"):
+    with pytest.raises(ValueError, match="width 48"):
         panel_matmul(torch.randn(3, 48), panels)
     with pytest.raises(ValueError, match="float32"):
         panel_matmul(torch.randn(3, 64, dtype=torch.bfloat16), panels)
@@ -84,3 +84,82 @@ def test_row_invariant_linear_drops_its_panels():
     lin.make_row_invariant()
     assert lin._panels is None and lin._packed is None
     assert not lin.pack()
+
+
+_LIB = cpu_kernels.load_library()
+_BF16 = pytest.mark.skipif(not (_LIB and _LIB.panel_gemm_bf16_supported()), reason="needs a CPU with AVX-512 BF16")
+
+
+def _bf16_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The exact sums of the bf16 products (each fits a float32), plus the bias, rounded once to bf16."""
+    ref = x.double() @ w.double().T
+    return (ref if bias is None else ref + bias.double()).to(torch.bfloat16)
+
+
+@_BF16
+@pytest.mark.parametrize("rows", [1, 5, 11, 12, 13, 24, 64, 131])
+@pytest.mark.parametrize("k,n", [(2, 32), (100, 96), (576, 960), (1536, 576)])
+def test_bf16_panel_product_matches_float64(rows, k, n):
+    # every tail-tile size class (rows % 12), several tiles, one and many panels, the narrowest width
+    gen = torch.Generator().manual_seed(rows * 1000 + k + n)
+    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(torch.bfloat16)
+    y = panel_matmul(x, pack_panels(w))
+    assert y.shape == (rows, n) and y.dtype == torch.bfloat16
+    ref = _bf16_reference(x, w)
+    # float32 sums in another order, then one rounding: at most one bf16 step apart from the exact rounding
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=1e-5 * k ** 0.5)
+    assert (y == ref).float().mean() > 0.9
+
+
+@_BF16
+def test_bf16_bias_is_added_before_the_rounding():
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(20, 64, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(64, 64, generator=gen) / 8).to(torch.bfloat16)
+    bias = (torch.randn(64, generator=gen) * 4).to(torch.bfloat16)
+    y = panel_matmul(x, pack_panels(w), bias)
+    torch.testing.assert_close(y.float(), _bf16_reference(x, w, bias).float(), rtol=2 ** -7, atol=1e-4)
+    # adding the bias after rounding the product (two roundings) misses the reference in ~17% of places here
+    two_roundings = (x.double() @ w.double().T).to(torch.bfloat16) + bias
+    ref = _bf16_reference(x, w, bias)
+    assert (y == ref).float().mean() > 0.98 > (two_roundings == ref).float().mean()
+
+
+@_BF16
+def test_bf16_rows_result_does_not_depend_on_the_other_rows():
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(37, 576, generator=gen).to(torch.bfloat16)
+    panels = pack_panels(torch.randn(96, 576, generator=gen).to(torch.bfloat16))
+    full = panel_matmul(x, panels)
+    for r in (0, 11, 12, 30, 36):
+        assert torch.equal(panel_matmul(x[r:r + 1], panels)[0], full[r])
+    assert torch.equal(panel_matmul(x[12:29], panels), full[12:29])
+
+
+def test_bf16_panels_refuse_shapes_they_cannot_fill():
+    with pytest.raises(ValueError, match="multiple of 32"):
+        pack_panels(torch.randn(48, 64).to(torch.bfloat16))
+    with pytest.raises(ValueError, match="even width"):
+        pack_panels(torch.randn(32, 63).to(torch.bfloat16))
+
+
+@pytest.mark.skipif(not (_LIB and _LIB.panel_gemm_bf16_preferred()),
+                    reason="bf16 panels serve Linear on CPUs with AVX-512 BF16 and no AMX")
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_serves_bf16_batches_from_panels(bias):
+    gen = torch.Generator().manual_seed(5)
+    lin = Linear(576, 960, bias=bias).to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(960, 576, generator=gen) / 24)
+        if bias:
+            lin.bias.copy_(torch.randn(960, generator=gen))
+    assert lin.pack()
+    assert lin._panels is not None and lin._packed is None and lin._panels.dtype == torch.bfloat16
+    x = torch.randn(40, 576, generator=gen).to(torch.bfloat16)
+    expected = _bf16_reference(x, lin.weight, lin.bias if bias else None)
+    torch.testing.assert_close(lin(x).float(), expected.float(), rtol=2 ** -7, atol=1e-4)
+    # 48 output features do not fill a bf16 panel: oneDNN (or torch) serves that layer
+    narrow = Linear(64, 48, bias=False).to(torch.bfloat16)
+    narrow.pack()
+    assert narrow._panels is None
