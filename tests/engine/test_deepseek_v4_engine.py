@@ -24,9 +24,9 @@ SPEC = dict(layer_types=[SWA, CSA, HCA, CSA], mlp_layer_types=["hash_moe", "moe"
 
 
 @pytest.fixture(scope="module")
-def v4(tmp_path_factory, default_model_dir):
+def v4(tmp_path_factory, tokenizer_dir):
     path = tmp_path_factory.mktemp("v4") / "tiny-v4"
-    hf = build_v4(path, seed=11, tokenizer_dir=default_model_dir, **SPEC)
+    hf = build_v4(path, seed=11, tokenizer_dir=tokenizer_dir, **SPEC)
     return path, hf
 
 

@@ -36,9 +36,9 @@ def _generate(path: Path, **kw) -> tuple[list[list[int]], dict]:
 
 
 @pytest.fixture(scope="module")
-def v4_model(tmp_path_factory, default_model_dir) -> Path:
+def v4_model(tmp_path_factory, tokenizer_dir) -> Path:
     path = tmp_path_factory.mktemp("v4ep") / "v4"
-    build_v4(path, seed=3, tokenizer_dir=default_model_dir)
+    build_v4(path, seed=3, tokenizer_dir=tokenizer_dir)
     return path
 
 

@@ -23,11 +23,11 @@ PROMPTS = [[5 + (i % 7) for i in range(40)], [100 + (i % 5) * 3 for i in range(2
 
 
 @pytest.fixture(scope="module")
-def draft_pair(tmp_path_factory, default_model_dir):
+def draft_pair(tmp_path_factory, tokenizer_dir):
     """A tiny llama target and a smaller, differently seeded llama draft with the same tokenizer."""
     root = tmp_path_factory.mktemp("draft")
-    target = _build_tiny("llama", root, default_model_dir)
-    draft = _build_tiny("llama_draft", root, default_model_dir, dict(TINY_ARCHS["llama"], num_hidden_layers=1))
+    target = _build_tiny("llama", root, tokenizer_dir)
+    draft = _build_tiny("llama_draft", root, tokenizer_dir, dict(TINY_ARCHS["llama"], num_hidden_layers=1))
     return target, draft
 
 

@@ -19,10 +19,10 @@ PREFIX = 40
 
 
 @pytest.fixture(scope="module")
-def one_sliding_layer(tmp_path_factory, default_model_dir):
+def one_sliding_layer(tmp_path_factory, tokenizer_dir):
     """Qwen2 with layers 0-1 full and only layer 2 sliding (window 12)."""
     spec = {**TINY_ARCHS["qwen2_swa"], "max_window_layers": 2}
-    return _build_tiny("qwen2_swa1", tmp_path_factory.mktemp("swa1"), default_model_dir, spec)
+    return _build_tiny("qwen2_swa1", tmp_path_factory.mktemp("swa1"), tokenizer_dir, spec)
 
 
 def _prompts() -> tuple[list[int], list[list[int]]]:

@@ -50,12 +50,12 @@ def _build(root: Path, tokenizer_dir: Path, name: str, **overrides) -> tuple[Pat
 
 
 @pytest.fixture(scope="module")
-def gemma(tmp_path_factory, default_model_dir):
+def gemma(tmp_path_factory, tokenizer_dir):
     root = tmp_path_factory.mktemp("gemma3")
     return {
-        "plain": _build(root, default_model_dir, "plain"),
+        "plain": _build(root, tokenizer_dir, "plain"),
         # the final logits soft-capped at 2: argmax is unchanged (tanh is monotonic), the logprobs are not
-        "capped": _build(root, default_model_dir, "capped", final_logit_softcapping=2.0, tie_word_embeddings=False),
+        "capped": _build(root, tokenizer_dir, "capped", final_logit_softcapping=2.0, tie_word_embeddings=False),
     }
 
 

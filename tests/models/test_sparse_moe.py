@@ -21,13 +21,13 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def variants(tmp_path_factory, default_model_dir):
+def variants(tmp_path_factory, tokenizer_dir):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path_factory.mktemp("moe")
     out = {}
     for name, spec in VARIANTS.items():
-        path = _build_tiny(name, root, default_model_dir, spec)
+        path = _build_tiny(name, root, tokenizer_dir, spec)
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
         hf.generation_config.eos_token_id = None
         out[name] = (path, hf)
