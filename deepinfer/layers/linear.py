@@ -112,6 +112,12 @@ class Linear(nn.Linear):
     row_invariant: bool = False
     dense_twin: QuantizedWeight | None = None  # row-invariant bf16: the same values dense (see _bf16_twin)
 
+    @property
+    def pads_rows(self) -> bool:
+        """Whether batches past the GGUF kernels' rows run at `padded_rows` (oneDNN's packed weights): the
+        step time is then a staircase in the row count (speculative decoding's price, `spec/step_price.py`)."""
+        return self._packed is not None
+
     def attach(self, weight: QuantizedWeight) -> None:
         if (weight.n, weight.k) != tuple(self.weight.shape):
             raise ValueError(f"quantized weight {weight.n}x{weight.k} != {tuple(self.weight.shape)}")

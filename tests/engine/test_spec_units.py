@@ -144,6 +144,33 @@ def test_step_price_keeps_the_batched_paths_staircase():
     assert t[49] > t[48] and t[48] == pytest.approx(_staircase(48))
 
 
+def test_step_price_smooths_the_batched_path_without_row_blocks():
+    """Panels (`panel_gemm.c`) cost each row its own arithmetic: one fast step measured at 33 rows must not make
+    rows 33-34 free at batch 32, as the unsmoothed staircase table does with the same samples."""
+    from deepinfer.engine.spec.step_price import StepPrice, profile_row_counts
+
+    def linear(r: int) -> float:
+        return 0.002 + 0.0005 * r if r <= 8 else 0.003 + 0.00045 * r
+
+    samples = [(r, linear(r) * (0.93 if r == 33 else 1.0)) for r in profile_row_counts(256, 8)]
+    blocks = StepPrice(CostModel(), c_path_rows=8)
+    blocks.seed(samples)
+    assert blocks.seconds(33) == pytest.approx(blocks.seconds(32))  # the dip pooled flat: the 33rd row is free
+    smooth = StepPrice(CostModel(), c_path_rows=8)
+    smooth.row_blocks = False
+    smooth.seed(samples)
+    t = smooth.table(40)
+    assert np.all(np.diff(t) >= 0)
+    assert t[34] - t[32] > 0.5 * (linear(34) - linear(32))  # each extra row priced near its cost
+    assert t[32] == pytest.approx(linear(32), rel=0.05)
+    # a draft at 0.7 does not repay its row at batch 32 on the smooth table; on the flat one it seemed to
+    cands = [Candidate(100, [0.7])] + [Candidate(100, [])] * 31
+    for price, expected in ((blocks, [1] + [0] * 31), (smooth, [0] * 32)):
+        pol = DraftLengthPolicy(CostModel())
+        pol.price = price
+        assert pol.choose(cands, 32) == expected
+
+
 def test_policy_fills_the_row_block_it_pays_for():
     pol = DraftLengthPolicy(CostModel())
     pol.price.c_path_rows = 8

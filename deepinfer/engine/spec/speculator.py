@@ -88,6 +88,7 @@ class Speculator:
         fused = getattr(runner.model, "fused", None)
         if fused is not None and not fused.row_invariant:
             self.policy.price.c_path_rows = fused.max_rows
+        self.policy.price.row_blocks = any(getattr(m, "pads_rows", False) for m in runner.model.modules())
         c_path = self.policy.price.c_path_rows
         counts = profile_schedule(profile_order(counts, c_path), max(c_path, max_rows()))
         sink, runner.stream_sink = runner.stream_sink, None  # the MTP proposer must not keep the profile's rows

@@ -62,6 +62,10 @@ class StepPrice:
         # steps of at most this many rows take the whole-layer C decode path (0: no such path): a regime of
         # their own, fitted apart from larger steps (the step time jumps between them)
         self.c_path_rows = c_path_rows
+        # whether the batched path's matmuls pad rows to blocks (oneDNN's packed weights, `padded_rows`): its
+        # time is then a staircase, kept as measured; False (weights in panels, `panel_gemm.c`: each row costs
+        # its own arithmetic) smooths that regime as the C path's (`_build`)
+        self.row_blocks = True
         self.context = context  # the decode context the cost-model fallback assumes
         self._samples: dict[int, deque[float]] = {}
         self._table: np.ndarray | None = None  # T(R) for R = 0..len-1, rebuilt lazily after new samples
@@ -138,6 +142,11 @@ class StepPrice:
         c_path = rows <= self.c_path_rows
         if c_path.sum() >= 4:
             secs[c_path] = spline_fit(rows[c_path], secs[c_path], weights[c_path])
+        # without row blocks the batched path is smooth too: unsmoothed, a fast sample at 33 rows next to a slow
+        # one at 32 made rows 33-34 free at batch 32 (bf16 panels on the AVX-512 BF16 machine), and every
+        # draft a request found was chosen there, at any acceptance
+        if not self.row_blocks and (~c_path).sum() >= 4:
+            secs[~c_path] = spline_fit(rows[~c_path], secs[~c_path], weights[~c_path])
         secs = isotonic(list(secs), list(weights))  # more rows never cost less
         grid = np.arange(size, dtype=float)
         table = np.interp(grid, rows, secs)
