@@ -144,8 +144,10 @@ def test_whole_layer_c_path_matches_the_torch_layer_loop(dtype):
 def test_the_c_path_final_norm_is_the_torch_norm_of_the_gathered_rows(dtype):
     """`FusedDecoder.final_hidden` finishes the model's final RMSNorm of the logits rows inside the layers' C
     call: the same bits as gathering x and residual in torch and calling the norm, for any rows in any
-    order; a row outside the step is an IndexError, not a read past the buffers."""
-    llm = LLM(None, dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False)
+    order; a row outside the step is an IndexError, not a read past the buffers. One decode step per pass:
+    several (`num_scheduler_steps`) run as one `decode_steps` call, which finishes its rows without
+    `final_hidden`."""
+    llm = LLM(None, dtype=dtype, kv_cache_memory="64MiB", enable_prefix_caching=False, num_scheduler_steps=1)
     model = llm.engine.core.runner.model
     fused, original, norm = model.fused, model.fused.final_hidden, model.norm
     checked = []
