@@ -74,10 +74,11 @@ def deepinfer_walls(args: argparse.Namespace) -> tuple[list[float], dict[str, fl
     def wrap(obj, name: str, key: str) -> None:
         setattr(obj, name, decode_profile._timed(acc, key, getattr(obj, name), time.perf_counter))
 
+    projections = [lin for layer in model.layers for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                             layer.mlp.gate_up_proj, layer.mlp.down_proj)]
     wrap(model, "hidden_states", "layers")
-    for layer in model.layers:
-        for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
-            wrap(lin, "forward", "matmuls")
+    for lin in projections:
+        wrap(lin, "forward", "matmuls")
     for backend in {id(la.self_attn.backend): la.self_attn.backend for la in model.layers}.values():
         wrap(backend, "forward", "attention")
         if hasattr(backend, "attend_cached_rows"):
@@ -87,9 +88,7 @@ def deepinfer_walls(args: argparse.Namespace) -> tuple[list[float], dict[str, fl
     run(prompts(0, args.num_prompts, args.prompt_len))
     acc["wall"] = time.perf_counter() - t
     acc["steps"] = core.num_steps - steps0
-    macs = sum(lin.weight.numel() for layer in model.layers
-               for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj,
-                           layer.mlp.down_proj))
+    macs = sum(lin.weight.numel() for lin in projections)
     acc["matmul_gflops"] = 2 * macs * args.num_prompts * args.prompt_len / max(acc["matmuls"], 1e-9) / 1e9
     return walls, dict(acc)
 

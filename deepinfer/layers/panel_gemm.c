@@ -74,9 +74,10 @@ void panel_gemm_f32(const float *x, int M, int K, const float *packed, float *y,
 
 #ifdef __AVX512BF16__
 /* bfloat16 activations and weights on CPUs with AVX-512 BF16, float32 sums, y rounded to bf16 once.
- * Packed layout (pack_panels_bf16): p[N/32][K/2][32][2], p[j][kp][i][e] = w[32 j + i, 2 kp + e]: per pair
- * of k, one panel is two 64-byte loads, each 16 features' (k, k+1) weight pairs, which vdpbf16ps
- * multiplies by a broadcast (k, k+1) pair of one row of x and adds into 16 float32 sums. 12 rows x 32
+ * Packed layout (linear.py's pack_panels of a bf16 weight): p[N/32][K/2][32][2],
+ * p[j][kp][i][e] = w[32 j + i, 2 kp + e]: per pair of k, one panel is two 64-byte loads, each 16
+ * features' (k, k+1) weight pairs, which vdpbf16ps multiplies by a broadcast (k, k+1) pair of one row of
+ * x and adds into 16 float32 sums. 12 rows x 32
  * features = 24 accumulators per tile. The threads split the panels statically, so one product has no
  * synchronisation inside it: oneDNN's packed bf16 kernels at 64 rows ran only ~1.3x faster on 2 threads
  * than on 1 (576x3072 on a 2-core Zen 5), where large products scale ~1.9x. */
@@ -134,7 +135,7 @@ static void bf16_panel_rows(const uint16_t *x, int M, int K, const uint16_t *pan
 }
 #endif
 
-/* y = x w^T (+ bias, float32, or NULL) in bfloat16 from the panels of pack_panels_bf16; N a multiple of 32,
+/* y = x w^T (+ bias, float32, or NULL) in bfloat16 from the bf16 panels of pack_panels; N a multiple of 32,
  * K even. Returns 0 where the CPU has no AVX-512 BF16 (nothing computed). */
 int panel_gemm_bf16(const void *x, int M, int K, const void *packed, const float *bias, void *y, int N) {
 #ifdef __AVX512BF16__
