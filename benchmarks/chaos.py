@@ -70,6 +70,9 @@ from deepinfer.config import CLUSTER_TOKEN_ENV  # noqa: E402
 from tests.server_utils import CLUSTER_TOKEN, cluster_workers, free_port, metric  # noqa: E402
 
 BLOCK = 16
+# the store cases check what one pass of requests leaves in the store: every computed block is written
+# (a unified server's default, reused, writes a block at its second use)
+WRITE_ALL = ("--kv-store-admit", "always")
 
 
 # ---------------------------------------------------------------------------------------------- load
@@ -369,7 +372,7 @@ class Ctx:
 
 def case_engine_kill(ctx: Ctx, res: CaseResult) -> None:
     prompts, refs = ctx.prompts(0)
-    with serve("--model", ctx.model, *ctx.flags, "--kv-store", str(ctx.workdir / "store-ek"),
+    with serve("--model", ctx.model, *ctx.flags, *WRITE_ALL, "--kv-store", str(ctx.workdir / "store-ek"),
                log=ctx.log(res.name)) as (base, proc):
         engine = engine_process(proc)
         load = Load(base, prompts, refs, ctx.max_tokens, ctx.concurrency).start()
@@ -403,7 +406,7 @@ def case_engine_kill_store(ctx: Ctx, res: CaseResult) -> None:
 
     store = ctx.workdir / "store-eks"
     prompts, refs = ctx.prompts(1)
-    with serve("--model", ctx.model, *ctx.flags, "--kv-store", str(store), log=ctx.log(res.name)) as (base, proc):
+    with serve("--model", ctx.model, *ctx.flags, *WRITE_ALL, "--kv-store", str(store), log=ctx.log(res.name)) as (base, proc):
         engine = engine_process(proc)
         load = Load(base, prompts, refs, ctx.max_tokens, ctx.concurrency).start()
         res.check(load.wait_for(lambda: scan(store)["objects"] >= 4), "the store got no writes")
@@ -412,7 +415,7 @@ def case_engine_kill_store(ctx: Ctx, res: CaseResult) -> None:
         record(res, load.outcomes)
     before = scan(store)
     res.facts["store_after_kill"] = {k: before[k] for k in ("objects", "tmp_files", "corrupt")}
-    with serve("--model", ctx.model, *ctx.flags, "--kv-store", str(store), log=ctx.log(res.name)) as (base, _):
+    with serve("--model", ctx.model, *ctx.flags, *WRITE_ALL, "--kv-store", str(store), log=ctx.log(res.name)) as (base, _):
         again = Load(base, prompts, refs, ctx.max_tokens, ctx.concurrency)
         again.run_once()
         record(res, again.outcomes, allowed=("ok",))
@@ -430,7 +433,7 @@ def _tier(base: str, tier: str) -> float:
 def _cluster_case(ctx: Ctx, res: CaseResult, role: str) -> None:
     prompts, refs = ctx.prompts(2)
     with serve("--model", ctx.model, *ctx.flags, "--prefill-workers", "2", "--decode-workers", "2",
-               "--health-interval", "1", "--token-timeout", "60", "--kv-store", str(ctx.workdir / f"store-{role}"),
+               "--health-interval", "1", "--token-timeout", "60", *WRITE_ALL, "--kv-store", str(ctx.workdir / f"store-{role}"),
                log=ctx.log(res.name)) as (base, _):
         deadline = time.monotonic() + 180
         while not all(w["alive"] for w in cluster_workers(base)):
@@ -515,7 +518,7 @@ def case_store_full(ctx: Ctx, res: CaseResult) -> None:
         return
     try:
         prompts, refs = ctx.prompts(4, n=48)
-        with serve("--model", ctx.model, *ctx.flags, "--kv-store", str(mnt), log=ctx.log(res.name)) as (base, _):
+        with serve("--model", ctx.model, *ctx.flags, *WRITE_ALL, "--kv-store", str(mnt), log=ctx.log(res.name)) as (base, _):
             load = Load(base, prompts, refs, ctx.max_tokens, ctx.concurrency)
             load.run_once()
             load.run_once()  # again: device hits and store lookups on a full store
@@ -551,14 +554,14 @@ def case_store_slow(ctx: Ctx, res: CaseResult, delay: float = 1.5) -> None:
     store = ctx.workdir / "store-slow"
     prompts, refs = ctx.prompts(5)
     fresh, fresh_refs = ctx.prompts(6, n=8)
-    with serve("--model", ctx.model, *ctx.flags, "--kv-store", str(store), log=ctx.log(res.name)) as (base, _):
+    with serve("--model", ctx.model, *ctx.flags, *WRITE_ALL, "--kv-store", str(store), log=ctx.log(res.name)) as (base, _):
         Load(base, prompts, refs, ctx.max_tokens, ctx.concurrency).run_once()
     hook = ctx.workdir / "slow-hook"
     hook.mkdir(exist_ok=True)
     (hook / "sitecustomize.py").write_text(SLOW_HOOK)
     env = {"PYTHONPATH": os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", str(ROOT))]),
            "DEEPINFER_CHAOS_STORE_READ_DELAY": str(delay)}
-    with serve("--model", ctx.model, *ctx.flags, "--kv-store", str(store), env=env,
+    with serve("--model", ctx.model, *ctx.flags, *WRITE_ALL, "--kv-store", str(store), env=env,
                log=ctx.log(res.name)) as (base, _):
         hits = Load(base, prompts, refs, ctx.max_tokens, ctx.concurrency)
         misses = Load(base, fresh, fresh_refs, ctx.max_tokens, 2)
@@ -596,11 +599,11 @@ def flip_segments(store: Path) -> int:
 def case_store_corrupt(ctx: Ctx, res: CaseResult) -> None:
     store = ctx.workdir / "store-corrupt"
     prompts, refs = ctx.prompts(7)
-    with serve("--model", ctx.model, *ctx.flags, "--kv-store", str(store), log=ctx.log(res.name)) as (base, _):
+    with serve("--model", ctx.model, *ctx.flags, *WRITE_ALL, "--kv-store", str(store), log=ctx.log(res.name)) as (base, _):
         Load(base, prompts, refs, ctx.max_tokens, ctx.concurrency).run_once()
     res.facts["segments_flipped"] = flip_segments(store)
     res.check(res.facts["segments_flipped"] > 0, "the store had no segments to corrupt")
-    with serve("--model", ctx.model, *ctx.flags, "--kv-store", str(store), log=ctx.log(res.name)) as (base, _):
+    with serve("--model", ctx.model, *ctx.flags, *WRITE_ALL, "--kv-store", str(store), log=ctx.log(res.name)) as (base, _):
         load = Load(base, prompts, refs, ctx.max_tokens, ctx.concurrency)
         load.run_once()
         record(res, load.outcomes, allowed=("ok",))

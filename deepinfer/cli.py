@@ -69,10 +69,15 @@ def _server_config(args: argparse.Namespace) -> ServerConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    import dataclasses
+
     from deepinfer.server.app import serve
 
     engine, server = engine_config_from_args(args), _server_config(args)
     cluster = config_from_args(ClusterConfig, args)
+    if cluster.role != "unified":  # a worker: `auto` admission writes every block (KVStoreConfig.admission)
+        engine = dataclasses.replace(engine, kvstore=dataclasses.replace(
+            engine.kvstore, kv_store_admit=engine.kvstore.admission(cluster.role)))
     router = config_from_args(RouterConfig, args)
     if cluster.ray is not None:
         from deepinfer.cluster.ray_launcher import serve_ray_cluster

@@ -366,6 +366,23 @@ class KVStoreConfig:
     kv_store_max_bytes: int | float = _f(
         "20GiB", "Capacity of the KV store (least recently used blocks are evicted first): bytes (e.g. 500GiB) "
         "or a fraction of the store filesystem's size (e.g. 0.5).", parse=parse_size)
+    kv_store_admit: str = _f(
+        "auto",
+        "Which computed blocks the store takes. reused: a block is written once it is needed a second time -- a "
+        "request hits it in the device cache or host tier, or computes it again after an earlier request did "
+        "(this engine remembers the last ~65k block hashes it declined) -- so a prompt seen once costs no "
+        "disk write and does not push reused prefixes out of the store's LRU; a conversation's turn is "
+        "stored when the next turn arrives. always: every computed block is written through at once (what a "
+        "restarted engine or another worker can then find after a single request). auto: reused for a "
+        "unified server, always for prefill and decode workers (their router routes by what the shared "
+        "store holds).",
+        choices=["auto", "always", "reused"],
+    )
+    kv_store_fsync: bool = _f(
+        False, "fsync every store object before renaming it into place. Off by default: every read is validated "
+        "(header digest, length, a CRC per block), so an object a crash left torn is dropped as a miss and "
+        "never served; a cache needs no durability. On, a 32-stream server on a 2-core CPU lost about a tenth of its "
+        "output tokens/s to the flushes (benchmarks/BENCHMARKS.md, session 28).")
     kv_retention: str = _f(
         "agent=72h,chat=7d", "Retention classes and how long their KV blocks are kept (units s, m, h, d).")
     default_retention_class: str = _f("chat", "Retention class of requests that do not name one.")
@@ -387,6 +404,14 @@ class KVStoreConfig:
             raise ValueError(f"kv_store_prefetch_wait_ms must be >= 0, got {self.kv_store_prefetch_wait_ms}")
         if not self.kv_store.strip():
             raise ValueError("kv_store must be a directory, auto or none")
+        if self.kv_store_admit not in ("auto", "always", "reused"):
+            raise ValueError(f"kv_store_admit must be auto, always or reused, got {self.kv_store_admit!r}")
+
+    def admission(self, role: str = "unified") -> str:
+        """`kv_store_admit` resolved for an engine of `role` (always or reused)."""
+        if self.kv_store_admit != "auto":
+            return self.kv_store_admit
+        return "reused" if role == "unified" else "always"
 
     def store_path(self) -> Path | None:
         """The store directory, or None when the store is off."""

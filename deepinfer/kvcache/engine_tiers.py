@@ -8,7 +8,15 @@ Owns building the tiers from `KVStoreConfig`, and the three moves the KV manager
 
 Write-through, not spill-on-evict: a computed block goes to the store at once
 (in segment-aligned runs, see `KVCacheManager`), so other workers and a
-restarted engine can use it, and nothing is lost when the process dies. The
+restarted engine can use it, and nothing is lost when the process dies.
+Admission (`--kv-store-admit`): `always` writes every computed block; `reused`
+(a unified server's default) writes a block at its second use -- a device or
+host-tier hit (`reused`), or a recompute of a block this engine declined
+before (`write`) -- so one-off prompts cost no disk traffic and cannot push
+reused prefixes out of the store's LRU (a 32-stream server of unique prompts
+on a 2-core CPU spent ~6% of its throughput writing them; BENCHMARKS.md,
+session 28). Prefill and decode workers write everything: their router
+routes by what the shared store holds. The
 host tier then caches what the device pool dropped (plus, without the prefetcher,
 store hits, which `TieredKVStore.load` promotes), so it duplicates little of the device. The two
 moves are split because `TieredKVStore.offload` does both at the same moment,
@@ -52,8 +60,17 @@ logger = logging.getLogger(__name__)
 class KVTiers:
     """Host tier and persistent store wired to one engine's paged KV cache."""
 
+    # how many declined block hashes "reused" admission remembers (~2 MB of dict; at 16-token blocks, the
+    # last ~1M computed tokens: a prefix needed again after more than that is stored at its third use)
+    SEEN_CAPACITY = 1 << 16
+
     def __init__(self, tiers: TieredKVStore, blocks: TierBlocks, writer: StoreWriter | None = None,
-                 prefetch: bool = True, prefetch_wait_s: float = 0.05) -> None:
+                 prefetch: bool = True, prefetch_wait_s: float = 0.05, admit: str = "always") -> None:
+        if admit not in ("always", "reused"):
+            raise ValueError(f"store admission must be always or reused, got {admit!r}")
+        self.admit = admit
+        self._declined: dict[bytes, None] = {}  # block hashes not written at their first use, oldest first
+        self.declined_blocks = 0
         self.tiers = tiers
         self.blocks = blocks
         self.layout = blocks.layout
@@ -82,7 +99,7 @@ class KVTiers:
         logger.info("KV tiers: host %s, store %s", f"{host_bytes / 2**20:.0f} MiB" if host is not None else "off",
                     store.root if store is not None else "off")
         return cls(TieredKVStore(host, store), blocks, writer, config.kv_store_prefetch,
-                   config.kv_store_prefetch_wait_ms / 1000)
+                   config.kv_store_prefetch_wait_ms / 1000, config.admission())
 
     @property
     def host(self) -> HostKVCache | None:
@@ -127,8 +144,51 @@ class KVTiers:
     def write(self, hashes: Sequence[bytes], tables: Sequence[Sequence[int]], start: int, count: int,
               retention_class: str | None) -> None:
         """Queue chain positions start .. start+count-1 of a request (its block `tables`, one per layer
-        group) for the store; copies them now. Stops before a position whose blocks are not all there."""
+        group), which it computed, for the store; copies them now. Stops before a position whose blocks are
+        not all there. With "reused" admission only the leading positions computed before (declined then)
+        are written; the rest are remembered as declined."""
         if self.writer is None or count <= 0:
+            return
+        if self.admit == "reused":
+            end = start + count
+            count = 0
+            while count < end - start and hashes[start + count] in self._declined:
+                del self._declined[hashes[start + count]]
+                count += 1
+            self._decline(hashes[start + count:end])
+        self._write(hashes, tables, start, count, retention_class)
+
+    def reused(self, hashes: Sequence[bytes], tables: Sequence[Sequence[int]], start: int, count: int,
+               retention_class: str | None) -> None:
+        """A request found chain positions start .. start+count-1 cached (in the device pool, or loaded from
+        the host tier: its `tables` hold them now): under "reused" admission, write those of them declined
+        earlier, now needed a second time."""
+        if self.admit != "reused" or self.writer is None or not self._declined:
+            return
+        run_start = None
+        end = start + count
+        for pos in range(start, end + 1):
+            due = pos < end and hashes[pos] in self._declined
+            if due:
+                del self._declined[hashes[pos]]
+                if run_start is None:
+                    run_start = pos
+            elif run_start is not None:
+                self._write(hashes, tables, run_start, pos - run_start, retention_class)
+                run_start = None
+
+    def _decline(self, hashes: Sequence[bytes]) -> None:
+        declined = self._declined
+        for h in hashes:
+            declined.pop(h, None)  # re-inserted: the newest
+            declined[h] = None
+        self.declined_blocks += len(hashes)
+        while len(declined) > self.SEEN_CAPACITY:
+            del declined[next(iter(declined))]
+
+    def _write(self, hashes: Sequence[bytes], tables: Sequence[Sequence[int]], start: int, count: int,
+               retention_class: str | None) -> None:
+        if count <= 0:
             return
         try:
             payloads = []
@@ -253,7 +313,8 @@ class KVTiers:
                 out[f"kv_prefetch_{key}"] = p[key]
         if self.writer is not None:
             w = self.writer.stats()
-            out.update(kv_store_dropped_queue_blocks=w["dropped_blocks"], kv_store_pending_bytes=w["pending_bytes"])
+            out.update(kv_store_dropped_queue_blocks=w["dropped_blocks"], kv_store_pending_bytes=w["pending_bytes"],
+                       kv_store_declined_blocks=self.declined_blocks)
         return out
 
 
@@ -264,6 +325,7 @@ _PREFETCH_KEYS = ("requests", "store_blocks", "short_reads", "errors", "timeouts
 STAT_KEYS = ("kv_tier_errors", "kv_host_offloaded_blocks", "kv_loaded_host_blocks", "kv_loaded_store_blocks",
              "kv_host_bytes", "kv_host_max_bytes", "kv_host_blocks", "kv_host_evictions",
              *(f"kv_store_{k}" for k in _STORE_KEYS), "kv_store_dropped_queue_blocks", "kv_store_pending_bytes",
+             "kv_store_declined_blocks",
              *(f"kv_prefetch_{k}" for k in _PREFETCH_KEYS))
 
 
@@ -309,4 +371,4 @@ def _open_store(config: KVStoreConfig, model_identity: str, layout: KVLayout,
     if max_bytes <= 0:
         logger.warning("KV store %s is off: its capacity %r resolves to 0 bytes", path, config.kv_store_max_bytes)
         return None
-    return KVBlockStore(path, model_identity, layout, max_bytes, retention)
+    return KVBlockStore(path, model_identity, layout, max_bytes, retention, fsync=config.kv_store_fsync)

@@ -444,6 +444,9 @@ class KVCacheManager:
             # tier hits are counted once loaded: a counter must not go back down
             self.prefix_hits += req.num_cached_device
             self.tier_hits["device"] += req.num_cached_device
+            if self.tiers is not None and hit.num_device:
+                self.tiers.reused(req.block_hashes, [g.tables[req.request_id] for g in self.groups], 0,
+                                  hit.num_device, req.retention_class)
         if hit.replay_from is not None:
             req.replay_end, req.kv_floor = hit.num_blocks * bs, hit.replay_from
             req.num_replayed_tokens += req.replay_end - hit.replay_from
@@ -466,6 +469,8 @@ class KVCacheManager:
         first, count = pending.first_block, pending.num_blocks
         from_host, from_store = self.tiers.load(req.block_hashes, tables, first, count, pending.staged)
         loaded = from_host + from_store
+        if from_host:
+            self.tiers.reused(req.block_hashes, tables, first, loaded, req.retention_class)
         for i in range(first, first + loaded):
             for gi in self.tier_groups:
                 per = self._strides[gi]

@@ -42,8 +42,10 @@ finds it expired.
 
 Every read is validated (header digest, file length, model identity, layout,
 per-block CRC, expiry); anything wrong is counted, removed and treated as a
-miss. Writes go to a temp file in the same directory, are fsynced and renamed
-into place, so a crash never leaves a loadable partial object; any OSError on
+miss. Writes go to a temp file in the same directory and are renamed into
+place (fsynced first with `fsync=True`; without it a crash can leave a torn
+object under its final name, which validation drops), so a crash never leaves
+a loadable partial object; any OSError on
 the write path (ENOSPC, EROFS, EACCES, EFBIG ...) drops the write and counts
 it: the caller is never raised at.
 

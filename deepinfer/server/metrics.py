@@ -183,6 +183,8 @@ def _kv_tier_metrics(s: dict, gauge: Callable[[str, str, float], GaugeMetricFami
                   s["kv_store_evicted"])
     yield counter("kv_store_queue_dropped_blocks", "KV blocks not written to the store: the background writer's "
                   "queue was full.", s["kv_store_dropped_queue_blocks"])
+    yield counter("kv_store_declined_blocks", "Computed KV blocks not written to the store at their first use "
+                  "(--kv-store-admit reused); written if needed again.", s["kv_store_declined_blocks"])
     yield counter("kv_store_capacity_dropped_writes", "Store writes dropped because they could not fit even "
                   "after eviction.", s["kv_store_dropped_capacity"])
     yield counter("kv_tier_errors", "Unexpected KV tier failures handled as misses.", s["kv_tier_errors"])

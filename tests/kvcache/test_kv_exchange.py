@@ -235,7 +235,7 @@ def test_router_store_lookup_names_blocks_like_the_engine(tiny_models, tmp_path)
     store = tmp_path / "store"
     prompt = _prompt(9, 70)
     with LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False,
-             kv_store=str(store)) as llm:
+             kv_store=str(store), kv_store_admit="always") as llm:  # as a prefill worker's engine writes
         llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=2))
         core = llm.engine.core
         core.flush_kv_store()

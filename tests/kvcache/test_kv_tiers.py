@@ -41,7 +41,11 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 
 def _llm(path, store: Path | None, **kw) -> LLM:
+    """An engine on `store`, writing every computed block (these tests are about what a single request
+    leaves there; admission by reuse has its own tests)."""
     kw.setdefault("kv_cache_memory", "64MiB")
+    if store:
+        kw.setdefault("kv_store_admit", "always")
     return LLM(str(path), dtype="float32", profile_cost_model=False, kv_store=str(store) if store else "none", **kw)
 
 
@@ -60,7 +64,8 @@ CHILD = """
 import json, resource, sys
 model, store, prompt, fsize = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
 from deepinfer import LLM, SamplingParams
-llm = LLM(model, dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False, kv_store=store)
+llm = LLM(model, dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False, kv_store=store,
+          kv_store_admit="always")
 if fsize:  # a full disk: any write past fsize bytes fails with EFBIG (Python ignores SIGXFSZ)
     resource.setrlimit(resource.RLIMIT_FSIZE, (fsize, fsize))
 out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))[0]
@@ -100,6 +105,21 @@ def test_restart_on_the_same_store(arch, tiny_models, tmp_path):
         assert third.num_cached_tokens_by_tier["device"] == again.num_cached_tokens
         assert third.outputs[0].token_ids == first.outputs[0].token_ids
         _assert_all_free(llm)
+
+
+def test_store_objects_are_fsynced_only_with_kv_store_fsync(tiny_models, tmp_path, monkeypatch):
+    """Off by default (reads validate every object, so a torn one is a miss); --kv-store-fsync flushes each."""
+    synced: list[int] = []
+    real = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(fd), real(fd))[1])
+    for i, flag in enumerate((False, True)):
+        synced.clear()
+        with _llm(tiny_models["llama"], tmp_path / str(i), **({"kv_store_fsync": True} if flag else {})) as llm:
+            _run(llm, _prompt(20, 70))
+            assert llm.engine.core.flush_kv_store()
+            writes = llm.engine.core.kv.tiers.store.counters["writes"]
+        assert writes >= 1
+        assert len(synced) == (writes if flag else 0)
 
 
 @pytest.mark.slow  # ~20 s: two engine processes
@@ -158,6 +178,53 @@ def _flip_first_block(path: Path) -> None:
         start = read_header(f).header_len
     data[start + 10] ^= 0xFF  # in the first block's payload: the header still reads as valid, the CRC does not
     path.write_bytes(bytes(data))
+
+
+def test_reused_admission_stores_a_prefix_at_its_second_use(tiny_models, tmp_path):
+    """--kv-store-admit reused (a unified server's default): a prompt seen once is not written; its blocks
+    go to the store when a request hits them in the device cache, or computes them again after they were
+    evicted, and from there a restarted engine loads them like any stored prefix."""
+    model, prompt, again = tiny_models["llama"], _prompt(30, 70), _prompt(31, 70)
+    full = (len(prompt) - 1) // BS  # blocks a lookup can use (the last token is always computed)
+    with _llm(model, tmp_path, kv_store_admit="reused") as llm:
+        stats = llm.engine.stats
+        ref = _run(llm, prompt)
+        assert llm.engine.core.flush_kv_store()
+        assert stats()["kv_store_written_blocks"] == 0 and stats()["kv_store_declined_blocks"] >= full
+        hit = _run(llm, prompt)  # a device hit: the second use
+        assert hit.num_cached_tokens_by_tier["device"] >= full * BS
+        assert llm.engine.core.flush_kv_store()
+        assert stats()["kv_store_written_blocks"] >= full
+        # computed again after eviction: fill the device cache with other prompts, then rerun `again`
+        _run(llm, again)
+        pool = llm.engine.core.kv.groups[0].pool
+        for seed in range(100, 100 + pool.num_blocks // 4 + 2):
+            _run(llm, _prompt(seed, 70))
+        assert llm.engine.core.flush_kv_store()
+        written = stats()["kv_store_written_blocks"]
+        recomputed = _run(llm, again)
+        assert recomputed.num_cached_tokens == 0  # evicted: computed again, its second use
+        assert llm.engine.core.flush_kv_store()
+        assert stats()["kv_store_written_blocks"] - written >= full
+        _assert_all_free(llm)
+    with _llm(model, tmp_path, kv_store_admit="reused") as llm:  # a restart: both prompts load from the store
+        for p, expect in ((prompt, ref), (again, recomputed)):
+            out = _run(llm, p)
+            assert out.num_cached_tokens_by_tier["store"] >= full * BS
+            assert out.outputs[0].token_ids == expect.outputs[0].token_ids
+        _assert_all_free(llm)
+
+
+def test_store_admission_by_role():
+    from deepinfer.config import KVStoreConfig
+
+    auto = KVStoreConfig()
+    assert auto.admission() == "reused"  # a unified server
+    assert auto.admission("prefill") == auto.admission("decode") == "always"  # workers behind a router
+    assert KVStoreConfig(kv_store_admit="always").admission() == "always"
+    assert KVStoreConfig(kv_store_admit="reused").admission("prefill") == "reused"
+    with pytest.raises(ValueError, match="kv_store_admit"):
+        KVStoreConfig(kv_store_admit="sometimes")
 
 
 def test_corrupt_store_file_is_a_miss_and_output_stays_right(tiny_models, tmp_path):
@@ -303,7 +370,7 @@ def test_store_writer_drops_when_full_and_flushes_in_order():
 def _server(model, store: Path):
     engine = AsyncEngine(EngineConfig.from_kwargs(
         model=str(model), dtype="float32", kv_cache_memory="16MiB", max_model_len=512, profile_cost_model=False,
-        kv_store=str(store), kv_retention="agent=72h,chat=7d,batch=1h"))
+        kv_store=str(store), kv_store_admit="always", kv_retention="agent=72h,chat=7d,batch=1h"))
     try:
         with inprocess_app(build_app(engine, "tiny")) as base:
             yield base

@@ -33,7 +33,7 @@ def _prompts() -> tuple[list[int], list[list[int]]]:
 
 def _llm(model, store, **kw) -> LLM:
     return LLM(str(model), dtype="float32", kv_cache_memory="16MiB", block_size=BS, kv_store=str(store),
-               profile_cost_model=False, **kw)
+               kv_store_admit="always", profile_cost_model=False, **kw)
 
 
 def _store_then_hit(model, tmp_path, **kw) -> tuple[list, dict, list[list[int]]]:

@@ -40,6 +40,7 @@ def _prompts(vocab: int) -> tuple[list[int], list[list[int]]]:
 
 def _llm(path, store, **kw) -> LLM:
     kw.setdefault("kv_cache_memory", "4MiB")
+    kw.setdefault("kv_store_admit", "always")
     return LLM(str(path), dtype="float32", block_size=BS, kv_store=str(store) if store else "none",
                profile_cost_model=False, **kw)
 

@@ -17,7 +17,7 @@ def test_replayed_tokens_in_usage_and_metrics(tiny_models, tmp_path):
     rng = random.Random(3)
     prefix = [rng.randrange(3, 49152) for _ in range(40)]
     args = ("--model", str(model), "--dtype", "float32", "--kv-cache-memory", "16MiB", "--block-size", "4",
-            "--kv-store", str(tmp_path / "store"), "--max-model-len", "512")
+            "--kv-store", str(tmp_path / "store"), "--kv-store-admit", "always", "--max-model-len", "512")
     with running_server(*args) as base:
         client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0)
         first = client.completions.create(model=client.models.list().data[0].id, prompt=prefix, max_tokens=4,

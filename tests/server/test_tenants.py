@@ -146,7 +146,7 @@ def test_router_store_lookup_hashes_with_the_tenant(tiny_models, tmp_path):
 
     store, prompt, tenant = tmp_path / "store", _prompt(1), cache_id(key=KEY_A)
     with LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="64MiB", profile_cost_model=False,
-             kv_store=str(store)) as llm:
+             kv_store=str(store), kv_store_admit="always") as llm:
         engine = llm.engine
         engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=2), prompt_token_ids=prompt,
                            cache_tenant=tenant)
@@ -230,7 +230,7 @@ def test_tenants_do_not_share_cached_prefixes_even_through_the_store(tiny_models
     same tenants (the store's hits across the restart show it)."""
     store = tmp_path / "store"
     keys = ("--api-key", KEY_A, "--api-key", KEY_B, "--api-key", f"{KEY_C}=team", "--api-key", f"{KEY_D}=team")
-    model = ("--model", str(tiny_models["llama"]), *FLAGS, "--kv-store", str(store))
+    model = ("--model", str(tiny_models["llama"]), *FLAGS, "--kv-store", str(store), "--kv-store-admit", "always")
     p, q, shared = _prompt(10), _prompt(11), _prompt(12)
     monkeypatch.setenv(API_KEYS_ENV, f"{KEY_A},{KEY_B}\n{KEY_C}=team\n{KEY_D}=team\n")  # the process inherits it
     with running_server(*model, log=tmp_path / "first.log") as base:
@@ -292,7 +292,7 @@ def test_cluster_keeps_tenants_apart_and_its_internals_need_the_token(tiny_model
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if k != CLUSTER_TOKEN_ENV}
     cmd = [sys.executable, "-m", "deepinfer.cli", "--log-level", "WARNING", "serve", "--host", "127.0.0.1", "--port",
-           str(port), "--model", str(tiny_models["llama"]), *FLAGS, "--kv-store", str(store), "--api-key", KEY_A,
+           str(port), "--model", str(tiny_models["llama"]), *FLAGS, "--kv-store", str(store), "--kv-store-admit", "always", "--api-key", KEY_A,
            "--api-key", KEY_B, "--prefill-workers", "1", "--decode-workers", "1", "--health-interval", "0.5"]
     log = open(tmp_path / "cluster.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
