@@ -33,32 +33,6 @@ def test_ngram_finds_latest_longest_match():
     assert NgramProposer(2, 4).propose(_req(toks), 2).token_ids == (4, 5)
 
 
-def test_ngram_copy_resumes_past_a_replaced_token():
-    # source "def f ( a , b ) :" copied with `a` renamed to `x` (token 50): the copy resumes after "a"
-    src = [7, 8, 9, 21, 22, 23, 24, 25]
-    p = NgramProposer(2, 4)
-    req = _req([*src, 3, 7, 8, 9])  # the copy has reached "def f ("
-    d = p.propose(req, 4)
-    assert d.token_ids == (21, 22, 23, 24)  # copied from the source: "a , b )"
-    p.on_verified(req, 4, 0)  # the target rejects "a" (the scheduler reports it before appending) ...
-    req.token_ids.append(50)  # ... and emits "x"
-    assert find_continuation(req.token_ids, 2, 4, 4) == []  # "( x" occurs nowhere earlier
-    assert p.likely_to_propose(req)
-    resumed = p.propose(req, 3)
-    assert resumed.token_ids == (22, 23, 24) and resumed.match == 1  # ", b )": the source after "a"
-    # two drafts kept, then a rejection: the copy resumes past the third source token
-    p.on_verified(req, 3, 2)
-    req.token_ids += [22, 23, 60]
-    assert p.propose(req, 2).token_ids == (25, 3)
-    # the resume point is only good for the tokens it was recorded at
-    p.on_verified(req, 2, 1)
-    req.token_ids += [25, 61, 62]  # one token more than the verification left
-    assert p.propose(req, 2).token_ids == ()
-    # finishing drops the state
-    p.on_finished(req)
-    assert not p._copied and not p._resume
-
-
 def test_suffix_proposer_grows_with_output_and_reports_confidence():
     p = SuffixProposer(max_depth=4, min_match=2, min_confidence=0.0)
     req = _req([10, 11, 12, 13, 10, 11, 12, 14, 10, 11])
