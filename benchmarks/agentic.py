@@ -4,7 +4,9 @@ Two workloads, each run with the KV store off and on (a fresh temporary store di
 end), same engine settings otherwise: a device pool and a host tier that together hold less than the
 workload's live context, so without the store a returning prefix has often been evicted and is
 recomputed, with it the evicted blocks are loaded from the store. ``--configs`` may add
-``store_on_sync``: the store with `kv_store_prefetch` off (store reads on the engine thread).
+``store_on_sync``: the store with `kv_store_prefetch` off (store reads on the engine thread);
+``store_on_always``: the store writing every computed block (`kv_store_admit="always"`; ``store_on`` runs
+the default admission, ``reused``: a block is written at its second use).
 
 (a) agentic, session-paced: ``--sessions`` sessions of ``--turns`` turns. Turn 1 = a system prompt shared
     by all sessions (``--system-len`` tokens) + a per-session task (``--task-len``); each later turn = the
@@ -115,7 +117,7 @@ def ideal_hits(reqs: list[Req], with_output: bool) -> int:
 
 PRESETS = {"long": dict(sessions=10, turns=8, system_len=2048, task_len=256, tool_len=96, output_len=24, host_blocks=160),
            "short": dict(sessions=12, turns=5, system_len=256, task_len=96, tool_len=160, output_len=12, host_blocks=0)}
-CONFIGS = ("store_off", "store_on", "store_on_sync")
+CONFIGS = ("store_off", "store_on", "store_on_sync", "store_on_always")
 
 
 def block_token_bytes(dtype: str) -> int:
@@ -123,13 +125,14 @@ def block_token_bytes(dtype: str) -> int:
     return 30 * 3 * 64 * 2 * resolve_dtype(dtype, torch.device("cpu")).itemsize
 
 
-def make_engine(args: argparse.Namespace, store: Path | None, prefetch: bool = True) -> LLMEngine:
+def make_engine(args: argparse.Namespace, store: Path | None, prefetch: bool = True,
+                admit: str = "auto") -> LLMEngine:
     block = BLOCK * block_token_bytes(args.dtype)
     host = args.host_cache_memory or str(args.host_blocks * block)
     kwargs = dict(model=args.model, dtype=args.dtype, kv_cache_memory=str(args.device_blocks * block),
                   host_cache_memory=host, kv_store=str(store) if store else "none",
                   max_num_batched_tokens=args.max_num_batched_tokens, max_num_seqs=args.max_num_seqs,
-                  profile_cost_model=False, kv_store_prefetch=prefetch)
+                  profile_cost_model=False, kv_store_prefetch=prefetch, kv_store_admit=admit)
     engine = LLMEngine(EngineConfig.from_kwargs(**kwargs))
     rng = random.Random(12345)  # warm-up: first-call kernel costs, no prefix shared with the workload
     warm = _tokens(rng, 40)
@@ -162,8 +165,11 @@ def _record(engine: LLMEngine, live: dict[str, Req]) -> list[Req]:
 
 
 def _add(engine: LLMEngine, r: Req, live: dict[str, Req]) -> None:
+    # (a)'s sessions are agent traffic and say so, as the README asks agents to (retention class "agent":
+    # its blocks are stored at once under the default admission); the trace's requests keep the default
     engine.add_request(r.prompt, SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True),
-                       request_id=r.rid, prompt_token_ids=r.prompt)
+                       request_id=r.rid, prompt_token_ids=r.prompt,
+                       retention_class="agent" if r.session >= 0 else None)
     r.added = time.monotonic()
     r.core = engine.core.scheduler.requests[r.rid]
     live[r.rid] = r
@@ -271,7 +277,8 @@ def measure(workload: str, config: str, args: argparse.Namespace) -> dict[str, f
     store_on = config != "store_off"
     store = Path(tempfile.mkdtemp(prefix="agentic-kvstore-", dir=args.store_dir)) if store_on else None
     try:
-        engine = make_engine(args, store, prefetch=config != "store_on_sync")
+        engine = make_engine(args, store, prefetch=config != "store_on_sync",
+                             admit="always" if config == "store_on_always" else "auto")
         try:
             reqs, wall = (run_agentic if workload == "agentic" else run_trace)(engine, args)
             stats = engine.stats()

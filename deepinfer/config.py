@@ -372,12 +372,17 @@ class KVStoreConfig:
         "request hits it in the device cache or host tier, or computes it again after an earlier request did "
         "(this engine remembers the last ~65k block hashes it declined) -- so a prompt seen once costs no "
         "disk write and does not push reused prefixes out of the store's LRU; a conversation's turn is "
-        "stored when the next turn arrives. always: every computed block is written through at once (what a "
-        "restarted engine or another worker can then find after a single request). auto: reused for a "
-        "unified server, always for prefill and decode workers (their router routes by what the shared "
-        "store holds).",
+        "stored when the next turn arrives (unless its class is in --kv-store-admit-always-classes). always: "
+        "every computed block is written through at once (what a restarted engine or another worker can then "
+        "find after a single request). auto: reused for a unified server, always for prefill and decode "
+        "workers (their router routes by what the shared store holds).",
         choices=["auto", "always", "reused"],
     )
+    kv_store_admit_always_classes: str = _f(
+        "agent", "Retention classes (comma-separated) whose blocks reused admission writes at once anyway: an "
+        "agent resends its whole context every turn, so its blocks are reused by construction, and a turn "
+        "recomputed after the device and host tiers evicted it costs it the most (benchmarks/agentic.py, "
+        "session 28). Empty = none.")
     kv_store_fsync: bool = _f(
         False, "fsync every store object before renaming it into place. Off by default: every read is validated "
         "(header digest, length, a CRC per block), so an object a crash left torn is dropped as a miss and "
@@ -406,6 +411,10 @@ class KVStoreConfig:
             raise ValueError("kv_store must be a directory, auto or none")
         if self.kv_store_admit not in ("auto", "always", "reused"):
             raise ValueError(f"kv_store_admit must be auto, always or reused, got {self.kv_store_admit!r}")
+
+    def always_classes(self) -> frozenset[str]:
+        """`kv_store_admit_always_classes` as a set."""
+        return frozenset(c.strip() for c in self.kv_store_admit_always_classes.split(",") if c.strip())
 
     def admission(self, role: str = "unified") -> str:
         """`kv_store_admit` resolved for an engine of `role` (always or reused)."""

@@ -15,8 +15,10 @@ host-tier hit (`reused`), or a recompute of a block this engine declined
 before (`write`) -- so one-off prompts cost no disk traffic and cannot push
 reused prefixes out of the store's LRU (a 32-stream server of unique prompts
 on a 2-core CPU spent ~6% of its throughput writing them; BENCHMARKS.md,
-session 28). Prefill and decode workers write everything: their router
-routes by what the shared store holds. The
+session 28), except for the retention classes of `--kv-store-admit-always-
+classes` (agent): an agent's context comes back every turn, and a turn the
+tiers evicted before the next one would be recomputed. Prefill and decode
+workers write everything: their router routes by what the shared store holds. The
 host tier then caches what the device pool dropped (plus, without the prefetcher,
 store hits, which `TieredKVStore.load` promotes), so it duplicates little of the device. The two
 moves are split because `TieredKVStore.offload` does both at the same moment,
@@ -65,10 +67,12 @@ class KVTiers:
     SEEN_CAPACITY = 1 << 16
 
     def __init__(self, tiers: TieredKVStore, blocks: TierBlocks, writer: StoreWriter | None = None,
-                 prefetch: bool = True, prefetch_wait_s: float = 0.05, admit: str = "always") -> None:
+                 prefetch: bool = True, prefetch_wait_s: float = 0.05, admit: str = "always",
+                 always_classes: frozenset[str] = frozenset()) -> None:
         if admit not in ("always", "reused"):
             raise ValueError(f"store admission must be always or reused, got {admit!r}")
         self.admit = admit
+        self.always_classes = always_classes  # retention classes written at once under "reused"
         self._declined: dict[bytes, None] = {}  # block hashes not written at their first use, oldest first
         self.declined_blocks = 0
         self.tiers = tiers
@@ -99,7 +103,7 @@ class KVTiers:
         logger.info("KV tiers: host %s, store %s", f"{host_bytes / 2**20:.0f} MiB" if host is not None else "off",
                     store.root if store is not None else "off")
         return cls(TieredKVStore(host, store), blocks, writer, config.kv_store_prefetch,
-                   config.kv_store_prefetch_wait_ms / 1000, config.admission())
+                   config.kv_store_prefetch_wait_ms / 1000, config.admission(), config.always_classes())
 
     @property
     def host(self) -> HostKVCache | None:
@@ -149,7 +153,7 @@ class KVTiers:
         are written; the rest are remembered as declined."""
         if self.writer is None or count <= 0:
             return
-        if self.admit == "reused":
+        if self.admit == "reused" and self.tiers.store.retention.resolve(retention_class) not in self.always_classes:
             end = start + count
             count = 0
             while count < end - start and hashes[start + count] in self._declined:

@@ -215,6 +215,19 @@ def test_reused_admission_stores_a_prefix_at_its_second_use(tiny_models, tmp_pat
         _assert_all_free(llm)
 
 
+def test_reused_admission_writes_agent_traffic_at_once(tiny_models, tmp_path):
+    model, prompt = tiny_models["llama"], _prompt(32, 70)
+    with _llm(model, tmp_path, kv_store_admit="reused") as llm:
+        _run(llm, prompt, retention_class="agent")  # --kv-store-admit-always-classes: agent by default
+        assert llm.engine.core.flush_kv_store()
+        assert llm.engine.stats()["kv_store_written_blocks"] >= (len(prompt) - 1) // BS
+        assert llm.engine.stats()["kv_store_declined_blocks"] == 0
+    with _llm(model, tmp_path, kv_store_admit="reused", kv_store_admit_always_classes="") as llm:
+        _run(llm, _prompt(33, 70), retention_class="agent")
+        assert llm.engine.core.flush_kv_store()
+        assert llm.engine.stats()["kv_store_written_blocks"] == 0
+
+
 def test_store_admission_by_role():
     from deepinfer.config import KVStoreConfig
 
@@ -223,6 +236,8 @@ def test_store_admission_by_role():
     assert auto.admission("prefill") == auto.admission("decode") == "always"  # workers behind a router
     assert KVStoreConfig(kv_store_admit="always").admission() == "always"
     assert KVStoreConfig(kv_store_admit="reused").admission("prefill") == "reused"
+    assert auto.always_classes() == {"agent"}
+    assert KVStoreConfig(kv_store_admit_always_classes=" agent, batch ,").always_classes() == {"agent", "batch"}
     with pytest.raises(ValueError, match="kv_store_admit"):
         KVStoreConfig(kv_store_admit="sometimes")
 
