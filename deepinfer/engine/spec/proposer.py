@@ -74,8 +74,9 @@ class Proposer(ABC):
       speculate; a proposer that runs a model (a draft model, DeepSeek-V4's MTP layer) overrides it to run
       one batched forward, and owns that model's paged KV (its own `KVCacheManager` and block tables,
       keyed by request id): `on_verified(req, num_drafted, num_accepted)` tells it how many of its tokens
-      the target kept, so it can roll its KV back to `len(req.token_ids)` (after the target's tokens are
-      appended), and `on_finished` frees it.
+      the target kept, so it can roll its KV back to the kept prefix; it is called before the kept drafts
+      and the target's own token are appended (`req.token_ids` is as it was when the drafts were proposed,
+      and grows by `num_accepted + 1` after), and `on_finished` frees it.
     - A proposer that samples its drafts from a distribution q returns q as well (`Draft.probs`) and
       `verify.py` accepts with min(1, p/q), drawing rejections from max(0, p - q); deterministic drafts
       (n-gram, suffix, greedy draft models) leave it None: q is a point mass, the point-mass rule applies.
