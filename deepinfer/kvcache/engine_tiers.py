@@ -2,13 +2,13 @@
 
 Owns building the tiers from `KVStoreConfig`, and the three moves the KV manager asks for:
 
-    a block is computed  ──write──▶ store        (write-through, on the background `StoreWriter`)
+    a block is computed  ──write──▶ store        (write-through, subject to admission; on the background `StoreWriter`)
     the device pool evicts a block ─▶ host tier  (copied out on the engine thread, before reuse)
     a request is admitted with tier hits ─load─▶ its fresh device blocks (before its first step)
 
-Write-through, not spill-on-evict: a computed block goes to the store at once
-(in segment-aligned runs, see `KVCacheManager`), so other workers and a
-restarted engine can use it, and nothing is lost when the process dies.
+Write-through, not spill-on-evict: an admitted block goes to the store as soon as
+it is computed (in segment-aligned runs, see `KVCacheManager`), so other workers
+and a restarted engine can use it, and nothing is lost when the process dies.
 Admission (`--kv-store-admit`): `always` writes every computed block; `reused`
 (a unified server's default) writes a block at its second use -- a device or
 host-tier hit (`reused`), or a recompute of a block this engine declined
@@ -18,8 +18,9 @@ on a 2-core CPU spent ~6% of its throughput writing them; BENCHMARKS.md,
 session 28), except for the retention classes of `--kv-store-admit-always-
 classes` (agent): an agent's context comes back every turn, and a turn the
 tiers evicted before the next one would be recomputed. Prefill and decode
-workers write everything: their router routes by what the shared store holds. The
-host tier then caches what the device pool dropped (plus, without the prefetcher,
+workers write everything: their router routes by what the shared store holds.
+
+The host tier caches what the device pool dropped (plus, without the prefetcher,
 store hits, which `TieredKVStore.load` promotes), so it duplicates little of the device. The two
 moves are split because `TieredKVStore.offload` does both at the same moment,
 synchronously.
@@ -53,6 +54,7 @@ from deepinfer.config import KVStoreConfig, resolve_size
 from deepinfer.kvcache import HostKVCache, KVBlockStore, KVLayout, RetentionPolicy, TieredKVStore
 from deepinfer.kvcache.blocks import TierBlocks
 from deepinfer.kvcache.host import payload_nbytes
+from deepinfer.kvcache.manager import consecutive_runs
 from deepinfer.kvcache.prefetch import Staged, StorePrefetcher
 from deepinfer.kvcache.writer import StoreWriter
 
@@ -169,17 +171,11 @@ class KVTiers:
         earlier, now needed a second time."""
         if self.admit != "reused" or self.writer is None or not self._declined:
             return
-        run_start = None
-        end = start + count
-        for pos in range(start, end + 1):
-            due = pos < end and hashes[pos] in self._declined
-            if due:
-                del self._declined[hashes[pos]]
-                if run_start is None:
-                    run_start = pos
-            elif run_start is not None:
-                self._write(hashes, tables, run_start, pos - run_start, retention_class)
-                run_start = None
+        due = [pos for pos in range(start, start + count) if hashes[pos] in self._declined]
+        for pos in due:
+            del self._declined[hashes[pos]]
+        for run_start, run_count in consecutive_runs(due):
+            self._write(hashes, tables, run_start, run_count, retention_class)
 
     def _decline(self, hashes: Sequence[bytes]) -> None:
         declined = self._declined

@@ -541,14 +541,8 @@ class KVCacheManager:
             return
         self._unwritten[req.request_id] = [i for i in unwritten if i >= upto]
         tables = [g.tables.get(req.request_id, []) for g in self.groups]
-        run_start = prev = ready[0]
-        for i in [*ready[1:], None]:
-            if i is not None and i == prev + 1:
-                prev = i
-                continue
-            self.tiers.write(req.block_hashes, tables, run_start, prev + 1 - run_start, req.retention_class)
-            if i is not None:
-                run_start = prev = i
+        for start, count in consecutive_runs(ready):
+            self.tiers.write(req.block_hashes, tables, start, count, req.retention_class)
 
     def _release_prefetch(self, req: Request) -> None:
         if self.tiers is not None and self.tiers.prefetcher is not None:
@@ -574,3 +568,14 @@ class KVCacheManager:
     def usage(self) -> float:
         """The fullest group's share of blocks in use."""
         return max(g.pool.num_used / g.pool.num_blocks for g in self.groups)
+
+
+def consecutive_runs(positions: list[int]) -> list[tuple[int, int]]:
+    """(start, count) of each run of consecutive values in ascending `positions`."""
+    runs: list[tuple[int, int]] = []
+    for p in positions:
+        if runs and runs[-1][0] + runs[-1][1] == p:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((p, 1))
+    return runs

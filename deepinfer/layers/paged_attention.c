@@ -464,24 +464,20 @@ static void block_values(float (*acc)[MAX_D], const float (*s)[MAX_BS], const fl
                             * on a 2-core EPYC Zen 5, the requests outnumber what a core keeps in flight) */
 #endif
 
+/* prefetch the first `bytes` of n token rows (tstride apart) starting at p; p NULL: nothing */
+static inline __attribute__((always_inline)) void prefetch_rows(const char *p, int n, int64_t tstride, int bytes) {
+    if (!p) return;
+    for (int t = 0; t < n; t++)
+        for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + t * tstride + off, _MM_HINT_T0);
+}
+
 /* prefetch heads h..h+nh-1's rows of block `block` (the first `rows` tokens of it) for K and V */
 static inline void prefetch_block(const void *k_cache, const void *v_cache, int64_t block, int block_size,
                                   int64_t row_stride, int h, int nh, int D, int esize, int64_t rows) {
     const int n = rows < block_size ? (int)rows : block_size;
     const int64_t first = (block * block_size * row_stride + (int64_t)h * D) * esize;
-    const int64_t tstride = row_stride * esize;
-    for (int t = 0; t < n; t++)
-        for (int off = 0; off < nh * D * esize; off += 64) {
-            _mm_prefetch((const char *)k_cache + first + t * tstride + off, _MM_HINT_T0);
-            _mm_prefetch((const char *)v_cache + first + t * tstride + off, _MM_HINT_T0);
-        }
-}
-
-/* prefetch n token rows of one head (D elements each, rows tstride apart) starting at p; p NULL: nothing */
-static inline __attribute__((always_inline)) void prefetch_rows(const char *p, int n, int64_t tstride, int bytes) {
-    if (!p) return;
-    for (int t = 0; t < n; t++)
-        for (int off = 0; off < bytes; off += 64) _mm_prefetch(p + t * tstride + off, _MM_HINT_T0);
+    prefetch_rows((const char *)k_cache + first, n, row_stride * esize, nh * D * esize);
+    prefetch_rows((const char *)v_cache + first, n, row_stride * esize, nh * D * esize);
 }
 
 /* one block of a task in the width the loop was built for (wide: 16 lanes, AVX-512 builds only; dot_bf16:

@@ -228,6 +228,14 @@ def test_reused_admission_writes_agent_traffic_at_once(tiny_models, tmp_path):
         assert llm.engine.stats()["kv_store_written_blocks"] == 0
 
 
+def test_consecutive_runs():
+    from deepinfer.kvcache.manager import consecutive_runs
+
+    assert consecutive_runs([]) == []
+    assert consecutive_runs([4]) == [(4, 1)]
+    assert consecutive_runs([1, 2, 3, 7, 8, 10]) == [(1, 3), (7, 2), (10, 1)]
+
+
 def test_store_admission_by_role():
     from deepinfer.config import KVStoreConfig
 
