@@ -240,7 +240,10 @@ class ModelRunner:
             if mode == "on":
                 raise ValueError("gguf_kernels=on needs float32 or bfloat16 on an x86-64 CPU with AVX2 and gcc")
             return False
-        attached = self.model.attach_gguf(*read_quantized(files.source))
+        # files.directory is the GGUF's conversion, named by its content digest (weights/loader.py); a
+        # subdirectory, so the loader's *.safetensors does not take the blocks for checkpoint shards
+        blocks = files.directory / "gguf_blocks" / "blocks.safetensors"
+        attached = self.model.attach_gguf(*read_quantized(files.source, blocks))
         logger.info("GGUF kernels: %d projections (and expert slots) multiply from quantized blocks for small "
                     "batches", attached)
         if attached and hasattr(self.model, "enable_fused_decode") and self.model.enable_fused_decode():

@@ -166,3 +166,25 @@ def test_attach_validation(gguf_file):
     ex.attach_expert_blocks(gate, up, down)
     ex.attach_quantized(2, None, None)
     assert ex.num_quantized == E - 1 and ex.block_kinds == (gate[0].kind, down[0].kind)
+
+
+def _same_blocks(a: gk.QuantizedWeight, b: gk.QuantizedWeight) -> bool:
+    return (a.kind, a.n, a.k) == (b.kind, b.n, b.k) and torch.equal(a.qs, b.qs) and torch.equal(a.d, b.d) and (
+        (a.mn is None and b.mn is None) or torch.equal(a.mn, b.mn))
+
+
+def test_block_cache_returns_the_files_blocks_and_replaces_a_torn_one(gguf_file, tmp_path):
+    parsed_tensors, parsed_experts = gk.read_quantized(gguf_file)
+    cache = tmp_path / "blocks" / "blocks.safetensors"
+    gk.read_quantized(gguf_file, cache)  # parses and writes the cache
+    assert cache.is_file()
+    for _ in range(2):  # from the cache; then after a torn write, parsed again and rewritten
+        tensors, experts = gk.read_quantized(gguf_file, cache)
+        assert sorted(tensors) == sorted(parsed_tensors) and sorted(experts) == sorted(parsed_experts)
+        assert all(_same_blocks(tensors[n], parsed_tensors[n]) for n in tensors)
+        assert all(len(experts[n]) == E and all(map(_same_blocks, experts[n], parsed_experts[n])) for n in experts)
+        size = cache.stat().st_size
+        with open(cache, "r+b") as f:
+            f.truncate(size // 2)
+    gk.read_quantized(gguf_file, cache)
+    assert cache.stat().st_size == size  # the torn cache was replaced by a whole one
