@@ -62,8 +62,9 @@ import errno
 import logging
 import os
 import tempfile
+import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -86,6 +87,26 @@ logger = logging.getLogger(__name__)
 # header reads spent on branch segments (names not on our chain) per group and walk: bounds
 # the work at a popular group where many conversations diverge
 MAX_BRANCH_PROBES = 8
+# parsed group listings kept per store (a popular group, e.g. a chat template's first block, holds one
+# segment per stored conversation: thousands of names)
+LISTING_CACHE_DIRS = 1024
+# a listing taken this soon after its directory's last change is not kept: a change in the same
+# timestamp tick would leave the mtime as it was
+RACY_LISTING_NS = 1_000_000_000
+
+
+class GroupListing:
+    """One group directory's segment names, parsed once: by last block hash, and in listing order."""
+
+    def __init__(self, names: list[str], mtime_ns: int = -1) -> None:
+        self.mtime_ns = mtime_ns
+        self.entries: list[tuple[bytes, int, str]] = []
+        self.by_hash: dict[bytes, list[tuple[int, str]]] = {}
+        for name in names:
+            parsed = parse_segment_name(name)
+            if parsed is not None:
+                self.entries.append((parsed[0], parsed[1], name))
+                self.by_hash.setdefault(parsed[0], []).append((parsed[1], name))
 
 
 def as_buffer(payload: Any) -> memoryview:
@@ -114,6 +135,8 @@ class KVBlockStore(KVTier):
         self.fsync = fsync
         self.space = StoreSpace(self.root, max_bytes)
         self.counters: Counter[str] = Counter()
+        self._listings: OrderedDict[Path, GroupListing] = OrderedDict()
+        self._listings_lock = threading.Lock()
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as e:  # reads of an existing store may still work; writes will count errors
@@ -162,41 +185,67 @@ class KVBlockStore(KVTier):
         f.close()
         return None
 
+    def _listing(self, gdir: Path) -> GroupListing:
+        """`gdir`'s parsed listing: the cached one while the directory's mtime is unchanged (one stat),
+        else listed and parsed again. Other processes' writes and removals change the mtime; a listing
+        that is stale anyway (a change within the mtime's tick) costs a miss or a failed open, never a
+        wrong block: every segment is validated when opened."""
+        try:
+            mtime = os.stat(gdir).st_mtime_ns
+        except OSError:
+            return GroupListing([])
+        with self._listings_lock:  # lookups also run on the tiers' staging thread
+            cached = self._listings.get(gdir)
+            if cached is not None and cached.mtime_ns == mtime:
+                self._listings.move_to_end(gdir)
+                return cached
+        try:
+            listing = GroupListing(os.listdir(gdir), mtime)
+        except OSError:
+            return GroupListing([])
+        with self._listings_lock:
+            if time.time_ns() - mtime > RACY_LISTING_NS:
+                self._listings[gdir] = listing
+                self._listings.move_to_end(gdir)
+                if len(self._listings) > LISTING_CACHE_DIRS:
+                    self._listings.popitem(last=False)
+            else:
+                self._listings.pop(gdir, None)
+        return listing
+
     def _candidates(self, hashes: Sequence[bytes], a: int, p: int, end: int,
-                    listings: dict[int, list[str]]) -> Iterator[Path]:
-        """Segment paths that may hold position p of the group starting at a, most promising first."""
+                    listings: dict[int, GroupListing]) -> Iterator[Path]:
+        """Segment paths that may hold position p of the group starting at a, most promising first:
+        the full segment ending at the group's last position, segments ending at a position of the
+        chain that cover p (latest end first), then up to MAX_BRANCH_PROBES others (branches: they may
+        share blocks with the chain before they part)."""
         gdir = group_dir(self.root, hashes[a])
         n = self.segment_blocks
         full = segment_name(hashes[a + n - 1], n) if end == a + n else None
         if full is not None:
             yield gdir / full
         if a not in listings:
-            try:
-                listings[a] = os.listdir(gdir)
-            except OSError:
-                listings[a] = []
-        pos_of = {hashes[i]: i for i in range(a, end)}
-        known, branches = [], []
-        for name in listings[a]:
-            parsed = parse_segment_name(name)
-            if parsed is None or name == full:
-                continue
-            i = pos_of.get(parsed[0])
-            if i is None:
-                branches.append(name)
-            elif i + 1 - parsed[1] <= p <= i:
-                known.append((i, name))
-        for _, name in sorted(known, reverse=True):
+            listings[a] = self._listing(gdir)
+        listing = listings[a]
+        known = sorted(((i, name) for i in range(max(a, p), end) for nblocks, name in listing.by_hash.get(hashes[i], ())
+                        if name != full and i + 1 - nblocks <= p), reverse=True)
+        for _, name in known:
             yield gdir / name
-        for name in branches[:MAX_BRANCH_PROBES]:
-            yield gdir / name
+        pos = set(hashes[a:end])
+        branches = 0
+        for h, _, name in listing.entries:
+            if branches == MAX_BRANCH_PROBES:
+                break
+            if h not in pos and name != full:
+                branches += 1
+                yield gdir / name
 
     def _iter_runs(self, hashes: Sequence[bytes], start: int,
                    limit: int) -> Iterator[tuple[Path, BinaryIO, SegmentHeader, int, int]]:
         """Yield (path, file, header, p, e) for consecutive validated runs covering hashes[start:e]; the
         file is open while the consumer holds the item. Stops at the first position no segment covers."""
         p = start
-        listings: dict[int, list[str]] = {}
+        listings: dict[int, GroupListing] = {}
         while p < limit:
             a = p - p % self.segment_blocks
             end = min(limit, a + self.segment_blocks)

@@ -118,6 +118,34 @@ def test_growing_history_appends_and_branches_share(tmp_path):
     assert store.lookup(tail_only) == 0 and store.lookup(tail_only, 5) == 3
 
 
+def test_group_listing_is_parsed_once_and_follows_other_writers_and_removals(tmp_path):
+    from deepinfer.kvcache.space import group_dir
+
+    reader, writer = make_store(tmp_path), make_store(tmp_path)
+    base = list(range(4))  # one block all the conversations below share: one group directory
+    # 3 blocks each: a group's partial segment, found through the listing (a full one is opened by name)
+    convs = [chain(base + [100 + i] * 8) for i in range(12)]
+    for h in convs[:10]:
+        writer.put(h, [payload(x) for x in h])
+    gdir = group_dir(tmp_path, convs[0][0])
+    assert len(os.listdir(gdir)) >= 10
+    old = time.time() - 10
+    os.utime(gdir, (old, old))  # older than a timestamp tick: the listing may be kept
+    assert reader.lookup(convs[3]) == 3
+    first = reader._listing(gdir)
+    assert reader._listing(gdir) is first  # unchanged directory: one stat, no listing parsed again
+    # another store (process) writes into the group: the changed mtime makes the reader list it again
+    writer.put(convs[10], [payload(x) for x in convs[10]])
+    assert reader.lookup(convs[10]) == 3 and reader._listing(gdir) is not first
+    assert [bytes(p) for p in reader.load(convs[10])] == [payload(x) for x in convs[10]]
+    # ... and removes one: a miss now, never stale blocks
+    for f in os.listdir(gdir):
+        if f.startswith(convs[5][-1].hex()):
+            os.unlink(gdir / f)
+    assert reader.lookup(convs[5]) == 1  # the shared first block, from another conversation's segment
+    assert reader.lookup(convs[11]) == 1
+
+
 def test_header_length_formula_matches_encoding():
     from deepinfer.kvcache.format import SegmentHeader
 
