@@ -508,46 +508,73 @@ static inline __attribute__((always_inline)) void prefetch_feature(const int kin
         for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)(mn + n * nb) + o, _MM_HINT_T0);
 }
 
-/* M rows (1..MAX_ROWS) over output features [n0, n1). M and the weight kind are compile-time constants at
- * each call site, so the 2 * M accumulators stay in registers (a stack array indexed by a run-time m had
- * every vdpbf16ps load and store its accumulator: 4-8 rows cost 1.7-2.3x one row). Each block is
- * dequantized once for all M rows; the x blocks come from L1. Every (row, feature) sum runs in one fixed
- * order whatever M is: even blocks into acc, odd into accb, then one reduce of acc + accb, so a row's bits
- * do not depend on the other rows. One feature at a time: several features per pass (sharing the x loads)
- * only paid with the weights in cache; reading them from memory, one sequential run per array was faster. */
+/* The sums of output feature n for M rows (1..MAX_ROWS) into v[0..M): even blocks into one accumulator, odd
+ * into another, then their sum. M and the weight kind are compile-time constants at each call site, so
+ * the 2 * M accumulators stay in registers (a stack array indexed by a run-time m had every vdpbf16ps load
+ * and store its accumulator: 4-8 rows cost 1.7-2.3x one row). Each block is dequantized once for all M
+ * rows; the x blocks come from L1. The order is fixed whatever M is, so a row's bits do not depend on the
+ * other rows. */
+static inline __attribute__((always_inline)) void feature_sums(const uint16_t *x, const int M, int K, const int kind,
+                                                                const void *qs, const float *d, const float *mn,
+                                                                int n, __m512 *v) {
+    const int nb = K / QK;
+    __m512 acc[MAX_ROWS], accb[MAX_ROWS];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        const __m512bh w0 = block_pbh(kind, qs, d, mn, n, nb, b), w1 = block_pbh(kind, qs, d, mn, n, nb, b + 1);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) {
+            const uint16_t *xm = x + (int64_t)m * K + b * QK;
+            acc[m] = _mm512_dpbf16_ps(acc[m], w0, (__m512bh)_mm512_loadu_si512(xm));
+            accb[m] = _mm512_dpbf16_ps(accb[m], w1, (__m512bh)_mm512_loadu_si512(xm + QK));
+        }
+    }
+    if (b < nb) {
+        const __m512bh w0 = block_pbh(kind, qs, d, mn, n, nb, b);
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++)
+            acc[m] = _mm512_dpbf16_ps(acc[m], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + b * QK));
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) v[m] = _mm512_add_ps(acc[m], accb[m]);
+}
+
+/* G consecutive features from n (G * M <= 16): their sums reduced together by one reduce16 (source f * M + m:
+ * feature f, row m), rounded to bfloat16 as store1 rounds one, and stored */
+static inline __attribute__((always_inline)) void feature_group(const uint16_t *x, const int M, int K, const int kind,
+                                                                 const void *qs, const float *d, const float *mn,
+                                                                 uint16_t *y, int N, int n, const int G, int n1) {
+    const int nb = K / QK;
+    __m512 v[16];
+#pragma GCC unroll 16
+    for (int s = G * M; s < 16; s++) v[s] = _mm512_setzero_ps();
+    for (int f = 0; f < G; f++) {
+        if (n + f + PREFETCH_AHEAD < n1) prefetch_feature(kind, qs, d, mn, n + f + PREFETCH_AHEAD, nb);
+        feature_sums(x, M, K, kind, qs, d, mn, n + f, v + f * M);
+    }
+    uint16_t out[16];
+    store16(out, reduce16(v), 1);
+#pragma GCC unroll 16
+    for (int s = 0; s < G * M; s++) y[(int64_t)(s % M) * N + n + s / M] = out[4 * (s % 4) + s / 4];
+}
+
+/* M rows over output features [n0, n1). With at most GROUPED_MAX_ROWS rows, 16 / M features share one
+ * reduce16, whose shuffles, rounding and extraction otherwise ran once per feature (~20 instructions beside
+ * a K = 576 feature's ~180): 5-14% off a 1-2 row projection, 0-3% at 3-4 rows, slower from 6 (the
+ * accumulators no longer fit in registers beside the group's sums). reduce16 reduces every source in the
+ * same order wherever it lands, so grouping does not change any bits. One feature at a time within a
+ * group: several features per pass (sharing the x loads) only paid with the weights in cache; reading them
+ * from memory, one sequential run per array was faster. */
+#define GROUPED_MAX_ROWS 4
 static inline __attribute__((always_inline)) void rowsm_bf16(const uint16_t *x, const int M, int K, const int kind,
                                                               const void *qs, const float *d, const float *mn,
                                                               uint16_t *y, int N, int n0, int n1) {
-    const int nb = K / QK;
-    for (int n = n0; n < n1; n++) {
-        if (n + PREFETCH_AHEAD < n1) prefetch_feature(kind, qs, d, mn, n + PREFETCH_AHEAD, nb);
-        __m512 acc[MAX_ROWS], accb[MAX_ROWS];
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
-        int b = 0;
-        for (; b + 2 <= nb; b += 2) {
-            const __m512bh w0 = block_pbh(kind, qs, d, mn, n, nb, b), w1 = block_pbh(kind, qs, d, mn, n, nb, b + 1);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++) {
-                const uint16_t *xm = x + (int64_t)m * K + b * QK;
-                acc[m] = _mm512_dpbf16_ps(acc[m], w0, (__m512bh)_mm512_loadu_si512(xm));
-                accb[m] = _mm512_dpbf16_ps(accb[m], w1, (__m512bh)_mm512_loadu_si512(xm + QK));
-            }
-        }
-        if (b < nb) {
-            const __m512bh w0 = block_pbh(kind, qs, d, mn, n, nb, b);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++)
-                acc[m] = _mm512_dpbf16_ps(acc[m], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + b * QK));
-        }
-        __m512 v[16];
-#pragma GCC unroll 16
-        for (int s = 0; s < 16; s++) v[s] = s < M ? _mm512_add_ps(acc[s], accb[s]) : _mm512_setzero_ps();
-        uint16_t out[16];
-        store16(out, reduce16(v), 1);  /* rounded to bfloat16 as store1 rounds one */
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = out[4 * (m % 4) + m / 4];
-    }
+    const int G = M <= GROUPED_MAX_ROWS ? 16 / M : 1;
+    int n = n0;
+    for (; n + G <= n1; n += G) feature_group(x, M, K, kind, qs, d, mn, y, N, n, G, n1);
+    for (; n < n1; n++) feature_group(x, M, K, kind, qs, d, mn, y, N, n, 1, n1);
 }
 
 static inline __attribute__((always_inline)) void rowsm_any(const uint16_t *x, const int M, int K, int kind,
