@@ -242,7 +242,7 @@ class ModelRunner:
             return False
         # files.directory is the GGUF's conversion, named by its content digest (weights/loader.py); a
         # subdirectory, so the loader's *.safetensors does not take the blocks for checkpoint shards
-        blocks = files.directory / "gguf_blocks" / "blocks.safetensors"
+        blocks = files.directory / "gguf_blocks" / "blocks.bin"
         attached = self.model.attach_gguf(*read_quantized(files.source, blocks))
         logger.info("GGUF kernels: %d projections (and expert slots) multiply from quantized blocks for small "
                     "batches", attached)

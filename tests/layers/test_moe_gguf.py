@@ -173,18 +173,32 @@ def _same_blocks(a: gk.QuantizedWeight, b: gk.QuantizedWeight) -> bool:
         (a.mn is None and b.mn is None) or torch.equal(a.mn, b.mn))
 
 
-def test_block_cache_returns_the_files_blocks_and_replaces_a_torn_one(gguf_file, tmp_path):
+def test_block_cache_returns_the_files_blocks_and_replaces_a_torn_or_damaged_one(gguf_file, tmp_path):
     parsed_tensors, parsed_experts = gk.read_quantized(gguf_file)
-    cache = tmp_path / "blocks" / "blocks.safetensors"
+    cache = tmp_path / "blocks" / "blocks.bin"
     gk.read_quantized(gguf_file, cache)  # parses and writes the cache
-    assert cache.is_file()
-    for _ in range(2):  # from the cache; then after a torn write, parsed again and rewritten
-        tensors, experts = gk.read_quantized(gguf_file, cache)
+
+    def check(got: gk.QuantizedTensors) -> None:
+        tensors, experts = got
         assert sorted(tensors) == sorted(parsed_tensors) and sorted(experts) == sorted(parsed_experts)
         assert all(_same_blocks(tensors[n], parsed_tensors[n]) for n in tensors)
         assert all(len(experts[n]) == E and all(map(_same_blocks, experts[n], parsed_experts[n])) for n in experts)
-        size = cache.stat().st_size
-        with open(cache, "r+b") as f:
-            f.truncate(size // 2)
-    gk.read_quantized(gguf_file, cache)
-    assert cache.stat().st_size == size  # the torn cache was replaced by a whole one
+
+    def tear(f, size):
+        f.truncate(size // 2)
+
+    def flip(f, size):  # one bit of the last tensor's data: without the digest, a wrong weight served
+        f.seek(size - 5)
+        b = f.read(1)
+        f.seek(size - 5)
+        f.write(bytes([b[0] ^ 0x10]))
+
+    for damage in (None, tear, flip):
+        if damage is not None:
+            with open(cache, "r+b") as f:
+                damage(f, cache.stat().st_size)
+            assert gk._load_cached(cache) is None  # refused, not loaded
+        check(gk.read_quantized(gguf_file, cache))  # from the cache, or parsed again and the cache rewritten
+        cached = gk._load_cached(cache)
+        assert cached is not None
+        check(cached)
