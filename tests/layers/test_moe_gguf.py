@@ -202,3 +202,14 @@ def test_block_cache_returns_the_files_blocks_and_replaces_a_torn_or_damaged_one
         cached = gk._load_cached(cache)
         assert cached is not None
         check(cached)
+
+
+def test_block_cache_that_cannot_be_written_only_costs_the_parse(gguf_file, tmp_path):
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("")
+    cache = blocker / "blocks.bin"  # its parent is a file: mkdir fails
+    tensors, experts = gk.read_quantized(gguf_file, cache)
+    parsed_tensors, parsed_experts = gk.read_quantized(gguf_file)
+    assert sorted(tensors) == sorted(parsed_tensors) and sorted(experts) == sorted(parsed_experts)
+    assert all(_same_blocks(tensors[n], parsed_tensors[n]) for n in tensors)
+    assert not cache.exists() and gk._load_cached(cache) is None
