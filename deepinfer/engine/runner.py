@@ -240,8 +240,7 @@ class ModelRunner:
             if mode == "on":
                 raise ValueError("gguf_kernels=on needs float32 or bfloat16 on an x86-64 CPU with AVX2 and gcc")
             return False
-        # files.directory is the GGUF's conversion, named by its content digest (weights/loader.py); a
-        # subdirectory, so the loader's *.safetensors does not take the blocks for checkpoint shards
+        # files.directory is the GGUF's conversion, named by its content digest (weights/loader.py)
         blocks = files.directory / "gguf_blocks" / "blocks.bin"
         attached = self.model.attach_gguf(*read_quantized(files.source, blocks))
         logger.info("GGUF kernels: %d projections (and expert slots) multiply from quantized blocks for small "

@@ -213,12 +213,12 @@ def _load_cached(path: Path) -> QuantizedTensors | None:
         logger.warning("ignoring the GGUF block cache %s: its digest does not match (torn or damaged)", path)
         return None
     try:
-        arrays = load(bytes(data))
         header_len = int.from_bytes(data[:8], "little")  # safetensors: u64 header size, then its JSON
         meta = json.loads(bytes(data[8:8 + header_len])).get("__metadata__", {})
         if meta.get("format") != _CACHE_FORMAT:
             return None
         index = json.loads(meta["index"])
+        arrays = load(bytes(data))
         tensors: dict[str, QuantizedWeight] = {}
         experts: dict[str, list[QuantizedWeight]] = {}
         for name, info in index.items():
