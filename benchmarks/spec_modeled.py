@@ -85,10 +85,11 @@ def _fix_price(price, table: list[float]) -> None:
     """Replace a StepPrice's profile by `table` (extended past its end by its last row's cost) and stop it
     learning: no measured steps, no host time."""
     price._samples.clear()
+    price._profile.clear()
     price.seed([(r, (table[min(r, len(table)) - 1]) / 1e3) for r in range(1, 4 * len(table)) for _ in range(5)])
     price.observe = lambda *a, **kw: None
     price.observe_host = lambda *a, **kw: None
-    price.host_seconds = 0.0
+    price.host_seconds = price.draft_host_seconds = 0.0
 
 
 if __name__ == "__main__":

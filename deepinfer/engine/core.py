@@ -275,6 +275,8 @@ class EngineCore:
         self.num_steps += 1
         # a gap counts only between steps that follow each other while work is pending
         self._last_run_ended = result.run_ended if self.scheduler.has_unfinished() else None
+        if self._last_run_ended is None and self.speculator is not None:
+            self.speculator.idle()
         outputs = []
         for r in advanced:
             rid = r.request_id

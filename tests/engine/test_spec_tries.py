@@ -218,7 +218,6 @@ def test_steps_overlap_where_no_drafts_can_pay():
     for r in reqs:
         cheap._state(r).rates = [0.01] * 8
         cheap._state(r).prior = 0.01
-        cheap._state(r)._ceilings.clear()  # set by hand here, not by `observe` (which clears it)
     assert not cheap.wants_fresh_step(reqs, 4096)
     # exploration on: a fresh step exactly when the next step is an exploration lookup
     spec, _ = _speculator(dear=True)
@@ -313,7 +312,6 @@ def test_a_batch_whose_proposals_were_priced_out_skips_the_lookup_for_a_few_step
     for r in reqs:  # high enough for the bound (boosted ceilings), not for the choice at the jump
         spec._state(r).rates = [0.8] * 8
         spec._state(r).prior = 0.8
-        spec._state(r)._ceilings.clear()
     spec.pool.boost = lambda: np.full(8, 1.25)  # a match length kept more often than average (the bound's boost)
     assert spec.propose(reqs, 4096) == {} and proposer.lookups == 8
     for _ in range(spec.QUIET_STEPS - 1):

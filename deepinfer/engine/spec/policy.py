@@ -15,9 +15,10 @@ kept. For a given number m of draft rows the best choice is the m draft tokens o
 request's gains fall with position, so that is a prefix of every request's draft), found by merging the
 requests' gain sequences; the policy takes the m that maximises the step's expected tokens per second,
 
-    (B + sum of the m best gains / (1 + MARGIN)) / (T(B + m) + H)        B = decoding requests,
+    (B + sum of the m best gains / (1 + MARGIN)) / (T(B + m) + H_m)      B = decoding requests,
 
-m = 0 included (no drafts at all when none pays). The gains count at 1 / (1 + MARGIN) of their estimate, so
+m = 0 included (no drafts at all when none pays); H_0 is the host time of steps without drafts, H_m (m > 0)
+that of steps with (`StepPrice.draft_host_seconds`). The gains count at 1 / (1 + MARGIN) of their estimate, so
 drafts are chosen only where they clear their break-even by MARGIN: near it the choice is the estimates'
 error, not a gain (the 2-core AVX2 machine at batch 8, where a draft row costs ~0.75 of what a kept token
 saves: chat requests that started from the pooled estimates of an earlier JSON workload drafted there at
@@ -43,9 +44,8 @@ repeated misses) and gives untried requests with a strong proposer signal a few 
 
 from __future__ import annotations
 
-import heapq
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -74,9 +74,6 @@ class AcceptanceStats:
     # first `explored_from` (the ones the price chose); 0: the drafts were not explored
     explore_refund: float = 0.0
     explored_from: int = 0
-    # gain_ceiling's cached bounds (plain, confident: per-position rates and their prefix products): valid
-    # until the next observation
-    _ceilings: dict[bool, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict, repr=False, compare=False)
 
     @classmethod
     def new(cls, prior: float, k_max: int, relax_weight: float = 0.0,
@@ -116,23 +113,13 @@ class AcceptanceStats:
         per position max(estimate, prior), since idle steps only move an estimate towards the prior (with
         a proposer's confidence c <= 1, sqrt(r c) <= sqrt(r)), times `boost` (per position, >= 1: the
         largest match-length factor a proposal may carry, `PooledAcceptance.boost`), capped as
-        `PooledAcceptance.match_probs` caps. `DraftLengthPolicy.drafts_can_pay` reads it every step, so
-        the per-position ceiling is computed once per observation, not per step."""
-        cached = self._ceilings.get(confident)
-        if cached is None:
-            ceiling = np.maximum(np.asarray(self.estimates(), dtype=float), self.prior)
-            rates = np.sqrt(ceiling) if confident else ceiling
-            cached = self._ceilings[confident] = (rates, np.cumprod(rates))
-        if boost is None:
-            return cached[1]
-        rates = cached[0]
-        cap = np.maximum(rates, math.sqrt(MAX_KEEP_PROB) if confident else MAX_KEEP_PROB)
-        return np.cumprod(np.minimum(rates * boost[:len(rates)], cap))
+        `PooledAcceptance.match_probs` caps. `ceiling_gains` computes it for a batch."""
+        return ceiling_gains(np.asarray([self.estimates()], dtype=float), [self.prior], [len(self.rates)],
+                             confident, boost)
 
     def observe(self, drafted: int, accepted: int, alpha: float) -> None:
         if drafted <= 0:
             return
-        self._ceilings.clear()
         self.settle()
         self.num_steps += 1
         self.num_draft_tokens += drafted
@@ -160,6 +147,48 @@ def carry_forward_untried(values: list[float] | np.ndarray, tried: list[int]) ->
     for j in range(1, len(values)):
         if not tried[j]:
             values[j] = values[j - 1]
+
+
+# A batch's rows at once. `Speculator.propose` runs between model steps for every decoding request: at batch
+# 32 its per-request Python (each request's estimates, bounds and keep probabilities built as lists, the
+# candidates' gains merged through a heap) took ~1.2 ms a step on the AVX-512 machine, against a ~17 ms
+# step (code_edit). The functions below compute the same values with a few array operations per batch.
+
+def estimate_rows(states: list[AcceptanceStats]) -> np.ndarray:
+    """`AcceptanceStats.estimates` of each state, as the rows of one array (the states are settled, as
+    `estimates` settles them; every state has the same number of positions)."""
+    rates = np.array([s.rates for s in states], dtype=float)
+    idle = np.array([s.idle_steps for s in states])
+    settling = np.flatnonzero(idle)
+    if len(settling):
+        prior = np.array([states[i].prior for i in settling])[:, None]
+        keep = np.array([(1.0 - states[i].relax_weight) ** states[i].idle_steps for i in settling])[:, None]
+        rates[settling] = prior + (rates[settling] - prior) * keep
+        for i in settling.tolist():
+            states[i].rates = rates[i].tolist()
+            states[i].idle_steps = 0
+    tried = np.array([s.tried for s in states]) > 0
+    # `carry_forward_untried`: each untried position after the first takes the last tried one's value, in
+    # the requests that have tried their first position at all
+    positions = np.arange(rates.shape[1])
+    source = np.maximum.accumulate(np.where(tried, positions, 0), axis=1)
+    source[~tried[:, 0]] = positions
+    return np.take_along_axis(rates, source, axis=1)
+
+
+def ceiling_gains(estimates: np.ndarray, priors: list[float], limits: list[int], confident: bool = False,
+                  boost: np.ndarray | None = None) -> np.ndarray:
+    """Every request's `AcceptanceStats.gain_ceiling(confident, boost)`, from its estimates (the rows of
+    `estimates`, `estimate_rows`) and prior, cut to its limit, concatenated: the bound
+    `DraftLengthPolicy.drafts_can_pay` reads."""
+    rates = np.maximum(estimates, np.asarray(priors, dtype=float)[:, None])
+    if confident:
+        rates = np.sqrt(rates)
+    if boost is not None:
+        cap = np.maximum(rates, math.sqrt(MAX_KEEP_PROB) if confident else MAX_KEEP_PROB)
+        rates = np.minimum(rates * boost[:rates.shape[1]], cap)
+    cut = np.arange(rates.shape[1]) < np.asarray(limits)[:, None]
+    return np.cumprod(rates, axis=1)[cut]
 
 
 def update_rates(rates: list[float], tried: list[int], drafted: int, accepted: int, floor: float) -> None:
@@ -231,6 +260,16 @@ class PooledAcceptance:
                     self._boost = np.maximum(best, 1.0)
         return self._boost
 
+    def match_prob_rows(self, estimates: np.ndarray, matches: list[int]) -> np.ndarray:
+        """`match_probs` of each row of `estimates` (`estimate_rows`) with its proposal's match length."""
+        factors = [self.factors(m) for m in matches]
+        if all(f is None for f in factors):
+            return estimates
+        ones = np.ones(estimates.shape[1])
+        f = np.stack([ones if x is None else x for x in factors])
+        # a row without factors stays as it is: min(e * 1, max(e, MAX_KEEP_PROB)) is e
+        return np.minimum(estimates * f, np.maximum(estimates, MAX_KEEP_PROB))
+
     def match_probs(self, estimates: list[float], match: int) -> list[float]:
         """A proposal's per-position keep probabilities: its request's estimates times its match length's
         factors; a factor raises an estimate to at most `MAX_KEEP_PROB` (an estimate already above it
@@ -269,37 +308,39 @@ class DraftLengthPolicy:
         k drafts gain at most k times it, a falling prefix product)."""
         return self.drafts_can_pay(len(first_probs), [np.full(k_max, p) for p in first_probs if p > 0])
 
-    def drafts_can_pay(self, num_decodes: int, gain_bounds: list[np.ndarray]) -> bool:
+    def drafts_can_pay(self, num_decodes: int, gain_bounds: list[np.ndarray] | np.ndarray) -> bool:
         """Whether any drafts could raise the step's expected tokens per second, given per decoding request
         an upper bound of the gain of each draft position it may verify (non-increasing: e.g.
-        `AcceptanceStats.gain_ceiling` cut to the request's draft limit): m draft rows then gain at most
+        `AcceptanceStats.gain_ceiling` cut to the request's draft limit; or all of them concatenated,
+        `ceiling_gains`): m draft rows then gain at most
         the sum of the m largest bounds, which is what `choose` maximises over. False: the speculator
         skips proposing this step (k = 0 costs nothing). With exact per-position bounds rather than
         k_max copies of the first one, a batch whose requests keep few drafts (chat, or any batch at the
         price's jump) is skipped instead of looked up every step."""
         if not self.adaptive:
             return True
-        if not gain_bounds:
+        flat = gain_bounds if isinstance(gain_bounds, np.ndarray) else (
+            np.concatenate(gain_bounds) if gain_bounds else np.empty(0))
+        if not len(flat):
             return False
-        if sum(len(bound) for bound in gain_bounds) > self.SMALL:
-            gains: list[float] | np.ndarray = np.sort(np.concatenate(gain_bounds))[::-1]
-        else:
-            gains = sorted((g for bound in gain_bounds for g in bound.tolist()), reverse=True)
-        return self._best_count(num_decodes, gains, first_gain=True) > 0
+        gains = -np.sort(-flat)  # highest first
+        return self._best_count(num_decodes, gains if len(gains) > self.SMALL else gains.tolist(), first_gain=True) > 0
 
     def _best_count(self, b: int, gains: list[float] | np.ndarray, first_gain: bool = False) -> int:
         """The number m of draft rows (0..len(gains)) that maximises the expected tokens per second of a step
-        of `b` decodes, (b + sum of the first m `gains` / (1 + MARGIN)) / (T(b + m) + H): the first maximum
+        of `b` decodes, (b + sum of the first m `gains` / (1 + MARGIN)) / (T(b + m) + H_m): the first maximum
         (the fewest drafts among equals); with `first_gain`, the first m that beats m = 0 (0: none does).
 
         It runs every step, between model steps that have evicted its code and data from the caches: up to
         `SMALL` gains in plain Python (the numpy version, a dozen small-array calls, took ~140 us a step at
         batch 1 on the AVX2 machine, ~2% of the step; this one ~60), more in numpy (a batch of 32 has up to
         512 gains). Both compute the same values in the same order."""
-        host = self.price.host_seconds
+        host, draft_host = self.price.host_seconds, self.price.draft_host_seconds
         t = self.price.table(b + len(gains))
         if len(gains) > self.SMALL:
-            rate = (b + np.concatenate([[0.0], np.cumsum(gains)]) / (1 + self.MARGIN)) / np.maximum(t[b:] + host, 1e-9)
+            hosts = np.full(len(gains) + 1, draft_host)
+            hosts[0] = host
+            rate = (b + np.concatenate([[0.0], np.cumsum(gains)]) / (1 + self.MARGIN)) / np.maximum(t[b:] + hosts, 1e-9)
             if first_gain:
                 above = np.flatnonzero(rate[1:] > rate[0])
                 return int(above[0]) + 1 if len(above) else 0
@@ -308,7 +349,7 @@ class DraftLengthPolicy:
         best, best_rate, kept = 0, b / max(t[b] + host, 1e-9), 0.0
         for m, g in enumerate(gains, 1):
             kept += g
-            rate = (b + kept / (1 + self.MARGIN)) / max(t[b + m] + host, 1e-9)
+            rate = (b + kept / (1 + self.MARGIN)) / max(t[b + m] + draft_host, 1e-9)
             if rate > best_rate:  # strictly: the first maximum
                 if first_gain:
                     return m
@@ -319,27 +360,33 @@ class DraftLengthPolicy:
         """Draft tokens to verify per candidate; `num_decodes`: the decode batch the candidates are part of
         (one row each, the candidates included; with `Speculator.propose`'s `batch`, requests about to decode
         count too, priced as decode rows)."""
+        lengths = [len(c.accept_probs) for c in cands]
+        probs = np.zeros((len(cands), max(lengths, default=0)))
+        for row, c in zip(probs, cands, strict=True):
+            row[:len(c.accept_probs)] = c.accept_probs
+        return self.choose_rows(probs, lengths, num_decodes)
+
+    def choose_rows(self, probs: np.ndarray, lengths: list[int], num_decodes: int) -> list[int]:
+        """`choose` with the candidates' keep probabilities as the rows of one array (each row's first
+        `lengths[i]` entries; the rest 0), each at most 1.
+
+        The m draft tokens of highest gain are the first m of all candidates' gains (their prefix products)
+        in descending order, ties in row-major order: a row's gains never rise (probabilities <= 1), so
+        that order takes each candidate's tokens as a prefix, the order a heap merging the candidates'
+        gain sequences pops them in (what this did before, in Python). A gain of 0 ends its candidate."""
         if not self.adaptive:
-            return [len(c.accept_probs) for c in cands]
-        ks = [0] * len(cands)
-        # merge the candidates' gain sequences, highest first (each is non-increasing: a prefix product)
-        heap = [(-c.accept_probs[0], i, 0) for i, c in enumerate(cands) if c.accept_probs and c.accept_probs[0] > 0]
-        if not heap:
-            return ks
-        heapq.heapify(heap)
-        order: list[int] = []
-        gains: list[float] = []
-        while heap:
-            g, i, j = heapq.heappop(heap)
-            order.append(i)
-            gains.append(-g)
-            probs = cands[i].accept_probs
-            if j + 1 < len(probs) and probs[j + 1] > 0:
-                heapq.heappush(heap, (g * probs[j + 1], i, j + 1))
-        best = self._best_count(num_decodes, gains)
-        for i in order[:best]:
-            ks[i] += 1
-        return ks
+            return list(lengths)
+        if not probs.size:
+            return [0] * len(lengths)
+        gains = np.cumprod(probs, axis=1)
+        row_of = np.nonzero(gains > 0)[0]
+        if not len(row_of):
+            return [0] * len(lengths)
+        flat = gains[gains > 0]
+        order = np.argsort(-flat, kind="stable")
+        ordered = flat[order]
+        best = self._best_count(num_decodes, ordered if len(ordered) > self.SMALL else ordered.tolist())
+        return np.bincount(row_of[order[:best]], minlength=len(lengths)).tolist()
 
 
 def expected_tokens(probs: list[float] | np.ndarray) -> float:

@@ -48,6 +48,8 @@ class Draft:
         return len(self.token_ids)
 
     def truncated(self, n: int) -> Draft:
+        if n >= len(self.token_ids):
+            return self
         conf = self.confidence[:n] if self.confidence is not None else None
         return Draft(self.token_ids[:n], conf, self.probs[:n] if self.probs is not None else None, self.match)
 

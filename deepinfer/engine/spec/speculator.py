@@ -23,12 +23,20 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
+
 from deepinfer.config import SpeculativeMethod
 from deepinfer.engine.cost_model import CostModel
 from deepinfer.engine.request import Request
 from deepinfer.engine.spec.metrics import SpecMetrics
 from deepinfer.engine.spec.ngram import NgramProposer
-from deepinfer.engine.spec.policy import AcceptanceStats, Candidate, DraftLengthPolicy, PooledAcceptance
+from deepinfer.engine.spec.policy import (
+    AcceptanceStats,
+    DraftLengthPolicy,
+    PooledAcceptance,
+    ceiling_gains,
+    estimate_rows,
+)
 from deepinfer.engine.spec.proposer import Draft, Proposer
 from deepinfer.engine.spec.step_price import (
     prices_in_cpu_time,
@@ -68,6 +76,8 @@ class Speculator:
         self.num_steps = 0  # proposals made (steps), the clock of back-offs
         self._last_propose: float | None = None
         self._last_run: float | None = None
+        self._last_steps = 1  # decode steps in that run (`observe_step`)
+        self._drafted = False  # whether the last proposal gave drafts (its step's host time is priced apart)
         # at one torch thread, steps are priced in CPU time (the model step's `cpu_seconds`, the host's
         # `thread_time` between proposals), as the start-up profile measures them: on a shared machine wall
         # time moved 2-3x from step to step, and the table built from it (each count's median of 5 wall
@@ -118,10 +128,12 @@ class Speculator:
         decodes = [r for r in decodes if not r.num_pending_tokens]
         now = time.thread_time() if self.cpu_clock else time.perf_counter()
         if self._last_propose is not None and self._last_run is not None:
-            # the wall time from the previous proposal to this one, less that step's model time, is the
-            # host's share of a step (capped: an idle engine between requests is not host work)
-            self.policy.price.observe_host(min(now - self._last_propose - self._last_run, self._last_run))
-        self._last_propose, self._last_run = now, None
+            # the wall time from the previous proposal to this one, less that call's model time, is the
+            # host's share of its steps (a call of several decode steps shares it among them; capped: an idle
+            # engine between requests is not host work, and `idle` drops the sample after one)
+            host = min(now - self._last_propose - self._last_run, self._last_run) / self._last_steps
+            self.policy.price.observe_host(host, self._drafted)
+        self._last_propose, self._last_run, self._drafted = now, None, False
         self.num_steps += 1
         if not decodes:
             return {}
@@ -133,11 +145,17 @@ class Speculator:
         tries = self._skippable()
         explore = tries and self._may_explore(batch)
         priced = True
+        estimates = None  # the states' estimates (`estimate_rows`), once per step where the price reads them
         if tries:
             limits = self._unpaused(states, limits, self.num_steps)
-            if self._quiet(batch, self.num_steps) or not self._drafts_can_pay(states, limits, batch):
+            quiet = self._quiet(batch, self.num_steps)
+            if not quiet and any(limits):
+                estimates = estimate_rows(states)
+            if quiet or not self._drafts_can_pay(states, limits, batch, estimates):
                 # no drafts pay by the price: look up only requests owed exploration, every few steps
                 priced = False
+                if not quiet:
+                    self._go_quiet(batch)
                 lookup = explore and self.num_steps % self.tries.lookup_every == 0
                 limits = [lim if lookup and self.tries.explorable(s) else 0 for s, lim in zip(states, limits, strict=True)]
                 if any(limits):
@@ -157,19 +175,18 @@ class Speculator:
                 d = d.truncated(_grammar_prefix(r, d))
             cands.append((r, d))
         if priced:
-            ks = self.policy.choose(
-                [Candidate(r.num_computed_tokens, self.policy.accept_probs(
-                    self.pool.match_probs(s.estimates(), d.match), d.confidence, len(d)))
-                 for (r, d), s in zip(cands, states, strict=True)], batch)
+            lengths = [len(d) for _, d in cands]
+            if estimates is None:
+                estimates = estimate_rows(states)
+            ks = self.policy.choose_rows(self._keep_probs(estimates, [d for _, d in cands], lengths), lengths, batch)
         else:
             ks = [0] * len(cands)
-        if priced and tries and not any(ks) and any(len(d) for _, d in cands) \
-                and batch >= self.policy.price.c_path_rows:
-            # proposals priced out: the next QUIET_STEPS steps at this batch size or larger skip the lookup
-            self._quiet_until, self._quiet_batch = self.num_steps + self.QUIET_STEPS, batch
+        if priced and tries and not any(ks) and any(len(d) for _, d in cands):
+            self._go_quiet(batch)  # proposals priced out
         if explore:
             ks = self._explore(cands, states, ks, batch)
         out = {}
+        self._drafted = any(ks)
         for (r, d), s, k in zip(cands, states, ks, strict=True):
             self.metrics.chose(k)
             r.draft_probs = d.probs[:k] if k and d.probs is not None else None
@@ -179,6 +196,17 @@ class Speculator:
             else:
                 s.relax()
         return out
+
+    def _keep_probs(self, estimates: np.ndarray, drafts: list[Draft], lengths: list[int]) -> np.ndarray:
+        """Each proposal's per-position keep probabilities (`DraftLengthPolicy.accept_probs` of its request's
+        estimates, the rows of `estimates`, times its match length's factors), as the rows of one array, 0
+        past each proposal."""
+        probs = self.pool.match_prob_rows(estimates, [d.match for d in drafts])
+        for i, d in enumerate(drafts):
+            if d.confidence is not None and len(d):
+                n = len(d)
+                probs[i, :n] = np.sqrt(np.maximum(0.0, probs[i, :n] * np.asarray(d.confidence, dtype=float)))
+        return np.where(np.arange(probs.shape[1]) < np.array(lengths)[:, None], probs, 0.0)
 
     def _explore(self, cands: list[tuple[Request, Draft]], states: list[AcceptanceStats], ks: list[int],
                  batch: int) -> list[int]:
@@ -239,13 +267,22 @@ class Speculator:
         return step % self.tries.lookup_every == 0 and self._may_explore(batch) and any(
             lim and self.tries.explorable(s) for s, lim in zip(states, limits, strict=True))
 
+    def _go_quiet(self, batch: int) -> None:
+        """No drafts paid this step: the next QUIET_STEPS steps at this batch size or larger skip the lookup
+        and the price (`_quiet`), at batches from the C decode path's rows up."""
+        if batch >= self.policy.price.c_path_rows:
+            self._quiet_until, self._quiet_batch = self.num_steps + self.QUIET_STEPS, batch
+
     def _quiet(self, batch: int, step: int) -> bool:
-        """Whether the step skips the lookup and the price: within QUIET_STEPS of a step that looked up and
-        priced proposals for a batch this size or smaller (at least the C decode path's rows, any size
-        without one: below it a lookup is cheap and drafts pay often) and chose none. The bound of `_drafts_can_pay` is
-        loose where drafts are near their break-even (batch 8 past the C path: a boosted ceiling of 0.99
-        against a break-even of ~0.83), and the lookups and the choice it then allows every step cost
-        ~0.8 ms of a 30 ms step (code_edit b=8 on the AVX2 machine) for drafts that are not chosen."""
+        """Whether the step skips the lookup and the price: within QUIET_STEPS of a step that chose no
+        drafts for a batch this size or smaller (at least the C decode path's rows, any size without one:
+        below it a lookup is cheap and drafts pay often), by the bound of `_drafts_can_pay` or after
+        looking up and pricing proposals. That bound is loose where drafts are near their break-even
+        (batch 8 past the C path: a boosted ceiling of 0.99 against a break-even of ~0.83), and the
+        lookups and the choice it then allows every step cost ~0.8 ms of a 30 ms step (code_edit b=8 on
+        the AVX2 machine) for drafts that are not chosen; the bound itself, computed every step at batch
+        32, cost ~0.3 ms of a 17 ms step (AVX-512 machine) while it kept saying no: between observations
+        the states only drift towards their prior, which cannot raise their ceilings."""
         return step < self._quiet_until and batch >= self._quiet_batch
 
     def _skippable(self) -> bool:
@@ -264,11 +301,16 @@ class Speculator:
     def _unpaused(self, states: list[AcceptanceStats], limits: list[int], step: int) -> list[int]:
         return [0 if self.tries.backed_off(s, step) else lim for s, lim in zip(states, limits, strict=True)]
 
-    def _drafts_can_pay(self, states: list[AcceptanceStats], limits: list[int], batch: int) -> bool:
-        confident = self.proposer.confident
-        boost = self.pool.boost()
-        bounds = [s.gain_ceiling(confident, boost)[:lim] for s, lim in zip(states, limits, strict=True) if lim]
-        return self.policy.drafts_can_pay(batch, bounds)
+    def _drafts_can_pay(self, states: list[AcceptanceStats], limits: list[int], batch: int,
+                        estimates: np.ndarray | None = None) -> bool:
+        """The policy's bound (`DraftLengthPolicy.drafts_can_pay`) on the states' gain ceilings;
+        `estimates`: `estimate_rows(states)` where the caller has it."""
+        if not any(limits):
+            return self.policy.drafts_can_pay(batch, [])
+        if estimates is None:
+            estimates = estimate_rows(states)
+        return self.policy.drafts_can_pay(batch, ceiling_gains(
+            estimates, [s.prior for s in states], limits, self.proposer.confident, self.pool.boost()))
 
     def observe_step(self, num_rows: int, seconds: float, cpu_seconds: float | None = None, steps: int = 1) -> None:
         """A finished step in which every request decoded or verified drafts: `num_rows` rows (decodes and
@@ -280,7 +322,11 @@ class Speculator:
             seconds = cpu_seconds
         self.policy.price.observe(num_rows, seconds / steps)
         self.ledger.observe(seconds, steps)
-        self._last_run = seconds
+        self._last_run, self._last_steps = seconds, steps
+
+    def idle(self) -> None:
+        """The engine ran out of work: the time until the next proposal is no step's host time."""
+        self._last_propose = None
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         state = self._state(req)

@@ -27,7 +27,8 @@ would wander to whichever counts were measured at a quieter moment, or never ret
 busy moment. Without a profile
 the cost model's prediction for R decode rows seeds it. The policy (`policy.py`) reads `seconds(R)` for R
 from the step's decodes to decodes + all drafts; `host_seconds` is the step's measured time outside the
-model runner (scheduling, proposing, output), which drafts amortise too.
+model runner (scheduling, proposing, output), which drafts amortise too, and `draft_host_seconds` the same
+for steps that verified drafts (longer: their lookup, choice and verdicts).
 """
 
 from __future__ import annotations
@@ -55,7 +56,12 @@ class StepPrice:
     # observed steps between rebuilds of the table (the build is ~0.3-1.5 ms of Python: every 8th step cost a
     # batch-1 decode ~1%; a row count not seen before rebuilds it at once)
     REBUILD_EVERY = 32
-    HOST_EWMA = 0.1
+    MOVED = 0.1  # a count's median this far (relative) off the table's value rebuilds it (`observe`)
+    # host times kept (median): a sample that spans an idle spell (the first step after the engine waited for
+    # work) is an outlier among them. An EWMA took it in: started from such a sample (the first observation
+    # weighs 1) it priced the host time of code_edit's batch-32 steps at 11 ms where it was 1-2.5, and drafts
+    # that amortise it looked worth a third more than they were for the first ~40 steps of every run
+    HOST_SAMPLES = 15
 
     def __init__(self, cost_model: CostModel | None = None, context: int = 256, c_path_rows: int = 0) -> None:
         self.cost_model = cost_model
@@ -67,9 +73,14 @@ class StepPrice:
         # its own arithmetic) smooths that regime as the C path's (`_build`)
         self.row_blocks = True
         self.context = context  # the decode context the cost-model fallback assumes
-        self._samples: dict[int, deque[float]] = {}
+        self._samples: dict[int, deque[float]] = {}  # served steps' seconds (over the load factor) per count
+        self._profile: dict[int, list[float]] = {}  # the start-up profile's seconds per count (`seed`)
         self._table: np.ndarray | None = None  # T(R) for R = 0..len-1, rebuilt lazily after new samples
+        self._built: dict[int, float] = {}  # per count, the median the table was built from
         self.host_seconds = 0.0
+        self.draft_host_seconds = 0.0
+        self._host: deque[float] = deque(maxlen=self.HOST_SAMPLES)
+        self._draft_host: deque[float] = deque(maxlen=self.HOST_SAMPLES)
         self.num_observed = 0
         # measured / predicted step time (EWMA): the machine's load now against the load the table's entries
         # were measured under; row counts the policy stopped choosing keep their shape but follow the load
@@ -81,65 +92,84 @@ class StepPrice:
         divided by the load factor, so entries measured under different loads stay comparable)."""
         if rows <= 0 or seconds <= 0:
             return
-        if self._samples:
+        if self._samples or self._profile:
             predicted = self._base(rows)
             if predicted > 0:
                 self.load += self.LOAD_EWMA * (seconds / predicted - self.load)
-        new_count = rows not in self._samples
-        self._samples.setdefault(rows, deque(maxlen=self.SAMPLES)).append(seconds / self.load)
+        samples = self._samples.setdefault(rows, deque(maxlen=self.SAMPLES))
+        samples.append(seconds / self.load)
         self.num_observed += 1
         self._stale += 1
-        if new_count or self._stale >= self.REBUILD_EVERY:  # the load factor follows every step already
+        # the load factor follows every step already; a count whose own median moved off the value the table
+        # was built from is rebuilt at once: a profile step that ran at a quiet moment priced 65 rows at 1.39x
+        # 32 rows where the served steps took 1.85x, and with that count already in the table (no new count)
+        # the served steps only moved the load factor, which lifted the price of plain 32-row steps too, for
+        # the REBUILD_EVERY steps until the next rebuild (code_edit b=32 drafted at a loss throughout)
+        built = self._built.get(rows)
+        if built is None or self._stale >= self.REBUILD_EVERY or \
+                abs(statistics.median(samples) - built) > self.MOVED * built:
             self._table = None
 
-    def observe_host(self, seconds: float) -> None:
-        """Wall time of a step outside the model runner (EWMA)."""
-        if seconds >= 0:
-            w = self.HOST_EWMA if self.host_seconds else 1.0
-            self.host_seconds += w * (seconds - self.host_seconds)
+    def observe_host(self, seconds: float, drafted: bool = False) -> None:
+        """Wall time of a step outside the model runner: `host_seconds` is the median of the recent ones of
+        steps that verified no drafts, `draft_host_seconds` of those that did (the plain steps' until one
+        has been seen). A drafting step's host time is longer (its lookup, the candidates' choice, the
+        verdicts applied and the rejected KV rolled back: ~1.3 ms more at code_edit b=32 on the AVX-512
+        machine, ~7% of a 17 ms step); priced at the plain steps' host time, drafts near their break-even
+        there looked like a gain and cost 5-9% of throughput."""
+        if seconds < 0:
+            return
+        if drafted:
+            self._draft_host.append(seconds)
+        else:
+            self._host.append(seconds)
+            self.host_seconds = statistics.median(self._host)
+        self.draft_host_seconds = statistics.median(self._draft_host) if self._draft_host else self.host_seconds
 
     def seed(self, samples: list[tuple[int, float]]) -> None:
         """Profiled steps (the load they ran under is load factor 1)."""
         for rows, seconds in samples:
             if rows > 0 and seconds > 0:
-                self._samples.setdefault(rows, deque(maxlen=self.SAMPLES)).append(seconds)
+                self._profile.setdefault(rows, []).append(seconds)
         self._table = None
 
     @property
     def measured_rows(self) -> list[int]:
-        return sorted(self._samples)
+        return sorted(set(self._samples) | set(self._profile))
 
     def seconds(self, rows: int) -> float:
         """Predicted model-runner seconds of a decode-phase step of `rows` rows."""
         if rows <= 0:
             return 0.0
-        if not self._samples:
+        if not (self._samples or self._profile):
             return self._from_cost_model(rows)
         return self.load * self._base(rows)
 
     def _base(self, rows: int) -> float:
         table = self._table
         if table is None or rows >= len(table):
-            table = self._table = self._build(max(rows + 1, 2 * max(self._samples) + 1))
+            table = self._table = self._build(max(rows + 1, 2 * self.measured_rows[-1] + 1))
             self._stale = 0
         return float(table[rows])
 
     def table(self, max_rows: int) -> np.ndarray:
         """T(R) for R = 0..max_rows (index R)."""
-        if not self._samples:
+        if not (self._samples or self._profile):
             return np.array([self._from_cost_model(r) for r in range(max_rows + 1)])
         self._base(max_rows)
         return self.load * self._table[:max_rows + 1]  # type: ignore[index]
 
     def _build(self, size: int) -> np.ndarray:
-        rows = np.array(sorted(self._samples), dtype=float)
-        secs = np.array([statistics.median(self._samples[int(r)]) for r in rows])
-        weights = np.array([len(self._samples[int(r)]) for r in rows], dtype=float)
+        counts = self.measured_rows
+        rows = np.array(counts, dtype=float)
+        c_path = rows <= self.c_path_rows
+        secs = np.array(self._entries(counts, c_path.tolist()))
+        self._built = dict(zip(counts, secs.tolist(), strict=True))
+        weights = np.array([len(self._samples.get(r) or self._profile[r]) for r in counts], dtype=float)
         # the C path's regime is smooth: one slow count among its neighbours is shared with them. The
         # batched path's is a staircase (oneDNN multiplies rows in blocks: 9-16 rows cost about the same, the
         # 17th a block more, measured on the AMD machine at one thread), which a smoothing fit would turn
         # into a ramp, pricing the rows that fill a block too high and the one that starts the next too low
-        c_path = rows <= self.c_path_rows
         if c_path.sum() >= 4:
             secs[c_path] = spline_fit(rows[c_path], secs[c_path], weights[c_path])
         # without row blocks the batched path is smooth too: unsmoothed, a fast sample at 33 rows next to a slow
@@ -162,6 +192,24 @@ class StepPrice:
         table[grid > last] = top + slope * (grid[grid > last] - last)
         table[0] = 0.0
         return table
+
+    def _entries(self, counts: list[int], c_path: list[bool]) -> list[float]:
+        """Each count's seconds before smoothing: the median of its served steps, else its profiled
+        seconds times its regime's profile bias. The profile's synthetic steps are cheaper than served ones
+        (each the fastest of 2-3; few requests of many rows at a 128-token context, where served
+        verification steps are many requests of 1-3 drafts at longer contexts: 17 rows 10-15% dearer as 8
+        requests than as one), and a served count next to profiled ones was smoothed back towards them:
+        code_edit at batch 8 priced 17 rows at 9.6 ms through a run where they took 12.2, and drafted at
+        a loss. The bias, per regime (C decode path, batched path), is the median ratio of served to
+        profiled seconds over the counts that have both (1 before any)."""
+        served = {r: statistics.median(self._samples[r]) for r in counts if r in self._samples}
+        profiled = {r: statistics.median(self._profile[r]) for r in counts if r in self._profile}
+        bias = {}
+        for regime in (True, False):
+            ratios = [served[r] / profiled[r] for r, c in zip(counts, c_path, strict=True)
+                      if c is regime and r in served and r in profiled]
+            bias[regime] = statistics.median(ratios) if ratios else 1.0
+        return [served[r] if r in served else profiled[r] * bias[c] for r, c in zip(counts, c_path, strict=True)]
 
     def _from_cost_model(self, rows: int) -> float:
         if self.cost_model is None:
