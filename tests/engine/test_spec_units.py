@@ -416,8 +416,8 @@ def _heap_merge_choice(pol: DraftLengthPolicy, probs: list[list[float]], b: int)
 
 
 def test_the_batch_choice_is_the_heap_merge_of_the_candidates_gains():
-    """`choose_rows` sorts every candidate's gains at once; it must choose what merging the candidates'
-    gain sequences one token at a time chooses, ties (probabilities of 1, equal candidates) and zeros
+    """`choose_rows` sorts every candidate's gains at once, `choose` merges them through a heap; both must
+    choose what merging the candidates' gain sequences one token at a time chooses, ties (probabilities of 1, equal candidates) and zeros
     included, at small and large batches (either side of `_best_count`'s numpy switch)."""
     rng = np.random.default_rng(1)
     pol = DraftLengthPolicy(CostModel())
@@ -434,6 +434,11 @@ def test_the_batch_choice_is_the_heap_merge_of_the_candidates_gains():
             probs.append(row if rng.random() < 0.5 or not probs else list(probs[-1]))  # equal candidates too
         want = _heap_merge_choice(pol, probs, b)
         assert pol.choose([Candidate(100, p) for p in probs], b) == want, trial
+        lengths = [len(p) for p in probs]
+        rows = np.zeros((n, max(lengths + [1])))
+        for row, p in zip(rows, probs, strict=True):
+            row[:len(p)] = p
+        assert pol.choose_rows(rows, lengths, b) == want, trial
         drafted += sum(want) > 0
     assert 50 < drafted < 400  # both outcomes happen
 

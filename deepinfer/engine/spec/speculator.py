@@ -31,7 +31,9 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.spec.metrics import SpecMetrics
 from deepinfer.engine.spec.ngram import NgramProposer
 from deepinfer.engine.spec.policy import (
+    ROW_BY_ROW,
     AcceptanceStats,
+    Candidate,
     DraftLengthPolicy,
     PooledAcceptance,
     ceiling_gains,
@@ -174,7 +176,12 @@ class Speculator:
             if r.grammar is not None and len(d):
                 d = d.truncated(_grammar_prefix(r, d))
             cands.append((r, d))
-        if priced:
+        if priced and len(cands) <= ROW_BY_ROW:  # request by request: cheaper than array operations here
+            ks = self.policy.choose(
+                [Candidate(r.num_computed_tokens, self.policy.accept_probs(
+                    self.pool.match_probs(s.estimates(), d.match), d.confidence, len(d)))
+                 for (r, d), s in zip(cands, states, strict=True)], batch)
+        elif priced:
             lengths = [len(d) for _, d in cands]
             if estimates is None:
                 estimates = estimate_rows(states)
