@@ -5,6 +5,7 @@ fixed step-price table (no timings)."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from deepinfer.config import SpeculativeMethod
 from deepinfer.engine.cost_model import CostModel
@@ -346,3 +347,18 @@ def test_a_request_decoding_ahead_of_its_batch_prices_its_drafts_as_that_batch()
     assert drafts_while_others_prefill(0)[1] > 0
     batch, drafted = drafts_while_others_prefill(7)
     assert drafted == 0 and batch == 8
+
+
+def test_an_exploring_step_is_charged_a_drafting_steps_extra_host_time():
+    """Where the price chose no drafts, an exploring step turns a plain step into a drafting one: the ledger
+    charges its extra rows and the drafting steps' extra host time (`StepPrice.draft_host_seconds`)."""
+    charges = []
+    for extra_host in (0.0, 0.004):
+        spec, _ = _speculator(dear=True)
+        price = spec.policy.price
+        for _ in range(3):
+            price.observe_host(0.001)
+            price.observe_host(0.001 + extra_host, drafted=True)
+        assert _first_drafts(spec, [_req("r0", COPY)]) == {"r0": [9, 10, 11, 12]}
+        charges.append(spec.ledger.spent)
+    assert charges[0] > 0 and charges[1] - charges[0] == pytest.approx(0.004)

@@ -227,7 +227,9 @@ class Speculator:
             explored.append(e)
         if explored == ks:
             return ks
-        self.ledger.charge(price.seconds(decodes + sum(explored)) - price.seconds(decodes + sum(ks)))
+        # where the price chose no drafts, the step also pays a drafting step's longer host time
+        host = price.draft_host_seconds - price.host_seconds if not any(ks) else 0.0
+        self.ledger.charge(price.seconds(decodes + sum(explored)) - price.seconds(decodes + sum(ks)) + max(0.0, host))
         per_token = price.seconds(batch) / batch  # what a kept token saves: its share of a plain step
         for s, k, e in zip(states, ks, explored, strict=True):
             if e > k:

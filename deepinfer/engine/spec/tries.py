@@ -21,7 +21,8 @@ engine schedules that step fresh instead of ahead of the one in flight).
 
 Exploration's budget (`ExploreLedger`): explored drafts cost the rows the price would not have bought, and
 earn the tokens they keep. The ledger charges each exploring step its predicted extra seconds (the step
-price at the explored row count less the price at the chosen one) and each exploration lookup a tenth of a
+price at the explored row count less the price at the chosen one, plus, where the price chose no drafts,
+a drafting step's extra host time: `StepPrice.draft_host_seconds` less `host_seconds`) and each exploration lookup a tenth of a
 step (the overlap it gives up), refunds every kept explored token at the step's seconds per token, and
 allows exploration while the net charge stays within `budget` of the decode steps' measured time (plus
 one step's worth at start, so a fresh engine can try at once). Where explored drafts are kept (code
