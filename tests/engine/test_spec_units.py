@@ -227,6 +227,30 @@ def test_greedy_verification_keeps_the_matching_prefix():
     assert v.accepted == [] and v.token == 3
 
 
+def test_plain_greedy_verification_reads_the_argmax_as_the_general_path_does():
+    """A step whose requests are all plain greedy takes each row's argmax from the logits as they are (bf16
+    here, no float32 copy); its verdicts must be the general path's, which a sampled request in the same
+    step forces (ties included: every logit rounded to a few bfloat16 values)."""
+    gen = torch.Generator().manual_seed(3)
+    kept = 0
+    for trial in range(50):
+        rows = 24
+        logits = (torch.randint(0, 4, (rows + 4, 50), generator=gen).float()).to(torch.bfloat16)
+        top = logits.float().argmax(-1).tolist()
+        items, first = [], 0
+        for i in range(4):
+            n = int(torch.randint(1, 6, (1,), generator=gen))
+            drafts = [top[first + j] if torch.rand(1, generator=gen) < 0.8 else 49 - top[first + j] for j in range(n)]
+            items.append((_req([0, 1], f"g{i}", temperature=0.0), first, drafts))
+            first += n + 1
+        fast = verify(Sampler(), logits, items)
+        sampled = (_req([0, 1], "s", temperature=1.0, seed=trial), first, [])
+        general = verify(Sampler(), logits, [*items, sampled])[:len(items)]
+        assert [(v.accepted, v.token) for v in fast] == [(v.accepted, v.token) for v in general], trial
+        kept += sum(len(v.accepted) for v in fast)
+    assert kept > 50
+
+
 def test_greedy_verification_applies_penalties_over_kept_drafts():
     # row 1 prefers token 3 slightly over 4; a frequency penalty on 3 (kept as draft 0) flips it
     logits = torch.zeros(2, 8)

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.request import Request
-from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
+from deepinfer.engine.sampler import Sampler, TokenLogprobs, plain_greedy, target_logprobs
+from deepinfer.layers.cpu_kernels import argmax_rows
 
 
 class DraftView:
@@ -64,7 +65,9 @@ class Verdict:
 
 def verify(sampler: Sampler, logits: torch.Tensor, items: list[tuple[Request, int, list[int]]]) -> list[Verdict]:
     """`items[i] = (request, first logits row, drafts)`; rows first .. first + len(drafts) are its rows of
-    `logits` (float, CPU). Returns one Verdict per item, in order."""
+    `logits` (float32 or the model's dtype, CPU). Returns one Verdict per item, in order."""
+    if all(plain_greedy(req) for req, _, _ in items):
+        return _verify_argmax(logits, items)
     logits = logits.float()
     n = len(items)
     accepted: list[list[int]] = [[] for _ in range(n)]
@@ -108,6 +111,23 @@ def verify(sampler: Sampler, logits: torch.Tensor, items: list[tuple[Request, in
             rows = logits[first:first + len(emitted)]
             lps = target_logprobs(rows, emitted, [req.params.logprobs] * len(emitted))  # type: ignore[arg-type]
         out.append(Verdict(accepted[i], final[i], lps))  # type: ignore[arg-type]
+    return out
+
+
+def _verify_argmax(logits: torch.Tensor, items: list[tuple[Request, int, list[int]]]) -> list[Verdict]:
+    """`verify` where every request is plain greedy (`plain_greedy`: no penalties, bias, grammar, logprobs or
+    min_tokens left): each row's argmax, read from the logits as they are (an argmax over bfloat16 values is
+    the argmax of their exact float32 copy). The float32 copy of the whole block was 38 MB a step at k = 5
+    and batch 32 (192 rows of a 49k vocabulary), ~4.7 ms of it page faults."""
+    top = argmax_rows(logits).tolist()
+    out = []
+    for _, first, drafts in items:
+        kept = []
+        for j, draft in enumerate(drafts):
+            if top[first + j] != draft:
+                break
+            kept.append(draft)
+        out.append(Verdict(kept, top[first + len(kept)], None))
     return out
 
 
