@@ -421,10 +421,11 @@ class DraftLengthPolicy:
         if not probs.size:
             return [0] * len(lengths)
         gains = np.cumprod(probs, axis=1)
-        row_of = np.nonzero(gains > 0)[0]
+        positive = gains > 0
+        row_of = np.nonzero(positive)[0]
         if not len(row_of):
             return [0] * len(lengths)
-        flat = gains[gains > 0]
+        flat = gains[positive]
         order = np.argsort(-flat, kind="stable")
         ordered = flat[order]
         best = self._best_count(num_decodes, ordered if len(ordered) > self.SMALL else ordered.tolist())

@@ -177,10 +177,11 @@ class Speculator:
                 d = d.truncated(_grammar_prefix(r, d))
             cands.append((r, d))
         if priced and len(cands) <= ROW_BY_ROW:  # request by request: cheaper than array operations here
+            rows = estimates.tolist() if estimates is not None else [s.estimates() for s in states]
             ks = self.policy.choose(
                 [Candidate(r.num_computed_tokens, self.policy.accept_probs(
-                    self.pool.match_probs(s.estimates(), d.match), d.confidence, len(d)))
-                 for (r, d), s in zip(cands, states, strict=True)], batch)
+                    self.pool.match_probs(e, d.match), d.confidence, len(d)))
+                 for (r, d), e in zip(cands, rows, strict=True)], batch)
         elif priced:
             lengths = [len(d) for _, d in cands]
             if estimates is None:
