@@ -239,7 +239,10 @@ class PooledAcceptance:
         self.prior, self.k_max = prior, k_max
         self._all = ([prior] * k_max, [0] * k_max)
         self._by_match: dict[int, tuple[list[float], list[int]]] = {}
-        self._factors: dict[int, np.ndarray] = {}  # cached per match length until the next observation
+        # cached per match length until the next observation, as lists (`match_probs`, `boost`: a step of a
+        # few requests reads them in plain Python) and as arrays (`factors`)
+        self._factor_lists: dict[int, list[float]] = {}
+        self._factors: dict[int, np.ndarray] = {}
         self._boost: np.ndarray | None = None
         self._boost_valid = False
 
@@ -254,21 +257,35 @@ class PooledAcceptance:
         if match > 0:
             bucket = self._by_match.setdefault(match, ([self.prior] * self.k_max, [0] * self.k_max))
             update_rates(*bucket, drafted, accepted, self.FLOOR)
+        self._factor_lists.clear()
         self._factors.clear()
         self._boost_valid = False
 
     def factors(self, match: int) -> np.ndarray | None:
         """Per position: the match length's pooled keep rate over the overall one (None: no such match
         length verified yet, or the proposer reports none; the estimates stand as they are)."""
-        if match <= 0 or match not in self._by_match:
-            return None
         out = self._factors.get(match)
         if out is None:
+            f = self._factor_list(match)
+            if f is None:
+                return None
+            out = self._factors[match] = np.array(f)
+        return out
+
+    def _factor_list(self, match: int) -> list[float] | None:
+        """`factors` as a list, computed in plain Python: every observation changes every match length's
+        factors, and the speculator reads them (`boost`) every step, between model steps that have evicted
+        numpy's code from the caches (the array version: ~90 us a step at batch 1 on the AVX-512 machine,
+        half of `Speculator.propose`)."""
+        if match <= 0 or match not in self._by_match:
+            return None
+        out = self._factor_lists.get(match)
+        if out is None:
             rates, tried = self._by_match[match]
-            out = np.asarray(rates) / np.maximum(np.asarray(self._all[0]), 1e-3)
+            out = [r / max(a, 1e-3) for r, a in zip(rates, self._all[0], strict=True)]
             # a position this match length never reached says nothing of it (its rate is the prior)
             carry_forward_untried(out, tried)
-            self._factors[match] = out
+            self._factor_lists[match] = out
         return out
 
     def boost(self) -> np.ndarray | None:
@@ -278,9 +295,9 @@ class PooledAcceptance:
             self._boost_valid = True
             self._boost = None
             if self._by_match:
-                best = np.max(np.stack([self.factors(m) for m in self._by_match]), axis=0)  # type: ignore[misc]
-                if (best > 1.0).any():
-                    self._boost = np.maximum(best, 1.0)
+                best = [max(col) for col in zip(*(self._factor_list(m) for m in self._by_match), strict=True)]
+                if any(b > 1.0 for b in best):
+                    self._boost = np.array([max(b, 1.0) for b in best])
         return self._boost
 
     def match_prob_rows(self, estimates: np.ndarray, matches: list[int]) -> np.ndarray:
@@ -297,10 +314,10 @@ class PooledAcceptance:
         """A proposal's per-position keep probabilities: its request's estimates times its match length's
         factors; a factor raises an estimate to at most `MAX_KEEP_PROB` (an estimate already above it
         stays)."""
-        f = self.factors(match)
+        f = self._factor_list(match)
         if f is None:
             return estimates
-        return [min(e * float(x), max(e, MAX_KEEP_PROB)) for e, x in zip(estimates, f, strict=False)]
+        return [min(e * x, max(e, MAX_KEEP_PROB)) for e, x in zip(estimates, f, strict=False)]
 
 
 @dataclass
