@@ -258,14 +258,20 @@ class EngineCore:
             self.idle_gap_seconds += gap
             self.idle_gap_last = gap
             self.num_idle_gaps += 1
-        # a call of several decode steps: each step is one of the plan's shape
-        steps = 1 + max((len(v) for v in result.accepted.values()), default=0) if plan.scheduled[0].num_steps > 1 else 1
-        self.cost_model.observe(StepWork.from_output(plan), result.seconds / steps)
-        # a decode-phase step (every item a decode or a verification; a pending token makes num_tokens
-        # run ahead of the plan, so the plan's own shape decides) prices verification
-        if self.speculator is not None and all(item.num_new_tokens == 1 or item.draft_token_ids
-                                               for item in plan.scheduled):
-            self.speculator.observe_step(plan.num_tokens, result.seconds, result.cpu_seconds, steps)
+        if result.spec_steps is not None:
+            # a call of speculating steps (their row counts differ from the plan's): what each verified teaches
+            # the speculator; neither the cost model nor the step price learns from its mixed shapes
+            self.speculator.in_call_done(plan.scheduled[0].request, result.spec_steps)
+        else:
+            # a call of several decode steps: each step is one of the plan's shape
+            steps = 1 + max((len(v) for v in result.accepted.values()), default=0) \
+                if plan.scheduled[0].num_steps > 1 else 1
+            self.cost_model.observe(StepWork.from_output(plan), result.seconds / steps)
+            # a decode-phase step (every item a decode or a verification; a pending token makes num_tokens
+            # run ahead of the plan, so the plan's own shape decides) prices verification
+            if self.speculator is not None and all(item.num_new_tokens == 1 or item.draft_token_ids
+                                                   for item in plan.scheduled):
+                self.speculator.observe_step(plan.num_tokens, result.seconds, result.cpu_seconds, steps)
         for item in plan.scheduled:  # their KV is now written: what a KV exporter may read
             multi = item.draft_token_ids or item.num_steps > 1
             kept = len(result.accepted.get(item.request.request_id, ())) if multi else item.num_new_tokens - 1

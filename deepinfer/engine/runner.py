@@ -34,6 +34,7 @@ from deepinfer.engine.expert_parallel import ExpertParallel
 from deepinfer.engine.request import Request
 from deepinfer.engine.sampler import Sampler, TokenLogprobs, target_logprobs
 from deepinfer.engine.scheduler import SchedulerOutput
+from deepinfer.engine.spec.ngram import LookupPlan
 from deepinfer.engine.spec.verify import verify
 from deepinfer.kvcache.blocks import TierBlocks, layout_of
 from deepinfer.kvcache.manager import whole_sequence
@@ -105,6 +106,8 @@ class StepResult:
     # step's own work, which other processes on a shared machine barely move (speculative decoding prices
     # verification rows with it; wall time moved 2-3x between steps under load)
     cpu_seconds: float = 0.0
+    # a speculating call (`PreparedStep.spec_call`): per step (match length, drafts, drafts kept)
+    spec_steps: list[tuple[int, int, int]] | None = None
 
 
 @dataclass
@@ -135,6 +138,8 @@ class PreparedStep:
     row_requests: list[tuple[str, int, int]] = field(default_factory=list)
     prepare_cpu_seconds: float = 0.0  # thread CPU time of `prepare`
     num_steps: int = 1  # greedy decode steps of every row in one call (the scheduler's `num_steps`)
+    # those steps speculate in C: (request, its block table, prompt lookup plan, most tokens appended)
+    spec_call: tuple[Request, list[int], LookupPlan, int] | None = None
 
 
 class ModelRunner:
@@ -418,6 +423,11 @@ class ModelRunner:
                                                                  slot_mapping, bs, window, floors,
                                                                  lookahead=num_steps - 1)))
         dev = self.device
+        first = step.scheduled[0]
+        spec_call = None
+        if first.in_call_drafts is not None:
+            spec_call = (first.request, list(group_tables[0][first.request.request_id]), first.in_call_drafts,
+                         first.max_new_tokens)
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
             metas, torch.tensor(logits_rows + verify_rows + prompt_logits_rows, dtype=torch.long, device=dev),
@@ -425,7 +435,7 @@ class ModelRunner:
             verify_items=verify_items, num_verify_rows=len(verify_rows),
             row_requests=[(i.request.request_id, i.start, i.num_new_tokens) for i in step.scheduled],
             prepare_cpu_seconds=time.thread_time() - cpu_started,
-            num_steps=num_steps)
+            num_steps=num_steps, spec_call=spec_call)
 
     def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]],
                replay_base: int | None = None) -> tuple[list[list[int]], torch.Tensor]:
@@ -467,6 +477,8 @@ class ModelRunner:
         self.threads.tick()
         for row, request_id in step.pending_tokens:
             step.input_ids[row] = self._last_sampled[request_id]
+        if step.spec_call is not None:
+            return self._run_spec_call(step, started, cpu_started)
         if step.num_steps > 1 and not step.pending_tokens and self.model.fused.accepts(step.input_ids, step.metas[0]):
             return self._run_steps(step, started, cpu_started)
         num_sampled = len(step.sample_reqs)
@@ -525,6 +537,24 @@ class ModelRunner:
         self._last_sampled = sampled
         return StepResult(sampled, {}, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
                           accepted, {}, step.prepare_cpu_seconds + time.thread_time() - cpu_started)
+
+    def _run_spec_call(self, step: PreparedStep, started: float, cpu_started: float) -> StepResult:
+        """`step.num_steps` greedy steps of one request with n-gram speculation in one C call
+        (`FusedDecoder.spec_steps`): the tokens it appended are `accepted` but the last, which is `sampled`,
+        as after `_run_steps`; `spec_steps` says what each step drafted and kept."""
+        req, table, plan, max_new = step.spec_call
+        stops = set(req.params.stop_token_ids)
+        if not req.params.ignore_eos:
+            stops.update(req.eos_token_ids)
+        new, stats, _ = self.model.fused.spec_steps(
+            req.token_ids, table, self.kv_caches, self.model.lm_head, step.num_steps, max_new, list(plan.k_by_match),
+            plan.min_n, plan.max_n, plan.lookback, sorted(stops))
+        rid = req.request_id
+        ended = time.perf_counter()
+        self._last_sampled = {rid: new[-1]}
+        return StepResult({rid: new[-1]}, {}, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
+                          {rid: new[:-1]}, {}, step.prepare_cpu_seconds + time.thread_time() - cpu_started,
+                          spec_steps=stats)
 
     def decode_steps_rows(self) -> int:
         """The most decode rows `run` can take several greedy steps of in one call: the whole-layer C path's

@@ -121,6 +121,12 @@ def load_library_from(directory: Path) -> ctypes.CDLL | None:
     lib.decode_steps.argtypes = [vp, i, vp, vp, vp, vp, vp, i, vp, vp, vp, vp, i, vp, vp, i, vp, vp, vp, i, vp,
                                  vp, ctypes.c_float, vp, vp, vp, vp, i, vp, i, vp]
     lib.decode_steps.restype = i
+    lib.ngram_lookup.argtypes = [vp, ctypes.c_int64, i, i, ctypes.c_int64, vp]
+    lib.ngram_lookup.restype = i
+    lib.spec_decode_steps.argtypes = [vp, i, vp, vp, vp, i, vp, vp, vp, vp, vp, vp, i, vp, vp, ctypes.c_float, vp, vp,
+                                      vp, vp, ctypes.c_int64, ctypes.c_int64, vp, i, i, i, vp, i, i, ctypes.c_int64,
+                                      vp, i, vp, vp, vp]
+    lib.spec_decode_steps.restype = i
     return lib
 
 

@@ -15,7 +15,9 @@
  * overwritten with the layer's MLP output (not yet added to residual, like the torch path).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 typedef struct {
     int kind; /* 0 = Q4_1, 1 = Q8_0, 2 = dense (qs: [n, k] in the activations' dtype) */
@@ -197,4 +199,107 @@ int decode_steps(const decoder_layer *layers, int n_layers, const int64_t *ids, 
                 if (out[m] == stop_ids[s]) return j + 1;
     }
     return n_steps;
+}
+
+
+/* Prompt-lookup n-gram search over hist[0..n), the Python proposer's `find_match` (engine/spec/ngram.py):
+ * within the last `lookback` tokens, for m from max_n down to min_n, the most recent earlier occurrence of
+ * the last m tokens that ends before the last token; returns m and the index of what followed it in
+ * *start (0: no match). */
+int ngram_lookup(const int64_t *hist, int64_t n, int min_n, int max_n, int64_t lookback, int64_t *start) {
+    const int64_t lo = n > lookback ? n - lookback : 0, end = n - 1;
+    if (n - lo <= min_n) return 0;
+    const int top = (int64_t)max_n < end - lo ? max_n : (int)(end - lo);
+    for (int m = top; m >= min_n; m--) {
+        const int64_t *suffix = hist + n - m;
+        for (int64_t s = end - m; s >= lo; s--) {
+            if (hist[s + m - 1] != suffix[m - 1] || memcmp(hist + s, suffix, (size_t)m * sizeof(int64_t)) != 0)
+                continue;
+            *start = s + m;
+            return m;
+        }
+    }
+    return 0;
+}
+
+/* One request's greedy decoding with prompt-lookup speculation, several steps in one call: each step looks
+ * up an n-gram draft in the request's tokens (ngram_lookup), verifies its last token and k drafts as k + 1
+ * decode rows (decode_layers, the final norm, the LM head through qgemm and argmax_rows: the kernels of
+ * decode_steps), keeps the drafts up to the first that is not its row's argmax and appends them and the
+ * next argmax. k is k_by_match[m] for a match of m tokens (0 for none: a plain decode step), capped so a
+ * step has at most max_rows rows and the call appends at most max_new tokens. The tokens go to
+ * hist[n_hist..] (capacity n_hist + max_new); `position` is the last token's (its KV is computed here).
+ * Rows are written to the KV slots of `table` (the request's block table, max_blocks wide, allocated for
+ * position + max_new - 1): a rejected draft's KV lies past the kept tokens and is overwritten later, as
+ * after a verification step of the engine. Stops after n_steps steps, once max_new tokens are appended,
+ * or at a token of stop_ids (appended, nothing after it). Per step, stats gets (match, drafts, kept) and
+ * seconds its wall time. Buffers are decode_steps', sized for max_rows rows. Returns the tokens appended
+ * (>= 1) with the steps done in *steps_done; decode_layers' error code (*failed: the layer); -4 when the
+ * table does not reach a row's position; -5 on bad arguments. */
+int spec_decode_steps(const decoder_layer *layers, int n_layers, const void *embed, const void *cos_table,
+                      const void *sin_table, int rot_dim, void *cos_buf, void *sin_buf, void *x, void *residual,
+                      void *work, float *scratch, int dtype, int *failed, const void *final_norm, float final_eps,
+                      void *hidden, const qweight *head, void *logits, int64_t *hist, int64_t n_hist,
+                      int64_t position, const int64_t *table, int max_blocks, int n_steps, int max_new,
+                      const int *k_by_match, int min_n, int max_n, int64_t lookback, const int64_t *stop_ids,
+                      int n_stop, int *stats, double *seconds, int *steps_done) {
+    enum { ROWS = 64 };
+    const int bs = layers[0].block_size, limit = max_rows() < ROWS ? max_rows() : ROWS;
+    if (n_hist < 1 || max_new < 1 || min_n < 1 || max_n < min_n) return -5;
+    int64_t ids[ROWS], pos[ROWS], slots[ROWS], lens[ROWS], rows[ROWS], top[ROWS];
+    int64_t *tables = malloc(sizeof(int64_t) * ROWS * (size_t)max_blocks);
+    if (!tables) return -5;
+    for (int r = 0; r < limit; r++) {
+        memcpy(tables + (int64_t)r * max_blocks, table, sizeof(int64_t) * (size_t)max_blocks);
+        rows[r] = r;
+    }
+    int appended = 0, done = 0, rc = 0;
+    *steps_done = 0;
+    for (int j = 0; j < n_steps && appended < max_new && !done; j++) {
+        struct timespec t0, t1;
+        clock_gettime(CLOCK_MONOTONIC, &t0);
+        const int64_t n = n_hist + appended;
+        int64_t from = 0;
+        const int m = ngram_lookup(hist, n, min_n, max_n, lookback, &from);
+        int k = m ? k_by_match[m] : 0;
+        if (k > limit - 1) k = limit - 1;
+        if (k > max_new - appended - 1) k = max_new - appended - 1;
+        if (m && k > n - from) k = (int)(n - from);
+        if (k < 0) k = 0;
+        const int M = 1 + k;
+        ids[0] = hist[n - 1];
+        for (int r = 1; r < M; r++) ids[r] = hist[from + r - 1];
+        for (int r = 0; r < M; r++) {
+            pos[r] = position + r;
+            if (pos[r] / bs >= max_blocks) {
+                rc = -4;
+                goto out;
+            }
+            lens[r] = pos[r] + 1;
+            slots[r] = table[pos[r] / bs] * bs + pos[r] % bs;
+        }
+        rc = decode_layers(layers, n_layers, ids, embed, pos, cos_table, sin_table, rot_dim, cos_buf, sin_buf, x,
+                           residual, M, slots, tables, max_blocks, lens, work, scratch, dtype, failed, final_norm,
+                           final_eps, rows, M, hidden);
+        if (rc != 0) goto out;
+        qgemm(head, hidden, M, logits, scratch, dtype);
+        argmax_rows(logits, M, head->n, top, dtype);
+        int kept = 0;
+        while (kept < k && ids[kept + 1] == top[kept]) kept++;
+        for (int r = 0; r <= kept && !done; r++) {
+            hist[n + r] = top[r];  /* the kept drafts are their rows' argmaxes; then the next token */
+            appended++;
+            for (int s = 0; s < n_stop; s++)
+                if (top[r] == stop_ids[s]) done = 1;
+        }
+        position += kept + 1;
+        stats[3 * j] = m, stats[3 * j + 1] = k, stats[3 * j + 2] = kept;
+        clock_gettime(CLOCK_MONOTONIC, &t1);
+        seconds[j] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
+        *steps_done = j + 1;
+    }
+    rc = appended;
+out:
+    free(tables);
+    return rc;
 }

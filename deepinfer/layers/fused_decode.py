@@ -6,7 +6,8 @@ dispatches ~15 small ops per layer from Python, which costs more than the arithm
 deterministic mode every step comes here, prefill tokens as decode rows. `FusedDecoder.run` replaces the
 embedding, the rotary lookup and the layer loop with one C call (`decode_layers`); `final_hidden` adds the
 final norm of the logits rows, whose logits and sampling stay in torch; `decode_steps` runs several greedy
-steps in one call, the LM head and each row's argmax included (`num_scheduler_steps`). The layer
+steps in one call, the LM head and each row's argmax included (`num_scheduler_steps`); `spec_steps` runs
+several steps of one request that also speculate, the n-gram lookup and each step's verification in C. The layer
 descriptions hold raw pointers to the weights and KV caches, so they are built once for a given cache list
 and rebuilt if it changes.
 """
@@ -152,6 +153,62 @@ class FusedDecoder:
         if rc < 0:
             raise RuntimeError(f"decode_layer rejected layer {failed.value} (code {rc})")
         return tokens[:rc]
+
+    def spec_steps(self, tokens: list[int], table: list[int], caches: list[Any], head: Linear, num_steps: int,
+                   max_new: int, k_by_match: list[int], min_n: int, max_n: int, lookback: int,
+                   stop_ids: list[int]) -> tuple[list[int], list[tuple[int, int, int]], list[float]]:
+        """Greedy decoding of one request with prompt-lookup speculation, up to `num_steps` steps in one C call
+        (`spec_decode_steps`): each step drafts `k_by_match[m]` tokens after an m-token n-gram match in the
+        request's `tokens` (none without a match), verifies them with the request's last token as decode rows,
+        keeps the drafts its argmaxes confirm and appends the next argmax: the same tokens as plain greedy
+        steps. The last token's position is len(tokens) - 1; `table` (the request's block table) must hold
+        positions up to len(tokens) - 2 + max_new. Returns the tokens appended (at most `max_new`; ends at a
+        `stop_ids` token), and per step (match length, drafts, drafts kept) and its seconds."""
+        q = head.quantized
+        if q is None or q.kind == "dense" or head.bias is not None:
+            raise ValueError("spec_steps needs an LM head with GGUF blocks and no bias")
+        if len(k_by_match) != max_n + 1 or min_n < 1:
+            raise ValueError("k_by_match needs one draft length per match length 0..max_n")
+        if self._caches_key != tuple(c[0].data_ptr() for c in caches):
+            self._build(caches)
+        m = self.model
+        embed, cos_table, sin_table = m.embed_tokens.weight, m.rotary.cos, m.rotary.sin
+        rows, hidden_size = self.max_rows, embed.shape[1]
+        layer = self._layers[0]
+        q_size = layer.heads * layer.head_dim
+        qkv = q_size + 2 * layer.kv_heads * layer.head_dim
+        rot_dim = cos_table.shape[1]
+        x, residual = embed.new_empty((rows, hidden_size)), embed.new_empty((rows, hidden_size))
+        rope = embed.new_empty(2 * rows * rot_dim)
+        work = embed.new_empty(rows * (2 * hidden_size + qkv + 2 * q_size + 3 * layer.inter))
+        widest = max(hidden_size, layer.inter)
+        scratch = torch.empty(rows * (widest + widest // 32 + 1) + 16, dtype=torch.float32)
+        hidden, logits = embed.new_empty((rows, hidden_size)), embed.new_empty((rows, q.n))
+        hist = torch.empty(len(tokens) + max_new, dtype=torch.int64)
+        hist[:len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
+        blocks = torch.tensor(table, dtype=torch.int64)
+        ks = torch.tensor(k_by_match, dtype=torch.int32)
+        stops = torch.tensor(stop_ids or [-1], dtype=torch.int64)
+        stats = torch.zeros((num_steps, 3), dtype=torch.int32)
+        seconds = torch.zeros(num_steps, dtype=torch.float64)
+        failed, done = ctypes.c_int(-1), ctypes.c_int(0)
+        rc = self.lib.spec_decode_steps(
+            self._layers, len(self._layers), embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), rot_dim,
+            rope.data_ptr(), rope.data_ptr() + rows * rot_dim * rope.element_size(), x.data_ptr(), residual.data_ptr(),
+            work.data_ptr(), scratch.data_ptr(), cpu_kernels.dtype_code(x.dtype), ctypes.byref(failed),
+            m.norm.weight.data_ptr(), m.norm.eps, hidden.data_ptr(), ctypes.byref(_qweight(head)), logits.data_ptr(),
+            hist.data_ptr(), len(tokens), len(tokens) - 1, blocks.data_ptr(), len(table), num_steps, max_new,
+            ks.data_ptr(), min_n, max_n, lookback, stops.data_ptr(), len(stop_ids), stats.data_ptr(),
+            seconds.data_ptr(), ctypes.byref(done))
+        if rc == -4:
+            raise IndexError("the request's block table ends before a draft row's position")
+        if rc == -5:
+            raise ValueError("spec_decode_steps rejected its arguments")
+        if rc < 0:
+            raise RuntimeError(f"decode_layer rejected layer {failed.value} (code {rc})")
+        steps = done.value
+        return (hist[len(tokens):len(tokens) + rc].tolist(), [tuple(r) for r in stats[:steps].tolist()],
+                seconds[:steps].tolist())
 
     def _args(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
               slots: torch.Tensor, lens: torch.Tensor) -> _Call:

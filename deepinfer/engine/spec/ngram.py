@@ -11,9 +11,21 @@ match says nothing about how likely the continuation is; the draft carries the m
 from __future__ import annotations
 
 from array import array
+from dataclasses import dataclass
 
 from deepinfer.engine.request import Request
 from deepinfer.engine.spec.proposer import Draft, Proposer
+
+
+@dataclass(frozen=True)
+class LookupPlan:
+    """Prompt lookup as a C call's steps do it (`FusedDecoder.spec_steps`): the n-gram sizes and lookback of
+    `find_match`, and the draft length for each match length m (index 0..max_n)."""
+
+    k_by_match: tuple[int, ...]
+    min_n: int
+    max_n: int
+    lookback: int
 
 
 class NgramProposer(Proposer):

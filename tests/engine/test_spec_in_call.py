@@ -1,0 +1,135 @@
+"""Speculation inside one C call: a lone plain greedy decode on the whole-layer C path runs several steps of
+n-gram drafting and verification in C (`Scheduler._speculative_call`, `FusedDecoder.spec_steps`). Its
+n-gram search is the Python proposer's; its output is the same tokens as decoding without speculation,
+stop tokens and max_tokens included, before and after another request joins; its blocks all come back."""
+
+from __future__ import annotations
+
+import ctypes
+import random
+
+import pytest
+import torch
+
+from benchmarks.spec import code_edit_prompt
+from deepinfer import LLM, SamplingParams
+from deepinfer.engine.spec.ngram import find_match
+from deepinfer.layers import cpu_kernels
+from deepinfer.layers.fused_decode import FusedDecoder
+from tests.engine.spec_utils import assert_all_free, spec_config, token_ids
+
+needs_kernels = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="the C kernels cannot be built here")
+
+
+@needs_kernels
+def test_the_c_ngram_lookup_finds_what_find_match_finds():
+    lib = cpu_kernels.load_library()
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(3000):
+        alphabet = rng.choice([2, 3, 5, 40])
+        tokens = [rng.randrange(alphabet) for _ in range(rng.randrange(1, 70))]
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 6)
+        lookback = rng.choice([3, 12, 8192])
+        want, want_match = find_match(tokens[-lookback:], min_n, max_n, 64)
+        arr = torch.tensor(tokens, dtype=torch.int64)
+        start = ctypes.c_int64(-1)
+        match = lib.ngram_lookup(arr.data_ptr(), len(tokens), min_n, max_n, lookback, ctypes.byref(start))
+        got = tokens[start.value:start.value + 64] if match else []
+        assert (match, got) == (want_match, want), (tokens, min_n, max_n, lookback)
+        hits += match > 0
+    assert hits > 1000  # most cases found a match: the comparison covered the search, not just misses
+
+
+def _engines(dtype: str, **kw) -> tuple[LLM, LLM]:
+    kw = {"kv_cache_memory": "256MiB", "dtype": dtype, **kw}
+    return LLM(**kw), LLM(speculative_config=spec_config("ngram", k=16, adaptive=True), **kw)
+
+
+@pytest.fixture(scope="module")
+def float32_engines() -> tuple[LLM, LLM]:
+    return _engines("float32")
+
+
+def _count_calls(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    original = FusedDecoder.spec_steps
+
+    def counted(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        calls.append(len(out[1]))
+        return out
+
+    monkeypatch.setattr(FusedDecoder, "spec_steps", counted)
+    return calls
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_single_stream_code_edits_are_token_identical_and_drafted_in_c(dtype, request, monkeypatch):
+    """One request at a time (batch 1, where the call applies), on the default model in its default mode, in
+    both dtypes: the call verifies drafts with the kernels plain decode steps use (row-invariant up to 8
+    rows), so the tokens are the argmaxes of the same bits."""
+    plain, spec = request.getfixturevalue("float32_engines") if dtype == "float32" else _engines(dtype)
+    calls = _count_calls(monkeypatch)
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    total = 0
+    for i in range(4):
+        prompt = [code_edit_prompt(i)]
+        reference = token_ids(plain, prompt, params)
+        assert token_ids(spec, prompt, params) == reference
+        total += len(reference[0])
+    m = spec.engine.core.speculator.metrics
+    assert calls and sum(calls) > len(calls), "the engine never ran several speculating steps in one call"
+    assert m.num_accepted_tokens > 0.3 * total, "drafts did little of the work: the test would prove little"
+    assert_all_free(spec)
+
+
+@needs_kernels
+def test_stop_tokens_and_max_tokens_end_a_call_where_plain_decoding_ends(float32_engines, monkeypatch):
+    plain, spec = float32_engines
+    calls = _count_calls(monkeypatch)
+    prompt = [code_edit_prompt(1)]  # its output copies most of the prompt: drafts of many tokens are kept
+    reference = token_ids(plain, prompt, SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True))[0]
+    for stop_at in (3, 17, 40):  # a stop token that arrives inside a kept draft or as its bonus token
+        stop = reference[stop_at]
+        params = SamplingParams(max_tokens=60, temperature=0.0, stop_token_ids=[stop])
+        want = plain.generate(prompt, params)[0].outputs[0]
+        got = spec.generate(prompt, params)[0].outputs[0]
+        assert list(got.token_ids) == list(want.token_ids)
+        assert got.finish_reason == want.finish_reason == "stop"
+        assert got.token_ids[-1] == stop and len(got.token_ids) <= stop_at + 1
+    for max_tokens in (1, 2, 3, 9, 31):
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        got = token_ids(spec, prompt, params)[0]
+        assert got == reference[:max_tokens]
+    assert calls
+    assert_all_free(spec)
+
+
+@needs_kernels
+def test_a_request_that_joins_midway_ends_the_calls_and_both_stay_identical(monkeypatch):
+    """The first request decodes in speculating calls, the second arrives while it does: from then on the
+    batch takes the engine's ordinary speculation (a call is for a lone request), and both outputs are the
+    tokens of decoding each alone without speculation. Deterministic mode (row-invariant kernels), so that
+    the prompt's prefill sharing a step with the first request's decode changes no bits."""
+    plain, spec = _engines("float32", deterministic=True)
+    calls = _count_calls(monkeypatch)
+    first, second = code_edit_prompt(1), code_edit_prompt(3)
+    params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
+    want = [token_ids(plain, [p], params)[0] for p in (first, second)]
+    engine = spec.engine
+    engine.add_request(first, params, request_id="a")
+    outputs: dict[str, list[int]] = {}
+    joined = False
+    while engine.has_unfinished():
+        for out in engine.step():
+            outputs[out.request_id] = list(out.outputs[0].token_ids)
+        if not joined and engine.core.scheduler.requests["a"].num_output_tokens >= 12:
+            before = len(calls)
+            engine.add_request(second, params, request_id="b")
+            joined = True
+    assert joined and before > 0, "the first request never decoded in a call before the second joined"
+    assert [outputs["a"], outputs["b"]] == want
+    assert_all_free(spec)
