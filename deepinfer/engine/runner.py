@@ -106,8 +106,8 @@ class StepResult:
     # step's own work, which other processes on a shared machine barely move (speculative decoding prices
     # verification rows with it; wall time moved 2-3x between steps under load)
     cpu_seconds: float = 0.0
-    # a speculating call (`PreparedStep.spec_call`): per step (match length, drafts, drafts kept)
-    spec_steps: list[tuple[int, int, int]] | None = None
+    # a speculating call (`PreparedStep.spec_call`): per step (match length, drafts, drafts kept, seconds)
+    spec_steps: list[tuple[int, int, int, float]] | None = None
 
 
 @dataclass
@@ -546,7 +546,7 @@ class ModelRunner:
         stops = set(req.params.stop_token_ids)
         if not req.params.ignore_eos:
             stops.update(req.eos_token_ids)
-        new, stats, _ = self.model.fused.spec_steps(
+        new, stats, seconds = self.model.fused.spec_steps(
             req.token_ids, table, self.kv_caches, self.model.lm_head, step.num_steps, max_new, list(plan.k_by_match),
             plan.min_n, plan.max_n, plan.lookback, sorted(stops))
         rid = req.request_id
@@ -554,7 +554,7 @@ class ModelRunner:
         self._last_sampled = {rid: new[-1]}
         return StepResult({rid: new[-1]}, {}, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
                           {rid: new[:-1]}, {}, step.prepare_cpu_seconds + time.thread_time() - cpu_started,
-                          spec_steps=stats)
+                          spec_steps=[(*st, sec) for st, sec in zip(stats, seconds, strict=True)])
 
     def decode_steps_rows(self) -> int:
         """The most decode rows `run` can take several greedy steps of in one call: the whole-layer C path's

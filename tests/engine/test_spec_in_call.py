@@ -133,3 +133,40 @@ def test_a_request_that_joins_midway_ends_the_calls_and_both_stay_identical(monk
     assert joined and before > 0, "the first request never decoded in a call before the second joined"
     assert [outputs["a"], outputs["b"]] == want
     assert_all_free(spec)
+
+
+def test_call_step_price_takes_measured_counts_and_scales_the_rest():
+    from deepinfer.engine.spec.step_price import CallStepPrice, StepPrice
+
+    price = StepPrice()
+    price.seed([(r, 0.003 + 0.0005 * (r - 1)) for r in range(1, 9)])  # the start-up table: 3 ms + 0.5 a row
+    calls = CallStepPrice(price, 8)
+    assert calls.table()[1:] == [price.seconds(r) for r in range(1, 9)]  # nothing measured yet
+    for _ in range(2):
+        calls.observe(1, 0.0024)
+    assert calls.table()[1] == price.seconds(1)  # two samples are not enough to move a count
+    for seconds in (0.0025, 0.0025, 0.0090):  # one slow outlier: the median holds
+        calls.observe(1, seconds)
+    for _ in range(3):
+        calls.observe(4, 0.0036)
+    table = calls.table()
+    assert table[1] == 0.0025 and table[4] == 0.0036
+    scale = sorted([0.0025 / price.seconds(1), 0.0036 / price.seconds(4)])
+    for r in (2, 3, 5, 8):  # not measured: the table's value times the measured counts' median ratio
+        assert table[r] == pytest.approx(price.seconds(r) * (scale[0] + scale[1]) / 2)
+    calls.observe(9, 0.01)  # past the call's rows: ignored
+    assert len(calls.table()) == 9
+
+
+def test_the_call_draft_length_follows_the_price_of_rows():
+    from deepinfer.engine.cost_model import CostModel
+    from deepinfer.engine.spec.policy import DraftLengthPolicy
+
+    policy = DraftLengthPolicy(CostModel())
+    likely = [0.95] * 7
+    cheap = [0.0] + [0.0025 + 0.0003 * (r - 1) for r in range(1, 9)]  # a row costs an eighth of a token
+    dear = [0.0] + [0.0025 + 0.0030 * (r - 1) for r in range(1, 9)]  # a row costs more than a token
+    assert policy.choose_in_call(likely, cheap) == 7
+    assert policy.choose_in_call(likely, dear) == 0
+    assert policy.choose_in_call([0.9, 0.1, 0.9, 0.9], cheap) == 1  # a gain falls with the product
+    assert policy.choose_in_call([], cheap) == 0

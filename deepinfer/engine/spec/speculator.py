@@ -47,6 +47,7 @@ from deepinfer.engine.spec.policy import (
 )
 from deepinfer.engine.spec.proposer import Draft, Proposer
 from deepinfer.engine.spec.step_price import (
+    CallStepPrice,
     prices_in_cpu_time,
     profile_order,
     profile_row_counts,
@@ -86,6 +87,7 @@ class Speculator:
         self._last_run: float | None = None
         self._last_steps = 1  # decode steps in that run (`observe_step`)
         self._drafted = False  # whether the last proposal gave drafts (its step's host time is priced apart)
+        self._call_price: CallStepPrice | None = None  # steps inside speculating C calls (`in_call_drafts`)
         # at one torch thread, steps are priced in CPU time (the model step's `cpu_seconds`, the host's
         # `thread_time` between proposals), as the start-up profile measures them: on a shared machine wall
         # time moved 2-3x from step to step, and the table built from it (each count's median of 5 wall
@@ -354,19 +356,23 @@ class Speculator:
         self._last_propose = None
         state, proposer = self._state(req), self.proposer
         ks = [0] * (proposer.max_n + 1)
+        if self._call_price is None or self._call_price.max_rows != max_rows:
+            self._call_price = CallStepPrice(self.policy.price, max_rows)
         if not self.policy.adaptive:
             ks[proposer.min_n:] = [self.k_max] * (proposer.max_n + 1 - proposer.min_n)
         elif not self.tries.backed_off(state, self.num_steps):
-            estimates = state.estimates()
+            estimates, seconds = state.estimates(), self._call_price.table()
             cap = min(self.k_max, max_rows - 1)
             for m in range(proposer.min_n, proposer.max_n + 1):
-                ks[m] = self.policy.choose_in_call(self.pool.match_probs(estimates, m)[:cap])
+                ks[m] = self.policy.choose_in_call(self.pool.match_probs(estimates, m)[:cap], seconds)
         return LookupPlan(tuple(ks), proposer.min_n, proposer.max_n, proposer.max_lookback)
 
-    def in_call_done(self, req: Request, steps: list[tuple[int, int, int]]) -> None:
-        """The steps of an `in_call_drafts` call: (match length, drafts, drafts kept) each, in order."""
-        for match, drafted, kept in steps:
+    def in_call_done(self, req: Request, steps: list[tuple[int, int, int, float]]) -> None:
+        """The steps of an `in_call_drafts` call: (match length, drafts, drafts kept, seconds) each, in order."""
+        for match, drafted, kept, seconds in steps:
             self.num_steps += 1
+            if self._call_price is not None:
+                self._call_price.observe(1 + drafted, seconds)
             self.metrics.chose(drafted)
             if drafted:
                 self._state(req).last_match = match

@@ -218,6 +218,34 @@ class StepPrice:
         return max(float(self.cost_model.coef @ f), 1e-6)
 
 
+class CallStepPrice:
+    """Seconds of a step inside a speculating C call (`FusedDecoder.spec_steps`) by row count (1..max_rows),
+    from the steps such calls timed: the median of a count's last SAMPLES once it has MIN_SAMPLES; a count
+    with fewer takes the start-up table's value (`StepPrice.seconds`) scaled by the median ratio of measured
+    to table over the counts that have them. The start-up profile times runner steps (Python around the C
+    call) once per count in a few rounds: over four engine starts on the AVX-512 machine it priced one row at
+    2.8-3.6 ms and a second at +0.1 to +0.4 ms, and batch-1 code edits read 1.85-1.99x of no speculation by
+    which start they got; the calls' own timings settle it within a few requests."""
+
+    SAMPLES = 15
+    MIN_SAMPLES = 3
+
+    def __init__(self, price: StepPrice, max_rows: int) -> None:
+        self.price, self.max_rows = price, max_rows
+        self._samples: dict[int, deque[float]] = {}
+
+    def observe(self, rows: int, seconds: float) -> None:
+        if 1 <= rows <= self.max_rows and seconds > 0:
+            self._samples.setdefault(rows, deque(maxlen=self.SAMPLES)).append(seconds)
+
+    def table(self) -> list[float]:
+        """T(R) for R = 0..max_rows (T(0) = 0)."""
+        measured = {r: statistics.median(d) for r, d in self._samples.items() if len(d) >= self.MIN_SAMPLES}
+        scale = statistics.median(t / max(self.price.seconds(r), 1e-9) for r, t in measured.items()) \
+            if measured else 1.0
+        return [0.0] + [measured.get(r, scale * self.price.seconds(r)) for r in range(1, self.max_rows + 1)]
+
+
 def spline_fit(x: np.ndarray, y: np.ndarray, w: np.ndarray) -> np.ndarray:
     """Weighted least-squares fit of y by a continuous piecewise-linear function of x with knots a factor 2
     apart (x[0], 2 x[0], 4 x[0], ..., x[-1]), evaluated at x: one slow step among neighbouring row counts
