@@ -170,3 +170,21 @@ def test_the_call_draft_length_follows_the_price_of_rows():
     assert policy.choose_in_call(likely, dear) == 0
     assert policy.choose_in_call([0.9, 0.1, 0.9, 0.9], cheap) == 1  # a gain falls with the product
     assert policy.choose_in_call([], cheap) == 0
+
+
+def test_a_requests_own_first_draft_record_behind_a_match_length_shrinks_its_estimate():
+    from deepinfer.engine.spec.policy import AcceptanceStats
+
+    state = AcceptanceStats.new(0.6, 8)
+    assert state.first_keep_rate(2, 0.5) == 0.5  # no record behind two-token matches: the estimate stands
+    state.last_match = 2
+    for _ in range(3):
+        state.observe(1, 0, 0.3)  # three single drafts behind two-token matches, none kept
+    state.last_match = 5
+    state.observe(4, 4, 0.3)
+    assert state.first_keep_rate(2, 0.5) == pytest.approx((0 + 2 * 0.5) / (3 + 2))
+    assert state.first_keep_rate(5, 0.5) == pytest.approx((1 + 2 * 0.5) / (1 + 2))
+    assert state.first_keep_rate(3, 0.7) == 0.7
+    state.last_match = 0  # a proposer that reports no match keeps no record
+    state.observe(2, 1, 0.3)
+    assert set(state.first_by_match) == {2, 5}

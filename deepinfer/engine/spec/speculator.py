@@ -348,8 +348,9 @@ class Speculator:
         steps of at most `max_rows` rows), or None where this speculator cannot hand its choice to C (not
         the n-gram proposer, or a fixed draft length longer than a step's rows allow). Adaptive, each length
         is the policy's choice (`DraftLengthPolicy.choose_in_call`) for a proposal of that match length, from
-        the request's estimates as they are now: the call's steps keep it, and `in_call_done` teaches the
-        estimates what they verified. The host time between proposals spans the call and is not sampled
+        the request's estimates as they are now, its first draft's from the request's own record behind that
+        match length (`AcceptanceStats.first_keep_rate`): the call's steps keep it, and `in_call_done` teaches
+        the estimates what they verified. The host time between proposals spans the call and is not sampled
         (`idle`)."""
         if type(self.proposer) is not NgramProposer or (not self.policy.adaptive and self.k_max >= max_rows):
             return None
@@ -364,7 +365,10 @@ class Speculator:
             estimates, seconds = state.estimates(), self._call_price.table()
             cap = min(self.k_max, max_rows - 1)
             for m in range(proposer.min_n, proposer.max_n + 1):
-                ks[m] = self.policy.choose_in_call(self.pool.match_probs(estimates, m)[:cap], seconds)
+                probs = self.pool.match_probs(estimates, m)[:cap]
+                if probs:
+                    probs = [state.first_keep_rate(m, probs[0]), *probs[1:]]
+                ks[m] = self.policy.choose_in_call(probs, seconds)
         return LookupPlan(tuple(ks), proposer.min_n, proposer.max_n, proposer.max_lookback)
 
     def in_call_done(self, req: Request, steps: list[tuple[int, int, int, float]]) -> None:
