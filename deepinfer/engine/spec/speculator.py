@@ -372,7 +372,10 @@ class Speculator:
         return LookupPlan(tuple(ks), proposer.min_n, proposer.max_n, proposer.max_lookback)
 
     def in_call_done(self, req: Request, steps: list[tuple[int, int, int, float]]) -> None:
-        """The steps of an `in_call_drafts` call: (match length, drafts, drafts kept, seconds) each, in order."""
+        """The steps of an `in_call_drafts` call: (match length, drafts, drafts kept, seconds) each, in order.
+        A step without drafts does not relax the request's estimates towards the prior as `propose` does (a
+        choice measured this way; a request that misses keeps its lower estimates through a call's plain
+        steps)."""
         for match, drafted, kept, seconds in steps:
             self.num_steps += 1
             if self._call_price is not None:
