@@ -526,10 +526,8 @@ class ModelRunner:
         after a step that produced a stop token of any row (EOS unless ignored, stop_token_ids); a stop string
         is matched later, on the text, as after any step."""
         reqs = step.sample_reqs
-        stops = {t for r in reqs for t in r.params.stop_token_ids}
-        stops.update(t for r in reqs if not r.params.ignore_eos for t in r.eos_token_ids)
         tokens = self.model.fused.decode_steps(step.input_ids, step.positions, self.kv_caches, step.metas[0],
-                                               self.model.lm_head, step.num_steps, sorted(stops))
+                                               self.model.lm_head, step.num_steps, _stop_ids(reqs))
         columns = tokens.t().tolist()  # one per row: the rows are the requests, in order
         sampled = {r.request_id: col[-1] for r, col in zip(reqs, columns, strict=True)}
         accepted = {r.request_id: col[:-1] for r, col in zip(reqs, columns, strict=True)}
@@ -543,12 +541,9 @@ class ModelRunner:
         (`FusedDecoder.spec_steps`): the tokens it appended are `accepted` but the last, which is `sampled`,
         as after `_run_steps`; `spec_steps` says what each step drafted and kept."""
         req, table, plan, max_new = step.spec_call
-        stops = set(req.params.stop_token_ids)
-        if not req.params.ignore_eos:
-            stops.update(req.eos_token_ids)
         new, stats, seconds = self.model.fused.spec_steps(
             req.token_ids, table, self.kv_caches, self.model.lm_head, step.num_steps, max_new, list(plan.k_by_match),
-            plan.min_n, plan.max_n, plan.lookback, sorted(stops))
+            plan.min_n, plan.max_n, plan.lookback, _stop_ids([req]))
         rid = req.request_id
         ended = time.perf_counter()
         self._last_sampled = {rid: new[-1]}
@@ -578,3 +573,11 @@ class ModelRunner:
                                   [r.params.prompt_logprobs for r, _, _ in chunk])
             for (req, index, _), lp in zip(chunk, lps, strict=True):
                 req.prompt_logprobs[index] = lp
+
+
+def _stop_ids(reqs: list[Request]) -> list[int]:
+    """The tokens that end any of `reqs` (stop_token_ids, and EOS unless ignored): where a C call of several
+    greedy steps stops (the stop condition itself is checked again when the tokens are appended)."""
+    stops = {t for r in reqs for t in r.params.stop_token_ids}
+    stops.update(t for r in reqs if not r.params.ignore_eos for t in r.eos_token_ids)
+    return sorted(stops)

@@ -169,20 +169,11 @@ class FusedDecoder:
             raise ValueError("spec_steps needs an LM head with GGUF blocks and no bias")
         if len(k_by_match) != max_n + 1 or min_n < 1:
             raise ValueError("k_by_match needs one draft length per match length 0..max_n")
-        if self._caches_key != tuple(c[0].data_ptr() for c in caches):
-            self._build(caches)
+        self._ensure_layers(caches)
         m = self.model
         embed, cos_table, sin_table = m.embed_tokens.weight, m.rotary.cos, m.rotary.sin
-        rows, hidden_size = self.max_rows, embed.shape[1]
-        layer = self._layers[0]
-        q_size = layer.heads * layer.head_dim
-        qkv = q_size + 2 * layer.kv_heads * layer.head_dim
-        rot_dim = cos_table.shape[1]
-        x, residual = embed.new_empty((rows, hidden_size)), embed.new_empty((rows, hidden_size))
-        rope = embed.new_empty(2 * rows * rot_dim)
-        work = embed.new_empty(rows * (2 * hidden_size + qkv + 2 * q_size + 3 * layer.inter))
-        widest = max(hidden_size, layer.inter)
-        scratch = torch.empty(rows * (widest + widest // 32 + 1) + 16, dtype=torch.float32)
+        rows, hidden_size, rot_dim = self.max_rows, embed.shape[1], cos_table.shape[1]
+        x, residual, rope, work, scratch = self._buffers(rows)
         hidden, logits = embed.new_empty((rows, hidden_size)), embed.new_empty((rows, q.n))
         hist = torch.empty(len(tokens) + max_new, dtype=torch.int64)
         hist[:len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
@@ -210,27 +201,35 @@ class FusedDecoder:
         return (hist[len(tokens):len(tokens) + rc].tolist(), [tuple(r) for r in stats[:steps].tolist()],
                 seconds[:steps].tolist())
 
+    def _ensure_layers(self, caches: list[Any]) -> None:
+        if self._caches_key != tuple(c[0].data_ptr() for c in caches):
+            self._build(caches)
+
+    def _buffers(self, m_rows: int) -> tuple[torch.Tensor, ...]:
+        """decode_layers' buffers for `m_rows` rows: x and residual [M, hidden], the rotary rows (cos then sin),
+        the layer's work area and the float32 scratch, sized as decode_layer.c asks."""
+        embed, layer = self.model.embed_tokens.weight, self._layers[0]
+        hidden = embed.shape[1]
+        q_size = layer.heads * layer.head_dim
+        qkv = q_size + 2 * layer.kv_heads * layer.head_dim
+        widest = max(hidden, layer.inter)
+        return (embed.new_empty((m_rows, hidden)), embed.new_empty((m_rows, hidden)),
+                embed.new_empty(2 * m_rows * self.model.rotary.cos.shape[1]),
+                embed.new_empty(m_rows * (2 * hidden + qkv + 2 * q_size + 3 * layer.inter)),
+                torch.empty(m_rows * (widest + widest // 32 + 1) + 16, dtype=torch.float32))
+
     def _args(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], meta: Any,
               slots: torch.Tensor, lens: torch.Tensor) -> _Call:
         """decode_layers' arguments up to `dtype`, with the buffers of an M-row step they point into."""
-        if self._caches_key != tuple(c[0].data_ptr() for c in caches):
-            self._build(caches)
+        self._ensure_layers(caches)
         if input_ids.dtype != torch.int64 or positions.dtype != torch.int64:  # read as int64_t rows in C
             input_ids, positions = input_ids.to(torch.int64), positions.to(torch.int64)
         input_ids, positions = input_ids.contiguous(), positions.contiguous()
         m = self.model
         embed, cos_table, sin_table = m.embed_tokens.weight, m.rotary.cos, m.rotary.sin
-        m_rows, hidden = input_ids.shape[0], embed.shape[1]
-        cfg_layer = self._layers[0]
-        q_size = cfg_layer.heads * cfg_layer.head_dim
-        qkv = q_size + 2 * cfg_layer.kv_heads * cfg_layer.head_dim
-        x = embed.new_empty((m_rows, hidden))
-        residual = torch.empty_like(x)
+        m_rows = input_ids.shape[0]
+        x, residual, rope, work, scratch = self._buffers(m_rows)
         rot_dim = cos_table.shape[1]
-        rope = embed.new_empty(2 * m_rows * rot_dim)
-        work = embed.new_empty(m_rows * (2 * hidden + qkv + 2 * q_size + 3 * cfg_layer.inter))
-        widest = max(hidden, cfg_layer.inter)
-        scratch = torch.empty(m_rows * (widest + widest // 32 + 1) + 16, dtype=torch.float32)
         tables = meta.decode_block_tables
         args = (self._layers, len(self._layers), input_ids.data_ptr(), embed.data_ptr(), positions.data_ptr(),
                 cos_table.data_ptr(), sin_table.data_ptr(), rot_dim, rope.data_ptr(),

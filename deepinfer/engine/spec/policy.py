@@ -384,17 +384,23 @@ class DraftLengthPolicy:
             return self._best_count(num_decodes, sorted(flat.tolist(), reverse=True), first_gain=True) > 0
         return self._best_count(num_decodes, -np.sort(-flat), first_gain=True) > 0
 
-    def _best_count(self, b: int, gains: list[float] | np.ndarray, first_gain: bool = False) -> int:
+    def _best_count(self, b: int, gains: list[float] | np.ndarray, first_gain: bool = False,
+                    seconds: list[float] | None = None) -> int:
         """The number m of draft rows (0..len(gains)) that maximises the expected tokens per second of a step
         of `b` decodes, (b + sum of the first m `gains` / (1 + MARGIN)) / (T(b + m) + H_m): the first maximum
         (the fewest drafts among equals); with `first_gain`, the first m that beats m = 0 (0: none does).
+        `seconds`: T(R) from another table (`choose_in_call`), with no host time.
 
         It runs every step, between model steps that have evicted its code and data from the caches: up to
         `SMALL` gains in plain Python (the numpy version, a dozen small-array calls, took ~140 us a step at
         batch 1 on the AVX2 machine, ~2% of the step; this one ~60), more in numpy (a batch of 32 has up to
         512 gains). Both compute the same values in the same order."""
-        host, draft_host = self.price.host_seconds, self.price.draft_host_seconds
-        t = self.price.table(b + len(gains))
+        if seconds is None:
+            host, draft_host = self.price.host_seconds, self.price.draft_host_seconds
+            t = self.price.table(b + len(gains))
+        else:
+            host = draft_host = 0.0
+            t = np.asarray(seconds[:b + len(gains) + 1], dtype=float)
         if len(gains) > self.SMALL:
             hosts = np.full(len(gains) + 1, draft_host)
             hosts[0] = host
@@ -418,18 +424,13 @@ class DraftLengthPolicy:
         """The draft length for one decode's proposal with keep probabilities `probs`, for a step inside a C
         call of several (`Speculator.in_call_drafts`): as `choose` for one candidate, priced by `seconds`
         (T(R) of such steps, `CallStepPrice.table`; no host time: the call pays it once for all its steps)."""
-        if not self.adaptive:
-            return len(probs)
-        best, best_rate, kept, g = 0, 1.0 / max(seconds[1], 1e-9), 0.0, 1.0
-        for m, p in enumerate(probs[:len(seconds) - 2], 1):
+        gains, g = [], 1.0
+        for p in probs[:len(seconds) - 2]:
             g *= p
             if g <= 0:
                 break
-            kept += g
-            rate = (1 + kept / (1 + self.MARGIN)) / max(seconds[1 + m], 1e-9)
-            if rate > best_rate:  # strictly: the first maximum
-                best, best_rate = m, rate
-        return best
+            gains.append(g)
+        return self._best_count(1, gains, seconds=seconds)
 
     def choose(self, cands: list[Candidate], num_decodes: int) -> list[int]:
         """Draft tokens to verify per candidate; `num_decodes`: the decode batch the candidates are part of

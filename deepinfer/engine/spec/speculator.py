@@ -354,7 +354,7 @@ class Speculator:
         (`idle`)."""
         if type(self.proposer) is not NgramProposer or (not self.policy.adaptive and self.k_max >= max_rows):
             return None
-        self._last_propose = None
+        self.idle()
         state, proposer = self._state(req), self.proposer
         ks = [0] * (proposer.max_n + 1)
         if self._call_price is None or self._call_price.max_rows != max_rows:
