@@ -261,7 +261,8 @@ class EngineCore:
         if result.spec_steps is not None:
             # a call of speculating steps (their row counts differ from the plan's): what each verified teaches
             # the speculator; neither the cost model nor the step price learns from its mixed shapes
-            self.speculator.in_call_done(plan.scheduled[0].request, result.spec_steps)
+            self.speculator.in_call_done([(item.request, result.spec_verdicts[item.request.request_id])
+                                          for item in plan.scheduled], result.spec_steps)
         else:
             # a call of several decode steps: each step is one of the plan's shape
             steps = 1 + max((len(v) for v in result.accepted.values()), default=0) \

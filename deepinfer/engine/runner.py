@@ -40,6 +40,7 @@ from deepinfer.kvcache.blocks import TierBlocks, layout_of
 from deepinfer.kvcache.manager import whole_sequence
 from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
 from deepinfer.layers.attention import AttentionBatch
+from deepinfer.layers.fused_decode import SpecSeq
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import RoutedExperts, SoftmaxTopKRouter
 from deepinfer.layers.torch_attention import TorchAttentionBackend
@@ -106,8 +107,10 @@ class StepResult:
     # step's own work, which other processes on a shared machine barely move (speculative decoding prices
     # verification rows with it; wall time moved 2-3x between steps under load)
     cpu_seconds: float = 0.0
-    # a speculating call (`PreparedStep.spec_call`): per step (match length, drafts, drafts kept, seconds)
-    spec_steps: list[tuple[int, int, int, float]] | None = None
+    # a speculating call (`PreparedStep.spec_call`): per step (rows, seconds), and per request, per step it was
+    # in, (match length, drafts, drafts kept)
+    spec_steps: list[tuple[int, float]] | None = None
+    spec_verdicts: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -138,8 +141,8 @@ class PreparedStep:
     row_requests: list[tuple[str, int, int]] = field(default_factory=list)
     prepare_cpu_seconds: float = 0.0  # thread CPU time of `prepare`
     num_steps: int = 1  # greedy decode steps of every row in one call (the scheduler's `num_steps`)
-    # those steps speculate in C: (request, its block table, prompt lookup plan, most tokens appended)
-    spec_call: tuple[Request, list[int], LookupPlan, int] | None = None
+    # those steps speculate in C: per request (request, its block table, prompt lookup plan, most tokens appended)
+    spec_call: list[tuple[Request, list[int], LookupPlan, int]] | None = None
 
 
 class ModelRunner:
@@ -426,8 +429,8 @@ class ModelRunner:
         first = step.scheduled[0]
         spec_call = None
         if first.in_call_drafts is not None:
-            spec_call = (first.request, list(group_tables[0][first.request.request_id]), first.in_call_drafts,
-                         first.max_new_tokens)
+            spec_call = [(item.request, list(group_tables[0][item.request.request_id]), item.in_call_drafts,
+                          item.max_new_tokens) for item in step.scheduled]
         return PreparedStep(
             torch.tensor(tokens, dtype=torch.long, device=dev), torch.tensor(positions, dtype=torch.long, device=dev),
             metas, torch.tensor(logits_rows + verify_rows + prompt_logits_rows, dtype=torch.long, device=dev),
@@ -537,19 +540,23 @@ class ModelRunner:
                           accepted, {}, step.prepare_cpu_seconds + time.thread_time() - cpu_started)
 
     def _run_spec_call(self, step: PreparedStep, started: float, cpu_started: float) -> StepResult:
-        """`step.num_steps` greedy steps of one request with n-gram speculation in one C call
-        (`FusedDecoder.spec_steps`): the tokens it appended are `accepted` but the last, which is `sampled`,
-        as after `_run_steps`; `spec_steps` says what each step drafted and kept."""
-        req, table, plan, max_new = step.spec_call
-        new, stats, seconds = self.model.fused.spec_steps(
-            req.token_ids, table, self.kv_caches, self.model.lm_head, step.num_steps, max_new, list(plan.k_by_match),
-            plan.min_n, plan.max_n, plan.lookback, _stop_ids([req]))
-        rid = req.request_id
+        """`step.num_steps` greedy steps of its requests with n-gram speculation in one C call
+        (`FusedDecoder.spec_steps`): the tokens each request appended are `accepted` but the last, which is
+        `sampled`, as after `_run_steps`; `spec_steps` and `spec_verdicts` say what each step drafted and kept."""
+        calls = step.spec_call
+        plan = calls[0][2]
+        out = self.model.fused.spec_steps(
+            [SpecSeq(req.token_ids, table, max_new, tuple(p.k_by_match)) for req, table, p, max_new in calls],
+            self.kv_caches, self.model.lm_head, step.num_steps, plan.min_n, plan.max_n, plan.lookback,
+            _stop_ids([req for req, *_ in calls]))
+        sampled = {req.request_id: new[-1] for (req, *_), new in zip(calls, out.tokens, strict=True)}
+        accepted = {req.request_id: new[:-1] for (req, *_), new in zip(calls, out.tokens, strict=True)}
         ended = time.perf_counter()
-        self._last_sampled = {rid: new[-1]}
-        return StepResult({rid: new[-1]}, {}, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
-                          {rid: new[:-1]}, {}, step.prepare_cpu_seconds + time.thread_time() - cpu_started,
-                          spec_steps=[(*st, sec) for st, sec in zip(stats, seconds, strict=True)])
+        self._last_sampled = sampled
+        return StepResult(sampled, {}, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
+                          accepted, {}, step.prepare_cpu_seconds + time.thread_time() - cpu_started,
+                          spec_steps=out.steps,
+                          spec_verdicts={req.request_id: v for (req, *_), v in zip(calls, out.verdicts, strict=True)})
 
     def decode_steps_rows(self) -> int:
         """The most decode rows `run` can take several greedy steps of in one call: the whole-layer C path's

@@ -24,9 +24,10 @@ Several decode steps per pass (`num_scheduler_steps`): when the step is nothing 
 (at most `decode_steps_rows` of them) and no request waits, each is scheduled with `num_steps` > 1 and
 blocks for that many tokens; the runner decodes them in one C call, each step's argmax the next one's input,
 and `update` appends the tokens like kept drafts (cut at a stop condition, the KV past it rolled back).
-A lone plain greedy decode with the n-gram proposer gets such a call whose steps also speculate
-(`_speculative_call`): blocks for up to `decode_steps_rows` tokens a step, and the draft length per match
-length the speculator chose at its start; the runner's C call drafts and verifies step after step.
+Plain greedy decodes with a row to spare (fewer than `decode_steps_rows`) and the n-gram proposer get such
+a call whose steps also speculate (`_speculative_call`): blocks for one token a step plus the step's spare
+rows, and per request the draft length per match length the speculator chose at its start; the runner's C
+call drafts and verifies step after step.
 
 Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
 whose grammar failed is finished with `Request.error` and reported through `take_failed`. `update`
@@ -162,9 +163,10 @@ class Scheduler:
         prefills = [r for r in self.running if r.num_tokens - r.num_computed_tokens > 1]
         if self.speculator is not None and not prefills:
             call = self._speculative_call(decodes)
-            if call is not None:
-                out.scheduled.append(call)
-                policy.add_work(1, call.start)
+            if call:
+                out.scheduled.extend(call)
+                for item in call:
+                    policy.add_work(1, item.start)
                 return out
         drafts = self.speculator.propose(decodes, self.max_model_len, self.decode_batch_ahead()) \
             if self.speculator is not None else {}
@@ -241,29 +243,34 @@ class Scheduler:
             item.num_steps = steps
         return out
 
-    def _speculative_call(self, decodes: list[Request]) -> ScheduledRequest | None:
-        """A lone plain greedy decode, nothing else running or waiting: its next `num_scheduler_steps` steps as
-        one C call that also speculates (`Speculator.in_call_drafts`), with blocks for every token the call
-        may append (at most `decode_steps_rows` a step; never preempting). None: schedule as usual. Between
-        model steps of a single stream the host's Python costs ~0.7 ms a drafting step (~15% of one at
-        batch 1 on the AVX-512 machine), which the call pays once."""
-        steps = self.config.num_scheduler_steps
-        if (steps <= 1 or self.decode_steps_rows <= 1 or len(decodes) != 1 or len(self.running) != 1
+    def _speculative_call(self, decodes: list[Request]) -> list[ScheduledRequest]:
+        """Plain greedy decodes with a row to spare on the whole-layer C path (at most `decode_steps_rows` - 1 of
+        them), nothing else running or waiting: their next `num_scheduler_steps` steps as one C call that also
+        speculates (`Speculator.in_call_drafts`), with blocks for every token the call may append to each (one
+        a step, and the step's spare rows; never preempting). Empty: schedule as usual. Between model steps
+        the host's Python costs ~0.7 ms a drafting step (~15% of one at batch 1 on the AVX-512 machine), which
+        the call pays once; and a drafting step of a few decodes otherwise leaves the several-step C calls."""
+        steps, rows = self.config.num_scheduler_steps, self.decode_steps_rows
+        if (steps <= 1 or not decodes or len(decodes) >= rows or len(self.running) != len(decodes)
                 or self.waiting):
-            return None
-        req = decodes[0]
-        if req.status is not RequestStatus.RUNNING or req.num_pending_tokens or not plain_greedy(req):
-            return None
-        max_new = min(steps * self.decode_steps_rows, self.max_model_len - req.num_tokens)
-        if req.max_tokens is not None:
-            max_new = min(max_new, req.max_tokens - req.num_output_tokens)
-        if max_new <= 1:
-            return None
-        ks = self.speculator.in_call_drafts(req, self.decode_steps_rows)
-        if ks is None or not self.kv.allocate(req, max_new):
-            return None
-        return ScheduledRequest(req, 1, req.num_computed_tokens, num_steps=steps, in_call_drafts=ks,
-                                max_new_tokens=max_new)
+            return []
+        per_step = 1 + rows - len(decodes)  # the most tokens a step appends to one request
+        budgets = []
+        for req in decodes:
+            if req.status is not RequestStatus.RUNNING or req.num_pending_tokens or not plain_greedy(req):
+                return []
+            max_new = min(steps * per_step, self.max_model_len - req.num_tokens)
+            if req.max_tokens is not None:
+                max_new = min(max_new, req.max_tokens - req.num_output_tokens)
+            if max_new <= 1:
+                return []
+            budgets.append(max_new)
+        plans = [self.speculator.in_call_drafts(req, rows, len(decodes)) for req in decodes]
+        if any(p is None for p in plans) or not all(
+                self.kv.allocate(req, n) for req, n in zip(decodes, budgets, strict=True)):
+            return []
+        return [ScheduledRequest(req, 1, req.num_computed_tokens, num_steps=steps, in_call_drafts=plan,
+                                 max_new_tokens=n) for req, plan, n in zip(decodes, plans, budgets, strict=True)]
 
     def _decode_steps(self, out: SchedulerOutput) -> int:
         """How many greedy decode steps the runner takes for this step's rows in one call: 1 unless every row is

@@ -222,84 +222,120 @@ int ngram_lookup(const int64_t *hist, int64_t n, int min_n, int max_n, int64_t l
     return 0;
 }
 
-/* One request's greedy decoding with prompt-lookup speculation, several steps in one call: each step looks
- * up an n-gram draft in the request's tokens (ngram_lookup), verifies its last token and k drafts as k + 1
- * decode rows (decode_layers, the final norm, the LM head through qgemm and argmax_rows: the kernels of
- * decode_steps), keeps the drafts up to the first that is not its row's argmax and appends them and the
- * next argmax. k is k_by_match[m] for a match of m tokens (0 for none: a plain decode step), capped so a
- * step has at most max_rows rows and the call appends at most max_new tokens. The tokens go to
- * hist[n_hist..] (capacity n_hist + max_new); `position` is the last token's (its KV is computed here).
- * Rows are written to the KV slots of `table` (the request's block table, max_blocks wide, allocated for
- * position + max_new - 1): a rejected draft's KV lies past the kept tokens and is overwritten later, as
- * after a verification step of the engine. Stops after n_steps steps, once max_new tokens are appended,
- * or at a token of stop_ids (appended, nothing after it). Per step, stats gets (match, drafts, kept) and
- * seconds its wall time. Buffers are decode_steps', sized for max_rows rows. Returns the tokens appended
- * (>= 1) with the steps done in *steps_done; decode_layers' error code (*failed: the layer); -4 when the
- * table does not reach a row's position; -5 on bad arguments. */
+/* Greedy decoding of S requests with prompt-lookup speculation, several steps in one call: each step looks
+ * up an n-gram draft in each active request's tokens (ngram_lookup) and verifies the requests' last tokens
+ * and drafts as decode rows of one pass (decode_layers, the final norm, the LM head through qgemm and
+ * argmax_rows: the kernels of decode_steps); a request keeps its drafts up to the first that is not its row's
+ * argmax and appends them and the next argmax. Request s drafts k = k_by_match[s * (max_n + 1) + m] tokens
+ * after a match of m tokens (0 for none), capped so the call appends at most max_new[s] tokens to it; a
+ * step has at most max_rows rows: one per active request, the rest shared among the drafts, longer matches
+ * first (ties: in request order). Request s's tokens are hist[hist_off[s] ..], n_hist[s] of them, with room
+ * for max_new[s] more; position[s] is its last token's (its KV is computed here; advanced in place); its
+ * rows are written to the KV slots of its block table, row s of `tables` (max_blocks wide, allocated for
+ * positions up to position + max_new - 1): a rejected draft's KV lies past the kept tokens and is
+ * overwritten later, as after a verification step of the engine. A request is active until it has
+ * appended max_new[s] tokens or a token of stop_ids (appended, nothing after it); the call stops after
+ * n_steps steps or when none is active. Per step j, stats[(j * S + s) * 3 ..] gets request s's (match,
+ * drafts, kept) (drafts -1: not in the step), rows[j] the step's rows and seconds[j] its wall time;
+ * appended[s] the tokens appended to s. Buffers are decode_steps', sized for max_rows rows. Returns the
+ * steps done (>= 1); decode_layers' error code (*failed: the layer); -4 when a table does not reach a row's
+ * position; -5 on bad arguments. */
 int spec_decode_steps(const decoder_layer *layers, int n_layers, const void *embed, const void *cos_table,
                       const void *sin_table, int rot_dim, void *cos_buf, void *sin_buf, void *x, void *residual,
                       void *work, float *scratch, int dtype, int *failed, const void *final_norm, float final_eps,
-                      void *hidden, const qweight *head, void *logits, int64_t *hist, int64_t n_hist,
-                      int64_t position, const int64_t *table, int max_blocks, int n_steps, int max_new,
-                      const int *k_by_match, int min_n, int max_n, int64_t lookback, const int64_t *stop_ids,
-                      int n_stop, int *stats, double *seconds, int *steps_done) {
+                      void *hidden, const qweight *head, void *logits, int S, int64_t *hist, const int64_t *hist_off,
+                      const int64_t *n_hist, int64_t *position, const int64_t *tables, int max_blocks, int n_steps,
+                      const int *max_new, const int *k_by_match, int min_n, int max_n, int64_t lookback,
+                      const int64_t *stop_ids, int n_stop, int *stats, int *rows, double *seconds, int *appended) {
     enum { ROWS = 64 };
     const int bs = layers[0].block_size, limit = max_rows() < ROWS ? max_rows() : ROWS;
-    if (n_hist < 1 || max_new < 1 || min_n < 1 || max_n < min_n) return -5;
-    int64_t ids[ROWS], pos[ROWS], slots[ROWS], lens[ROWS], rows[ROWS], top[ROWS];
-    int64_t *tables = malloc(sizeof(int64_t) * ROWS * (size_t)max_blocks);
-    if (!tables) return -5;
-    for (int r = 0; r < limit; r++) {
-        memcpy(tables + (int64_t)r * max_blocks, table, sizeof(int64_t) * (size_t)max_blocks);
-        rows[r] = r;
-    }
-    int appended = 0, done = 0, rc = 0;
-    *steps_done = 0;
-    for (int j = 0; j < n_steps && appended < max_new && !done; j++) {
+    if (S < 1 || S > limit || min_n < 1 || max_n < min_n) return -5;
+    for (int s = 0; s < S; s++)
+        if (n_hist[s] < 1 || max_new[s] < 1) return -5;
+    int64_t ids[ROWS], pos[ROWS], slots[ROWS], lens[ROWS], idx[ROWS], top[ROWS], from[ROWS];
+    int match[ROWS], k[ROWS], first[ROWS], order[ROWS], done[ROWS];
+    int64_t *row_tables = malloc(sizeof(int64_t) * ROWS * (size_t)max_blocks);
+    if (!row_tables) return -5;
+    for (int r = 0; r < limit; r++) idx[r] = r;
+    for (int s = 0; s < S; s++) appended[s] = 0, done[s] = 0;
+    int j = 0, rc = 0;
+    for (; j < n_steps; j++) {
         struct timespec t0, t1;
         clock_gettime(CLOCK_MONOTONIC, &t0);
-        const int64_t n = n_hist + appended;
-        int64_t from = 0;
-        const int m = ngram_lookup(hist, n, min_n, max_n, lookback, &from);
-        int k = m ? k_by_match[m] : 0;
-        if (k > limit - 1) k = limit - 1;
-        if (k > max_new - appended - 1) k = max_new - appended - 1;
-        if (m && k > n - from) k = (int)(n - from);
-        if (k < 0) k = 0;
-        const int M = 1 + k;
-        ids[0] = hist[n - 1];
-        for (int r = 1; r < M; r++) ids[r] = hist[from + r - 1];
-        for (int r = 0; r < M; r++) {
-            pos[r] = position + r;
-            if (pos[r] / bs >= max_blocks) {
-                rc = -4;
-                goto out;
+        int active = 0;
+        for (int s = 0; s < S; s++) {
+            k[s] = -1;
+            if (done[s] || appended[s] >= max_new[s]) continue;
+            const int64_t n = n_hist[s] + appended[s];
+            const int64_t *h = hist + hist_off[s];
+            from[s] = 0;
+            match[s] = ngram_lookup(h, n, min_n, max_n, lookback, &from[s]);
+            int want = match[s] ? k_by_match[s * (max_n + 1) + match[s]] : 0;
+            if (want > max_new[s] - appended[s] - 1) want = max_new[s] - appended[s] - 1;
+            if (match[s] && want > n - from[s]) want = (int)(n - from[s]);
+            k[s] = want < 0 ? 0 : want;
+            order[active++] = s;
+        }
+        if (!active) break;
+        /* the rows past one per request go to the drafts of the longest matches first */
+        for (int a = 1; a < active; a++)
+            for (int b = a; b > 0 && match[order[b]] > match[order[b - 1]]; b--) {
+                const int t = order[b];
+                order[b] = order[b - 1], order[b - 1] = t;
             }
-            lens[r] = pos[r] + 1;
-            slots[r] = table[pos[r] / bs] * bs + pos[r] % bs;
+        int spare = limit - active;
+        for (int a = 0; a < active; a++) {
+            const int s = order[a];
+            if (k[s] > spare) k[s] = spare;
+            spare -= k[s];
+        }
+        int M = 0;
+        for (int s = 0; s < S; s++) {
+            if (k[s] < 0) continue;
+            const int64_t *h = hist + hist_off[s];
+            const int64_t n = n_hist[s] + appended[s];
+            first[s] = M;
+            for (int r = 0; r <= k[s]; r++, M++) {
+                ids[M] = r ? h[from[s] + r - 1] : h[n - 1];
+                pos[M] = position[s] + r;
+                if (pos[M] / bs >= max_blocks) {
+                    rc = -4;
+                    goto out;
+                }
+                lens[M] = pos[M] + 1;
+                slots[M] = tables[(int64_t)s * max_blocks + pos[M] / bs] * bs + pos[M] % bs;
+                memcpy(row_tables + (int64_t)M * max_blocks, tables + (int64_t)s * max_blocks,
+                       sizeof(int64_t) * (size_t)max_blocks);
+            }
         }
         rc = decode_layers(layers, n_layers, ids, embed, pos, cos_table, sin_table, rot_dim, cos_buf, sin_buf, x,
-                           residual, M, slots, tables, max_blocks, lens, work, scratch, dtype, failed, final_norm,
-                           final_eps, rows, M, hidden);
+                           residual, M, slots, row_tables, max_blocks, lens, work, scratch, dtype, failed, final_norm,
+                           final_eps, idx, M, hidden);
         if (rc != 0) goto out;
         qgemm(head, hidden, M, logits, scratch, dtype);
         argmax_rows(logits, M, head->n, top, dtype);
-        int kept = 0;
-        while (kept < k && ids[kept + 1] == top[kept]) kept++;
-        for (int r = 0; r <= kept && !done; r++) {
-            hist[n + r] = top[r];  /* the kept drafts are their rows' argmaxes; then the next token */
-            appended++;
-            for (int s = 0; s < n_stop; s++)
-                if (top[r] == stop_ids[s]) done = 1;
+        for (int s = 0; s < S; s++) {
+            int *st = stats + ((int64_t)j * S + s) * 3;
+            st[0] = 0, st[1] = k[s], st[2] = 0;
+            if (k[s] < 0) continue;
+            const int64_t *t = top + first[s], *d = ids + first[s] + 1;
+            int kept = 0;
+            while (kept < k[s] && d[kept] == t[kept]) kept++;
+            int64_t *h = hist + hist_off[s] + n_hist[s];
+            for (int r = 0; r <= kept && !done[s]; r++) {
+                h[appended[s]++] = t[r];  /* the kept drafts are their rows' argmaxes; then the next token */
+                for (int q = 0; q < n_stop; q++)
+                    if (t[r] == stop_ids[q]) done[s] = 1;
+            }
+            position[s] += kept + 1;
+            st[0] = match[s], st[2] = kept;
         }
-        position += kept + 1;
-        stats[3 * j] = m, stats[3 * j + 1] = k, stats[3 * j + 2] = kept;
+        rows[j] = M;
         clock_gettime(CLOCK_MONOTONIC, &t1);
         seconds[j] = (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec);
-        *steps_done = j + 1;
     }
-    rc = appended;
+    rc = j;
 out:
-    free(tables);
+    free(row_tables);
     return rc;
 }

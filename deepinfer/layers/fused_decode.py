@@ -7,7 +7,7 @@ deterministic mode every step comes here, prefill tokens as decode rows. `FusedD
 embedding, the rotary lookup and the layer loop with one C call (`decode_layers`); `final_hidden` adds the
 final norm of the logits rows, whose logits and sampling stay in torch; `decode_steps` runs several greedy
 steps in one call, the LM head and each row's argmax included (`num_scheduler_steps`); `spec_steps` runs
-several steps of one request that also speculate, the n-gram lookup and each step's verification in C. The layer
+several steps of a few requests that also speculate, the n-gram lookups and each step's verification in C. The layer
 descriptions hold raw pointers to the weights and KV caches, so they are built once for a given cache list
 and rebuilt if it changes.
 """
@@ -54,6 +54,25 @@ def _qweight(linear: Linear) -> _QWeight:
     w, twin = linear.quantized, linear.dense_twin
     return _QWeight(_KINDS[w.kind], w.qs.data_ptr(), w.d.data_ptr(), w.mn.data_ptr() if w.mn is not None else None,
                     w.n, w.k, twin.qs.data_ptr() if twin is not None else None)
+
+
+class SpecSeq(NamedTuple):
+    """One request of a speculating call (`FusedDecoder.spec_steps`): its tokens (the last one's KV not yet
+    computed), block table, the most tokens the call may append, and its draft length per match length."""
+
+    tokens: list[int]
+    table: list[int]
+    max_new: int
+    k_by_match: tuple[int, ...]
+
+
+class SpecCall(NamedTuple):
+    """What a speculating call did: per request the tokens appended and per step it was in (match length,
+    drafts, drafts kept); per step its rows and seconds."""
+
+    tokens: list[list[int]]
+    verdicts: list[list[tuple[int, int, int]]]
+    steps: list[tuple[int, float]]
 
 
 class FusedDecoder:
@@ -154,52 +173,68 @@ class FusedDecoder:
             raise RuntimeError(f"decode_layer rejected layer {failed.value} (code {rc})")
         return tokens[:rc]
 
-    def spec_steps(self, tokens: list[int], table: list[int], caches: list[Any], head: Linear, num_steps: int,
-                   max_new: int, k_by_match: list[int], min_n: int, max_n: int, lookback: int,
-                   stop_ids: list[int]) -> tuple[list[int], list[tuple[int, int, int]], list[float]]:
-        """Greedy decoding of one request with prompt-lookup speculation, up to `num_steps` steps in one C call
-        (`spec_decode_steps`): each step drafts `k_by_match[m]` tokens after an m-token n-gram match in the
-        request's `tokens` (none without a match), verifies them with the request's last token as decode rows,
-        keeps the drafts its argmaxes confirm and appends the next argmax: the same tokens as plain greedy
-        steps. The last token's position is len(tokens) - 1; `table` (the request's block table) must hold
-        positions up to len(tokens) - 2 + max_new. Returns the tokens appended (at most `max_new`; ends at a
-        `stop_ids` token), and per step (match length, drafts, drafts kept) and its seconds."""
+    def spec_steps(self, seqs: list[SpecSeq], caches: list[Any], head: Linear, num_steps: int, min_n: int,
+                   max_n: int, lookback: int, stop_ids: list[int]) -> SpecCall:
+        """Greedy decoding of the requests `seqs` with prompt-lookup speculation, up to `num_steps` steps in one
+        C call (`spec_decode_steps`): each step drafts `k_by_match[m]` tokens after an m-token n-gram match in
+        a request's tokens (none without a match), verifies every request's last token and drafts as decode
+        rows of one pass (at most `max_rows`: one per request, the rest shared among the drafts, longer matches
+        first), keeps the drafts its argmaxes confirm and appends the next argmax: the same tokens as plain
+        greedy steps. A request's last token's position is len(tokens) - 1; its `table` (block table) must
+        hold positions up to len(tokens) - 2 + max_new. A request stops at `max_new` tokens or a `stop_ids`
+        token (kept)."""
         q = head.quantized
         if q is None or q.kind == "dense" or head.bias is not None:
             raise ValueError("spec_steps needs an LM head with GGUF blocks and no bias")
-        if len(k_by_match) != max_n + 1 or min_n < 1:
-            raise ValueError("k_by_match needs one draft length per match length 0..max_n")
+        if not 1 <= len(seqs) <= self.max_rows or any(len(sq.k_by_match) != max_n + 1 for sq in seqs) or min_n < 1:
+            raise ValueError("spec_steps needs 1..max_rows requests, each one draft length per match length 0..max_n")
         self._ensure_layers(caches)
         m = self.model
         embed, cos_table, sin_table = m.embed_tokens.weight, m.rotary.cos, m.rotary.sin
         rows, hidden_size, rot_dim = self.max_rows, embed.shape[1], cos_table.shape[1]
         x, residual, rope, work, scratch = self._buffers(rows)
         hidden, logits = embed.new_empty((rows, hidden_size)), embed.new_empty((rows, q.n))
-        hist = torch.empty(len(tokens) + max_new, dtype=torch.int64)
-        hist[:len(tokens)] = torch.tensor(tokens, dtype=torch.int64)
-        blocks = torch.tensor(table, dtype=torch.int64)
-        ks = torch.tensor(k_by_match, dtype=torch.int32)
+        n_seqs = len(seqs)
+        sizes = [len(sq.tokens) + sq.max_new for sq in seqs]
+        offsets = [0]
+        for size in sizes[:-1]:
+            offsets.append(offsets[-1] + size)
+        hist, hist_off = torch.empty(sum(sizes), dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
+        for sq, off in zip(seqs, offsets, strict=True):
+            hist[off:off + len(sq.tokens)] = torch.tensor(sq.tokens, dtype=torch.int64)
+        width = max(len(sq.table) for sq in seqs)
+        tables = torch.zeros((n_seqs, width), dtype=torch.int64)
+        for i, sq in enumerate(seqs):
+            tables[i, :len(sq.table)] = torch.tensor(sq.table, dtype=torch.int64)
+        n_hist = torch.tensor([len(sq.tokens) for sq in seqs], dtype=torch.int64)
+        positions = n_hist - 1
+        max_new = torch.tensor([sq.max_new for sq in seqs], dtype=torch.int32)
+        ks = torch.tensor([list(sq.k_by_match) for sq in seqs], dtype=torch.int32)
         stops = torch.tensor(stop_ids or [-1], dtype=torch.int64)
-        stats = torch.zeros((num_steps, 3), dtype=torch.int32)
+        stats = torch.zeros((num_steps, n_seqs, 3), dtype=torch.int32)
+        step_rows = torch.zeros(num_steps, dtype=torch.int32)
         seconds = torch.zeros(num_steps, dtype=torch.float64)
-        failed, done = ctypes.c_int(-1), ctypes.c_int(0)
+        appended = torch.zeros(n_seqs, dtype=torch.int32)
+        failed = ctypes.c_int(-1)
         rc = self.lib.spec_decode_steps(
             self._layers, len(self._layers), embed.data_ptr(), cos_table.data_ptr(), sin_table.data_ptr(), rot_dim,
             rope.data_ptr(), rope.data_ptr() + rows * rot_dim * rope.element_size(), x.data_ptr(), residual.data_ptr(),
             work.data_ptr(), scratch.data_ptr(), cpu_kernels.dtype_code(x.dtype), ctypes.byref(failed),
             m.norm.weight.data_ptr(), m.norm.eps, hidden.data_ptr(), ctypes.byref(_qweight(head)), logits.data_ptr(),
-            hist.data_ptr(), len(tokens), len(tokens) - 1, blocks.data_ptr(), len(table), num_steps, max_new,
-            ks.data_ptr(), min_n, max_n, lookback, stops.data_ptr(), len(stop_ids), stats.data_ptr(),
-            seconds.data_ptr(), ctypes.byref(done))
+            n_seqs, hist.data_ptr(), hist_off.data_ptr(), n_hist.data_ptr(),
+            positions.data_ptr(), tables.data_ptr(), width, num_steps, max_new.data_ptr(), ks.data_ptr(), min_n,
+            max_n, lookback, stops.data_ptr(), len(stop_ids), stats.data_ptr(), step_rows.data_ptr(),
+            seconds.data_ptr(), appended.data_ptr())
         if rc == -4:
-            raise IndexError("the request's block table ends before a draft row's position")
+            raise IndexError("a request's block table ends before a draft row's position")
         if rc == -5:
             raise ValueError("spec_decode_steps rejected its arguments")
         if rc < 0:
             raise RuntimeError(f"decode_layer rejected layer {failed.value} (code {rc})")
-        steps = done.value
-        return (hist[len(tokens):len(tokens) + rc].tolist(), [tuple(r) for r in stats[:steps].tolist()],
-                seconds[:steps].tolist())
+        new = [hist[off + len(sq.tokens):off + len(sq.tokens) + n].tolist()
+               for sq, off, n in zip(seqs, offsets, appended.tolist(), strict=True)]
+        verdicts = [[(mt, k, kept) for mt, k, kept in stats[:rc, i].tolist() if k >= 0] for i in range(n_seqs)]
+        return SpecCall(new, verdicts, list(zip(step_rows[:rc].tolist(), seconds[:rc].tolist(), strict=True)))
 
     def _ensure_layers(self, caches: list[Any]) -> None:
         if self._caches_key != tuple(c[0].data_ptr() for c in caches):

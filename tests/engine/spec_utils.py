@@ -52,12 +52,12 @@ def greedy(max_tokens: int, **kw) -> SamplingParams:
 def random_acceptance_stats(rng, n: int, rates: list[float] | None = None,
                             relax_weight: float = 0.0) -> list[AcceptanceStats]:
     """`n` requests' acceptance estimates (k_max 16, starting from `rates` or the prior 0.6) after a random
-    history: up to 3 verifications of up to 16 drafts, then up to 29 idle steps."""
+    history: up to 3 verifications of up to 16 drafts, then up to 29 idle steps (some with nothing found)."""
     stats = [AcceptanceStats.new(0.6, 16, relax_weight, rates) for _ in range(n)]
     for s in stats:
         for _ in range(int(rng.integers(0, 4))):
             d = int(rng.integers(1, 17))
             s.observe(d, int(rng.integers(0, d + 1)), 0.3)
         for _ in range(int(rng.integers(0, 30))):
-            s.relax()
+            s.relax(unmatched=bool(rng.integers(0, 2)))
     return stats

@@ -99,14 +99,16 @@ def test_decode_steps_only_for_plain_greedy_decodes_with_nobody_waiting():
 
 def test_speculative_engine_takes_several_steps_where_nobody_drafts():
     """With speculation, a step where no request drafts takes several decode steps too: the output is still
-    the single-step engine's, drafts were verified, and fewer engine steps ran than tokens came out."""
+    the single-step engine's, drafts were verified, and fewer engine steps ran than tokens came out. The
+    suffix proposer: with the n-gram one, batches of up to 7 plain greedy decodes speculate inside the C
+    calls instead (test_spec_in_call.py)."""
     from tests.engine.spec_utils import spec_config
 
     params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
     prompts = PROMPTS[:2]
     reference = _outputs(_llm(1), prompts, params)
     spec = LLM(None, dtype="float32", num_scheduler_steps=STEPS, profile_cost_model=False, kv_cache_memory="64MiB",
-               scheduler="tokens", speculative_config=spec_config("ngram", k=5, adaptive=True, prompt_lookup_min=1))
+               scheduler="tokens", speculative_config=spec_config("suffix", k=5, adaptive=True))
     assert spec.engine.core.scheduler.decode_steps_rows == 8
     runner = spec.engine.core.runner
     calls = []

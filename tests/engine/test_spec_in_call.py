@@ -1,7 +1,8 @@
-"""Speculation inside one C call: a lone plain greedy decode on the whole-layer C path runs several steps of
-n-gram drafting and verification in C (`Scheduler._speculative_call`, `FusedDecoder.spec_steps`). Its
-n-gram search is the Python proposer's; its output is the same tokens as decoding without speculation,
-stop tokens and max_tokens included, before and after another request joins; its blocks all come back."""
+"""Speculation inside one C call: plain greedy decodes on the whole-layer C path with a row to spare (one to
+seven of them) run several steps of n-gram drafting and verification in C (`Scheduler._speculative_call`,
+`FusedDecoder.spec_steps`). Its n-gram search is the Python proposer's; its output is the same tokens as
+decoding without speculation, alone or in a batch, stop tokens and max_tokens included, before and after
+another request joins; its blocks all come back."""
 
 from __future__ import annotations
 
@@ -52,13 +53,14 @@ def float32_engines() -> tuple[LLM, LLM]:
     return _engines("float32")
 
 
-def _count_calls(monkeypatch) -> list[int]:
-    calls: list[int] = []
+def _count_calls(monkeypatch) -> list[tuple[int, int]]:
+    """(steps, requests) of every speculating call."""
+    calls: list[tuple[int, int]] = []
     original = FusedDecoder.spec_steps
 
     def counted(self, *args, **kwargs):
         out = original(self, *args, **kwargs)
-        calls.append(len(out[1]))
+        calls.append((len(out.steps), len(out.tokens)))
         return out
 
     monkeypatch.setattr(FusedDecoder, "spec_steps", counted)
@@ -81,7 +83,7 @@ def test_single_stream_code_edits_are_token_identical_and_drafted_in_c(dtype, re
         assert token_ids(spec, prompt, params) == reference
         total += len(reference[0])
     m = spec.engine.core.speculator.metrics
-    assert calls and sum(calls) > len(calls), "the engine never ran several speculating steps in one call"
+    assert calls and sum(n for n, _ in calls) > len(calls), "the engine never ran several speculating steps in one call"
     assert m.num_accepted_tokens > 0.3 * total, "drafts did little of the work: the test would prove little"
     assert_all_free(spec)
 
@@ -109,11 +111,35 @@ def test_stop_tokens_and_max_tokens_end_a_call_where_plain_decoding_ends(float32
 
 
 @needs_kernels
-def test_a_request_that_joins_midway_ends_the_calls_and_both_stay_identical(monkeypatch):
-    """The first request decodes in speculating calls, the second arrives while it does: from then on the
-    batch takes the engine's ordinary speculation (a call is for a lone request), and both outputs are the
-    tokens of decoding each alone without speculation. Deterministic mode (row-invariant kernels), so that
-    the prompt's prefill sharing a step with the first request's decode changes no bits."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_a_batch_of_code_edits_is_token_identical_and_shares_the_calls_rows(dtype, request, monkeypatch):
+    """Four requests at once: their steps speculate in calls of all four (one row each, four to share among
+    the drafts), and every output is the tokens of the same batch decoded without speculation, in both
+    dtypes in the default mode (the C path's kernels are row-invariant up to 8 rows). A request decoded alone
+    first teaches the engine's pooled estimates what code edits keep: from the prior's 0.6 a draft row is not
+    worth its price at batch 4."""
+    plain, spec = request.getfixturevalue("float32_engines") if dtype == "float32" else _engines(dtype)
+    calls = _count_calls(monkeypatch)
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    assert token_ids(spec, [code_edit_prompt(5)], params) == token_ids(plain, [code_edit_prompt(5)], params)
+    prompts = [code_edit_prompt(i) for i in range(4)]
+    before = spec.engine.core.speculator.metrics.num_accepted_tokens
+    reference = token_ids(plain, prompts, params)
+    assert token_ids(spec, prompts, params) == reference
+    kept = spec.engine.core.speculator.metrics.num_accepted_tokens - before
+    assert any(seqs == 4 and steps > 1 for steps, seqs in calls), calls
+    # the price chooses fewer drafts at batch 4 than alone (a kept token is worth a quarter of a step), fewer
+    # in float32 (~10% of the tokens) than in bfloat16: enough wrong drafts to catch a verification error
+    assert kept > 0.05 * sum(len(r) for r in reference), "drafts did little of the work: the test would prove little"
+    assert_all_free(spec)
+
+
+@needs_kernels
+def test_a_request_that_joins_midway_shares_the_calls_and_both_stay_identical(monkeypatch):
+    """The first request decodes in speculating calls, the second arrives while it does: once its prompt is
+    computed the two share the calls, and both outputs are the tokens of decoding each alone without
+    speculation. Deterministic mode (row-invariant kernels), so that the prompt's prefill sharing a step with
+    the first request's decode changes no bits."""
     plain, spec = _engines("float32", deterministic=True)
     calls = _count_calls(monkeypatch)
     first, second = code_edit_prompt(1), code_edit_prompt(3)
@@ -131,6 +157,7 @@ def test_a_request_that_joins_midway_ends_the_calls_and_both_stay_identical(monk
             engine.add_request(second, params, request_id="b")
             joined = True
     assert joined and before > 0, "the first request never decoded in a call before the second joined"
+    assert any(seqs == 2 for _, seqs in calls[before:]), "the two never shared a call"
     assert [outputs["a"], outputs["b"]] == want
     assert_all_free(spec)
 

@@ -194,10 +194,22 @@ def test_idle_drift_is_applied_lazily_as_the_per_step_rule():
     lazy.rates = list(eager)
     for _ in range(5):
         lazy.relax()
-        eager = [r + 0.075 * (0.6 - r) for r in eager]
+        eager = [r + 0.075 * (0.6 - r) if r < 0.6 else r for r in eager]
     assert abs(lazy.first_rate() - eager[0]) < 1e-12
     lazy.settle()
     assert max(abs(a - b) for a, b in zip(lazy.rates, eager, strict=True)) < 1e-12
+    assert lazy.rates[1] == 0.9 and lazy.rates[0] > 0.2  # above the prior: stays; below: drifts up
+    # steps whose lookup found nothing move estimates above the prior down too, and those below up
+    eager = [0.2, 0.9, 0.6, 0.0]
+    lazy.rates = list(eager)
+    for i in range(7):
+        unmatched = i % 2 == 0
+        lazy.relax(unmatched)
+        eager = [r + 0.075 * (0.6 - r) if r < 0.6 or unmatched else r for r in eager]
+    assert abs(lazy.first_rate() - eager[0]) < 1e-12
+    lazy.settle()
+    assert max(abs(a - b) for a, b in zip(lazy.rates, eager, strict=True)) < 1e-12
+    assert 0.6 < lazy.rates[1] < 0.9
 
 
 def test_steps_overlap_where_no_drafts_can_pay():
@@ -218,7 +230,7 @@ def test_steps_overlap_where_no_drafts_can_pay():
     # ... but not a request whose own estimates say its drafts are not kept
     for r in reqs:
         cheap._state(r).rates = [0.01] * 8
-        cheap._state(r).prior = 0.01
+        cheap._state(r).prior = [0.01] * 8
     assert not cheap.wants_fresh_step(reqs, 4096)
     # exploration on: a fresh step exactly when the next step is an exploration lookup
     spec, _ = _speculator(dear=True)
@@ -312,7 +324,7 @@ def test_a_batch_whose_proposals_were_priced_out_skips_the_lookup_for_a_few_step
     reqs = [_req(f"r{i}", COPY) for i in range(8)]
     for r in reqs:  # high enough for the bound (boosted ceilings), not for the choice at the jump
         spec._state(r).rates = [0.8] * 8
-        spec._state(r).prior = 0.8
+        spec._state(r).prior = [0.8] * 8
     spec.pool.boost = lambda: np.full(8, 1.25)  # a match length kept more often than average (the bound's boost)
     assert spec.propose(reqs, 4096) == {} and proposer.lookups == 8
     for _ in range(spec.QUIET_STEPS - 1):
@@ -362,3 +374,39 @@ def test_an_exploring_step_is_charged_a_drafting_steps_extra_host_time():
         assert _first_drafts(spec, [_req("r0", COPY)]) == {"r0": [9, 10, 11, 12]}
         charges.append(spec.ledger.spent)
     assert charges[0] > 0 and charges[1] - charges[0] == pytest.approx(0.004)
+
+
+def test_estimates_above_the_prior_drift_down_only_where_lookups_find_nothing():
+    """A step priced out (batch 8 at the 9th row's jump) says nothing against a request's estimates: they stay
+    (drifting down there made code edits at batch 8 spiral into never drafting); a request whose lookups find
+    nothing drifts to the prior."""
+    spec, _ = _speculator(jump=True, rules=OFF)
+    reqs = [_req(f"r{i}", COPY) for i in range(8)]
+    for r in reqs:
+        spec._state(r).rates = [0.85] * 8
+    for _ in range(40):
+        assert spec.propose(reqs, 4096) == {}
+    assert all(spec._state(r).estimates() == [0.85] * 8 for r in reqs)
+    cheap, _ = _speculator(jump=False, rules=OFF)
+    fresh = _req("f", FRESH)
+    cheap._state(fresh).rates = [0.85] * 8
+    for _ in range(40):
+        assert cheap.propose([fresh], 4096) == {}
+    assert 0.6 < cheap._state(fresh).estimates()[0] < 0.65
+
+
+def test_a_quiet_spell_counts_decode_steps():
+    """After a step whose drafts were priced out, the batch skips pricing them for QUIET_STEPS decode steps; a
+    call of several decode steps counts each of them (so the next call prices again)."""
+    spec, _ = _speculator(jump=True, rules=OFF)
+    reqs = [_req(f"r{i}", COPY) for i in range(8)]
+    priced = []
+    bound = spec._drafts_can_pay
+    spec._drafts_can_pay = lambda *a, **k: priced.append(1) or bound(*a, **k)
+    assert spec.propose(reqs, 4096) == {}
+    assert len(priced) == 1
+    spec.propose(reqs, 4096)  # a single step within the spell: quiet
+    assert len(priced) == 1
+    spec.observe_step(8, 0.080, steps=Speculator.QUIET_STEPS)
+    spec.propose(reqs, 4096)
+    assert len(priced) == 2

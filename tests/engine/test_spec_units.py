@@ -498,7 +498,7 @@ def test_batch_estimates_bounds_and_keep_probs_match_the_per_request_ones():
                 flat = ceiling_gains(rows, [s.prior for s in stats], limits, confident, b)
                 each = []
                 for e, s, lim in zip(want, stats, limits, strict=True):
-                    r = np.maximum(np.asarray(e), s.prior)
+                    r = np.maximum(np.asarray(e), np.maximum.accumulate(s.prior))
                     r = np.sqrt(r) if confident else r
                     if b is not None:
                         r = np.minimum(r * b, np.maximum(r, math.sqrt(MAX_KEEP_PROB) if confident else MAX_KEEP_PROB))

@@ -64,9 +64,11 @@ class AcceptanceStats:
     num_steps: int = 0  # verification steps with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    prior: float = 0.6  # what an idle estimate drifts back to (`relax`)
+    # per position, what an idle estimate drifts back to (`relax`): the estimates it started from
+    prior: list[float] = field(default_factory=list)
     relax_weight: float = 0.0  # per idle step
     idle_steps: int = 0  # steps without drafts not yet applied to `rates` (applied lazily: `settle`)
+    idle_unmatched: int = 0  # those of them whose lookup found no proposal (`relax`)
     misses: int = 0  # consecutive verifications that kept no draft
     backoff_until: int = 0  # the speculator's step count before which the request proposes nothing
     backoff_steps: int = 0  # the length of its last back-off (doubles while the misses go on)
@@ -81,24 +83,30 @@ class AcceptanceStats:
     @classmethod
     def new(cls, prior: float, k_max: int, relax_weight: float = 0.0,
             rates: list[float] | None = None) -> AcceptanceStats:
-        """`rates`: the starting estimates (default: the prior at every position; the speculator passes
-        `PooledAcceptance.rates`), each counted as two verifications' worth, like the prior."""
+        """`rates`: the starting estimates (default: `prior` at every position; the speculator passes
+        `PooledAcceptance.rates`), each counted as two verifications' worth, and what idle steps drift back to."""
         start = list(rates[:k_max]) if rates is not None else [prior] * k_max
-        return cls(start, [0] * k_max, prior=prior, relax_weight=relax_weight)
+        return cls(start, [0] * k_max, prior=list(start), relax_weight=relax_weight)
 
     def settle(self) -> None:
-        """Apply the idle steps' drift towards the prior: n steps of r += w (prior - r) in closed form (a
-        step that drafts nothing then costs a request one integer increment, not a loop over positions)."""
+        """Apply the idle steps' drift towards the prior (`relax`): per position, n steps of r += w (p - r) in
+        closed form, n the idle steps for an estimate below its prior p, the unmatched ones for an estimate
+        above it (a step that drafts nothing then costs a request an integer increment, not a loop over
+        positions; neither kind of step moves an estimate across its prior, so their order does not
+        matter)."""
         if self.idle_steps:
-            f = (1.0 - self.relax_weight) ** self.idle_steps
-            self.rates = [self.prior + (r - self.prior) * f for r in self.rates]
-            self.idle_steps = 0
+            up = (1.0 - self.relax_weight) ** self.idle_steps
+            down = (1.0 - self.relax_weight) ** self.idle_unmatched
+            self.rates = [p + (r - p) * (up if r < p else down) for r, p in zip(self.rates, self.prior, strict=True)]
+            self.idle_steps = self.idle_unmatched = 0
 
     def first_rate(self) -> float:
         """rates[0] with the idle drift applied (without settling the whole list)."""
+        r, p = self.rates[0], self.prior[0]
         if not self.idle_steps:
-            return self.rates[0]
-        return self.prior + (self.rates[0] - self.prior) * (1.0 - self.relax_weight) ** self.idle_steps
+            return r
+        n = self.idle_steps if r < p else self.idle_unmatched
+        return p + (r - p) * (1.0 - self.relax_weight) ** n
 
     def estimates(self) -> list[float]:
         """The rates, with each never-observed position after the first taking the rate of the position
@@ -113,7 +121,8 @@ class AcceptanceStats:
     def gain_ceiling(self, confident: bool = False, boost: np.ndarray | None = None) -> np.ndarray:
         """An upper bound, valid until the next `observe`, of the expected tokens each draft position adds
         (`DraftLengthPolicy.choose`'s gains: prefix products of the keep probabilities) for any proposal:
-        per position max(estimate, prior), since idle steps only move an estimate towards the prior (with
+        per position max(estimate, the largest prior up to it), since idle steps only move an estimate towards
+        its prior and an untried position's estimate is an earlier one's (with
         a proposer's confidence c <= 1, sqrt(r c) <= sqrt(r)), times `boost` (per position, >= 1: the
         largest match-length factor a proposal may carry, `PooledAcceptance.boost`), capped as
         `PooledAcceptance.match_probs` caps. `ceiling_gains` computes it for a batch."""
@@ -149,10 +158,18 @@ class AcceptanceStats:
             return estimate
         return (record[0] + weight * estimate) / (record[1] + weight)
 
-    def relax(self) -> None:
-        """A step without drafts: drift back towards the prior (applied lazily, `settle`), so a request
-        that was unlucky early is tried again later instead of never."""
+    def relax(self, unmatched: bool = False) -> None:
+        """A step without drafts: estimates below the prior drift back up towards it (applied lazily,
+        `settle`), so a request that was unlucky early is tried again later instead of never. Estimates
+        above it drift down only in steps whose lookup found no proposal for the request (`unmatched`): a
+        request whose text rarely repeats is one whose few matches are coincidences (chat), while a step
+        priced out, or quiet, is no evidence against its estimates. Drifting them down in every idle step
+        made batches past the C path's rows spiral into never drafting: code edits at batch 8 whose
+        estimates were 0.84-0.86 (from batch 1) were priced out at the first steps (the 9th row's jump needs
+        most of the batch to draft), fell to 0.63 over six quiet calls, and never drafted again in the run,
+        where a fixed k = 5 gained 1.15x (0.82-0.96 kept per position)."""
         self.idle_steps += 1
+        self.idle_unmatched += unmatched
 
 
 # the highest keep probability a match-length factor may raise an estimate to (gains must keep falling)
@@ -186,12 +203,14 @@ def estimate_rows(states: list[AcceptanceStats]) -> np.ndarray:
     idle = np.array([s.idle_steps for s in states])
     settling = np.nonzero(idle)[0]
     if len(settling):
-        prior = np.array([states[i].prior for i in settling])[:, None]
-        keep = np.array([(1.0 - states[i].relax_weight) ** states[i].idle_steps for i in settling])[:, None]
-        rates[settling] = prior + (rates[settling] - prior) * keep
+        prior = np.array([states[i].prior for i in settling], dtype=float)
+        up = np.array([(1.0 - states[i].relax_weight) ** states[i].idle_steps for i in settling])[:, None]
+        down = np.array([(1.0 - states[i].relax_weight) ** states[i].idle_unmatched for i in settling])[:, None]
+        rows = rates[settling]
+        rates[settling] = prior + (rows - prior) * np.where(rows < prior, up, down)
         for i in settling.tolist():
             states[i].rates = rates[i].tolist()
-            states[i].idle_steps = 0
+            states[i].idle_steps = states[i].idle_unmatched = 0
     tried = np.array([s.tried for s in states]) > 0
     # `carry_forward_untried`: each untried position after the first takes the last tried one's value, in
     # the requests that have tried their first position at all
@@ -201,7 +220,7 @@ def estimate_rows(states: list[AcceptanceStats]) -> np.ndarray:
     return rates[np.arange(len(states))[:, None], source]
 
 
-def ceiling_gains(estimates: np.ndarray, priors: list[float], limits: list[int], confident: bool = False,
+def ceiling_gains(estimates: np.ndarray, priors: list[list[float]], limits: list[int], confident: bool = False,
                   boost: np.ndarray | None = None) -> np.ndarray:
     """Every request's `AcceptanceStats.gain_ceiling(confident, boost)`, from its estimates (the rows of
     `estimates`, `estimate_rows`) and prior, cut to its limit, concatenated: the bound
@@ -212,16 +231,17 @@ def ceiling_gains(estimates: np.ndarray, priors: list[float], limits: list[int],
         factors = boost.tolist() if boost is not None else None
         out = []
         for row, prior, lim in zip(estimates.tolist(), priors, limits, strict=True):
-            gain = 1.0
+            gain, floor = 1.0, 0.0
             for j in range(lim):
-                r = max(row[j], prior)
+                floor = max(floor, prior[j])
+                r = max(row[j], floor)
                 r = math.sqrt(r) if confident else r
                 if factors is not None:
                     r = min(r * factors[j], max(r, cap))
                 gain *= r
                 out.append(gain)
         return np.array(out)
-    rates = np.maximum(estimates, np.asarray(priors, dtype=float)[:, None])
+    rates = np.maximum(estimates, np.maximum.accumulate(np.asarray(priors, dtype=float), axis=1))
     if confident:
         rates = np.sqrt(rates)
     if boost is not None:
@@ -231,13 +251,14 @@ def ceiling_gains(estimates: np.ndarray, priors: list[float], limits: list[int],
     return np.cumprod(rates, axis=1)[cut]
 
 
-def update_rates(rates: list[float], tried: list[int], drafted: int, accepted: int, floor: float) -> None:
+def update_rates(rates: list[float], tried: list[int], drafted: int, accepted: int, floor: float,
+                 start_weight: float = 2.0) -> None:
     """One verification's news for per-position keep rates: positions 1..accepted were kept, position
     accepted + 1 (if drafted) was tried and rejected, later ones were never tried and tell nothing. A
     running mean (weight 1 / (tries + 3): the starting value counts as two tries) until the weight falls
     to `floor`, an EWMA after that."""
     for j in range(min(drafted, accepted + 1, len(rates))):
-        w = max(1.0 / (tried[j] + 3), floor)
+        w = max(1.0 / (tried[j] + start_weight + 1), floor)
         rates[j] += w * ((1.0 if j < accepted else 0.0) - rates[j])
         tried[j] += 1
 
@@ -420,17 +441,18 @@ class DraftLengthPolicy:
                 best, best_rate = m, rate
         return best
 
-    def choose_in_call(self, probs: list[float], seconds: list[float]) -> int:
+    def choose_in_call(self, probs: list[float], seconds: list[float], batch: int = 1) -> int:
         """The draft length for one decode's proposal with keep probabilities `probs`, for a step inside a C
-        call of several (`Speculator.in_call_drafts`): as `choose` for one candidate, priced by `seconds`
-        (T(R) of such steps, `CallStepPrice.table`; no host time: the call pays it once for all its steps)."""
+        call of several (`Speculator.in_call_drafts`) among `batch` decodes: as `choose` for one candidate,
+        priced by `seconds` (T(R) of such steps, `CallStepPrice.table`; no host time: the call pays it once
+        for all its steps)."""
         gains, g = [], 1.0
-        for p in probs[:len(seconds) - 2]:
+        for p in probs[:len(seconds) - 1 - batch]:
             g *= p
             if g <= 0:
                 break
             gains.append(g)
-        return self._best_count(1, gains, seconds=seconds)
+        return self._best_count(batch, gains, seconds=seconds)
 
     def choose(self, cands: list[Candidate], num_decodes: int) -> list[int]:
         """Draft tokens to verify per candidate; `num_decodes`: the decode batch the candidates are part of

@@ -18,11 +18,13 @@ then costs a decode step that check and an integer increment per request.
 Drafts are capped so a step never emits past `max_tokens` or the context length, and, for structured
 requests, cut at the first token the grammar refuses (checked on the matcher, then rolled back).
 
-A lone plain greedy decode with the n-gram proposer skips all of this for several steps at a time: the
-scheduler asks `in_call_drafts` for a draft length per match length, the runner's C call looks up, drafts
-and verifies step after step (`FusedDecoder.spec_steps`), and `in_call_done` records what each step
-verified. At batch 1 the Python between model steps (~0.7 ms of a ~5 ms drafting step on the AVX-512
-machine) was what kept code edits under 2x of no speculation.
+Up to seven plain greedy decodes with the n-gram proposer (a row to spare on the C decode path) skip all of
+this for several steps at a time: the scheduler asks `in_call_drafts` for each request's draft length per
+match length at that batch, the runner's C call looks up, drafts and verifies step after step
+(`FusedDecoder.spec_steps`), and `in_call_done` records what each step verified. At batch 1 the Python
+between model steps (~0.7 ms of a ~5 ms drafting step on the AVX-512 machine) was what kept code edits
+under 2x of no speculation; at batch 2-7 a drafting step also left the several-step C calls of plain
+decodes (the batch-8 runs' tails, after a few requests had finished early, drafted nothing for 60 steps).
 """
 
 from __future__ import annotations
@@ -82,7 +84,7 @@ class Speculator:
         self.tries = tries or TryRules()
         self.ledger = ExploreLedger()
         self._quiet_until, self._quiet_batch = 0, 0  # `_quiet`
-        self.num_steps = 0  # proposals made (steps), the clock of back-offs
+        self.num_steps = 0  # decode steps proposed for (a call of several counts each): back-offs' and quiet spells' clock
         self._last_propose: float | None = None
         self._last_run: float | None = None
         self._last_steps = 1  # decode steps in that run (`observe_step`)
@@ -203,14 +205,14 @@ class Speculator:
             ks = self._explore(cands, states, ks, batch)
         out = {}
         self._drafted = any(ks)
-        for (r, d), s, k in zip(cands, states, ks, strict=True):
+        for (r, d), s, k, lim in zip(cands, states, ks, limits, strict=True):
             self.metrics.chose(k)
             r.draft_probs = d.probs[:k] if k and d.probs is not None else None
             if k:
                 out[r.request_id] = list(d.token_ids[:k])
                 s.last_match = d.match
             else:
-                s.relax()
+                s.relax(unmatched=lim > 0 and not len(d))  # looked up, nothing found
         return out
 
     def _keep_probs(self, estimates: np.ndarray, drafts: list[Draft], lengths: list[int]) -> np.ndarray:
@@ -335,24 +337,29 @@ class Speculator:
         drafts) in `seconds` of model-runner time, `cpu_seconds` of its threads' CPU time (prices
         verification; CPU time at one torch thread, see `cpu_clock`). `steps` > 1: that many decode steps
         of the rows in one call (`num_scheduler_steps`, where no request drafted): each is priced at its
-        share, the host time between calls comes once per call."""
+        share, the host time between calls comes once per call, and each step counts on the clock of
+        back-offs and quiet spells: counted once per call, a quiet spell of QUIET_STEPS proposals lasted 16
+        decode steps in the 4-step calls of batch 8, a sixth of a 96-token run of code edits without drafts
+        after every step that priced its proposals out."""
         if self.cpu_clock and cpu_seconds:
             seconds = cpu_seconds
         self.policy.price.observe(num_rows, seconds / steps)
         self.ledger.observe(seconds, steps)
         self._last_run, self._last_steps = seconds, steps
+        self.num_steps += steps - 1
 
-    def in_call_drafts(self, req: Request, max_rows: int) -> LookupPlan | None:
-        """For a lone plain greedy decode: the prompt lookup, with a draft length per n-gram match length (0
-        below the shortest match), for a call of several speculative steps in C (`FusedDecoder.spec_steps`,
-        steps of at most `max_rows` rows), or None where this speculator cannot hand its choice to C (not
-        the n-gram proposer, or a fixed draft length longer than a step's rows allow). Adaptive, each length
-        is the policy's choice (`DraftLengthPolicy.choose_in_call`) for a proposal of that match length, from
-        the request's estimates as they are now, its first draft's from the request's own record behind that
-        match length (`AcceptanceStats.first_keep_rate`): the call's steps keep it, and `in_call_done` teaches
-        the estimates what they verified. The host time between proposals spans the call and is not sampled
-        (`idle`)."""
-        if type(self.proposer) is not NgramProposer or (not self.policy.adaptive and self.k_max >= max_rows):
+    def in_call_drafts(self, req: Request, max_rows: int, batch: int = 1) -> LookupPlan | None:
+        """For a plain greedy decode of a batch of `batch` such decodes: the prompt lookup, with a draft length
+        per n-gram match length (0 below the shortest match), for a call of several speculative steps in C
+        (`FusedDecoder.spec_steps`, steps of at most `max_rows` rows, one per decode and the rest for drafts),
+        or None where this speculator cannot hand its choice to C (not the n-gram proposer, or a fixed draft
+        length longer than the rows a step has for drafts). Adaptive, each length is the policy's choice
+        (`DraftLengthPolicy.choose_in_call`) for a proposal of that match length, from the request's estimates
+        as they are now, its first draft's from the request's own record behind that match length
+        (`AcceptanceStats.first_keep_rate`): the call's steps keep it, and `in_call_done` teaches the estimates
+        what they verified. The host time between proposals spans the call and is not sampled (`idle`)."""
+        room = max_rows - batch
+        if type(self.proposer) is not NgramProposer or room < 1 or (not self.policy.adaptive and self.k_max > room):
             return None
         self.idle()
         state, proposer = self._state(req), self.proposer
@@ -363,27 +370,30 @@ class Speculator:
             ks[proposer.min_n:] = [self.k_max] * (proposer.max_n + 1 - proposer.min_n)
         elif not self.tries.backed_off(state, self.num_steps):
             estimates, seconds = state.estimates(), self._call_price.table()
-            cap = min(self.k_max, max_rows - 1)
+            cap = min(self.k_max, room)
             for m in range(proposer.min_n, proposer.max_n + 1):
                 probs = self.pool.match_probs(estimates, m)[:cap]
                 if probs:
                     probs = [state.first_keep_rate(m, probs[0]), *probs[1:]]
-                ks[m] = self.policy.choose_in_call(probs, seconds)
+                ks[m] = self.policy.choose_in_call(probs, seconds, batch)
         return LookupPlan(tuple(ks), proposer.min_n, proposer.max_n, proposer.max_lookback)
 
-    def in_call_done(self, req: Request, steps: list[tuple[int, int, int, float]]) -> None:
-        """The steps of an `in_call_drafts` call: (match length, drafts, drafts kept, seconds) each, in order.
-        A step without drafts does not relax the request's estimates towards the prior as `propose` does (a
-        choice measured this way; a request that misses keeps its lower estimates through a call's plain
-        steps)."""
-        for match, drafted, kept, seconds in steps:
-            self.num_steps += 1
-            if self._call_price is not None:
-                self._call_price.observe(1 + drafted, seconds)
-            self.metrics.chose(drafted)
-            if drafted:
-                self._state(req).last_match = match
-                self.verified(req, drafted, kept)
+    def in_call_done(self, verdicts: list[tuple[Request, list[tuple[int, int, int]]]],
+                     steps: list[tuple[int, float]]) -> None:
+        """The steps of an `in_call_drafts` call: (rows, seconds) each, and per request (match length, drafts,
+        drafts kept) of each step it was in, in order. A step without drafts does not relax the request's
+        estimates towards the prior as `propose` does (a choice measured this way; a request that misses keeps
+        its lower estimates through a call's plain steps)."""
+        self.num_steps += len(steps)
+        if self._call_price is not None:
+            for rows, seconds in steps:
+                self._call_price.observe(rows, seconds)
+        for req, rows in verdicts:
+            for match, drafted, kept in rows:
+                self.metrics.chose(drafted)
+                if drafted:
+                    self._state(req).last_match = match
+                    self.verified(req, drafted, kept)
 
     def idle(self) -> None:
         """The engine ran out of work: the time until the next proposal is no step's host time."""
