@@ -265,9 +265,8 @@ class Scheduler:
             if max_new <= 1:
                 return []
             budgets.append(max_new)
-        plans = [self.speculator.in_call_drafts(req, rows, len(decodes)) for req in decodes]
-        if any(p is None for p in plans) or not all(
-                self.kv.allocate(req, n) for req, n in zip(decodes, budgets, strict=True)):
+        plans = self.speculator.in_call_drafts(decodes, rows)
+        if plans is None or not all(self.kv.allocate(req, n) for req, n in zip(decodes, budgets, strict=True)):
             return []
         return [ScheduledRequest(req, 1, req.num_computed_tokens, num_steps=steps, in_call_drafts=plan,
                                  max_new_tokens=n) for req, plan, n in zip(decodes, plans, budgets, strict=True)]

@@ -124,8 +124,8 @@ def load_library_from(directory: Path) -> ctypes.CDLL | None:
     lib.ngram_lookup.argtypes = [vp, ctypes.c_int64, i, i, ctypes.c_int64, vp]
     lib.ngram_lookup.restype = i
     lib.spec_decode_steps.argtypes = [vp, i, vp, vp, vp, i, vp, vp, vp, vp, vp, vp, i, vp, vp, ctypes.c_float, vp, vp,
-                                      vp, i, vp, vp, vp, vp, vp, i, i, vp, vp, i, i, ctypes.c_int64, vp, i, vp, vp,
-                                      vp, vp]
+                                      vp, i, vp, vp, vp, vp, vp, vp, i, i, vp, vp, i, i, ctypes.c_int64, vp, i, vp,
+                                      vp, vp, vp]
     lib.spec_decode_steps.restype = i
     return lib
 

@@ -231,27 +231,29 @@ int ngram_lookup(const int64_t *hist, int64_t n, int min_n, int max_n, int64_t l
  * step has at most max_rows rows: one per active request, the rest shared among the drafts, longer matches
  * first (ties: in request order). Request s's tokens are hist[hist_off[s] ..], n_hist[s] of them, with room
  * for max_new[s] more; position[s] is its last token's (its KV is computed here; advanced in place); its
- * rows are written to the KV slots of its block table, row s of `tables` (max_blocks wide, allocated for
- * positions up to position + max_new - 1): a rejected draft's KV lies past the kept tokens and is
+ * rows are written to the KV slots of its block table, the first n_blocks[s] entries of row s of `tables`
+ * (max_blocks wide, allocated for positions up to position + max_new - 1): a rejected draft's KV lies past
+ * the kept tokens and is
  * overwritten later, as after a verification step of the engine. A request is active until it has
  * appended max_new[s] tokens or a token of stop_ids (appended, nothing after it); the call stops after
  * n_steps steps or when none is active. Per step j, stats[(j * S + s) * 3 ..] gets request s's (match,
  * drafts, kept) (drafts -1: not in the step), rows[j] the step's rows and seconds[j] its wall time;
  * appended[s] the tokens appended to s. Buffers are decode_steps', sized for max_rows rows. Returns the
- * steps done (>= 1); decode_layers' error code (*failed: the layer); -4 when a table does not reach a row's
- * position; -5 on bad arguments. */
+ * steps done (>= 1); decode_layers' error code (*failed: the layer); -4 when a request's table does not
+ * reach a row's position; -5 on bad arguments. */
 int spec_decode_steps(const decoder_layer *layers, int n_layers, const void *embed, const void *cos_table,
                       const void *sin_table, int rot_dim, void *cos_buf, void *sin_buf, void *x, void *residual,
                       void *work, float *scratch, int dtype, int *failed, const void *final_norm, float final_eps,
                       void *hidden, const qweight *head, void *logits, int S, int64_t *hist, const int64_t *hist_off,
-                      const int64_t *n_hist, int64_t *position, const int64_t *tables, int max_blocks, int n_steps,
+                      const int64_t *n_hist, int64_t *position, const int64_t *tables, const int64_t *n_blocks,
+                      int max_blocks, int n_steps,
                       const int *max_new, const int *k_by_match, int min_n, int max_n, int64_t lookback,
                       const int64_t *stop_ids, int n_stop, int *stats, int *rows, double *seconds, int *appended) {
     enum { ROWS = 64 };
     const int bs = layers[0].block_size, limit = max_rows() < ROWS ? max_rows() : ROWS;
     if (S < 1 || S > limit || min_n < 1 || max_n < min_n) return -5;
     for (int s = 0; s < S; s++)
-        if (n_hist[s] < 1 || max_new[s] < 1) return -5;
+        if (n_hist[s] < 1 || max_new[s] < 1 || n_blocks[s] > max_blocks) return -5;
     int64_t ids[ROWS], pos[ROWS], slots[ROWS], lens[ROWS], idx[ROWS], top[ROWS], from[ROWS];
     int match[ROWS], k[ROWS], first[ROWS], order[ROWS], done[ROWS];
     int64_t *row_tables = malloc(sizeof(int64_t) * ROWS * (size_t)max_blocks);
@@ -298,7 +300,7 @@ int spec_decode_steps(const decoder_layer *layers, int n_layers, const void *emb
             for (int r = 0; r <= k[s]; r++, M++) {
                 ids[M] = r ? h[from[s] + r - 1] : h[n - 1];
                 pos[M] = position[s] + r;
-                if (pos[M] / bs >= max_blocks) {
+                if (pos[M] / bs >= n_blocks[s]) {
                     rc = -4;
                     goto out;
                 }

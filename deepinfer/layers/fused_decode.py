@@ -206,6 +206,7 @@ class FusedDecoder:
         tables = torch.zeros((n_seqs, width), dtype=torch.int64)
         for i, sq in enumerate(seqs):
             tables[i, :len(sq.table)] = torch.tensor(sq.table, dtype=torch.int64)
+        n_blocks = torch.tensor([len(sq.table) for sq in seqs], dtype=torch.int64)
         n_hist = torch.tensor([len(sq.tokens) for sq in seqs], dtype=torch.int64)
         positions = n_hist - 1
         max_new = torch.tensor([sq.max_new for sq in seqs], dtype=torch.int32)
@@ -222,7 +223,8 @@ class FusedDecoder:
             work.data_ptr(), scratch.data_ptr(), cpu_kernels.dtype_code(x.dtype), ctypes.byref(failed),
             m.norm.weight.data_ptr(), m.norm.eps, hidden.data_ptr(), ctypes.byref(_qweight(head)), logits.data_ptr(),
             n_seqs, hist.data_ptr(), hist_off.data_ptr(), n_hist.data_ptr(),
-            positions.data_ptr(), tables.data_ptr(), width, num_steps, max_new.data_ptr(), ks.data_ptr(), min_n,
+            positions.data_ptr(), tables.data_ptr(), n_blocks.data_ptr(), width, num_steps, max_new.data_ptr(),
+            ks.data_ptr(), min_n,
             max_n, lookback, stops.data_ptr(), len(stop_ids), stats.data_ptr(), step_rows.data_ptr(),
             seconds.data_ptr(), appended.data_ptr())
         if rc == -4:

@@ -16,7 +16,7 @@ from benchmarks.spec import code_edit_prompt
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.spec.ngram import find_match
 from deepinfer.layers import cpu_kernels
-from deepinfer.layers.fused_decode import FusedDecoder
+from deepinfer.layers.fused_decode import FusedDecoder, SpecSeq
 from tests.engine.spec_utils import assert_all_free, spec_config, token_ids
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="the C kernels cannot be built here")
@@ -160,6 +160,23 @@ def test_a_request_that_joins_midway_shares_the_calls_and_both_stay_identical(mo
     assert any(seqs == 2 for _, seqs in calls[before:]), "the two never shared a call"
     assert [outputs["a"], outputs["b"]] == want
     assert_all_free(spec)
+
+
+@needs_kernels
+def test_a_call_stops_where_a_requests_own_block_table_ends(float32_engines):
+    """Each request's rows are checked against its own block table, not the widest of the call's (zero-padded
+    rows of a shorter table would send its KV to block 0, another request's): the call raises instead."""
+    _, spec = float32_engines
+    runner = spec.engine.core.runner
+    size = runner.kv_caches[0][0].shape[1]
+    tokens = list(range(100, 100 + size))  # the last token's position ends the first block
+    longer = SpecSeq(tokens, [1, 2], 8, (0,) * 6)
+    shorter = SpecSeq(tokens, [3], 8, (0,) * 6)
+    fused, head = runner.model.fused, runner.model.lm_head
+    out = fused.spec_steps([longer], runner.kv_caches, head, 4, 2, 5, 1024, [])
+    assert [len(t) for t in out.tokens] == [4] and [rows for rows, _ in out.steps] == [1, 1, 1, 1]
+    with pytest.raises(IndexError):
+        fused.spec_steps([longer, shorter], runner.kv_caches, head, 4, 2, 5, 1024, [])
 
 
 def test_call_step_price_takes_measured_counts_and_scales_the_rest():

@@ -348,35 +348,41 @@ class Speculator:
         self._last_run, self._last_steps = seconds, steps
         self.num_steps += steps - 1
 
-    def in_call_drafts(self, req: Request, max_rows: int, batch: int = 1) -> LookupPlan | None:
-        """For a plain greedy decode of a batch of `batch` such decodes: the prompt lookup, with a draft length
-        per n-gram match length (0 below the shortest match), for a call of several speculative steps in C
+    def in_call_drafts(self, reqs: list[Request], max_rows: int) -> list[LookupPlan] | None:
+        """For a batch of plain greedy decodes `reqs`: per request the prompt lookup, with a draft length per
+        n-gram match length (0 below the shortest match), for a call of several speculative steps in C
         (`FusedDecoder.spec_steps`, steps of at most `max_rows` rows, one per decode and the rest for drafts),
         or None where this speculator cannot hand its choice to C (not the n-gram proposer, or a fixed draft
         length longer than the rows a step has for drafts). Adaptive, each length is the policy's choice
-        (`DraftLengthPolicy.choose_in_call`) for a proposal of that match length, from the request's estimates
-        as they are now, its first draft's from the request's own record behind that match length
-        (`AcceptanceStats.first_keep_rate`): the call's steps keep it, and `in_call_done` teaches the estimates
-        what they verified. The host time between proposals spans the call and is not sampled (`idle`)."""
+        (`DraftLengthPolicy.choose_in_call`) for a proposal of that match length at this batch, from the
+        request's estimates as they are now, its first draft's from the request's own record behind that match
+        length (`AcceptanceStats.first_keep_rate`): the call's steps keep it, and `in_call_done` teaches the
+        estimates what they verified. The host time between proposals spans the call and is not sampled
+        (`idle`)."""
+        batch = len(reqs)
         room = max_rows - batch
         if type(self.proposer) is not NgramProposer or room < 1 or (not self.policy.adaptive and self.k_max > room):
             return None
         self.idle()
-        state, proposer = self._state(req), self.proposer
-        ks = [0] * (proposer.max_n + 1)
+        proposer = self.proposer
         if self._call_price is None or self._call_price.max_rows != max_rows:
             self._call_price = CallStepPrice(self.policy.price, max_rows)
-        if not self.policy.adaptive:
-            ks[proposer.min_n:] = [self.k_max] * (proposer.max_n + 1 - proposer.min_n)
-        elif not self.tries.backed_off(state, self.num_steps):
-            estimates, seconds = state.estimates(), self._call_price.table()
-            cap = min(self.k_max, room)
-            for m in range(proposer.min_n, proposer.max_n + 1):
-                probs = self.pool.match_probs(estimates, m)[:cap]
-                if probs:
-                    probs = [state.first_keep_rate(m, probs[0]), *probs[1:]]
-                ks[m] = self.policy.choose_in_call(probs, seconds, batch)
-        return LookupPlan(tuple(ks), proposer.min_n, proposer.max_n, proposer.max_lookback)
+        seconds = self._call_price.table() if self.policy.adaptive else []
+        plans = []
+        for req in reqs:
+            state = self._state(req)
+            ks = [0] * (proposer.max_n + 1)
+            if not self.policy.adaptive:
+                ks[proposer.min_n:] = [self.k_max] * (proposer.max_n + 1 - proposer.min_n)
+            elif not self.tries.backed_off(state, self.num_steps):
+                estimates, cap = state.estimates(), min(self.k_max, room)
+                for m in range(proposer.min_n, proposer.max_n + 1):
+                    probs = self.pool.match_probs(estimates, m)[:cap]
+                    if probs:
+                        probs = [state.first_keep_rate(m, probs[0]), *probs[1:]]
+                    ks[m] = self.policy.choose_in_call(probs, seconds, batch)
+            plans.append(LookupPlan(tuple(ks), proposer.min_n, proposer.max_n, proposer.max_lookback))
+        return plans
 
     def in_call_done(self, verdicts: list[tuple[Request, list[tuple[int, int, int]]]],
                      steps: list[tuple[int, float]]) -> None:
