@@ -24,10 +24,10 @@ Several decode steps per pass (`num_scheduler_steps`): when the step is nothing 
 (at most `decode_steps_rows` of them) and no request waits, each is scheduled with `num_steps` > 1 and
 blocks for that many tokens; the runner decodes them in one C call, each step's argmax the next one's input,
 and `update` appends the tokens like kept drafts (cut at a stop condition, the KV past it rolled back).
-Plain greedy decodes with a row to spare (fewer than `decode_steps_rows`) and the n-gram proposer get such
-a call whose steps also speculate (`_speculative_call`): blocks for one token a step plus the step's spare
-rows, and per request the draft length per match length the speculator chose at its start; the runner's C
-call drafts and verifies step after step.
+Up to half of `decode_steps_rows` plain greedy decodes with the n-gram proposer get such a call whose steps
+also speculate (`_speculative_call`): blocks for one token a step plus the step's spare rows, and per request
+the draft length per match length the speculator chose at its start; the runner's C call drafts and verifies
+step after step.
 
 Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
 whose grammar failed is finished with `Request.error` and reported through `take_failed`. `update`
@@ -244,14 +244,17 @@ class Scheduler:
         return out
 
     def _speculative_call(self, decodes: list[Request]) -> list[ScheduledRequest]:
-        """Plain greedy decodes with a row to spare on the whole-layer C path (at most `decode_steps_rows` - 1 of
-        them), nothing else running or waiting: their next `num_scheduler_steps` steps as one C call that also
+        """Plain greedy decodes with rows to spare on the whole-layer C path (at most half of `decode_steps_rows`),
+        nothing else running or waiting: their next `num_scheduler_steps` steps as one C call that also
         speculates (`Speculator.in_call_drafts`), with blocks for every token the call may append to each (one
         a step, and the step's spare rows; never preempting). Empty: schedule as usual. Between model steps
         the host's Python costs ~0.7 ms a drafting step (~15% of one at batch 1 on the AVX-512 machine), which
         the call pays once; and a drafting step of a few decodes otherwise leaves the several-step C calls."""
         steps, rows = self.config.num_scheduler_steps, self.decode_steps_rows
-        if (steps <= 1 or not decodes or len(decodes) >= rows or len(self.running) != len(decodes)
+        # at most half the rows: with fewer to spare, a call's steps may draft 1-3 tokens in all, where the
+        # ordinary path's price can choose a step past the C path with many (code edits at batch 8 whose
+        # first requests finished early, leaving 5-7: 0.88-0.95 of a fixed k = 5 with calls there)
+        if (steps <= 1 or not decodes or 2 * len(decodes) > rows or len(self.running) != len(decodes)
                 or self.waiting):
             return []
         per_step = 1 + rows - len(decodes)  # the most tokens a step appends to one request

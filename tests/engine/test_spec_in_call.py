@@ -1,5 +1,5 @@
-"""Speculation inside one C call: plain greedy decodes on the whole-layer C path with a row to spare (one to
-seven of them) run several steps of n-gram drafting and verification in C (`Scheduler._speculative_call`,
+"""Speculation inside one C call: plain greedy decodes on the whole-layer C path with rows to spare (one to
+four of them) run several steps of n-gram drafting and verification in C (`Scheduler._speculative_call`,
 `FusedDecoder.spec_steps`). Its n-gram search is the Python proposer's; its output is the same tokens as
 decoding without speculation, alone or in a batch, stop tokens and max_tokens included, before and after
 another request joins; its blocks all come back."""

@@ -18,13 +18,13 @@ then costs a decode step that check and an integer increment per request.
 Drafts are capped so a step never emits past `max_tokens` or the context length, and, for structured
 requests, cut at the first token the grammar refuses (checked on the matcher, then rolled back).
 
-Up to seven plain greedy decodes with the n-gram proposer (a row to spare on the C decode path) skip all of
-this for several steps at a time: the scheduler asks `in_call_drafts` for each request's draft length per
+Up to four plain greedy decodes with the n-gram proposer (half the C decode path's rows or more to spare)
+skip all of this for several steps at a time: the scheduler asks `in_call_drafts` for each request's draft length per
 match length at that batch, the runner's C call looks up, drafts and verifies step after step
 (`FusedDecoder.spec_steps`), and `in_call_done` records what each step verified. At batch 1 the Python
 between model steps (~0.7 ms of a ~5 ms drafting step on the AVX-512 machine) was what kept code edits
-under 2x of no speculation; at batch 2-7 a drafting step also left the several-step C calls of plain
-decodes (the batch-8 runs' tails, after a few requests had finished early, drafted nothing for 60 steps).
+under 2x of no speculation; at batch 2-4 a drafting step also left the several-step C calls of plain
+decodes.
 """
 
 from __future__ import annotations
