@@ -24,10 +24,11 @@ Several decode steps per pass (`num_scheduler_steps`): when the step is nothing 
 (at most `decode_steps_rows` of them) and no request waits, each is scheduled with `num_steps` > 1 and
 blocks for that many tokens; the runner decodes them in one C call, each step's argmax the next one's input,
 and `update` appends the tokens like kept drafts (cut at a stop condition, the KV past it rolled back).
-Up to half of `decode_steps_rows` plain greedy decodes with the n-gram proposer get such a call whose steps
-also speculate (`_speculative_call`): blocks for one token a step plus the step's spare rows, and per request
-the draft length per match length the speculator chose at its start; the runner's C call drafts and verifies
-step after step.
+A lone plain greedy decode with the n-gram proposer gets such a call whose steps also speculate
+(`_speculative_call`): blocks for one token a step plus the step's spare rows, and the draft length per match
+length the speculator chose at its start; the runner's C call drafts and verifies step after step. The call
+takes up to half of `decode_steps_rows` requests (the spare rows shared among their drafts), but only
+`SPECULATING_CALL_REQUESTS` (1) get one: see that constant.
 
 Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
 whose grammar failed is finished with `Request.error` and reported through `take_failed`. `update`
@@ -93,6 +94,13 @@ class SchedulerOutput:
 
 
 class Scheduler:
+    # the most plain greedy decodes that get a speculating C call together (`_speculative_call`; the call takes
+    # up to half the C path's rows). One: calls of 2-4 requests read code edits at batch 2 and 4 1.49x and 1.17x
+    # of no speculation (the ordinary path's drafting steps 1.34x and 1.11x) but chat at batch 8, whose tails
+    # took them, 0.95-0.96x against 0.97-1.03x without (spec.py, six runs each, AVX-512 machine, session 32);
+    # why chat lost was not found
+    SPECULATING_CALL_REQUESTS = 1
+
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  policy: PrefillPolicy | None = None, cost_model: CostModel | None = None,
                  speculator: Speculator | None = None, decode_steps_rows: int = 0) -> None:
@@ -254,8 +262,8 @@ class Scheduler:
         # at most half the rows: with fewer to spare, a call's steps may draft 1-3 tokens in all, where the
         # ordinary path's price can choose a step past the C path with many (code edits at batch 8 whose
         # first requests finished early, leaving 5-7: 0.88-0.95 of a fixed k = 5 with calls there)
-        if (steps <= 1 or not decodes or 2 * len(decodes) > rows or len(self.running) != len(decodes)
-                or self.waiting):
+        if (steps <= 1 or not decodes or len(decodes) > self.SPECULATING_CALL_REQUESTS or 2 * len(decodes) > rows
+                or len(self.running) != len(decodes) or self.waiting):
             return []
         per_step = 1 + rows - len(decodes)  # the most tokens a step appends to one request
         budgets = []

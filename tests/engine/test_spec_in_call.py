@@ -1,5 +1,5 @@
-"""Speculation inside one C call: plain greedy decodes on the whole-layer C path with rows to spare (one to
-four of them) run several steps of n-gram drafting and verification in C (`Scheduler._speculative_call`,
+"""Speculation inside one C call: plain greedy decodes on the whole-layer C path with rows to spare (a lone
+one by default, up to four) run several steps of n-gram drafting and verification in C (`Scheduler._speculative_call`,
 `FusedDecoder.spec_steps`). Its n-gram search is the Python proposer's; its output is the same tokens as
 decoding without speculation, alone or in a batch, stop tokens and max_tokens included, before and after
 another request joins; its blocks all come back."""
@@ -14,6 +14,7 @@ import torch
 
 from benchmarks.spec import code_edit_prompt
 from deepinfer import LLM, SamplingParams
+from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec.ngram import find_match
 from deepinfer.layers import cpu_kernels
 from deepinfer.layers.fused_decode import FusedDecoder, SpecSeq
@@ -119,6 +120,7 @@ def test_a_batch_of_code_edits_is_token_identical_and_shares_the_calls_rows(dtyp
     first teaches the engine's pooled estimates what code edits keep: from the prior's 0.6 a draft row is not
     worth its price at batch 4."""
     plain, spec = request.getfixturevalue("float32_engines") if dtype == "float32" else _engines(dtype)
+    monkeypatch.setattr(Scheduler, "SPECULATING_CALL_REQUESTS", 4)  # one by default
     calls = _count_calls(monkeypatch)
     params = SamplingParams(max_tokens=64, temperature=0.0)
     assert token_ids(spec, [code_edit_prompt(5)], params) == token_ids(plain, [code_edit_prompt(5)], params)
@@ -141,6 +143,7 @@ def test_a_request_that_joins_midway_shares_the_calls_and_both_stay_identical(mo
     speculation. Deterministic mode (row-invariant kernels), so that the prompt's prefill sharing a step with
     the first request's decode changes no bits."""
     plain, spec = _engines("float32", deterministic=True)
+    monkeypatch.setattr(Scheduler, "SPECULATING_CALL_REQUESTS", 2)  # one by default
     calls = _count_calls(monkeypatch)
     first, second = code_edit_prompt(1), code_edit_prompt(3)
     params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)
