@@ -159,15 +159,17 @@ class AcceptanceStats:
         return (record[0] + weight * estimate) / (record[1] + weight)
 
     def relax(self, unmatched: bool = False) -> None:
-        """A step without drafts: estimates below the prior drift back up towards it (applied lazily,
-        `settle`), so a request that was unlucky early is tried again later instead of never. Estimates
+        """A step without drafts: estimates below the prior (per position, the estimates the request started
+        from: the pooled rates when it arrived) drift back up towards it (applied lazily, `settle`), so a
+        request that was unlucky early is tried again later instead of never. Estimates
         above it drift down only in steps whose lookup found no proposal for the request (`unmatched`): a
         request whose text rarely repeats is one whose few matches are coincidences (chat), while a step
         priced out, or quiet, is no evidence against its estimates. Drifting them down in every idle step
         made batches past the C path's rows spiral into never drafting: code edits at batch 8 whose
         estimates were 0.84-0.86 (from batch 1) were priced out at the first steps (the 9th row's jump needs
         most of the batch to draft), fell to 0.63 over six quiet calls, and never drafted again in the run,
-        where a fixed k = 5 gained 1.15x (0.82-0.96 kept per position)."""
+        where a fixed k = 5 gained 1.15x (0.82-0.96 kept per position). The prior was a fixed 0.6 before; the
+        pooled rates are what the engine knows of requests like this one."""
         self.idle_steps += 1
         self.idle_unmatched += unmatched
 
