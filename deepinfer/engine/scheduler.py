@@ -98,7 +98,8 @@ class Scheduler:
     # up to half the C path's rows). One: calls of 2-4 requests read code edits at batch 2 and 4 1.49x and 1.17x
     # of no speculation (the ordinary path's drafting steps 1.34x and 1.11x) but chat at batch 8, whose tails
     # took them, a median 0.97x over seven spec.py runs (0.95-1.03) against 1.00x over six without (0.98-1.03;
-    # AVX-512 machine, session 32); why chat lost was not found
+    # AVX-512 machine, session 32): chat's own runs take almost no calls (no tail), so through the pooled
+    # estimates the code edits' and JSON's calls left; how was not found
     SPECULATING_CALL_REQUESTS = 1
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
