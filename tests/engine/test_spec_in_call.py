@@ -116,23 +116,21 @@ def test_stop_tokens_and_max_tokens_end_a_call_where_plain_decoding_ends(float32
 def test_a_batch_of_code_edits_is_token_identical_and_shares_the_calls_rows(dtype, request, monkeypatch):
     """Four requests at once: their steps speculate in calls of all four (one row each, four to share among
     the drafts), and every output is the tokens of the same batch decoded without speculation, in both
-    dtypes in the default mode (the C path's kernels are row-invariant up to 8 rows). A request decoded alone
-    first teaches the engine's pooled estimates what code edits keep: from the prior's 0.6 a draft row is not
-    worth its price at batch 4."""
-    plain, spec = request.getfixturevalue("float32_engines") if dtype == "float32" else _engines(dtype)
+    dtypes in the default mode (the C path's kernels are row-invariant up to 8 rows). A fixed draft length (3:
+    what the spare rows hold for one request), so that how many drafts are verified does not hang on the
+    measured prices, as the adaptive policy's choice does."""
+    plain = request.getfixturevalue("float32_engines")[0] if dtype == "float32" else _engines(dtype)[0]
+    spec = LLM(kv_cache_memory="256MiB", dtype=dtype, speculative_config=spec_config("ngram", k=3, adaptive=False))
     monkeypatch.setattr(Scheduler, "SPECULATING_CALL_REQUESTS", 4)  # one by default
     calls = _count_calls(monkeypatch)
     params = SamplingParams(max_tokens=64, temperature=0.0)
-    assert token_ids(spec, [code_edit_prompt(5)], params) == token_ids(plain, [code_edit_prompt(5)], params)
     prompts = [code_edit_prompt(i) for i in range(4)]
-    before = spec.engine.core.speculator.metrics.num_accepted_tokens
     reference = token_ids(plain, prompts, params)
     assert token_ids(spec, prompts, params) == reference
-    kept = spec.engine.core.speculator.metrics.num_accepted_tokens - before
+    m = spec.engine.core.speculator.metrics
     assert any(seqs == 4 and steps > 1 for steps, seqs in calls), calls
-    # the price chooses fewer drafts at batch 4 than alone (a kept token is worth a quarter of a step), fewer
-    # in float32 (~10% of the tokens) than in bfloat16: enough wrong drafts to catch a verification error
-    assert kept > 0.05 * sum(len(r) for r in reference), "drafts did little of the work: the test would prove little"
+    assert m.num_accepted_tokens > 0.2 * sum(len(r) for r in reference), "drafts did little of the work"
+    assert m.num_draft_tokens > m.num_accepted_tokens + 10, "few drafts were rejected: the test would prove little"
     assert_all_free(spec)
 
 
