@@ -233,8 +233,7 @@ int ngram_lookup(const int64_t *hist, int64_t n, int min_n, int max_n, int64_t l
  * for max_new[s] more; position[s] is its last token's (its KV is computed here; advanced in place); its
  * rows are written to the KV slots of its block table, the first n_blocks[s] entries of row s of `tables`
  * (max_blocks wide, allocated for positions up to position + max_new - 1): a rejected draft's KV lies past
- * the kept tokens and is
- * overwritten later, as after a verification step of the engine. A request is active until it has
+ * the kept tokens and is overwritten later, as after a verification step of the engine. A request is active until it has
  * appended max_new[s] tokens or a token of stop_ids (appended, nothing after it); the call stops after
  * n_steps steps or when none is active. Per step j, stats[(j * S + s) * 3 ..] gets request s's (match,
  * drafts, kept) (drafts -1: not in the step), rows[j] the step's rows and seconds[j] its wall time;
@@ -255,10 +254,10 @@ int spec_decode_steps(const decoder_layer *layers, int n_layers, const void *emb
     for (int s = 0; s < S; s++)
         if (n_hist[s] < 1 || max_new[s] < 1 || n_blocks[s] > max_blocks) return -5;
     int64_t ids[ROWS], pos[ROWS], slots[ROWS], lens[ROWS], idx[ROWS], top[ROWS], from[ROWS];
-    int match[ROWS], k[ROWS], first[ROWS], order[ROWS], done[ROWS];
+    int match[ROWS], k[ROWS], first[ROWS], order[ROWS], done[ROWS], owner[ROWS];
     int64_t *row_tables = malloc(sizeof(int64_t) * ROWS * (size_t)max_blocks);
     if (!row_tables) return -5;
-    for (int r = 0; r < limit; r++) idx[r] = r;
+    for (int r = 0; r < limit; r++) idx[r] = r, owner[r] = -1;
     for (int s = 0; s < S; s++) appended[s] = 0, done[s] = 0;
     int j = 0, rc = 0;
     for (; j < n_steps; j++) {
@@ -306,8 +305,11 @@ int spec_decode_steps(const decoder_layer *layers, int n_layers, const void *emb
                 }
                 lens[M] = pos[M] + 1;
                 slots[M] = tables[(int64_t)s * max_blocks + pos[M] / bs] * bs + pos[M] % bs;
-                memcpy(row_tables + (int64_t)M * max_blocks, tables + (int64_t)s * max_blocks,
-                       sizeof(int64_t) * (size_t)max_blocks);
+                if (owner[M] != s) {  /* the tables do not change during the call: a row's copy stays its */
+                    memcpy(row_tables + (int64_t)M * max_blocks, tables + (int64_t)s * max_blocks,
+                           sizeof(int64_t) * (size_t)max_blocks);
+                    owner[M] = s;
+                }
             }
         }
         rc = decode_layers(layers, n_layers, ids, embed, pos, cos_table, sin_table, rot_dim, cos_buf, sin_buf, x,

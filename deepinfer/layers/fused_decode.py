@@ -7,9 +7,9 @@ deterministic mode every step comes here, prefill tokens as decode rows. `FusedD
 embedding, the rotary lookup and the layer loop with one C call (`decode_layers`); `final_hidden` adds the
 final norm of the logits rows, whose logits and sampling stay in torch; `decode_steps` runs several greedy
 steps in one call, the LM head and each row's argmax included (`num_scheduler_steps`); `spec_steps` runs
-several steps of a few requests that also speculate, the n-gram lookups and each step's verification in C. The layer
-descriptions hold raw pointers to the weights and KV caches, so they are built once for a given cache list
-and rebuilt if it changes.
+several steps of a few requests that also speculate, the n-gram lookups and each step's verification in C.
+The layer descriptions hold raw pointers to the weights and KV caches, so they are built once for a given
+cache list and rebuilt if it changes.
 """
 
 from __future__ import annotations
@@ -222,11 +222,10 @@ class FusedDecoder:
             rope.data_ptr(), rope.data_ptr() + rows * rot_dim * rope.element_size(), x.data_ptr(), residual.data_ptr(),
             work.data_ptr(), scratch.data_ptr(), cpu_kernels.dtype_code(x.dtype), ctypes.byref(failed),
             m.norm.weight.data_ptr(), m.norm.eps, hidden.data_ptr(), ctypes.byref(_qweight(head)), logits.data_ptr(),
-            n_seqs, hist.data_ptr(), hist_off.data_ptr(), n_hist.data_ptr(),
-            positions.data_ptr(), tables.data_ptr(), n_blocks.data_ptr(), width, num_steps, max_new.data_ptr(),
-            ks.data_ptr(), min_n,
-            max_n, lookback, stops.data_ptr(), len(stop_ids), stats.data_ptr(), step_rows.data_ptr(),
-            seconds.data_ptr(), appended.data_ptr())
+            n_seqs, hist.data_ptr(), hist_off.data_ptr(), n_hist.data_ptr(), positions.data_ptr(), tables.data_ptr(),
+            n_blocks.data_ptr(), width, num_steps, max_new.data_ptr(), ks.data_ptr(), min_n, max_n, lookback,
+            stops.data_ptr(), len(stop_ids), stats.data_ptr(), step_rows.data_ptr(), seconds.data_ptr(),
+            appended.data_ptr())
         if rc == -4:
             raise IndexError("a request's block table ends before a draft row's position")
         if rc == -5:

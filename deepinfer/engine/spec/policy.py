@@ -161,10 +161,10 @@ class AcceptanceStats:
     def relax(self, unmatched: bool = False) -> None:
         """A step without drafts: estimates below the prior (per position, the estimates the request started
         from: the pooled rates when it arrived) drift back up towards it (applied lazily, `settle`), so a
-        request that was unlucky early is tried again later instead of never. Estimates
-        above it drift down only in steps whose lookup found no proposal for the request (`unmatched`): a
-        request whose text rarely repeats is one whose few matches are coincidences (chat), while a step
-        priced out, or quiet, is no evidence against its estimates. Drifting them down in every idle step
+        request that was unlucky early is tried again later instead of never. Estimates above it drift down
+        only in steps whose lookup found no proposal for the request (`unmatched`): a request whose text
+        rarely repeats is one whose few matches are coincidences (chat), while a step priced out, or quiet,
+        is no evidence against its estimates. Drifting them down in every idle step
         made batches past the C path's rows spiral into never drafting: code edits at batch 8 whose
         estimates were 0.84-0.86 (from batch 1) were priced out at the first steps (the 9th row's jump needs
         most of the batch to draft), fell to 0.63 over six quiet calls, and never drafted again in the run,
@@ -253,14 +253,13 @@ def ceiling_gains(estimates: np.ndarray, priors: list[list[float]], limits: list
     return np.cumprod(rates, axis=1)[cut]
 
 
-def update_rates(rates: list[float], tried: list[int], drafted: int, accepted: int, floor: float,
-                 start_weight: float = 2.0) -> None:
+def update_rates(rates: list[float], tried: list[int], drafted: int, accepted: int, floor: float) -> None:
     """One verification's news for per-position keep rates: positions 1..accepted were kept, position
     accepted + 1 (if drafted) was tried and rejected, later ones were never tried and tell nothing. A
     running mean (weight 1 / (tries + 3): the starting value counts as two tries) until the weight falls
     to `floor`, an EWMA after that."""
     for j in range(min(drafted, accepted + 1, len(rates))):
-        w = max(1.0 / (tried[j] + start_weight + 1), floor)
+        w = max(1.0 / (tried[j] + 3), floor)
         rates[j] += w * ((1.0 if j < accepted else 0.0) - rates[j])
         tried[j] += 1
 

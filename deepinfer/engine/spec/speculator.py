@@ -19,8 +19,8 @@ Drafts are capped so a step never emits past `max_tokens` or the context length,
 requests, cut at the first token the grammar refuses (checked on the matcher, then rolled back).
 
 A lone plain greedy decode with the n-gram proposer (up to four, `Scheduler.SPECULATING_CALL_REQUESTS`)
-skips all of this for several steps at a time: the scheduler asks `in_call_drafts` for each request's draft length per
-match length at that batch, the runner's C call looks up, drafts and verifies step after step
+skips all of this for several steps at a time: the scheduler asks `in_call_drafts` for each request's draft
+length per match length at that batch, the runner's C call looks up, drafts and verifies step after step
 (`FusedDecoder.spec_steps`), and `in_call_done` records what each step verified. At batch 1 the Python
 between model steps (~0.7 ms of a ~5 ms drafting step on the AVX-512 machine) was what kept code edits
 under 2x of no speculation; at batch 2-4 a drafting step also left the several-step C calls of plain
