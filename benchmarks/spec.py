@@ -15,7 +15,11 @@ engines ("A/A"; on the 2-core AVX2 machine at batch 8 it read 0.88-1.02 over thr
 differences the targets ask about). Next to wall-clock tok/s it reports
 the ratios of CPU time per token (`time.process_time`, all of the process's threads): on a shared machine
 wall time moves with the others' load, CPU time far less (most robust with `--num-threads 1`, where no
-thread spins waiting for another).
+thread spins waiting for another). The "decode" ratios compare the mean time per output token after the
+first (TPOT, per request from its first token to its last): the part of a request speculation can change.
+tok/s also counts each run's prefill, which every engine pays alike and which is a cold prefill only in an
+engine's first run of a row (its prefix cache holds the prompt afterwards): at batch 1 it pulls the first
+run's tok/s ratios towards 1 (code edits: ~40 ms of a ~180 ms run cold, ~10 ms after).
 
     HF_HUB_OFFLINE=1 python benchmarks/spec.py --batches 1 8 32 --repeats 3
     HF_HUB_OFFLINE=1 python benchmarks/spec.py --num-threads 1 --repeats 5 --max-tokens 128   # shared machine
@@ -112,14 +116,18 @@ def build_workloads(llm: LLM, batch: int) -> dict[str, list]:
     }
 
 
-def run_once(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, float, list]:
-    """(tokens per wall second, tokens per CPU second, the outputs' token ids)."""
+def run_once(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, float, float, list]:
+    """(tokens per wall second, tokens per CPU second, the mean time per output token after the first over
+    the requests that emitted two or more (TPOT, seconds; nan if none did), the outputs' token ids)."""
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
     started, cpu = time.perf_counter(), time.process_time()
     outs = llm.generate(prompts, params)
     wall, cpu = time.perf_counter() - started, time.process_time() - cpu
     tokens = sum(len(o.outputs[0].token_ids) for o in outs)
-    return tokens / wall, tokens / max(cpu, 1e-9), [list(o.outputs[0].token_ids) for o in outs]
+    tpots = [(o.metrics["now"] - o.metrics["first_token"]) / (len(o.outputs[0].token_ids) - 1)
+             for o in outs if len(o.outputs[0].token_ids) > 1]
+    tpot = statistics.fmean(tpots) if tpots else float("nan")
+    return tokens / wall, tokens / max(cpu, 1e-9), tpot, [list(o.outputs[0].token_ids) for o in outs]
 
 
 def main() -> None:
@@ -152,6 +160,7 @@ def main() -> None:
     rates: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
     cpu_rates: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
     accept: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
+    tpots: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
     for start in range(args.starts):
         # each start builds the engines afresh: an engine's start-up profile and first estimates shape its
         # choices for its whole life, so repeats within one start do not average over them
@@ -166,9 +175,10 @@ def main() -> None:
                 for name in order:
                     llm = engines[name]
                     before = llm.engine.stats()
-                    rate, cpu_rate, outs = run_once(llm, [p for p in prompts], args.max_tokens)
+                    rate, cpu_rate, tpot, outs = run_once(llm, [p for p in prompts], args.max_tokens)
                     after = llm.engine.stats()
                     rates[workload, batch][name].append(rate)
+                    tpots[workload, batch][name].append(tpot)
                     cpu_rates[workload, batch][name].append(cpu_rate)
                     if "spec_draft_tokens" in after:
                         d = after["spec_draft_tokens"] - before["spec_draft_tokens"]
@@ -180,8 +190,10 @@ def main() -> None:
                         print(f"  note: {name} output differs from the first run's on {workload} x{batch} "
                               "(floating-point batch-shape effects)")
             med = {n: statistics.median(rates[workload, batch][n][-args.repeats:]) for n in names}
+            tmed = {n: statistics.median(tpots[workload, batch][n][-args.repeats:]) for n in names}
             print(f"  start {start + 1}: {workload} b={batch} adaptive/none {med['adaptive'] / med['none']:.2f} "
-                  f"k5/none {med['k5'] / med['none']:.2f}", flush=True)
+                  f"k5/none {med['k5'] / med['none']:.2f} (decode: {tmed['none'] / tmed['adaptive']:.2f}, "
+                  f"{tmed['none'] / tmed['k5']:.2f})", flush=True)
         for llm in engines.values():
             llm.close()
         del engines
@@ -190,26 +202,30 @@ def main() -> None:
         med = {n: statistics.median(rates[workload, batch][n]) for n in names}
         cmed = {n: statistics.median(cpu_rates[workload, batch][n]) for n in names}
         acc = accept[workload, batch]
+        tmed = {n: statistics.median(tpots[workload, batch][n]) for n in names}
         row = (workload, batch, med["none"], med["k5"], med["adaptive"], med["k5"] / med["none"],
                med["adaptive"] / med["none"], med["adaptive"] / med["k5"],
                cmed["k5"] / cmed["none"], cmed["adaptive"] / cmed["none"], cmed["adaptive"] / cmed["k5"],
                statistics.median(acc["k5"]) if acc["k5"] else 0.0,
                statistics.median(acc["adaptive"]) if acc["adaptive"] else 0.0,
-               med["none_b"] / med["none"] if "none_b" in med else float("nan"))
+               med["none_b"] / med["none"] if "none_b" in med else float("nan"),
+               tmed["none"] / tmed["k5"], tmed["none"] / tmed["adaptive"], tmed["k5"] / tmed["adaptive"])
         rows.append(row)
         print("{:<10} b={:<3} none {:7.1f}  k5 {:7.1f}  adaptive {:7.1f} tok/s | k5/none {:.2f}  "
               "adaptive/none {:.2f}  adaptive/k5 {:.2f} | CPU: {:.2f} {:.2f} {:.2f} | accept k5 {:.2f} "
-              "adaptive {:.2f} | A/A {:.2f}".format(*row), flush=True)
+              "adaptive {:.2f} | A/A {:.2f} | decode: {:.2f} {:.2f} {:.2f}".format(*row), flush=True)
     print(f"\nmethod={args.method}, max_tokens={args.max_tokens}, repeats={args.repeats}, starts={args.starts}, "
           f"num_threads={args.num_threads} (medians, engines interleaved in rotating order; CPU: the same "
-          "ratios of tokens per CPU second)")
+          "ratios of tokens per CPU second; decode: the same ratios of the time per output token after the "
+          "first, TPOT, the part speculation can change)")
     print("| workload | batch | none tok/s | k=5 tok/s | adaptive tok/s | k=5 / none | adaptive / none | "
           "adaptive / k=5 | CPU k=5 / none | CPU adaptive / none | CPU adaptive / k=5 | acceptance k=5 | "
-          "acceptance adaptive | A/A: none (2nd copy) / none |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "acceptance adaptive | A/A: none (2nd copy) / none | decode k=5 / none | decode adaptive / none | "
+          "decode adaptive / k=5 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} "
-              "| {:.2f} | {:.2f} |".format(*r))
+              "| {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |".format(*r))
 
 
 if __name__ == "__main__":

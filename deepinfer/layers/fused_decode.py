@@ -186,8 +186,10 @@ class FusedDecoder:
         q = head.quantized
         if q is None or q.kind == "dense" or head.bias is not None:
             raise ValueError("spec_steps needs an LM head with GGUF blocks and no bias")
-        if not 1 <= len(seqs) <= self.max_rows or any(len(sq.k_by_match) != max_n + 1 for sq in seqs) or min_n < 1:
-            raise ValueError("spec_steps needs 1..max_rows requests, each one draft length per match length 0..max_n")
+        if (not 1 <= len(seqs) <= self.max_rows or any(len(sq.k_by_match) != max_n + 1 for sq in seqs) or min_n < 1
+                or lookback < 1):
+            raise ValueError("spec_steps needs 1..max_rows requests, each one draft length per match length 0..max_n, "
+                             "and a lookback of at least one token")
         self._ensure_layers(caches)
         m = self.model
         embed, cos_table, sin_table = m.embed_tokens.weight, m.rotary.cos, m.rotary.sin
@@ -195,20 +197,23 @@ class FusedDecoder:
         x, residual, rope, work, scratch = self._buffers(rows)
         hidden, logits = embed.new_empty((rows, hidden_size)), embed.new_empty((rows, q.n))
         n_seqs = len(seqs)
-        sizes = [len(sq.tokens) + sq.max_new for sq in seqs]
+        # the lookup reads only the last `lookback` tokens (the window slides over what the call appends),
+        # so only those go to C: a long context is not copied whole every call
+        tails = [sq.tokens[-lookback:] for sq in seqs]
+        sizes = [len(tail) + sq.max_new for tail, sq in zip(tails, seqs, strict=True)]
         offsets = [0]
         for size in sizes[:-1]:
             offsets.append(offsets[-1] + size)
         hist, hist_off = torch.empty(sum(sizes), dtype=torch.int64), torch.tensor(offsets, dtype=torch.int64)
-        for sq, off in zip(seqs, offsets, strict=True):
-            hist[off:off + len(sq.tokens)] = torch.tensor(sq.tokens, dtype=torch.int64)
+        for tail, off in zip(tails, offsets, strict=True):
+            hist[off:off + len(tail)] = torch.tensor(tail, dtype=torch.int64)
         width = max(len(sq.table) for sq in seqs)
         tables = torch.zeros((n_seqs, width), dtype=torch.int64)
         for i, sq in enumerate(seqs):
             tables[i, :len(sq.table)] = torch.tensor(sq.table, dtype=torch.int64)
         n_blocks = torch.tensor([len(sq.table) for sq in seqs], dtype=torch.int64)
-        n_hist = torch.tensor([len(sq.tokens) for sq in seqs], dtype=torch.int64)
-        positions = n_hist - 1
+        n_hist = torch.tensor([len(tail) for tail in tails], dtype=torch.int64)
+        positions = torch.tensor([len(sq.tokens) - 1 for sq in seqs], dtype=torch.int64)
         max_new = torch.tensor([sq.max_new for sq in seqs], dtype=torch.int32)
         ks = torch.tensor([list(sq.k_by_match) for sq in seqs], dtype=torch.int32)
         stops = torch.tensor(stop_ids or [-1], dtype=torch.int64)
@@ -232,8 +237,8 @@ class FusedDecoder:
             raise ValueError("spec_decode_steps rejected its arguments")
         if rc < 0:
             raise RuntimeError(f"decode_layer rejected layer {failed.value} (code {rc})")
-        new = [hist[off + len(sq.tokens):off + len(sq.tokens) + n].tolist()
-               for sq, off, n in zip(seqs, offsets, appended.tolist(), strict=True)]
+        new = [hist[off + len(tail):off + len(tail) + n].tolist()
+               for tail, off, n in zip(tails, offsets, appended.tolist(), strict=True)]
         verdicts = [[(mt, k, kept) for mt, k, kept in stats[:rc, i].tolist() if k >= 0] for i in range(n_seqs)]
         return SpecCall(new, verdicts, list(zip(step_rows[:rc].tolist(), seconds[:rc].tolist(), strict=True)))
 

@@ -164,6 +164,41 @@ def test_a_request_that_joins_midway_shares_the_calls_and_both_stay_identical(mo
 
 
 @needs_kernels
+def test_a_short_lookback_searches_only_the_last_tokens_and_slides_over_what_the_call_appends(float32_engines,
+                                                                                              monkeypatch):
+    """Only the last `lookback` tokens of a request go to C: every step's match is `find_match`'s over the
+    request's tokens so far (the call's appended ones included) cut to that window, as the Python proposer
+    cuts them; and the positions stay the request's own, so the tokens are still plain greedy decoding's."""
+    plain, spec = float32_engines
+    lookback = 16
+    monkeypatch.setattr(spec.engine.core.speculator.proposer, "max_lookback", lookback)
+    seen: list[tuple[int, list[int], int, int, int]] = []  # (lookback, tokens before the step, match, drafts, kept)
+    original = FusedDecoder.spec_steps
+
+    def recorded(self, seqs, caches, head, num_steps, min_n, max_n, lb, stop_ids):
+        out = original(self, seqs, caches, head, num_steps, min_n, max_n, lb, stop_ids)
+        for sq, new, verdicts in zip(seqs, out.tokens, out.verdicts, strict=True):
+            history, used = list(sq.tokens), 0
+            for match, drafted, kept in verdicts:
+                seen.append((lb, list(history), match, drafted, kept))
+                history += new[used:used + kept + 1]
+                used += kept + 1
+        return out
+
+    monkeypatch.setattr(FusedDecoder, "spec_steps", recorded)
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    prompt = [code_edit_prompt(0)]
+    assert token_ids(spec, prompt, params) == token_ids(plain, prompt, params)
+    assert seen and all(lb == lookback for lb, *_ in seen)
+    proposer = spec.engine.core.speculator.proposer
+    for _, history, match, _, _ in seen:
+        assert len(history) > lookback  # the window cut something off
+        assert match == find_match(history[-lookback:], proposer.min_n, proposer.max_n, 64)[1]
+    assert sum(kept for *_, kept in seen) > 0, "no draft was kept: the steps proved little"
+    assert_all_free(spec)
+
+
+@needs_kernels
 def test_a_call_stops_where_a_requests_own_block_table_ends(float32_engines):
     """Each request's rows are checked against its own block table, not the widest of the call's (zero-padded
     rows of a shorter table would send its KV to block 0, another request's): the call raises instead."""
