@@ -157,6 +157,25 @@ int decode_layers(const decoder_layer *layers, int n_layers, const int64_t *ids,
 
 void argmax_rows(const void *x, int M, int N, int64_t *out, int dtype);
 
+/* One greedy step of M rows: decode_layers with every row's final norm (into `hidden`), the LM head through
+ * qgemm into `logits` and each row's argmax into out[0..M): the kernels and values of one engine step per
+ * token, shared by decode_steps and spec_decode_steps so that a verified row is the same bits as a plain
+ * decode's. Returns decode_layers' code. */
+static int greedy_step(const decoder_layer *layers, int n_layers, const int64_t *ids, const void *embed,
+                       const int64_t *positions, const void *cos_table, const void *sin_table, int rot_dim,
+                       void *cos_buf, void *sin_buf, void *x, void *residual, int M, const int64_t *slots,
+                       const int64_t *block_tables, int max_blocks, const int64_t *context_lens, void *work,
+                       float *scratch, int dtype, int *failed, const void *final_norm, float final_eps,
+                       const int64_t *rows, void *hidden, const qweight *head, void *logits, int64_t *out) {
+    const int rc = decode_layers(layers, n_layers, ids, embed, positions, cos_table, sin_table, rot_dim, cos_buf,
+                                 sin_buf, x, residual, M, slots, block_tables, max_blocks, context_lens, work,
+                                 scratch, dtype, failed, final_norm, final_eps, rows, M, hidden);
+    if (rc != 0) return rc;
+    qgemm(head, hidden, M, logits, scratch, dtype);
+    argmax_rows(logits, M, head->n, out, dtype);
+    return 0;
+}
+
 /* Greedy decoding of the M rows, up to n_steps tokens each, in one call. A step is decode_layers with every
  * row's final norm (into `hidden` [M, hidden]), the LM head `head` through qgemm (for M <= MAX_ROWS the block
  * kernel, as the torch path's Linear takes) into `logits` [M, vocab] of the model dtype, and each row's argmax
@@ -186,14 +205,12 @@ int decode_steps(const decoder_layer *layers, int n_layers, const int64_t *ids, 
                 slots[m] = block_tables[(int64_t)m * max_blocks + p / bs] * bs + p % bs;
             }
         }
-        int rc = decode_layers(layers, n_layers, j == 0 ? ids : tokens + (int64_t)(j - 1) * M, embed, positions,
-                               cos_table, sin_table, rot_dim, cos_buf, sin_buf, x, residual, M, slots, block_tables,
-                               max_blocks, context_lens, work, scratch, dtype, failed, final_norm, final_eps, rows, M,
-                               hidden);
-        if (rc != 0) return rc;
-        qgemm(head, hidden, M, logits, scratch, dtype);
         int64_t *out = tokens + (int64_t)j * M;
-        argmax_rows(logits, M, head->n, out, dtype);
+        const int rc = greedy_step(layers, n_layers, j == 0 ? ids : tokens + (int64_t)(j - 1) * M, embed, positions,
+                                   cos_table, sin_table, rot_dim, cos_buf, sin_buf, x, residual, M, slots,
+                                   block_tables, max_blocks, context_lens, work, scratch, dtype, failed, final_norm,
+                                   final_eps, rows, hidden, head, logits, out);
+        if (rc != 0) return rc;
         for (int m = 0; m < M; m++)
             for (int s = 0; s < n_stop; s++)
                 if (out[m] == stop_ids[s]) return j + 1;
@@ -224,8 +241,7 @@ int ngram_lookup(const int64_t *hist, int64_t n, int min_n, int max_n, int64_t l
 
 /* Greedy decoding of S requests with prompt-lookup speculation, several steps in one call: each step looks
  * up an n-gram draft in each active request's tokens (ngram_lookup) and verifies the requests' last tokens
- * and drafts as decode rows of one pass (decode_layers, the final norm, the LM head through qgemm and
- * argmax_rows: the kernels of decode_steps); a request keeps its drafts up to the first that is not its row's
+ * and drafts as decode rows of one pass (greedy_step, as decode_steps); a request keeps its drafts up to the first that is not its row's
  * argmax and appends them and the next argmax. Request s drafts k = k_by_match[s * (max_n + 1) + m] tokens
  * after a match of m tokens (0 for none), capped so the call appends at most max_new[s] tokens to it; a
  * step has at most max_rows rows: one per active request, the rest shared among the drafts, longer matches
@@ -312,12 +328,10 @@ int spec_decode_steps(const decoder_layer *layers, int n_layers, const void *emb
                 }
             }
         }
-        rc = decode_layers(layers, n_layers, ids, embed, pos, cos_table, sin_table, rot_dim, cos_buf, sin_buf, x,
-                           residual, M, slots, row_tables, max_blocks, lens, work, scratch, dtype, failed, final_norm,
-                           final_eps, idx, M, hidden);
+        rc = greedy_step(layers, n_layers, ids, embed, pos, cos_table, sin_table, rot_dim, cos_buf, sin_buf, x,
+                         residual, M, slots, row_tables, max_blocks, lens, work, scratch, dtype, failed, final_norm,
+                         final_eps, idx, hidden, head, logits, top);
         if (rc != 0) goto out;
-        qgemm(head, hidden, M, logits, scratch, dtype);
-        argmax_rows(logits, M, head->n, top, dtype);
         for (int s = 0; s < S; s++) {
             int *st = stats + ((int64_t)j * S + s) * 3;
             st[0] = 0, st[1] = k[s], st[2] = 0;
