@@ -20,14 +20,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from deepinfer.fileio import write_atomic
 from deepinfer.layers.cpu_kernels import dtype_code, load_library
 
 QK = 32
@@ -182,16 +181,7 @@ def _save_cached(path: Path, tensors: dict[str, QuantizedWeight], experts: dict[
             arrays[f"{name}.mn"] = torch.stack([x.mn for x in ws])
     data = save(arrays, metadata={"format": _CACHE_FORMAT, "index": json.dumps(index)})
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest())
-                f.write(data)
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        write_atomic(path, [hashlib.blake2b(data, digest_size=_DIGEST_BYTES).digest(), data])
     except OSError as e:
         logger.warning("could not cache the GGUF blocks in %s (%s); the next load parses the file again", path, e)
 

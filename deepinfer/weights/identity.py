@@ -21,9 +21,10 @@ import contextlib
 import hashlib
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+
+from deepinfer.fileio import write_atomic
 
 # config.json keys that record how or where a checkpoint was saved, not what it computes
 _VOLATILE_CONFIG_KEYS = frozenset({"transformers_version", "_name_or_path"})
@@ -66,16 +67,7 @@ def file_digest(path: str | os.PathLike, cache_dir: Path | None) -> str:
     if _stat_key(path) != key:
         return digest
     with contextlib.suppress(OSError):  # a read-only cache dir costs a re-hash next start, nothing else
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, prefix=".tmp-", suffix=".json")
-        try:
-            with os.fdopen(fd, "w") as f:
-                json.dump({"stat": key, "digest": digest}, f)
-            os.replace(tmp, entry)
-        except OSError:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+        write_atomic(entry, [json.dumps({"stat": key, "digest": digest}).encode()])
     return digest
 
 
