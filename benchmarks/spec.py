@@ -145,9 +145,16 @@ def main() -> None:
                          "over all): an engine's start-up profile shapes its choices for its whole life")
     ap.add_argument("--no-control", dest="control", action="store_false",
                     help="leave out the second no-speculation engine (the A/A noise floor)")
+    ap.add_argument("--deterministic", action="store_true",
+                    help="batch-invariant numerics (`deterministic=True`): every engine emits the same tokens at "
+                         "every batch size, so the ratios compare the draft policies on the same texts (by default "
+                         "a step past the C path's 8 rows has other bits than one within it, and from batch 8 on the "
+                         "engines' greedy outputs drift apart: their ratios then also compare different texts); "
+                         "the step prices are this mode's, not the default's")
     args = ap.parse_args()
 
-    common = dict(kv_cache_memory="768MiB", max_num_seqs=max(args.batches), num_threads=args.num_threads)
+    common = dict(kv_cache_memory="768MiB", max_num_seqs=max(args.batches), num_threads=args.num_threads,
+                  deterministic=args.deterministic)
     configs = {
         "none": None,
         "k5": {"method": args.method, "num_speculative_tokens": 5, "adaptive": False},
@@ -215,7 +222,7 @@ def main() -> None:
               "adaptive/none {:.2f}  adaptive/k5 {:.2f} | CPU: {:.2f} {:.2f} {:.2f} | accept k5 {:.2f} "
               "adaptive {:.2f} | A/A {:.2f} | decode: {:.2f} {:.2f} {:.2f}".format(*row), flush=True)
     print(f"\nmethod={args.method}, max_tokens={args.max_tokens}, repeats={args.repeats}, starts={args.starts}, "
-          f"num_threads={args.num_threads} (medians, engines interleaved in rotating order; CPU: the same "
+          f"num_threads={args.num_threads}, deterministic={args.deterministic} (medians, engines interleaved in rotating order; CPU: the same "
           "ratios of tokens per CPU second; decode: the same ratios of the time per output token after the "
           "first, TPOT, the part speculation can change)")
     print("| workload | batch | none tok/s | k=5 tok/s | adaptive tok/s | k=5 / none | adaptive / none | "

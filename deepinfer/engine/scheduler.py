@@ -24,11 +24,11 @@ Several decode steps per pass (`num_scheduler_steps`): when the step is nothing 
 (at most `decode_steps_rows` of them) and no request waits, each is scheduled with `num_steps` > 1 and
 blocks for that many tokens; the runner decodes them in one C call, each step's argmax the next one's input,
 and `update` appends the tokens like kept drafts (cut at a stop condition, the KV past it rolled back).
-A lone plain greedy decode with the n-gram proposer gets such a call whose steps also speculate
-(`_speculative_call`): blocks for one token a step plus the step's spare rows, and the draft length per match
-length the speculator chose at its start; the runner's C call drafts and verifies step after step. The call
-takes up to half of `decode_steps_rows` requests (the spare rows shared among their drafts), but only
-`SPECULATING_CALL_REQUESTS` (1) get one: see that constant.
+Up to four plain greedy decodes with the n-gram proposer (`SPECULATING_CALL_REQUESTS`, at most half of
+`decode_steps_rows`), nothing else running or waiting, get such a call whose steps also speculate
+(`_speculative_call`): blocks for one token a step plus the step's spare rows (shared among the requests'
+drafts), and the draft length per match length the speculator chose at its start; the runner's C call drafts
+and verifies step after step.
 
 Structured requests wait (skipped, not blocking the queue) until their grammar has compiled; one
 whose grammar failed is finished with `Request.error` and reported through `take_failed`. `update`
@@ -95,12 +95,13 @@ class SchedulerOutput:
 
 class Scheduler:
     # the most plain greedy decodes that get a speculating C call together (`_speculative_call`; the call takes
-    # up to half the C path's rows). One: calls of 2-4 requests read code edits at batch 2 and 4 1.49x and 1.17x
-    # of no speculation (the ordinary path's drafting steps 1.34x and 1.11x) but chat at batch 8, whose tails
-    # took them, a median 0.97x over seven spec.py runs (0.95-1.03) against 1.00x over six without (0.98-1.03;
-    # AVX-512 machine, session 32): chat's own runs take almost no calls (no tail), so through the pooled
-    # estimates the code edits' and JSON's calls left; how was not found
-    SPECULATING_CALL_REQUESTS = 1
+    # up to half the C path's rows). Four: over three interleaved pairs of spec.py runs at batch 2, 4 and 8
+    # (AVX-512 machine, session 33) calls of up to four read code edits 1.50-1.56x / 1.20-1.25x / 1.04-1.08x of no
+    # speculation against a lone request's calls' 1.45-1.48x / 1.02-1.26x / 0.98-1.13x (adaptive / fixed k = 5 at
+    # batch 8 0.93-0.96 against 0.82-0.96), chat at batch 8 0.95-0.99x against 0.95-0.98x; session 32 had read chat
+    # at batch 8 a median 0.97x with them and 1.00x without over six or seven runs each, a difference these pairs
+    # did not show (both within the A/A spread)
+    SPECULATING_CALL_REQUESTS = 4
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  policy: PrefillPolicy | None = None, cost_model: CostModel | None = None,

@@ -1,5 +1,5 @@
-"""Speculation inside one C call: plain greedy decodes on the whole-layer C path with rows to spare (a lone
-one by default, up to four) run several steps of n-gram drafting and verification in C (`Scheduler._speculative_call`,
+"""Speculation inside one C call: plain greedy decodes on the whole-layer C path with rows to spare (up to
+four) run several steps of n-gram drafting and verification in C (`Scheduler._speculative_call`,
 `FusedDecoder.spec_steps`). Its n-gram search is the Python proposer's; its output is the same tokens as
 decoding without speculation, alone or in a batch, stop tokens and max_tokens included, before and after
 another request joins; its blocks all come back."""
@@ -121,7 +121,6 @@ def test_a_batch_of_code_edits_is_token_identical_and_shares_the_calls_rows(dtyp
     measured prices, as the adaptive policy's choice does."""
     plain = request.getfixturevalue("float32_engines")[0] if dtype == "float32" else _engines(dtype)[0]
     spec = LLM(kv_cache_memory="256MiB", dtype=dtype, speculative_config=spec_config("ngram", k=3, adaptive=False))
-    monkeypatch.setattr(Scheduler, "SPECULATING_CALL_REQUESTS", 4)  # one by default
     calls = _count_calls(monkeypatch)
     params = SamplingParams(max_tokens=64, temperature=0.0)
     prompts = [code_edit_prompt(i) for i in range(4)]
@@ -141,7 +140,7 @@ def test_a_request_that_joins_midway_shares_the_calls_and_both_stay_identical(mo
     speculation. Deterministic mode (row-invariant kernels), so that the prompt's prefill sharing a step with
     the first request's decode changes no bits."""
     plain, spec = _engines("float32", deterministic=True)
-    monkeypatch.setattr(Scheduler, "SPECULATING_CALL_REQUESTS", 2)  # one by default
+    monkeypatch.setattr(Scheduler, "SPECULATING_CALL_REQUESTS", 2)  # the two share calls, and no more join
     calls = _count_calls(monkeypatch)
     first, second = code_edit_prompt(1), code_edit_prompt(3)
     params = SamplingParams(max_tokens=70, temperature=0.0, ignore_eos=True)

@@ -18,8 +18,8 @@ then costs a decode step that check and an integer increment per request.
 Drafts are capped so a step never emits past `max_tokens` or the context length, and, for structured
 requests, cut at the first token the grammar refuses (checked on the matcher, then rolled back).
 
-A lone plain greedy decode with the n-gram proposer (up to four, `Scheduler.SPECULATING_CALL_REQUESTS`)
-skips all of this for several steps at a time: the scheduler asks `in_call_drafts` for each request's draft
+Up to four plain greedy decodes with the n-gram proposer, alone in the engine (`Scheduler.SPECULATING_CALL_REQUESTS`),
+skip all of this for several steps at a time: the scheduler asks `in_call_drafts` for each request's draft
 length per match length at that batch, the runner's C call looks up, drafts and verifies step after step
 (`FusedDecoder.spec_steps`), and `in_call_done` records what each step verified. At batch 1 the Python
 between model steps (~0.7 ms of a ~5 ms drafting step on the AVX-512 machine) was what kept code edits
