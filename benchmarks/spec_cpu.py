@@ -45,7 +45,7 @@ def main() -> None:
         for i in range(len(spec.SNIPPETS)):
             prompt = [{"prompt": spec.code_edit_prompt(i)}]
             for name, llm in engines.items():
-                _, tokens_per_cpu_second, _ = spec.run_once(llm, prompt, args.max_tokens)
+                _, tokens_per_cpu_second, _, _ = spec.run_once(llm, prompt, args.max_tokens)
                 ms[name].append(1e3 / tokens_per_cpu_second)
     med = {name: statistics.median(v) for name, v in ms.items()}
     print(f"deepinfer from {deepinfer.__file__}: CPU ms per token  "
