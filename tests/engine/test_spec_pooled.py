@@ -34,9 +34,10 @@ def _req(rid: str, tokens: list[int]) -> Request:
     return req
 
 
-def _speculator() -> Speculator:
-    """k_max 8, every row 1/40 of a step (batch 1 on the C path: the prior's drafts pay, up to about 5)."""
-    spec = Speculator(SpeculativeMethod("ngram", 8), CostModel())
+def _speculator(**method) -> Speculator:
+    """k_max 8, every row 1/40 of a step (batch 1 on the C path: with a flat prior of 0.6 its drafts pay up to
+    about 5)."""
+    spec = Speculator(SpeculativeMethod("ngram", 8, **method), CostModel())
     spec.policy.price.seed([(r, 0.040 + 0.001 * r) for r in range(1, 301)])
     return spec
 
@@ -59,7 +60,7 @@ def test_the_match_lengths_are_what_the_tests_assume():
 def test_a_new_request_starts_from_what_the_engine_has_verified():
     """A fresh engine drafts what the prior pays for; after many requests kept every draft, a new request
     starts from the pooled estimates and drafts the whole proposal; after many kept none, it starts low."""
-    fresh = _speculator()
+    fresh = _speculator(initial_continuation=0.6)  # a flat prior: the default's 0.75 pays all 8 here
     k_fresh = len(fresh.propose([_req("a", LONG_MATCH)], 4096)["a"])
     assert 1 <= k_fresh < 8
     good = _speculator()
@@ -145,3 +146,18 @@ def test_the_boosted_ceiling_never_falls_below_the_plain_one(confident):
     boosted = s.gain_ceiling(confident, np.full(8, 1.5))
     assert np.all(boosted >= plain - 1e-12) and np.all(boosted <= 1.0)
     assert np.array_equal(s.gain_ceiling(confident), plain)  # the cached bound is not changed by a boost
+
+
+def test_the_pool_starts_at_the_first_draft_prior_then_the_continuation_prior():
+    """A new engine's estimates (pooled, a new request's, a match length's bucket) start at
+    `initial_acceptance` for the first draft and `initial_continuation` after it; a verification moves only
+    the positions it reached."""
+    spec = _speculator(initial_acceptance=0.5, initial_continuation=0.8)
+    assert spec.pool.rates == [0.5] + [0.8] * 7
+    assert spec._state(_req("a", LONG_MATCH)).estimates() == [0.5] + [0.8] * 7
+    spec.pool.observe(4, 3, 1)  # first draft kept, second rejected, third never reached
+    rates, tried = spec.pool._by_match[4]
+    assert rates == pytest.approx([0.5 + 0.5 / 3, 0.8 - 0.8 / 3] + [0.8] * 6)
+    assert tried == [1, 1] + [0] * 6
+    with pytest.raises(ValueError, match="initial_continuation"):
+        SpeculativeMethod("ngram", 4, initial_continuation=1.5)

@@ -35,8 +35,10 @@ estimates start from the pooled ones (a request of a workload the engine has bee
 stranger: with the fixed prior 0.6, code edits at batch 1 spent their first steps at k = 1-2 where k = 3
 paid); and a proposal's per-position probabilities are its request's estimates times its match length's
 pooled rate over the overall pooled rate (code edits: a 5-token match kept its first draft 89% of the time, a
-2- or 3-token match ~60%; one rate per request averaged them). Each pooled rate starts at the prior and
-counts it as two verifications, as a request's do, so a match length seen rarely stays near the prior.
+2- or 3-token match ~60%; one rate per request averaged them). Each pooled rate starts at the prior
+(`initial_acceptance` for the first draft position, `initial_continuation` for the later ones: a copy that has
+started tends to go on) and counts it as two verifications, as a request's do, so a match length seen rarely
+stays near the prior.
 
 Around this price-driven choice, `tries.py` decides which requests are looked up at all (back-off after
 repeated misses) and gives untried requests with a strong proposer signal a few tries the price would not.
@@ -274,9 +276,12 @@ class PooledAcceptance:
     # pool follows a change of workload within a few requests
     FLOOR = 0.02
 
-    def __init__(self, prior: float, k_max: int) -> None:
+    def __init__(self, prior: float, k_max: int, continuation: float | None = None) -> None:
+        """Every rate starts at `prior` for the first draft position and `continuation` (default: `prior`) for
+        the later ones, each worth two verifications (`update_rates`)."""
         self.prior, self.k_max = prior, k_max
-        self._all = ([prior] * k_max, [0] * k_max)
+        self._start = [prior] + [prior if continuation is None else continuation] * (k_max - 1)
+        self._all = (list(self._start), [0] * k_max)
         self._by_match: dict[int, tuple[list[float], list[int]]] = {}
         # cached per match length until the next observation, as lists (`match_probs`, `boost`: a step of a
         # few requests reads them in plain Python) and as arrays (`factors`)
@@ -294,7 +299,7 @@ class PooledAcceptance:
             return
         update_rates(*self._all, drafted, accepted, self.FLOOR)
         if match > 0:
-            bucket = self._by_match.setdefault(match, ([self.prior] * self.k_max, [0] * self.k_max))
+            bucket = self._by_match.setdefault(match, (list(self._start), [0] * self.k_max))
             update_rates(*bucket, drafted, accepted, self.FLOOR)
         self._factor_lists.clear()
         self._factors.clear()

@@ -79,7 +79,7 @@ class Speculator:
         self.k_max = method.num_speculative_tokens
         self.proposer = proposer or build_proposer(method)
         self.policy = DraftLengthPolicy(cost_model, method.adaptive)
-        self.pool = PooledAcceptance(method.initial_acceptance, self.k_max)
+        self.pool = PooledAcceptance(method.initial_acceptance, self.k_max, method.initial_continuation)
         self.metrics = SpecMetrics(self.proposer.name, self.k_max)
         self.tries = tries or TryRules()
         self.ledger = ExploreLedger()
