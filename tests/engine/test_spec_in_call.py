@@ -198,6 +198,46 @@ def test_a_short_lookback_searches_only_the_last_tokens_and_slides_over_what_the
 
 
 @needs_kernels
+def test_calls_whose_blocks_do_not_fit_are_not_made_and_lose_nothing(monkeypatch):
+    """Four code edits in a cache of 40 blocks (they need ~43 by their end): a call takes blocks for every
+    token it may append to each request, and where they do not all fit it is not made (the step decodes as
+    usual; a call never preempts anyone), the scheduler preempts as it would without speculation, the
+    outputs are those of decoding without speculation (deterministic numerics: a preempted request's
+    recomputed prompt changes no bits) and no block is left behind."""
+    per_block = LLM(kv_cache_memory="64MiB", dtype="float32", deterministic=True).engine.core.runner.kv_bytes_per_block
+    kw = {"kv_cache_memory": str(40 * per_block), "dtype": "float32", "deterministic": True}
+    plain, spec = LLM(**kw), LLM(speculative_config=spec_config("ngram", k=16, adaptive=True), **kw)
+    made, unfit = [], []
+    original = Scheduler._speculative_call
+
+    def watched(self, decodes):
+        allocate, refused = self.kv.allocate, []
+
+        def counted(req, n, *args, **kwargs):
+            ok = allocate(req, n, *args, **kwargs)
+            refused.extend([] if ok else [n])
+            return ok
+
+        monkeypatch.setattr(self.kv, "allocate", counted)
+        try:
+            call = original(self, decodes)
+        finally:
+            monkeypatch.setattr(self.kv, "allocate", allocate)
+        made.extend([len(call)] if call else [])
+        unfit.extend([len(decodes)] if refused else [])
+        return call
+
+    monkeypatch.setattr(Scheduler, "_speculative_call", watched)
+    params = SamplingParams(max_tokens=64, temperature=0.0)
+    prompts = [code_edit_prompt(i) for i in range(4)]
+    assert token_ids(spec, prompts, params) == token_ids(plain, prompts, params)
+    assert unfit, "every call fitted: the test proved nothing"
+    assert made and max(made) > 1, "no call of several requests was made"
+    assert spec.engine.core.scheduler.num_preemptions > 0
+    assert_all_free(spec)
+
+
+@needs_kernels
 def test_a_call_stops_where_a_requests_own_block_table_ends(float32_engines):
     """Each request's rows are checked against its own block table, not the widest of the call's (zero-padded
     rows of a shorter table would send its KV to block 0, another request's): the call raises instead."""
