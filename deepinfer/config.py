@@ -337,8 +337,8 @@ class SchedulerConfig:
         "C call feeds each step's argmax to the next, so the host's work between steps (~0.9 ms of a ~8 ms "
         "single-stream token on a 2-core CPU) is paid once per pass. The tokens are the same as one step "
         "at a time; they reach the client in groups of up to this many. With n-gram speculative decoding "
-        "a lone such request's pass also drafts and verifies in C, up to 8 tokens a step (so up to 8x this "
-        "many per group); a step where "
+        "a pass of up to 4 such requests also drafts and verifies in C, the rows past one per request shared "
+        "among the drafts (alone: up to 8 tokens a step, so up to 8x this many per group); a step where "
         "another request drafts is one step. 1 = one step per pass. Off with "
         "--overlap-host-work on and with proposers that read the model's hidden states (MTP).",
     )

@@ -198,13 +198,13 @@ def test_a_short_lookback_searches_only_the_last_tokens_and_slides_over_what_the
 
 
 @needs_kernels
-def test_calls_whose_blocks_do_not_fit_are_not_made_and_lose_nothing(monkeypatch):
+def test_calls_whose_blocks_do_not_fit_are_not_made_and_lose_nothing(float32_engines, monkeypatch):
     """Four code edits in a cache of 40 blocks (they need ~43 by their end): a call takes blocks for every
     token it may append to each request, and where they do not all fit it is not made (the step decodes as
     usual; a call never preempts anyone), the scheduler preempts as it would without speculation, the
     outputs are those of decoding without speculation (deterministic numerics: a preempted request's
     recomputed prompt changes no bits) and no block is left behind."""
-    per_block = LLM(kv_cache_memory="64MiB", dtype="float32", deterministic=True).engine.core.runner.kv_bytes_per_block
+    per_block = float32_engines[0].engine.core.runner.kv_bytes_per_block  # the same float32 blocks
     kw = {"kv_cache_memory": str(40 * per_block), "dtype": "float32", "deterministic": True}
     plain, spec = LLM(**kw), LLM(speculative_config=spec_config("ngram", k=16, adaptive=True), **kw)
     made, unfit = [], []
