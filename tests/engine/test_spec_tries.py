@@ -116,7 +116,9 @@ def test_requests_the_price_skips_are_looked_up_only_for_exploration_every_few_s
     spec._state(reqs[0]).rates = [0.05] * 8
     seen = [spec.propose(reqs, 4096) for _ in range(spec.tries.lookup_every)]
     assert seen[:-1] == [{}] * (spec.tries.lookup_every - 1)
-    assert proposer.lookups == 4  # all on the last step: every request is still owed its tries
+    # all on the last step, and only r0's: the others are owed their tries too, but their tokens repeat
+    # nothing (`likely_to_propose`), so a lookup would find nothing
+    assert proposer.lookups == 1
     assert seen[-1] == {"r0": [9, 10, 11, 12]}
     for r in reqs:  # tried twice (and missed): nobody is owed a try, nobody is looked up any more
         r.spec.tried[0] = spec.tries.tries
@@ -410,3 +412,20 @@ def test_a_quiet_spell_counts_decode_steps():
     spec.observe_step(8, 0.080, steps=Speculator.QUIET_STEPS)
     spec.propose(reqs, 4096)
     assert len(priced) == 2
+
+
+def test_requests_without_a_match_are_neither_looked_up_nor_priced():
+    """Cheap rows (drafts at the prior pay): a batch whose tokens repeat nothing is not looked up at all, and
+    each step counts as one whose lookup found nothing (estimates above their prior drift down); once one
+    request's tokens repeat, it alone is looked up and drafts."""
+    spec, proposer = _speculator()
+    reqs = [_req(f"f{i}", FRESH) for i in range(4)]
+    for r in reqs:
+        spec._state(r).rates = [0.9] * 8  # above the prior: only an unmatched lookup lowers them
+    for _ in range(5):
+        assert spec.propose(reqs, 4096) == {}
+    assert proposer.lookups == 0
+    assert all(r.spec.estimates()[0] < 0.9 for r in reqs)
+    reqs[2] = _req("c", COPY)
+    out = spec.propose(reqs, 4096)
+    assert proposer.lookups == 1 and list(out) == ["c"] and out["c"][:4] == [9, 10, 11, 12]

@@ -96,9 +96,10 @@ class Proposer(ABC):
 
     def likely_to_propose(self, req: Request) -> bool:
         """Whether a lookup on `req`'s tokens as they are now would find a draft (a cheap check; default:
-        True). The speculator asks it for requests whose next token is still in flight, to decide whether
-        the next step should wait for that token so they can draft: a proposer that copies from earlier
-        tokens finds a draft after the next token mostly where it finds one now."""
+        True). False must mean that it finds none: `propose` then skips the request's lookup and leaves it
+        out of the price's bound. The speculator also asks it for requests whose next token is still in
+        flight, to decide whether the next step should wait for that token so they can draft: a proposer
+        that copies from earlier tokens finds a draft after the next token mostly where it finds one now."""
         return True
 
     def propose_batch(self, reqs: list[Request], max_tokens: list[int]) -> list[Draft]:

@@ -158,10 +158,16 @@ class Speculator:
         explore = tries and self._may_explore(batch)
         priced = True
         estimates = None  # the states' estimates (`estimate_rows`), once per step where the price reads them
+        unmatched = None  # per request: its lookup (or the proposer's cheap check) found nothing
         if tries:
             limits = self._unpaused(states, limits, self.num_steps)
             quiet = self._quiet(batch, self.num_steps)
             if not quiet and any(limits):
+                matched = self._matched(decodes, limits)
+                unmatched = [lim > 0 and not m for lim, m in zip(limits, matched, strict=True)]
+                limits = matched
+                if not any(limits):
+                    return self._no_drafts(decodes, states, unmatched)
                 estimates = estimate_rows(states)
             if quiet or not self._drafts_can_pay(states, limits, batch, estimates):
                 # no drafts pay by the price: look up only requests owed exploration, every few steps
@@ -173,12 +179,7 @@ class Speculator:
                 if any(limits):
                     self.ledger.charge(ExploreLedger.LOOKUP_SHARE * self.policy.price.seconds(len(decodes)))
         if not any(limits):  # the common step of a workload that does not repeat itself: nothing else to do
-            for s in states:
-                s.relax()
-            self.metrics.chose(0, len(decodes))
-            for r in decodes:
-                r.draft_probs = None
-            return {}
+            return self._no_drafts(decodes, states, unmatched)
         drafts = self.proposer.propose_batch(decodes, limits)
         cands = []
         for r, d, lim in zip(decodes, drafts, limits, strict=True):
@@ -205,15 +206,35 @@ class Speculator:
             ks = self._explore(cands, states, ks, batch)
         out = {}
         self._drafted = any(ks)
-        for (r, d), s, k, lim in zip(cands, states, ks, limits, strict=True):
+        for i, ((r, d), s, k, lim) in enumerate(zip(cands, states, ks, limits, strict=True)):
             self.metrics.chose(k)
             r.draft_probs = d.probs[:k] if k and d.probs is not None else None
             if k:
                 out[r.request_id] = list(d.token_ids[:k])
                 s.last_match = d.match
             else:
-                s.relax(unmatched=lim > 0 and not len(d))  # looked up, nothing found
+                s.relax(unmatched=(lim > 0 and not len(d)) or (unmatched is not None and unmatched[i]))
         return out
+
+    def _matched(self, decodes: list[Request], limits: list[int]) -> list[int]:
+        """`limits` with 0 for each request the proposer's cheap check (`Proposer.likely_to_propose`, on the
+        tokens as they are now: False means its lookup finds nothing) rules out: such a request cannot draft,
+        so it neither enters the price's bound nor is looked up. Chat at batch 8 (AVX-512 machine): the bound
+        over all eight requests cost ~0.22 ms after every 4-step call (~1% of the run) where an n-gram is
+        found at ~11% of positions."""
+        return [lim if lim and self.proposer.likely_to_propose(r) else 0
+                for r, lim in zip(decodes, limits, strict=True)]
+
+    def _no_drafts(self, decodes: list[Request], states: list[AcceptanceStats],
+                   unmatched: list[bool] | None = None) -> dict[str, list[int]]:
+        """A step in which no request drafts: each state idles (`relax`; `unmatched[i]`: request i was looked
+        up, or ruled out by the proposer's check, and nothing was found), the metrics count k = 0 for all."""
+        for i, s in enumerate(states):
+            s.relax(unmatched=unmatched is not None and unmatched[i])
+        self.metrics.chose(0, len(decodes))
+        for r in decodes:
+            r.draft_probs = None
+        return {}
 
     def _keep_probs(self, estimates: np.ndarray, drafts: list[Draft], lengths: list[int]) -> np.ndarray:
         """Each proposal's per-position keep probabilities (`DraftLengthPolicy.accept_probs` of its request's
