@@ -216,6 +216,10 @@ class SpeculativeMethod:
     # better (spec.py's code edits at batch 1: 0.98 of a fixed k = 5 over their first runs, 1.04 from 0.75 here,
     # in a replay of the engine's choices at fixed step prices; chat and JSON unchanged)
     initial_continuation: float = 0.75
+    # adaptive, ngram / suffix: a request that drafts nothing in a step keeps its proposal and checks it
+    # against the tokens it decodes next, learning its keep rates while priced out of drafting (code edits at
+    # batch 8 started from the prior, at which no draft pays past the C path's 8 rows, and never drafted)
+    hindsight: bool = True
     model: str | None = None  # draft_model: the draft model's directory
 
     def __post_init__(self) -> None:
@@ -266,7 +270,7 @@ class SpeculativeConfig:
         'Speculative decoding, as JSON: {"method": "ngram" | "suffix" | "draft_model" | "mtp", '
         '"num_speculative_tokens": K_MAX, "adaptive": true, ...} (vLLM\'s shape; other keys: prompt_lookup_min, '
         "prompt_lookup_max, suffix_max_depth, suffix_min_match, suffix_min_confidence, suffix_recent_requests, "
-        "acceptance_ewma, initial_acceptance, initial_continuation, model). adaptive = the draft length is chosen per request and "
+        "acceptance_ewma, initial_acceptance, initial_continuation, hindsight, model). adaptive = the draft length is chosen per request and "
         "step from its acceptance rate and the cost model's price of verifying more tokens (down to 0 when "
         "the batch is compute-bound); false = always the whole draft. draft_model: \"model\" is a smaller "
         "model with the same tokenizer (its own paged KV); mtp: DeepSeek-V4's multi-token-prediction layer from "

@@ -12,17 +12,19 @@ from deepinfer.engine.spec.metrics import SpecMetrics, merge_spec_stats
 from deepinfer.server.metrics import _spec_metrics
 
 
-def _worker(proposer: str, max_k: int, steps: list[tuple[int, int]]) -> dict:
+def _worker(proposer: str, max_k: int, steps: list[tuple[int, int]], hindsight: tuple[int, int] = (0, 0)) -> dict:
     m = SpecMetrics(proposer, max_k)
     for drafted, accepted in steps:
         m.chose(drafted)
         m.verified(drafted, accepted)
+    if hindsight[0]:
+        m.hindsight(*hindsight)
     return {"num_running": 1.0, **m.stats()}
 
 
 def test_merge_per_proposer_and_render():
     busy = _worker("ngram", 4, [(4, 4)] * 9)  # acceptance 1.0 over 36 drafts
-    idle = _worker("ngram", 2, [(2, 0)])  # acceptance 0.0 over 2 drafts
+    idle = _worker("ngram", 2, [(2, 0)], hindsight=(3, 2))  # acceptance 0.0 over 2 drafts
     other = _worker("suffix", 3, [(3, 1), (1, 1)])
     merged = merge_spec_stats([busy, {"num_running": 2.0}, idle, other])
     assert set(merged) == {"ngram", "suffix"}
@@ -32,6 +34,8 @@ def test_merge_per_proposer_and_render():
     assert ngram["spec_mean_accepted_length"] == pytest.approx((9 * 5 + 1) / 10)
     assert [ngram[f"spec_k_chosen_{k}"] for k in range(5)] == [0, 0, 1, 0, 9]
     assert merged["suffix"]["spec_acceptance_rate"] == pytest.approx(2 / 4)
+    # proposals checked in hindsight count apart from the verifications
+    assert (ngram["spec_hindsight_checks"], ngram["spec_hindsight_tried_tokens"], ngram["spec_hindsight_kept_tokens"]) == (1, 3, 2)
 
     class Collector:
         def collect(self):
@@ -42,6 +46,9 @@ def test_merge_per_proposer_and_render():
     fams = {f.name: f for f in text_string_to_metric_families(generate_latest(reg).decode())}
     rate = {s.labels["proposer"]: s.value for s in fams["deepinfer:spec_decode_acceptance_rate"].samples}
     assert rate == pytest.approx({"ngram": 36 / 38, "suffix": 0.5})
+    kept = {s.labels["proposer"]: s.value for s in fams["deepinfer:spec_decode_hindsight_kept_tokens"].samples
+            if s.name.endswith("_total")}
+    assert kept == {"ngram": 2, "suffix": 0}
     buckets = {(s.labels["proposer"], s.labels["le"]): s.value
                for s in fams["deepinfer:spec_decode_draft_length"].samples if s.name.endswith("_bucket")}
     assert buckets[("ngram", "2.0")] == 1 and buckets[("ngram", "+Inf")] == 10 and buckets[("suffix", "3.0")] == 2

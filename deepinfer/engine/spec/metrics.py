@@ -1,5 +1,6 @@
 """Speculative decoding counters, per proposer: verification steps, draft tokens, accepted tokens, and
-histograms of the draft length chosen (k) and of the tokens each verification emitted. Read by
+histograms of the draft length chosen (k) and of the tokens each verification emitted, and the proposals
+checked in hindsight (not drafted: compared with the tokens decoded after them). Read by
 `LLMEngine.stats()` (and so `/metrics`); per request, `Request.spec` carries its own totals. A router
 merges its workers' counters per proposer (`merge_spec_stats`)."""
 
@@ -18,6 +19,10 @@ class SpecMetrics:
     num_accepted_tokens: int = 0
     num_emitted_tokens: int = 0  # accepted + the target's token, over verifications
     k_chosen: list[int] = field(default_factory=list)  # count per k = 0..max_k, over decode request-steps
+    # proposals not drafted, checked in hindsight against the tokens decoded after them (`Speculator`)
+    num_hindsight_checks: int = 0
+    num_hindsight_tried: int = 0  # their tokens up to and including the first mismatch
+    num_hindsight_kept: int = 0  # their tokens a verification would have kept
 
     def __post_init__(self) -> None:
         if not self.k_chosen:
@@ -33,6 +38,11 @@ class SpecMetrics:
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
         self.num_emitted_tokens += accepted + 1
+
+    def hindsight(self, tried: int, kept: int) -> None:
+        self.num_hindsight_checks += 1
+        self.num_hindsight_tried += tried
+        self.num_hindsight_kept += kept
 
     @property
     def acceptance_rate(self) -> float:
@@ -52,6 +62,9 @@ class SpecMetrics:
             "spec_emitted_tokens": self.num_emitted_tokens,
             "spec_acceptance_rate": self.acceptance_rate,
             "spec_mean_accepted_length": self.mean_accepted_length,
+            "spec_hindsight_checks": self.num_hindsight_checks,
+            "spec_hindsight_tried_tokens": self.num_hindsight_tried,
+            "spec_hindsight_kept_tokens": self.num_hindsight_kept,
             **{f"spec_k_chosen_{k}": n for k, n in enumerate(self.k_chosen)},
         }
 

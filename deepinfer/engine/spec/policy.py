@@ -81,6 +81,9 @@ class AcceptanceStats:
     # first `explored_from` (the ones the price chose); 0: the drafts were not explored
     explore_refund: float = 0.0
     explored_from: int = 0
+    # a proposal it did not draft, held to check against the tokens it decodes next (`Speculator`'s
+    # hindsight): [draft tokens, the request's token count when proposed, match length, positions learnt]
+    hindsight: list | None = None
 
     @classmethod
     def new(cls, prior: float, k_max: int, relax_weight: float = 0.0,
@@ -132,22 +135,31 @@ class AcceptanceStats:
                              confident, boost)
 
     def observe(self, drafted: int, accepted: int, alpha: float) -> None:
+        """A verification of `drafted` tokens behind the request's `last_match`, `accepted` of them kept."""
         if drafted <= 0:
             return
-        self.settle()
         self.num_steps += 1
-        if self.last_match > 0:
-            record = self.first_by_match.setdefault(self.last_match, [0, 0])
-            record[0] += accepted > 0
-            record[1] += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
+        self.learn(self.last_match, drafted, accepted, alpha)
+
+    def learn(self, match: int, drafted: int, accepted: int, alpha: float, start: int = 0) -> None:
+        """The estimates' news from a draft of `drafted` tokens behind a `match`-token match of which the
+        first `accepted` were (or, checked in hindsight, would have been) kept, past the first `start`
+        positions (learnt before); no totals counted."""
+        if drafted <= start:
+            return
+        self.settle()
+        if match > 0 and start == 0:
+            record = self.first_by_match.setdefault(match, [0, 0])
+            record[0] += accepted > 0
+            record[1] += 1
         # positions 1..accepted were kept; position accepted + 1 (if drafted) was tried and rejected;
         # later positions were never tried and tell nothing
         # a fast EWMA (alpha itself) read the failures of code edits wrongly: they come at the edited
         # identifiers and a copy resumes right after them, so the step after a failure is the one most
         # likely to be kept, and a fast EWMA priced it the lowest
-        update_rates(self.rates, self.tried, drafted, accepted, alpha / 4)
+        update_rates(self.rates, self.tried, drafted, accepted, alpha / 4, start)
 
     def first_keep_rate(self, match: int, estimate: float, weight: float = 2.0) -> float:
         """The probability that a first draft behind a match of `match` tokens is kept: this request's own
@@ -255,12 +267,14 @@ def ceiling_gains(estimates: np.ndarray, priors: list[list[float]], limits: list
     return np.cumprod(rates, axis=1)[cut]
 
 
-def update_rates(rates: list[float], tried: list[int], drafted: int, accepted: int, floor: float) -> None:
+def update_rates(rates: list[float], tried: list[int], drafted: int, accepted: int, floor: float,
+                 start: int = 0) -> None:
     """One verification's news for per-position keep rates: positions 1..accepted were kept, position
-    accepted + 1 (if drafted) was tried and rejected, later ones were never tried and tell nothing. A
+    accepted + 1 (if drafted) was tried and rejected, later ones were never tried and tell nothing; only
+    positions after the first `start` (learnt already: a proposal checked in hindsight a token at a time). A
     running mean (weight 1 / (tries + 3): the starting value counts as two tries) until the weight falls
     to `floor`, an EWMA after that."""
-    for j in range(min(drafted, accepted + 1, len(rates))):
+    for j in range(start, min(drafted, accepted + 1, len(rates))):
         w = max(1.0 / (tried[j] + 3), floor)
         rates[j] += w * ((1.0 if j < accepted else 0.0) - rates[j])
         tried[j] += 1
@@ -294,13 +308,19 @@ class PooledAcceptance:
     def rates(self) -> list[float]:
         return list(self._all[0])
 
-    def observe(self, match: int, drafted: int, accepted: int) -> None:
-        if drafted <= 0:
+    @property
+    def verifications(self) -> int:
+        """How many verifications (and hindsight checks) the pooled rates have learnt from."""
+        return self._all[1][0]
+
+    def observe(self, match: int, drafted: int, accepted: int, start: int = 0) -> None:
+        """A verification (`update_rates`' arguments) of a proposal behind a `match`-token match."""
+        if drafted <= start:
             return
-        update_rates(*self._all, drafted, accepted, self.FLOOR)
+        update_rates(*self._all, drafted, accepted, self.FLOOR, start)
         if match > 0:
             bucket = self._by_match.setdefault(match, (list(self._start), [0] * self.k_max))
-            update_rates(*bucket, drafted, accepted, self.FLOOR)
+            update_rates(*bucket, drafted, accepted, self.FLOOR, start)
         self._factor_lists.clear()
         self._factors.clear()
         self._boost_valid = False

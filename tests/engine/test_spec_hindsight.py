@@ -1,0 +1,127 @@
+"""Hindsight (engine/spec/speculator.py): a request that drafts nothing holds its proposal and checks it
+against the tokens it decodes next, learning its keep rates while priced out of drafting. The real
+Speculator and n-gram proposer, deterministic token streams and fixed step-price tables (no timings)."""
+
+from __future__ import annotations
+
+from deepinfer.config import SpeculativeMethod
+from deepinfer.engine.cost_model import CostModel
+from deepinfer.engine.request import Request
+from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.engine.spec.ngram import NgramProposer
+from deepinfer.engine.spec.speculator import Speculator
+from deepinfer.engine.spec.tries import TryRules
+
+# a copy: the prompt holds 1..PROMPT, the request repeats 1, 2, 3, ... after it
+PROMPT = 1000
+SEQ = list(range(1, 2 * PROMPT))
+NO_EXPLORATION = TryRules(tries=0)
+
+
+def _speculator(hindsight: bool = True, k_max: int = 8) -> Speculator:
+    """Batch 8 at the 9th row's jump (the C path's 8 rows cost the same, the 9th a jump), no exploration:
+    at the prior's estimates no draft pays, so only what the requests learn can make them draft."""
+    spec = Speculator(SpeculativeMethod("ngram", k_max, hindsight=hindsight), CostModel(), NgramProposer(2, 5),
+                      NO_EXPLORATION)
+    price = spec.policy.price
+    price.c_path_rows = 8
+    price.seed([(r, 0.020 if r <= 8 else 0.045 + 0.001 * (r - 8)) for r in range(1, 301)])
+    return spec
+
+
+def _copying(rid: str, offset: int = 0) -> Request:
+    req = Request(rid, SEQ[:PROMPT] + SEQ[offset:offset + 8], SamplingParams(temperature=0.0, max_tokens=300))
+    req.num_computed_tokens = len(req.token_ids) - 1
+    req.copy_offset = offset
+    return req
+
+
+def _decode(req: Request, tokens: list[int]) -> None:
+    req.token_ids += tokens
+    req.num_computed_tokens = len(req.token_ids) - 1
+
+
+def _next(req: Request, n: int) -> list[int]:
+    """The copy's next n tokens (a request made by `_copying(offset)` holds SEQ[offset:...] after the prompt)."""
+    pos = req.copy_offset + len(req.token_ids) - PROMPT
+    return SEQ[pos:pos + n]
+
+
+def _run(spec: Speculator, reqs: list[Request], steps: int) -> int:
+    """`steps` steps of the batch, each request decoding its copy's next token (and its kept drafts); the
+    drafts verified in total."""
+    drafted = 0
+    for _ in range(steps):
+        out = spec.propose(reqs, 4096)
+        for r in reqs:
+            d = out.get(r.request_id, [])
+            truth = _next(r, len(d) + 1)
+            assert d == truth[:len(d)]  # the n-gram proposal continues the copy
+            if d:
+                spec.verified(r, len(d), len(d))
+                drafted += len(d)
+            _decode(r, truth)
+        spec.observe_step(len(reqs) + sum(len(d) for d in out.values()), 0.020)
+    return drafted
+
+
+def test_priced_out_requests_learn_in_hindsight_and_start_drafting():
+    """Eight copying requests at the jump: without hindsight the prior's estimates never pay and nothing is
+    ever drafted or learnt; with it the held proposals, checked against the decoded tokens, raise the
+    estimates until the price drafts."""
+    off = _speculator(hindsight=False)
+    reqs = [_copying(f"r{i}", i) for i in range(8)]
+    assert _run(off, reqs, 40) == 0
+    assert all(r.spec.rates[0] == off.method.initial_acceptance for r in reqs)
+    on = _speculator()
+    reqs = [_copying(f"r{i}", i) for i in range(8)]
+    assert _run(on, reqs, 40) > 0
+    assert on.metrics.num_hindsight_checks > 0
+    assert on.metrics.num_hindsight_kept == on.metrics.num_hindsight_tried  # a copy: every token kept
+    # hindsight is no verification: the verified totals count only the drafts the price chose
+    assert on.metrics.num_draft_tokens == sum(r.spec.num_draft_tokens for r in reqs)
+
+
+def test_a_held_proposal_is_learnt_a_token_at_a_time_and_dropped_at_its_first_mismatch():
+    spec = _speculator()
+    req = _copying("r")
+    reqs = [req] + [_copying(f"x{i}", i) for i in range(7)]
+    assert spec.propose(reqs, 4096) == {}  # priced out: every request holds its proposal instead
+    tokens, start, match, learnt = req.spec.hindsight
+    assert list(tokens) == SEQ[8:16] and start == PROMPT + 8 and match == 5 and learnt == 0
+    _decode(req, [SEQ[8]])  # one token decoded, as proposed: position 1 is learnt as kept
+    tried_before = list(req.spec.tried)
+    spec._check_hindsight(req, req.spec)
+    assert req.spec.hindsight is not None and req.spec.hindsight[3] == 1
+    assert req.spec.tried[0] == tried_before[0] + 1 and req.spec.tried[1] == tried_before[1]
+    _decode(req, [SEQ[9], 999])  # position 2 kept, position 3 not: settled, dropped
+    spec._check_hindsight(req, req.spec)
+    assert req.spec.hindsight is None
+    assert req.spec.tried[:4] == [tried_before[0] + 1, tried_before[1] + 1, tried_before[2] + 1, tried_before[3]]
+    assert (spec.metrics.num_hindsight_checks, spec.metrics.num_hindsight_tried, spec.metrics.num_hindsight_kept) == (1, 3, 2)
+    assert req.spec.num_draft_tokens == 0 and spec.metrics.num_draft_tokens == 0
+    stats = spec.stats()
+    assert stats["spec_hindsight_checks"] == 1 and stats["spec_hindsight_kept_tokens"] == 2
+
+
+def test_hindsight_stops_once_the_pool_has_learnt():
+    spec = _speculator()
+    spec.pool.observe(5, 3, 3)
+    while spec.pool.verifications < spec.HINDSIGHT_UNTIL:
+        spec.pool.observe(5, 3, 3)
+    reqs = [_copying(f"r{i}", i) for i in range(8)]
+    for r in reqs:  # low estimates: priced out
+        spec._state(r).rates = [0.05] * 8
+    assert spec.propose(reqs, 4096) == {}
+    assert all(r.spec.hindsight is None for r in reqs)
+
+
+def test_no_hindsight_for_a_fixed_draft_length_or_when_switched_off():
+    fixed = Speculator(SpeculativeMethod("ngram", 8, adaptive=False), CostModel(), NgramProposer(2, 5))
+    req = _copying("r")
+    assert fixed.propose([req], 4096)["r"] == SEQ[8:16]
+    assert req.spec is None or req.spec.hindsight is None
+    off = _speculator(hindsight=False)
+    reqs = [_copying(f"r{i}", i) for i in range(8)]
+    assert off.propose(reqs, 4096) == {}
+    assert all(r.spec.hindsight is None for r in reqs)
