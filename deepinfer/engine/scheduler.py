@@ -279,7 +279,7 @@ class Scheduler:
                 return []
             budgets.append(max_new)
         plans = self.speculator.in_call_drafts(decodes, rows)
-        if plans is None or not all(self.kv.allocate(req, n) for req, n in zip(decodes, budgets, strict=True)):
+        if plans is None or not self.kv.allocate_all(list(zip(decodes, budgets, strict=True))):
             return []
         return [ScheduledRequest(req, 1, req.num_computed_tokens, num_steps=steps, in_call_drafts=plan,
                                  max_new_tokens=n) for req, plan, n in zip(decodes, plans, budgets, strict=True)]
@@ -302,7 +302,7 @@ class Scheduler:
             if req.max_tokens is not None:
                 steps = min(steps, req.max_tokens - req.num_output_tokens)
             steps = min(steps, self.max_model_len - req.num_tokens)
-        if steps <= 1 or not all(self.kv.allocate(item.request, steps) for item in items):
+        if steps <= 1 or not self.kv.allocate_all([(item.request, steps) for item in items]):
             return 1
         return steps
 

@@ -375,6 +375,37 @@ class KVCacheManager:
         """Give `req` blocks for `num_new_tokens` more tokens in every layer group (after `hit`'s cached
         blocks and blocks to be loaded from the tiers, if a new request); sliding-window groups first drop
         the blocks the step no longer reads. Returns False, changing nothing, if a pool cannot supply them."""
+        plans = self._plan(req, num_new_tokens, hit)
+        if plans is None:
+            return False
+        self._apply(req, plans)
+        return True
+
+    def allocate_all(self, requests: list[tuple[Request, int]]) -> bool:
+        """`allocate` for several running requests (request, new tokens) at once: all of them, or, where the
+        pools cannot supply them together or one is not running yet, none (returns False, changing nothing).
+        A multi-step call for
+        several requests is made only if every one of them fits; allocating them one by one would leave the
+        first ones' blocks taken when a later one does not fit."""
+        plans = []
+        for req, n in requests:
+            if req.request_id not in self.groups[0].tables:
+                return False  # a new request's cached blocks count against the free ones differently
+            plan = self._plan(req, n)
+            if plan is None:
+                return False
+            plans.append(plan)
+        for gi, g in enumerate(self.groups):  # each plan fitted alone: check them together
+            freed = sum(sum(1 for i in p[gi][2] if g.pool.ref_counts[p[gi][1][i]] == 1) for p in plans)
+            if sum(p[gi][3] for p in plans) > g.pool.num_free + freed:
+                return False
+        for (req, _), plan in zip(requests, plans, strict=True):
+            self._apply(req, plan)
+        return True
+
+    def _plan(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[tuple] | None:
+        """What `allocate` would do, per group (group, table, indexes of blocks to drop, blocks to take), or None
+        if a pool cannot supply it; nothing changed."""
         bs = self.block_size
         new = req.request_id not in self.groups[0].tables
         if new:
@@ -400,8 +431,12 @@ class KVCacheManager:
                 room = g.pool.num_free + sum(1 for i in drop if g.pool.ref_counts[table[i]] == 1)
             need = end_blocks - len(table)
             if need > room:
-                return False
+                return None
             plans.append((g, table, drop, need))
+        return plans
+
+    def _apply(self, req: Request, plans: list[tuple]) -> None:
+        new = req.request_id not in self.groups[0].tables
         for g, table, drop, need in plans:
             if new:
                 g.pool.acquire([b for b in table if b != NO_BLOCK])
@@ -412,7 +447,6 @@ class KVCacheManager:
                     table[i] = NO_BLOCK
             if need > 0:
                 table.extend(g.pool.allocate(need))
-        return True
 
     def truncate(self, req: Request, num_tokens: int) -> None:
         """Release the blocks past the first `num_tokens` positions of every group (speculative decoding:

@@ -199,30 +199,37 @@ def test_a_short_lookback_searches_only_the_last_tokens_and_slides_over_what_the
 
 @needs_kernels
 def test_calls_whose_blocks_do_not_fit_are_not_made_and_lose_nothing(float32_engines, monkeypatch):
-    """Four code edits in a cache of 40 blocks (they need ~43 by their end): a call takes blocks for every
-    token it may append to each request, and where they do not all fit it is not made (the step decodes as
+    """Four code edits in a cache of 38 blocks (they need ~43 by their end): a call takes blocks for every
+    token it may append to each request, and where they do not all fit it is not made and none of its
+    requests takes a block (`KVCacheManager.allocate_all`; the step decodes as
     usual; a call never preempts anyone), the scheduler preempts as it would without speculation, the
     outputs are those of decoding without speculation (deterministic numerics: a preempted request's
     recomputed prompt changes no bits) and no block is left behind."""
     per_block = float32_engines[0].engine.core.runner.kv_bytes_per_block  # the same float32 blocks
-    kw = {"kv_cache_memory": str(40 * per_block), "dtype": "float32", "deterministic": True}
+    # 40 blocks: without speculation one preemption, with it none (calls that do not fit take no blocks)
+    kw = {"kv_cache_memory": str(38 * per_block), "dtype": "float32", "deterministic": True}
     plain, spec = LLM(**kw), LLM(speculative_config=spec_config("ngram", k=16, adaptive=True), **kw)
     made, unfit = [], []
     original = Scheduler._speculative_call
 
     def watched(self, decodes):
-        allocate, refused = self.kv.allocate, []
+        allocate_all, refused = self.kv.allocate_all, []
 
-        def counted(req, n, *args, **kwargs):
-            ok = allocate(req, n, *args, **kwargs)
-            refused.extend([] if ok else [n])
+        def counted(pairs):
+            tables = {r.request_id: list(self.kv.block_tables[r.request_id]) for r, _ in pairs}
+            free = self.kv.pool.num_free
+            ok = allocate_all(pairs)
+            if not ok:  # none of the call's requests took a block
+                refused.append(len(pairs))
+                assert self.kv.pool.num_free == free
+                assert {r.request_id: list(self.kv.block_tables[r.request_id]) for r, _ in pairs} == tables
             return ok
 
-        monkeypatch.setattr(self.kv, "allocate", counted)
+        monkeypatch.setattr(self.kv, "allocate_all", counted)
         try:
             call = original(self, decodes)
         finally:
-            monkeypatch.setattr(self.kv, "allocate", allocate)
+            monkeypatch.setattr(self.kv, "allocate_all", allocate_all)
         made.extend([len(call)] if call else [])
         unfit.extend([len(decodes)] if refused else [])
         return call

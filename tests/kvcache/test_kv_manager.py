@@ -126,3 +126,25 @@ def test_allocate_counts_reclaimed_cached_blocks():
     # needs 2 new blocks (13 tokens = 4 blocks) but only 1 free block remains besides the hit
     assert not kv.allocate(b, 5, hit)
     assert kv.pool.num_free == 3 and "b" not in kv.block_tables
+
+
+def test_allocate_all_takes_every_request_s_blocks_or_none():
+    """Two running requests whose next blocks each fit alone but not together: nothing changes (one by one,
+    the first would have kept its blocks); with room for both, both get theirs. A request not running yet
+    is refused too (its cached blocks count against the free ones differently)."""
+    kv = KVCacheManager(num_blocks=6, block_size=4, model_identity="m", kv_layout="l")
+    a, b = _req("a", list(range(4))), _req("b", list(range(100, 104)))
+    for r in (a, b):
+        assert kv.allocate(r, 4)
+        r.num_computed_tokens = 4
+    assert kv.pool.num_free == 4
+    before = {rid: list(t) for rid, t in kv.block_tables.items()}
+    assert not kv.allocate_all([(a, 9), (b, 9)])  # 3 blocks each: 6 > 4 free
+    assert kv.pool.num_free == 4 and {rid: list(t) for rid, t in kv.block_tables.items()} == before
+    assert not kv.allocate_all([(a, 4), (_req("c", [7, 7, 7]), 3)])
+    assert kv.pool.num_free == 4 and len(kv.block_tables["a"]) == 1
+    assert kv.allocate_all([(a, 8), (b, 4)])  # 2 + 1 blocks
+    assert len(kv.block_tables["a"]) == 3 and len(kv.block_tables["b"]) == 2 and kv.pool.num_free == 1
+    kv.free(a)
+    kv.free(b)
+    assert kv.pool.num_free == 6 and all(c == 0 for c in kv.pool.ref_counts)
