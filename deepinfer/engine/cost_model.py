@@ -245,6 +245,12 @@ class CostModel:
         """Measured steps in the fit window (profile steps until observed ones push them out)."""
         return self._count
 
+    @property
+    def profiled(self) -> bool:
+        """Whether a start-up profile calibrated it (`calibrate`): its prices are this machine's, not the
+        rough default ones."""
+        return self.profiled_seconds_per_token > 0
+
     # ------------------------------------------------------------------ predict
 
     def predict(self, work: StepWork) -> float:

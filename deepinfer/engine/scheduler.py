@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from deepinfer.config import SchedulerConfig
-from deepinfer.engine.cost_model import CostModel
+from deepinfer.engine.cost_model import CostModel, StepWork
 from deepinfer.engine.policies import (
     ComputeBudgetPolicy,
     PrefillPolicy,
@@ -260,7 +260,7 @@ class Scheduler:
         a step, and the step's spare rows; never preempting). Empty: schedule as usual. Between model steps
         the host's Python costs ~0.7 ms a drafting step (~15% of one at batch 1 on the AVX-512 machine), which
         the call pays once; and a drafting step of a few decodes otherwise leaves the several-step C calls."""
-        steps, rows = self.config.num_scheduler_steps, self.decode_steps_rows
+        steps, rows = self._pass_steps(decodes), self.decode_steps_rows
         # at most half the rows: with fewer to spare, a call's steps may draft 1-3 tokens in all, where the
         # ordinary path's price can choose a step past the C path with many (code edits at batch 8 whose
         # first requests finished early, leaving 5-7: 0.88-0.95 of a fixed k = 5 with calls there)
@@ -284,16 +284,28 @@ class Scheduler:
         return [ScheduledRequest(req, 1, req.num_computed_tokens, num_steps=steps, in_call_drafts=plan,
                                  max_new_tokens=n) for req, plan, n in zip(decodes, plans, budgets, strict=True)]
 
+    def _pass_steps(self, decodes: list[Request]) -> int:
+        """Steps for a pass of several decode steps of `decodes`: `num_scheduler_steps`, fewer where the cost
+        model prices one step of them so that the pass would outlast `multi_step_budget_ms` (at least 1); all
+        of them without a start-up profile (the default prices are a slow CPU's, ~30 ms a step)."""
+        limit = self.config.num_scheduler_steps
+        if not self.cost_model.profiled:
+            return limit
+        step = self.cost_model.predict(StepWork(tuple((1, r.num_tokens - 1) for r in decodes)))
+        if step <= 0:
+            return limit
+        return max(1, min(limit, int(self.config.multi_step_budget_ms / 1e3 / step)))
+
     def _decode_steps(self, out: SchedulerOutput) -> int:
         """How many greedy decode steps the runner takes for this step's rows in one call: 1 unless every row is
         a plain greedy decode (at most `decode_steps_rows` of them) and nobody waits (a new prompt would wait for
         the whole call); then up to `num_scheduler_steps`, no row past its max_tokens or the model length, with
         blocks for every step (never preempting anyone; without them, one step)."""
         items = out.scheduled
-        limit = self.config.num_scheduler_steps
-        if limit <= 1 or not items or len(items) > self.decode_steps_rows or self.waiting or out.preempted:
+        if self.config.num_scheduler_steps <= 1 or not items or len(items) > self.decode_steps_rows or self.waiting \
+                or out.preempted:
             return 1
-        steps = limit
+        steps = self._pass_steps([item.request for item in items])
         for item in items:
             req = item.request
             if item.num_new_tokens != 1 or item.draft_token_ids or req.num_tokens != item.start + 1 \

@@ -385,3 +385,23 @@ def test_greedy_output_identical_under_tokens_and_compute(tiny_models, hf_models
     assert got_t == got_c
     for p, out in zip(prompts, got_c, strict=True):
         assert out == hf_greedy(hf_models["qwen3"], p, 10)
+
+
+def test_a_pass_of_several_decode_steps_is_cut_to_the_time_budget():
+    """`_pass_steps`: num_scheduler_steps where the profiled price of a step fits the budget that many times,
+    fewer for dearer steps (more rows), at least one; all of them with the default (unprofiled) prices."""
+    kv = KVCacheManager(64, 4, "m", "l")
+    cfg = SchedulerConfig(max_num_seqs=8, num_scheduler_steps=8, multi_step_budget_ms=30.0)
+    model = CostModel()
+    s = Scheduler(cfg, kv, 256, cost_model=model)
+    reqs = [Request(f"r{i}", list(range(20)), SamplingParams()) for i in range(8)]
+    assert s._pass_steps(reqs[:1]) == 8  # unprofiled: the rough default prices (~30 ms a step) are no measure
+    # a profile: 2 ms a step plus 0.6 ms a decode row, and a prefill rate
+    model.calibrate([(StepWork(((1, 20),) * b), 0.002 + 0.0006 * b) for b in (1, 2, 4, 8) for _ in range(3)]
+                    + [(StepWork(((64, 0),)), 0.002 + 0.0006 * 64)] * 3)
+    assert model.profiled
+    assert s._pass_steps(reqs[:1]) == 8  # 2.6 ms: 11 fit, capped at num_scheduler_steps
+    assert s._pass_steps(reqs[:8]) == 4  # 6.8 ms: 4 fit in 30 ms
+    tight = Scheduler(SchedulerConfig(max_num_seqs=8, num_scheduler_steps=8, multi_step_budget_ms=1.0), kv, 256,
+                      cost_model=model)
+    assert tight._pass_steps(reqs[:1]) == 1
