@@ -42,8 +42,10 @@ CHAT_FEW_SHOT.append({"role": "user", "content": "What is the weather in London?
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("srv") / "server.log"
+    # one decode step per pass: a stream's tokens come one at a time, so tool-call arguments arrive in pieces
+    # (a pass of several steps may send a short argument whole)
     with running_server("--kv-cache-memory", "256MiB", "--max-model-len", "2048", "--dtype", "float32",
-                        "--responses-store-size", "4", log=log) as base:
+                        "--responses-store-size", "4", "--num-scheduler-steps", "1", log=log) as base:
         yield base
 
 
