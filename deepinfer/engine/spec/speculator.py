@@ -249,7 +249,7 @@ class Speculator:
         not the target's probability of the draft)."""
         for i, (r, st, lim) in enumerate(zip(decodes, states, limits, strict=True)):
             if r.request_id in out:
-                st.hindsight = None  # its drafts are verified: they tell the estimates what this would
+                st.hindsight = None  # it drafts: its verification teaches what the held proposal would
                 continue
             if lim <= 0 or st.hindsight is not None or r.grammar is not None or (unmatched and unmatched[i]):
                 continue
