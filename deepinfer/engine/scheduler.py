@@ -260,12 +260,15 @@ class Scheduler:
         a step, and the step's spare rows; never preempting). Empty: schedule as usual. Between model steps
         the host's Python costs ~0.7 ms a drafting step (~15% of one at batch 1 on the AVX-512 machine), which
         the call pays once; and a drafting step of a few decodes otherwise leaves the several-step C calls."""
-        steps, rows = self._pass_steps(decodes), self.decode_steps_rows
+        rows = self.decode_steps_rows
         # at most half the rows: with fewer to spare, a call's steps may draft 1-3 tokens in all, where the
         # ordinary path's price can choose a step past the C path with many (code edits at batch 8 whose
         # first requests finished early, leaving 5-7: 0.88-0.95 of a fixed k = 5 with calls there)
-        if (steps <= 1 or not decodes or len(decodes) > self.SPECULATING_CALL_REQUESTS or 2 * len(decodes) > rows
-                or len(self.running) != len(decodes) or self.waiting):
+        if (self.config.num_scheduler_steps <= 1 or not decodes or len(decodes) > self.SPECULATING_CALL_REQUESTS
+                or 2 * len(decodes) > rows or len(self.running) != len(decodes) or self.waiting):
+            return []
+        steps = self._pass_steps(decodes)  # priced only for a batch that may get a call (this runs every step)
+        if steps <= 1:
             return []
         per_step = 1 + rows - len(decodes)  # the most tokens a step appends to one request
         budgets = []

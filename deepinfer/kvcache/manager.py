@@ -53,7 +53,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from deepinfer.engine.request import PendingLoad, Request
 from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
@@ -120,6 +120,18 @@ class _Group:
     spec: KVSpec
     pool: BlockPool
     tables: dict[str, list[int]] = field(default_factory=dict)
+
+
+class _GroupPlan(NamedTuple):
+    """One group's part of an allocation (`KVCacheManager._plan`): the request's table (a new request's: its
+    cached blocks), the indexes of the blocks it no longer reads, the blocks to take, and how many of the
+    dropped ones go back to the pool (those it alone holds)."""
+
+    group: _Group
+    table: list[int]
+    drop: list[int]
+    need: int
+    freed: int
 
 
 class KVCacheManager:
@@ -396,16 +408,14 @@ class KVCacheManager:
                 return False
             plans.append(plan)
         for gi, g in enumerate(self.groups):  # each plan fitted alone: check them together
-            freed = sum(sum(1 for i in p[gi][2] if g.pool.ref_counts[p[gi][1][i]] == 1) for p in plans)
-            if sum(p[gi][3] for p in plans) > g.pool.num_free + freed:
+            if sum(p[gi].need - p[gi].freed for p in plans) > g.pool.num_free:
                 return False
         for (req, _), plan in zip(requests, plans, strict=True):
             self._apply(req, plan)
         return True
 
-    def _plan(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[tuple] | None:
-        """What `allocate` would do, per group (group, table, indexes of blocks to drop, blocks to take), or None
-        if a pool cannot supply it; nothing changed."""
+    def _plan(self, req: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[_GroupPlan] | None:
+        """What `allocate` would do, per group, or None if a pool cannot supply it; nothing changed."""
         bs = self.block_size
         new = req.request_id not in self.groups[0].tables
         if new:
@@ -427,17 +437,19 @@ class KVCacheManager:
             if new:  # cached blocks with no other user sit in the free queue: acquiring them uses up free blocks
                 cached = [b for b in table if b != NO_BLOCK]
                 room = g.pool.num_free - sum(1 for b in cached if g.pool.ref_counts[b] == 0)
+                freed = 0
             else:  # dropped blocks this request alone holds come back before the new ones are taken
-                room = g.pool.num_free + sum(1 for i in drop if g.pool.ref_counts[table[i]] == 1)
+                freed = sum(1 for i in drop if g.pool.ref_counts[table[i]] == 1)
+                room = g.pool.num_free + freed
             need = end_blocks - len(table)
             if need > room:
                 return None
-            plans.append((g, table, drop, need))
+            plans.append(_GroupPlan(g, table, drop, need, freed))
         return plans
 
-    def _apply(self, req: Request, plans: list[tuple]) -> None:
+    def _apply(self, req: Request, plans: list[_GroupPlan]) -> None:
         new = req.request_id not in self.groups[0].tables
-        for g, table, drop, need in plans:
+        for g, table, drop, need, _ in plans:
             if new:
                 g.pool.acquire([b for b in table if b != NO_BLOCK])
                 g.tables[req.request_id] = table

@@ -87,12 +87,12 @@ def test_a_held_proposal_is_learnt_a_token_at_a_time_and_dropped_at_its_first_mi
     req = _copying("r")
     reqs = [req] + [_copying(f"x{i}", i) for i in range(7)]
     assert spec.propose(reqs, 4096) == {}  # priced out: every request holds its proposal instead
-    tokens, start, match, learnt = req.spec.hindsight
-    assert list(tokens) == SEQ[8:16] and start == PROMPT + 8 and match == 5 and learnt == 0
+    held = req.spec.hindsight
+    assert list(held.tokens) == SEQ[8:16] and held.start == PROMPT + 8 and held.match == 5 and held.learnt == 0
     _decode(req, [SEQ[8]])  # one token decoded, as proposed: position 1 is learnt as kept
     tried_before = list(req.spec.tried)
     spec._check_hindsight(req, req.spec)
-    assert req.spec.hindsight is not None and req.spec.hindsight[3] == 1
+    assert req.spec.hindsight is not None and req.spec.hindsight.learnt == 1
     assert req.spec.tried[0] == tried_before[0] + 1 and req.spec.tried[1] == tried_before[1]
     _decode(req, [SEQ[9], 999])  # position 2 kept, position 3 not: settled, dropped
     spec._check_hindsight(req, req.spec)

@@ -57,6 +57,16 @@ from deepinfer.engine.spec.step_price import StepPrice
 
 
 @dataclass
+class HeldProposal:
+    """A proposal a request did not draft, checked in hindsight against the tokens it decodes next."""
+
+    tokens: tuple[int, ...]
+    start: int  # the request's token count when proposed: where the tokens would have gone
+    match: int  # the n-gram match length behind it
+    learnt: int = 0  # leading positions the decoded tokens have settled so far
+
+
+@dataclass
 class AcceptanceStats:
     """One request's running acceptance estimates (per draft position), totals, and its try state
     (`tries.py`: consecutive misses, back-off)."""
@@ -81,9 +91,8 @@ class AcceptanceStats:
     # first `explored_from` (the ones the price chose); 0: the drafts were not explored
     explore_refund: float = 0.0
     explored_from: int = 0
-    # a proposal it did not draft, held to check against the tokens it decodes next (`Speculator`'s
-    # hindsight): [draft tokens, the request's token count when proposed, match length, positions learnt]
-    hindsight: list | None = None
+    # a proposal it did not draft, held to check against the tokens it decodes next (`Speculator`'s hindsight)
+    hindsight: HeldProposal | None = None
 
     @classmethod
     def new(cls, prior: float, k_max: int, relax_weight: float = 0.0,

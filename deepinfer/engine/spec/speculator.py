@@ -43,6 +43,7 @@ from deepinfer.engine.spec.policy import (
     AcceptanceStats,
     Candidate,
     DraftLengthPolicy,
+    HeldProposal,
     PooledAcceptance,
     ceiling_gains,
     estimate_rows,
@@ -155,7 +156,7 @@ class Speculator:
         for r, st in zip(decodes, states, strict=True):
             if st.hindsight is not None:
                 self._check_hindsight(r, st)
-        out, looked, unmatched = self._choose_drafts(decodes, states, list(limits), max(batch, len(decodes)))
+        out, looked, unmatched = self._choose_drafts(decodes, states, limits, max(batch, len(decodes)))
         if self._hindsight_on():
             self._keep_for_hindsight(decodes, states, limits, looked, unmatched, out)
         return out
@@ -259,7 +260,7 @@ class Speculator:
                     continue
                 d = self.proposer.propose(r, lim)
             if len(d) and d.probs is None:
-                st.hindsight = [tuple(d.token_ids[:lim]), len(r.token_ids), d.match, 0]
+                st.hindsight = HeldProposal(tuple(d.token_ids[:lim]), len(r.token_ids), d.match)
 
     def _check_hindsight(self, req: Request, state: AcceptanceStats) -> None:
         """A held proposal against the tokens `req` decoded since: each position they settle (kept: it
@@ -271,18 +272,19 @@ class Speculator:
         is that token. A request priced out of drafting learns while it does not draft: code edits at batch
         8, where the 9th row costs a jump, started from the prior, at which no draft pays, and never drafted
         (fixed k = 5: 1.3x decode)."""
-        tokens, start, match, learnt = state.hindsight
-        decoded = req.token_ids[start:start + len(tokens)]
+        held = state.hindsight
+        tokens = held.tokens
+        decoded = req.token_ids[held.start:held.start + len(tokens)]
         kept = 0
         for drafted, actual in zip(tokens, decoded, strict=False):
             if drafted != actual:
                 break
             kept += 1
         settled = min(kept + 1, len(decoded))  # the positions the decoded tokens settle
-        if settled > learnt:
-            state.learn(match, settled, kept, self.method.acceptance_ewma, learnt)
-            self.pool.observe(match, settled, kept, learnt)
-            state.hindsight[3] = settled
+        if settled > held.learnt:
+            state.learn(held.match, settled, kept, self.method.acceptance_ewma, held.learnt)
+            self.pool.observe(held.match, settled, kept, held.learnt)
+            held.learnt = settled
         if kept < len(decoded) or kept == len(tokens):
             state.hindsight = None
             self.metrics.hindsight(settled, kept)
