@@ -267,9 +267,12 @@ class Scheduler:
         if (self.config.num_scheduler_steps <= 1 or not decodes or len(decodes) > self.SPECULATING_CALL_REQUESTS
                 or 2 * len(decodes) > rows or len(self.running) != len(decodes) or self.waiting):
             return []
-        steps = self._pass_steps(decodes)  # priced only for a batch that may get a call (this runs every step)
-        if steps <= 1:
-            return []
+        # priced only for a batch that may get a call (this runs every step); at least two steps whatever the
+        # budget: a call's kept drafts are appended as a pass's tokens are (`update`), which a one-step item
+        # is not, and without the call the ordinary path would verify the drafts in a step past the C path's
+        # rows (other kernels: in float32's default mode its output then parted from decoding without
+        # speculation, seen once in a combined test run)
+        steps = max(2, self._pass_steps(decodes))
         per_step = 1 + rows - len(decodes)  # the most tokens a step appends to one request
         budgets = []
         for req in decodes:

@@ -140,6 +140,27 @@ def test_a_batch_of_code_edits_is_token_identical_and_shares_the_calls_rows(dtyp
 
 
 @needs_kernels
+def test_a_speculating_call_keeps_two_steps_whatever_the_time_budget(float32_engines, monkeypatch):
+    """`--multi-step-budget-ms` cuts a pass to the steps its price allows, down to one; a speculating call keeps
+    at least two, so its drafts stay on the C path (dropped for a one-step pass, the call's drafts were verified
+    in the ordinary path, past its rows, where in float32's default mode the outputs could part from decoding
+    without speculation: seen once in a combined test run)."""
+    plain = float32_engines[0]
+    spec = LLM(kv_cache_memory="256MiB", dtype="float32", multi_step_budget_ms=0.001,
+               speculative_config=spec_config("ngram", k=3, adaptive=False))
+    calls = _count_calls(monkeypatch)
+    params = SamplingParams(max_tokens=48, temperature=0.0)
+    prompts = [code_edit_prompt(i) for i in range(4)]
+    for llm in (plain, spec):  # as in the test above: the compared run computes the prompts' tails in one step
+        token_ids(llm, prompts, params)
+    assert token_ids(spec, prompts, params) == token_ids(plain, prompts, params)
+    assert calls and all(steps <= 2 for steps, _ in calls), calls
+    assert any(seqs == 4 and steps == 2 for steps, seqs in calls), calls
+    assert spec.engine.core.speculator.metrics.num_accepted_tokens > 0
+    assert_all_free(spec)
+
+
+@needs_kernels
 def test_a_request_that_joins_midway_shares_the_calls_and_both_stay_identical(monkeypatch):
     """The first request decodes in speculating calls, the second arrives while it does: once its prompt is
     computed the two share the calls, and both outputs are the tokens of decoding each alone without
