@@ -50,6 +50,45 @@ static inline void widen(const void *x, int M, int K, float *out) {
     for (int64_t i = 0; i < (int64_t)M * K; i++) out[i] = load1(x, i, 1);
 }
 
+/* Ask for a feature's quants, scales and (Q4_1) offsets ahead of use: each weight of a small model is
+ * too short for the hardware prefetcher to ramp up on (as prefetch_feature does for bf16). `stream`: the
+ * call reads these weights once (at most MAX_ROWS rows, one pass), so they are asked for non-temporally
+ * and do not pass through L2 into L3 on their way out. A decode step streams ~110 MB of weights
+ * (SmolLM2-135M) through caches of a few MB: cached, they evicted the KV cache, the activations and the
+ * host's own data every step and paid an L2 -> L3 victim write per line. On the 2-core Zen 3 a single
+ * stream decoded 1-6% faster, with the machine's state (benchmarks/BENCHMARKS.md, session 26; 8 rows,
+ * bound by their FMAs, unchanged). Passes over more rows re-read the weights per group of MAX_ROWS
+ * rows from cache, so they keep the temporal hint. */
+#define PREFETCH_AHEAD_F32 8
+static inline __attribute__((always_inline)) void prefetch_rows_f32(const void *q, int qbytes, const float *d,
+                                                                     const float *mn, int nb, int stream) {
+#define PREFETCH_ROWS(HINT)                                                                    \
+    do {                                                                                       \
+        for (int o = 0; o < qbytes; o += 64) _mm_prefetch((const char *)q + o, HINT);          \
+        for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)d + o, HINT);          \
+        if (mn)                                                                                \
+            for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)mn + o, HINT);     \
+    } while (0)
+    if (stream)
+        PREFETCH_ROWS(_MM_HINT_NTA);
+    else
+        PREFETCH_ROWS(_MM_HINT_T0);
+#undef PREFETCH_ROWS
+}
+
+/* one copy of a kernel per row count */
+#define ROWS_SWITCH(CALL)            \
+    switch (M) {                     \
+        case 1: CALL(1); break;      \
+        case 2: CALL(2); break;      \
+        case 3: CALL(3); break;      \
+        case 4: CALL(4); break;      \
+        case 5: CALL(5); break;      \
+        case 6: CALL(6); break;      \
+        case 7: CALL(7); break;      \
+        default: CALL(8); break;     \
+    }
+
 #ifndef __AVX512F__
 /* AVX2 only: a Q4_1 block's 32 quants as float32 lanes in k order. Each half of the 16 bytes is widened
  * straight from memory (vpmovzxbd with a load operand); the low nibbles of a byte's 32-bit lane are
@@ -94,31 +133,6 @@ static inline __attribute__((always_inline)) __m256 offset_sum8(const float *mn,
     return s;
 }
 
-/* Ask for a feature's quants, scales and (Q4_1) offsets ahead of use: each weight of a small model is
- * too short for the hardware prefetcher to ramp up on (as prefetch_feature does for bf16). `stream`: the
- * call reads these weights once (at most MAX_ROWS rows, one pass), so they are asked for non-temporally
- * and do not pass through L2 into L3 on their way out. A decode step streams ~110 MB of weights
- * (SmolLM2-135M) through caches of a few MB: cached, they evicted the KV cache, the activations and the
- * host's own data every step and paid an L2 -> L3 victim write per line. On the 2-core Zen 3 a single
- * stream decoded 1-6% faster, with the machine's state (benchmarks/BENCHMARKS.md, session 26; 8 rows,
- * bound by their FMAs, unchanged). Passes over more rows re-read the weights per group of MAX_ROWS
- * rows from cache, so they keep the temporal hint. */
-#define PREFETCH_AHEAD_F32 8
-static inline __attribute__((always_inline)) void prefetch_rows_f32(const void *q, int qbytes, const float *d,
-                                                                     const float *mn, int nb, int stream) {
-#define PREFETCH_ROWS(HINT)                                                                    \
-    do {                                                                                       \
-        for (int o = 0; o < qbytes; o += 64) _mm_prefetch((const char *)q + o, HINT);          \
-        for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)d + o, HINT);          \
-        if (mn)                                                                                \
-            for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)mn + o, HINT);     \
-    } while (0)
-    if (stream)
-        PREFETCH_ROWS(_MM_HINT_NTA);
-    else
-        PREFETCH_ROWS(_MM_HINT_T0);
-#undef PREFETCH_ROWS
-}
 
 /* AVX2 float32 Q4_1 by block pairs. Two blocks' 32 quant bytes are one 256-bit load of 8 dwords (4 per
  * block). Nibble k of every dword is isolated in place, v & (0xF << 4k), and converted: q * 2^4k, exact
@@ -199,13 +213,254 @@ static inline __attribute__((always_inline)) void q4_1_pair_rows(const __m256i q
 }
 #endif
 
+#ifdef __AVX512F__
+/* 16 horizontal sums at once: source s's total lands in lane 4 * (s % 4) + s / 4, each added up in
+ * exactly _mm512_reduce_add_ps's order (lanes i + i+8, then + i+4, then + i+2, then 0 + 1; float
+ * addition is commutative, so which operand comes first does not matter): the same bits as separate
+ * reduces, in about a third of the instructions (sources beyond the caller's count are constant zeros,
+ * which the compiler folds away). */
+static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[16]) {
+    __m512 t[8], u[4], w[2];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++)
+        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
+                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; j++)
+        u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
+                             _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const __m512d a = _mm512_castps_pd(u[2 * h]), b = _mm512_castps_pd(u[2 * h + 1]);
+        w[h] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
+    }
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+/* AVX-512 float32 Q4_1 by block quads, the AVX2 kernels' pair trick at 512 bits. Four blocks' 64 quant
+ * bytes are one load of 16 dwords (4 per block); nibble k of every dword is isolated in place,
+ * v & (0xF << 4k), and converted: q * 2^4k, exact in float32 (the top nibble, which would set the sign
+ * bit, is shifted down instead). 16 weights cost an and and a convert, with no widening shuffles: a quad's
+ * 128 weights take 17 instructions, and each row 8 multiply-adds and 2 scalings, where widening each
+ * block took ~60 and 12. The weights come in the order (k, dword) instead of k, so each row of x is
+ * permuted to match once per call (quad_x) and pre-scaled by 2^-4k: every product is q * x exactly
+ * (for |x| >= 2^-102, below which x * 2^-24 is subnormal and loses bits). A row's last nb % 4 blocks form
+ * a short quad: masked loads of their 4 (nb % 4) dwords, and x packed at that stride (a row of the
+ * permutation still fills exactly K floats), the missing lanes zeros that add nothing. */
+static void quad_x(const float *x, int K, float *xp) {
+    const int nb = K / QK;
+    /* dword l holds bytes 4 (l % 4) .. + 3 of block b + l / 4; byte j's low nibble is q[j], its high nibble
+     * q[j + 16]: nibble k of dword l is weight 4 (l % 4) + k / 2 (+ 16 for odd k) of its block */
+    const __m512i dword_at = _mm512_setr_epi32(0, 4, 8, 12, QK, QK + 4, QK + 8, QK + 12, 2 * QK, 2 * QK + 4,
+                                               2 * QK + 8, 2 * QK + 12, 3 * QK, 3 * QK + 4, 3 * QK + 8, 3 * QK + 12);
+    int b = 0;
+    for (; b + 4 <= nb; b += 4)
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const float scale = k == 7 ? 1.f : 1.f / (float)(1 << (4 * k));
+            const __m512 v = _mm512_i32gather_ps(dword_at, x + b * QK + k / 2 + (k & 1 ? 16 : 0), 4);
+            _mm512_storeu_ps(xp + b * QK + 16 * k, _mm512_mul_ps(v, _mm512_set1_ps(scale)));
+        }
+    const int r = nb - b;
+    if (r) {
+        const __mmask16 lanes = (__mmask16)((1u << (4 * r)) - 1);
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const float scale = k == 7 ? 1.f : 1.f / (float)(1 << (4 * k));
+            const __m512 v = _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes, dword_at,
+                                                      x + b * QK + k / 2 + (k & 1 ? 16 : 0), 4);
+            _mm512_mask_storeu_ps(xp + b * QK + 4 * r * k, lanes, _mm512_mul_ps(v, _mm512_set1_ps(scale)));
+        }
+    }
+}
+
+/* weights k * 16 .. k * 16 + 15 of the quad whose 64 quant bytes are q (see quad_x), as float32 */
+static inline __attribute__((always_inline)) __m512 q4_1_quad_w(const __m512i q, const int k) {
+    return _mm512_cvtepi32_ps(k < 7 ? _mm512_and_si512(q, _mm512_set1_epi32(0xF << (4 * k))) : _mm512_srli_epi32(q, 28));
+}
+
+/* the quad's scales (dn points at its first block's; `blocks` of them) as lanes 4j .. 4j + 3, like the weights */
+static inline __attribute__((always_inline)) __m512 q4_1_quad_d(const float *dn, const __mmask8 blocks) {
+    const __m128 d4 = blocks == 0xF ? _mm_loadu_ps(dn) : _mm_maskz_loadu_ps(blocks, dn);
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                 _mm512_castps128_ps512(d4));
+}
+
+/* One (row, feature) product over a quad, the same operations in the same order in every kernel: even k
+ * into the chain s, odd k into t, then acc += d * s, acc += d * t. Step k: */
+static inline __attribute__((always_inline)) void q4_1_quad_step(const int k, const __m512 wk, const __m512 xk,
+                                                                 __m512 *s, __m512 *t) {
+    if (k < 2) *(k == 0 ? s : t) = _mm512_mul_ps(wk, xk);
+    else if (k % 2 == 0) *s = _mm512_fmadd_ps(wk, xk, *s);
+    else *t = _mm512_fmadd_ps(wk, xk, *t);
+}
+
+/* x values k * stride .. + 15 of a quad (stride 16; a short quad's 4 (nb % 4), its other lanes zeros) */
+static inline __attribute__((always_inline)) __m512 quad_xk(const float *xb, const int k, const int stride,
+                                                            const __mmask16 lanes) {
+    return stride == 16 ? _mm512_loadu_ps(xb + 16 * k) : _mm512_maskz_loadu_ps(lanes, xb + stride * k);
+}
+
+/* M rows' products over one quad (quants q, scales dv, the rows' quad_x values from xb, row stride K) into
+ * acc. 1-4 rows one k at a time for all rows (each weight vector converted once, only the rows' chains
+ * live); 5-8 rows the 8 weight vectors first, then row by row (their chains at once would spill). */
+static inline __attribute__((always_inline)) void q4_1_quad_rows(const __m512i q, const __m512 dv, const float *xb,
+                                                                 const int M, int K, const int stride,
+                                                                 const __mmask16 lanes, __m512 *acc) {
+    if (M <= 4) {
+        __m512 s[4], t[4];
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) {
+            const __m512 wk = q4_1_quad_w(q, k);
+#pragma GCC unroll 4
+            for (int m = 0; m < M && m < 4; m++)
+                q4_1_quad_step(k, wk, quad_xk(xb + (int64_t)m * K, k, stride, lanes), &s[m], &t[m]);
+        }
+#pragma GCC unroll 4
+        for (int m = 0; m < M && m < 4; m++) acc[m] = _mm512_fmadd_ps(dv, t[m], _mm512_fmadd_ps(dv, s[m], acc[m]));
+        return;
+    }
+    __m512 w[8];
+#pragma GCC unroll 8
+    for (int k = 0; k < 8; k++) w[k] = q4_1_quad_w(q, k);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) {
+        __m512 s, t;
+#pragma GCC unroll 8
+        for (int k = 0; k < 8; k++) q4_1_quad_step(k, w[k], quad_xk(xb + (int64_t)m * K, k, stride, lanes), &s, &t);
+        acc[m] = _mm512_fmadd_ps(dv, t, _mm512_fmadd_ps(dv, s, acc[m]));
+    }
+}
+
+/* sum over blocks b of mn[b] * sums[b] (Q4_1's offset term of one row and feature), 16 blocks per lane */
+static inline __attribute__((always_inline)) __m512 offset_sum16(const float *mn, const float *sums, int nb) {
+    __m512 s = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 16 <= nb; b += 16) s = _mm512_fmadd_ps(_mm512_loadu_ps(mn + b), _mm512_loadu_ps(sums + b), s);
+    if (b < nb) {
+        const __mmask16 lanes = (__mmask16)((1u << (nb - b)) - 1);
+        s = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes, mn + b), _mm512_maskz_loadu_ps(lanes, sums + b), s);
+    }
+    return s;
+}
+
+/* Output feature n's totals for M rows, as 16 lanes each into v[0..M) (their sum is the result): even
+ * quads into acc, odd into accb (two chains), the short quad last, then the offsets. The order is fixed
+ * by K alone, so a row's bits do not depend on M. */
+static inline __attribute__((always_inline)) void q4_1_feature_f32(const float *xq, const int M, int K,
+                                                                   const uint8_t *qs, const float *d, const float *mn,
+                                                                   const float *sums, int n, __m512 *v) {
+    const int nb = K / QK;
+    const uint8_t *row = qs + (int64_t)n * nb * 16;
+    const float *dn = d + (int64_t)n * nb, *mnn = mn + (int64_t)n * nb;
+    __m512 acc[MAX_ROWS], accb[MAX_ROWS];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 8 <= nb; b += 8) {
+        q4_1_quad_rows(_mm512_loadu_si512(row + b * 16), q4_1_quad_d(dn + b, 0xF), xq + b * QK, M, K, 16, 0xFFFF, acc);
+        q4_1_quad_rows(_mm512_loadu_si512(row + (b + 4) * 16), q4_1_quad_d(dn + b + 4, 0xF), xq + (b + 4) * QK, M, K,
+                       16, 0xFFFF, accb);
+    }
+    if (b + 4 <= nb) {
+        q4_1_quad_rows(_mm512_loadu_si512(row + b * 16), q4_1_quad_d(dn + b, 0xF), xq + b * QK, M, K, 16, 0xFFFF, acc);
+        b += 4;
+    }
+    const int r = nb - b;
+    if (r) {
+        const __mmask16 lanes = (__mmask16)((1u << (4 * r)) - 1);
+        q4_1_quad_rows(_mm512_maskz_loadu_epi32(lanes, row + b * 16), q4_1_quad_d(dn + b, (__mmask8)((1u << r) - 1)),
+                       xq + b * QK, M, K, 4 * r, lanes, accb);
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++)
+        v[m] = _mm512_add_ps(_mm512_add_ps(acc[m], accb[m]), offset_sum16(mnn, sums + (int64_t)m * nb, nb));
+}
+
+/* acc[m] += d * (block b . row m of x) for a Q8_0 feature's block b */
+static inline __attribute__((always_inline)) void q8_0_block_rows(const int8_t *row, const float *dn, const float *x,
+                                                                  const int M, int K, int b, __m512 *acc) {
+    const __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + b * QK))));
+    const __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + b * QK + 16))));
+    const __m512 scale = _mm512_set1_ps(dn[b]);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) {
+        const float *xb = x + (int64_t)m * K + b * QK;
+        acc[m] = _mm512_fmadd_ps(scale, _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xb))),
+                                 acc[m]);
+    }
+}
+
+/* Q8_0 likewise: even blocks into acc, odd into accb */
+static inline __attribute__((always_inline)) void q8_0_feature_f32(const float *x, const int M, int K, const int8_t *qs,
+                                                                   const float *d, int n, __m512 *v) {
+    const int nb = K / QK;
+    const int8_t *row = qs + (int64_t)n * K;
+    const float *dn = d + (int64_t)n * nb;
+    __m512 acc[MAX_ROWS], accb[MAX_ROWS];
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
+    int b = 0;
+    for (; b + 2 <= nb; b += 2) {
+        q8_0_block_rows(row, dn, x, M, K, b, acc);
+        q8_0_block_rows(row, dn, x, M, K, b + 1, accb);
+    }
+    if (b < nb) q8_0_block_rows(row, dn, x, M, K, b, acc);
+#pragma GCC unroll 8
+    for (int m = 0; m < M; m++) v[m] = _mm512_add_ps(acc[m], accb[m]);
+}
+
+/* G consecutive features from n (G * M <= 16) reduced together by one reduce16 (source f * M + m: feature
+ * f, row m) and stored, the weights of the feature PREFETCH_AHEAD_F32 on asked for (see prefetch_rows_f32).
+ * At 1-4 rows 16 / M features share a reduce16, as the bf16 kernels do; reduce16 sums each source in the
+ * same order wherever it lands. */
+static inline __attribute__((always_inline)) NO_SLP void group_f32(const int kind, const float *xq, const int M, int K,
+                                                                   const void *qs, const float *d, const float *mn,
+                                                                   float *y, int N, const float *sums, int n,
+                                                                   const int G, int n1, int stream) {
+    const int nb = K / QK;
+    __m512 v[16];
+#pragma GCC unroll 16
+    for (int s = G * M; s < 16; s++) v[s] = _mm512_setzero_ps();
+    for (int f = 0; f < G; f++) {
+        const int64_t ahead = n + f + PREFETCH_AHEAD_F32;
+        if (kind == 0) {
+            if (ahead < n1)
+                prefetch_rows_f32((const uint8_t *)qs + ahead * nb * 16, nb * 16, d + ahead * nb, mn + ahead * nb, nb,
+                                  stream);
+            q4_1_feature_f32(xq, M, K, (const uint8_t *)qs, d, mn, sums, n + f, v + f * M);
+        } else {
+            if (ahead < n1) prefetch_rows_f32((const int8_t *)qs + ahead * K, K, d + ahead * nb, NULL, nb, stream);
+            q8_0_feature_f32(xq, M, K, (const int8_t *)qs, d, n + f, v + f * M);
+        }
+    }
+    float out[16];
+    _mm512_storeu_ps(out, reduce16(v));
+#pragma GCC unroll 16
+    for (int s = 0; s < G * M; s++) y[(int64_t)(s % M) * N + n + s / M] = out[4 * (s % 4) + s / 4];
+}
+
+#define GROUPED_MAX_ROWS_F32 4
+static inline __attribute__((always_inline)) void rowsm_f32(const int kind, const float *xq, const int M, int K,
+                                                             const void *qs, const float *d, const float *mn, float *y,
+                                                             int N, const float *sums, int n0, int n1, int stream) {
+    const int G = M <= GROUPED_MAX_ROWS_F32 ? 16 / M : 1;
+    int n = n0;
+    for (; n + G <= n1; n += G) group_f32(kind, xq, M, K, qs, d, mn, y, N, sums, n, G, n1, stream);
+    for (; n < n1; n++) group_f32(kind, xq, M, K, qs, d, mn, y, N, sums, n, 1, n1, stream);
+}
+#endif
+
 /* ---- float32 activations: the file's exact weight values ---------------------------------------- */
 
-/* rows [0, M) of one group (M <= MAX_ROWS); sums: the group's per-block sums of x. Inlined with M a
+#ifndef __AVX512F__
+/* AVX2: rows [0, M) of one group (M <= MAX_ROWS); sums: the group's per-block sums of x. Inlined with M a
  * compile-time constant (the dispatchers below), so the per-row accumulators stay in registers (1.2-1.5x
- * faster over the layer weights from memory). No SLP vectorization: with M constant gcc would pack the
- * rows' scalar offset sums off[m] into one vector and contract their multiply-adds differently from
- * the scalar code that one row gets (8 rows gave other bits than each row alone). */
+ * faster over the layer weights from memory). No SLP vectorization (here and in group_f32): with M
+ * constant gcc may pack the rows' scalar work into vectors and contract its multiply-adds differently
+ * from the code one row gets (an earlier kernel's per-row offset sums gave 8 rows other bits than each
+ * row alone). */
 static inline __attribute__((always_inline)) NO_SLP void q4_1_rows_f32_m(const float *x, const int M, int K,
                                                                          const uint8_t *qs, const float *d,
                                                                          const float *mn, float *y, int N,
@@ -213,48 +468,8 @@ static inline __attribute__((always_inline)) NO_SLP void q4_1_rows_f32_m(const f
                                                                          int stream) {
     int nb = K / QK;
     for (int n = n0; n < n1; n++) {
-        float off[MAX_ROWS];
-        for (int m = 0; m < M; m++) off[m] = 0.f;
         const uint8_t *row = qs + (int64_t)n * nb * 16;
         const float *dn = d + (int64_t)n * nb, *mnn = mn + (int64_t)n * nb;
-#ifdef __AVX512F__
-        /* 16-wide, two blocks per iteration into separate accumulators (two dependency chains) */
-        __m512 acc16[MAX_ROWS], acc16b[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc16[m] = acc16b[m] = _mm512_setzero_ps();
-        const __m128i nib = _mm_set1_epi8(0x0F);
-        int b = 0;
-        for (; b + 2 <= nb; b += 2) {
-            __m128i b0 = _mm_loadu_si128((const __m128i *)(row + b * 16));
-            __m128i b1 = _mm_loadu_si128((const __m128i *)(row + b * 16 + 16));
-            __m512 wl0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b0, nib)));
-            __m512 wh0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b0, 4), nib)));
-            __m512 wl1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b1, nib)));
-            __m512 wh1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b1, 4), nib)));
-            __m512 sc0 = _mm512_set1_ps(dn[b]), sc1 = _mm512_set1_ps(dn[b + 1]);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (int64_t)m * K + b * QK;
-                __m512 s0 = _mm512_fmadd_ps(wh0, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(wl0, _mm512_loadu_ps(xb)));
-                __m512 s1 = _mm512_fmadd_ps(wh1, _mm512_loadu_ps(xb + 48), _mm512_mul_ps(wl1, _mm512_loadu_ps(xb + 32)));
-                acc16[m] = _mm512_fmadd_ps(sc0, s0, acc16[m]);
-                acc16b[m] = _mm512_fmadd_ps(sc1, s1, acc16b[m]);
-                off[m] += mnn[b] * sums[m * nb + b] + mnn[b + 1] * sums[m * nb + b + 1];
-            }
-        }
-        for (; b < nb; b++) {
-            __m128i bytes = _mm_loadu_si128((const __m128i *)(row + b * 16));
-            __m512 wl = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(bytes, nib)));
-            __m512 wh = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(bytes, 4), nib)));
-            __m512 scale = _mm512_set1_ps(dn[b]);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (int64_t)m * K + b * QK;
-                __m512 s = _mm512_fmadd_ps(wh, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(wl, _mm512_loadu_ps(xb)));
-                acc16[m] = _mm512_fmadd_ps(scale, s, acc16[m]);
-                off[m] += mnn[b] * sums[m * nb + b];
-            }
-        }
-        for (int m = 0; m < M; m++)
-            y[(int64_t)m * N + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc16[m], acc16b[m])) + off[m];
-#else
         if (n + PREFETCH_AHEAD_F32 < n1) prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * nb * 16, nb * 16,
                                                            dn + (int64_t)PREFETCH_AHEAD_F32 * nb,
                                                            mnn + (int64_t)PREFETCH_AHEAD_F32 * nb, nb, stream);
@@ -287,7 +502,6 @@ static inline __attribute__((always_inline)) NO_SLP void q4_1_rows_f32_m(const f
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++)
             y[(int64_t)m * N + n] = hsum8(_mm256_add_ps(acc[m], offset_sum8(mnn, sums + m * nb, nb)));
-#endif
     }
 }
 
@@ -298,21 +512,6 @@ static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x
     for (int n = n0; n < n1; n++) {
         const int8_t *row = qs + (int64_t)n * K;
         const float *dn = d + (int64_t)n * nb;
-#ifdef __AVX512F__
-        __m512 acc16[MAX_ROWS];
-        for (int m = 0; m < M; m++) acc16[m] = _mm512_setzero_ps();
-        for (int b = 0; b < nb; b++) {
-            __m512 w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + b * QK))));
-            __m512 w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + b * QK + 16))));
-            __m512 scale = _mm512_set1_ps(dn[b]);
-            for (int m = 0; m < M; m++) {
-                const float *xb = x + (int64_t)m * K + b * QK;
-                __m512 s = _mm512_fmadd_ps(w1, _mm512_loadu_ps(xb + 16), _mm512_mul_ps(w0, _mm512_loadu_ps(xb)));
-                acc16[m] = _mm512_fmadd_ps(scale, s, acc16[m]);
-            }
-        }
-        for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = _mm512_reduce_add_ps(acc16[m]);
-#else
         if (n + PREFETCH_AHEAD_F32 < n1)
             prefetch_rows_f32(row + (int64_t)PREFETCH_AHEAD_F32 * K, K, dn + (int64_t)PREFETCH_AHEAD_F32 * nb, NULL, nb,
                               stream);
@@ -333,24 +532,10 @@ static inline __attribute__((always_inline)) void q8_0_rows_f32_m(const float *x
         }
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) y[(int64_t)m * N + n] = hsum8(_mm256_add_ps(acc[m], accb[m]));
-#endif
     }
 }
 
-/* one copy of a kernel per row count */
-#define ROWS_SWITCH(CALL)            \
-    switch (M) {                     \
-        case 1: CALL(1); break;      \
-        case 2: CALL(2); break;      \
-        case 3: CALL(3); break;      \
-        case 4: CALL(4); break;      \
-        case 5: CALL(5); break;      \
-        case 6: CALL(6); break;      \
-        case 7: CALL(7); break;      \
-        default: CALL(8); break;     \
-    }
 
-#ifndef __AVX512F__
 /* AVX2, one row: two output features per pass, the same operations per feature as q4_1_rows_f32_m (the
  * same bits); the second feature's chains run while the first's wait, and the x values are loaded once.
  * x is pair_x's permutation. */
@@ -395,21 +580,27 @@ static NO_SLP void q4_1_row1_f32(const float *x, int K, const uint8_t *qs, const
 #endif
 
 static NO_SLP void q4_1_rows_f32(const float *x, int M, int K, const uint8_t *qs, const float *d, const float *mn,
-                          float *y, int N, const float *sums, int n0, int n1, int stream) {
-#ifndef __AVX512F__
+                                 float *y, int N, const float *sums, int n0, int n1, int stream) {
+#ifdef __AVX512F__
+#define Q4_1_F32(R) rowsm_f32(0, x, R, K, qs, d, mn, y, N, sums, n0, n1, stream)
+#else
     if (M == 1) {
         q4_1_row1_f32(x, K, qs, d, mn, y, sums, n0, n1, stream);
         return;
     }
-#endif
 #define Q4_1_F32(R) q4_1_rows_f32_m(x, R, K, qs, d, mn, y, N, sums, n0, n1, stream)
+#endif
     ROWS_SWITCH(Q4_1_F32)
 #undef Q4_1_F32
 }
 
 static void q8_0_rows_f32(const float *x, int M, int K, const int8_t *qs, const float *d, float *y, int N, int n0,
                           int n1, int stream) {
+#ifdef __AVX512F__
+#define Q8_0_F32(R) rowsm_f32(1, x, R, K, qs, d, NULL, y, N, NULL, n0, n1, stream)
+#else
 #define Q8_0_F32(R) q8_0_rows_f32_m(x, R, K, qs, d, y, N, n0, n1, stream)
+#endif
     ROWS_SWITCH(Q8_0_F32)
 #undef Q8_0_F32
 }
@@ -466,30 +657,6 @@ static inline __attribute__((always_inline)) __m512bh block_pbh(int kind, const 
     if (kind == 0) return q4_1_block_pbh((const uint8_t *)qs + i * 16, d[i], mn[i]);
     if (kind == 1) return q8_0_block_pbh((const int8_t *)qs + i * QK, d[i]);
     return (__m512bh)_mm512_loadu_si512((const uint16_t *)qs + i * QK);  /* kind 3 */
-}
-
-/* 16 horizontal sums at once: source s's total lands in lane 4 * (s % 4) + s / 4, each added up in
- * exactly _mm512_reduce_add_ps's order (lanes i + i+8, then + i+4, then + i+2, then 0 + 1; float
- * addition is commutative, so which operand comes first does not matter): the same bits as separate
- * reduces, in about a third of the instructions (sources beyond the caller's count are constant zeros,
- * which the compiler folds away). */
-static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[16]) {
-    __m512 t[8], u[4], w[2];
-#pragma GCC unroll 8
-    for (int k = 0; k < 8; k++)
-        t[k] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0x44),
-                             _mm512_shuffle_f32x4(v[2 * k], v[2 * k + 1], 0xEE));
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; j++)
-        u[j] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0x88),
-                             _mm512_shuffle_f32x4(t[2 * j], t[2 * j + 1], 0xDD));
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        const __m512d a = _mm512_castps_pd(u[2 * h]), b = _mm512_castps_pd(u[2 * h + 1]);
-        w[h] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(a, b)), _mm512_castpd_ps(_mm512_unpackhi_pd(a, b)));
-    }
-    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_ps(w[0], w[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 /* Ask for output feature n's blocks (quants, scales, offsets) ahead of use. Each thread walks its
@@ -667,13 +834,15 @@ static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, 
     const int stream = M <= MAX_ROWS;  /* one pass over the weights: see prefetch_rows_f32 */
     if (path == 0 && kind == 0) {
         block_sums(xf, M, K, scratch);
-#ifndef __AVX512F__
         /* on a 64-byte boundary (given an aligned scratch): 32-byte loads that straddle cache lines
-         * made 3 and 5-7 rows 10-30% slower */
+         * made 3 and 5-7 rows 10-30% slower (AVX2) */
         float *xp = scratch + (((int64_t)M * (K / QK) + 15) & ~(int64_t)15);
+#ifdef __AVX512F__
+        for (int m = 0; m < M; m++) quad_x(xf + (int64_t)m * K, K, xp + (int64_t)m * K);
+#else
         for (int m = 0; m < M; m++) pair_x(xf + (int64_t)m * K, K, xp + (int64_t)m * K);
-        xq = xp;
 #endif
+        xq = xp;
     }
 #pragma omp parallel
     {

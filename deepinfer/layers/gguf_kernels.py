@@ -113,7 +113,7 @@ class QuantizedWeight:
         x = x.contiguous()
         m, code = x.shape[0], dtype_code(x.dtype)
         y = torch.empty((m, self.n), dtype=x.dtype)
-        # bf16 rows are widened into the scratch first (float32 Q4_1 rows are permuted there on AVX2);
+        # bf16 rows are widened into the scratch first (float32 Q4_1 rows are permuted there);
         # Q4_1 also keeps per-block sums of x there
         widened = m * self.k if code == 1 or self.kind == "q4_1" else 0
         scratch = torch.empty(widened + (m * (self.k // QK) + 16 if self.kind == "q4_1" else 0) + 1, dtype=torch.float32)

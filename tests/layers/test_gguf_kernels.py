@@ -88,11 +88,14 @@ def test_every_row_count_gives_each_row_the_bits_of_a_single_row_call(blocks, dt
 
 
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
-@pytest.mark.parametrize("nb", [1, 2, 7, 8, 9, 17])
+@pytest.mark.parametrize("nb", [1, 2, 3, 4, 7, 8, 9, 12, 16, 17, 18])
 def test_block_and_feature_tails(kind, nb):
-    """The float32 kernels' tails: an odd last block (two accumulator chains), block counts around the
-    8 blocks per lane of Q4_1's offset sum (masked remainder), and feature counts that leave the one-row
-    kernel's feature pairs a single feature; each row count matches float64 and a single row's bits."""
+    """The float32 kernels' tails: an odd last block (AVX2: two accumulator chains), a short last quad of
+    1-3 blocks and an odd count of quads (AVX-512: four blocks per load, quads alternating between two
+    chains), block counts around the 8 (AVX2) or 16 (AVX-512) blocks per lane of Q4_1's offset sum
+    (masked remainder), and feature counts that leave a group of features short (the one-row kernel's
+    pairs, AVX-512's 16 / rows features per reduction); each row count matches float64 and a single
+    row's bits."""
     for n in (1, 2, 3, 9):
         w = _odd_shaped(kind, n, nb, 10 * nb + n)
         x = torch.randn(9, w.k, generator=torch.Generator().manual_seed(nb))
