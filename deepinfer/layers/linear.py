@@ -27,8 +27,8 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 
 def _panel_kernel_for(weight: torch.Tensor) -> bool:
-    """Whether `panel_gemm.c` serves this weight: float32 on a CPU whose kernels prefer it (AVX2
-    without AVX-512), output features a multiple of PANEL; bfloat16 on a CPU with AVX-512 BF16 and no AMX
+    """Whether `panel_gemm.c` serves this weight: float32 where the kernels are built (AVX2, or AVX-512
+    with 32-feature tiles), output features a multiple of PANEL; bfloat16 on a CPU with AVX-512 BF16 and no AMX
     (AMX's tiles in oneDNN are faster), output features a multiple of BF16_PANEL and an even input width."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
@@ -98,9 +98,10 @@ class Linear(nn.Linear):
     at 64 rows on an AMX Xeon, bit-identical output. fp32: torch's MKL sgemm repacks the weight
     every call and is slow at mid-size batches (576->3072 on a 2-core AVX-512 Xeon: 2.05 ms at
     32 rows, slower than 1.67 ms at 64); packed, 0.69 ms at 32 rows and never slower at 8-200
-    rows; the sums are reassociated (differences ~1e-6 relative). float32 on an AVX2-only CPU: `pack()`
-    builds 16-feature panels for `panel_gemm.c` instead (2 threads, 64 rows, on a 2-core EPYC: 185-192
-    GFLOP/s against oneDNN's 101-134). bfloat16 on a CPU with AVX-512 BF16 but no AMX: `pack()` builds 32-feature
+    rows; the sums are reassociated (differences ~1e-6 relative). float32: `pack()` builds 16-feature
+    panels for `panel_gemm.c` instead (AVX2-only, 2 threads, 64 rows, on a 2-core EPYC: 185-192 GFLOP/s
+    against oneDNN's 101-134; AVX-512, pairs of panels, weights from memory, 2-core Zen 5: 441-484 against
+    oneDNN's packed 341-445 at 64 rows). bfloat16 on a CPU with AVX-512 BF16 but no AMX: `pack()` builds 32-feature
     bf16 panels instead (no synchronisation inside a product, weights prefetched a panel ahead; the four
     projections of SmolLM2-135M's 30 layers at 64 rows, weights from memory, 2 threads on a 2-core Zen 5:
     14.9 ms against oneDNN's packed 19.2 ms; at or above oneDNN from 9 to 1024 rows)."""

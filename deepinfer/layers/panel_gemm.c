@@ -10,8 +10,8 @@
  * pipes of a core busy; oneDNN's float32 kernels on an AVX2-only AMD EPYC reached 51-67% of the FMA peak
  * at 64 rows (2 threads) where this reaches ~95% (benchmarks/BENCHMARKS.md, session 19).
  * A row's sums run in k order whatever M is, so its result depends on that row alone.
- * The same AVX2 code is built on every x86 CPU, but panel_gemm_preferred() is 0 where the compiler
- * targets AVX-512: there the engine keeps oneDNN's kernels, which use the wider registers.
+ * On AVX-512 builds two adjacent panels go through 12-row tiles of 512-bit registers instead (pair_tile),
+ * with the same order of operations per feature.
  */
 #include <omp.h>
 
@@ -62,14 +62,83 @@ static void panel_rows(const float *x, int M, int K, const float *panel, float *
     }
 }
 
-/* One parallel region: each thread takes a fixed share of the panels (its weights stay in its cache).
- * N must be a multiple of PANEL. */
+#ifdef __AVX512F__
+/* AVX-512: two adjacent panels (32 features) against 12 rows of x at a time, 24 accumulators of 16 lanes:
+ * per k, two loads, twelve broadcasts and 24 FMAs. Each feature's lane adds its products in k order with
+ * one fused multiply-add each, as the AVX2 tile does, so both builds give a row the same bits. `two`
+ * (a constant at each call): 0 for an odd last panel. The first tile also asks for the next pair's
+ * panels (prefetch0/1), a line each per k: oneDNN's packed float32 kernels read their weights from memory
+ * at ~60% of their in-cache rate in a 64-row decode step (2-core Zen 5). */
+#define TILE_ROWS16 12
+
+static inline __attribute__((always_inline)) void pair_tile(const float *x, const int rows, int K, const float *p0,
+                                                           const float *p1, const int two, float *y, int N,
+                                                           const float *prefetch0, const float *prefetch1) {
+    __m512 c[TILE_ROWS16][2];
+#pragma GCC unroll 12
+    for (int r = 0; r < TILE_ROWS16; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
+    for (int k = 0; k < K; k++) {
+        if (prefetch0) _mm_prefetch((const char *)(prefetch0 + (int64_t)k * PANEL), _MM_HINT_T0);
+        if (prefetch1) _mm_prefetch((const char *)(prefetch1 + (int64_t)k * PANEL), _MM_HINT_T0);
+        const __m512 b0 = _mm512_loadu_ps(p0 + (int64_t)k * PANEL);
+        const __m512 b1 = two ? _mm512_loadu_ps(p1 + (int64_t)k * PANEL) : _mm512_setzero_ps();
+#pragma GCC unroll 12
+        for (int r = 0; r < TILE_ROWS16; r++)
+            if (r < rows) {
+                const __m512 a = _mm512_set1_ps(x[(int64_t)r * K + k]);
+                c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
+                if (two) c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
+            }
+    }
+#pragma GCC unroll 12
+    for (int r = 0; r < TILE_ROWS16; r++)
+        if (r < rows) {
+            _mm512_storeu_ps(y + (int64_t)r * N, c[r][0]);
+            if (two) _mm512_storeu_ps(y + (int64_t)r * N + PANEL, c[r][1]);
+        }
+}
+
+/* all M rows against panels p0 (and p1 when two), as panel_rows */
+static inline __attribute__((always_inline)) void pair_rows(const float *x, int M, int K, const float *p0,
+                                                           const float *p1, const int two, float *y, int N,
+                                                           const float *next0, const float *next1) {
+    int m = 0;
+    for (; m + TILE_ROWS16 <= M; m += TILE_ROWS16, next0 = next1 = NULL)
+        pair_tile(x + (int64_t)m * K, TILE_ROWS16, K, p0, p1, two, y + (int64_t)m * N, N, next0, next1);
+    const float *xt = x + (int64_t)m * K;
+    float *yt = y + (int64_t)m * N;
+    switch (M - m) {
+#define PAIR_TAIL(R) case R: pair_tile(xt, R, K, p0, p1, two, yt, N, next0, next1); break;
+        PAIR_TAIL(1) PAIR_TAIL(2) PAIR_TAIL(3) PAIR_TAIL(4) PAIR_TAIL(5) PAIR_TAIL(6)
+        PAIR_TAIL(7) PAIR_TAIL(8) PAIR_TAIL(9) PAIR_TAIL(10) PAIR_TAIL(11)
+#undef PAIR_TAIL
+        default: break;
+    }
+}
+#endif
+
+/* One parallel region: each thread takes a fixed share of the panels (its weights stay in its cache); on
+ * AVX-512 builds, pairs of panels. N must be a multiple of PANEL. */
 void panel_gemm_f32(const float *x, int M, int K, const float *packed, float *y, int N) {
     const int panels = N / PANEL;
+#ifdef __AVX512F__
+    const int pairs = (panels + 1) / 2;
+#pragma omp parallel for schedule(static)
+    for (int j = 0; j < pairs; j++) {
+        const float *p0 = packed + (int64_t)2 * j * K * PANEL, *p1 = p0 + (int64_t)K * PANEL;
+        const float *n0 = j + 1 < pairs ? p0 + (int64_t)2 * K * PANEL : NULL;
+        const float *n1 = 2 * j + 3 < panels ? p0 + (int64_t)3 * K * PANEL : NULL;
+        if (2 * j + 1 < panels)
+            pair_rows(x, M, K, p0, p1, 1, y + (int64_t)2 * j * PANEL, N, n0, n1);
+        else
+            pair_rows(x, M, K, p0, NULL, 0, y + (int64_t)2 * j * PANEL, N, n0, n1);
+    }
+#else
 #pragma omp parallel for schedule(static)
     for (int j = 0; j < panels; j++)
         panel_rows(x, M, K, packed + (int64_t)j * K * PANEL, y + (int64_t)j * PANEL, N,
                    j + 1 < panels ? packed + (int64_t)(j + 1) * K * PANEL : NULL);
+#endif
 }
 
 #ifdef __AVX512BF16__
@@ -172,10 +241,6 @@ int panel_gemm_bf16_preferred(void) {
 #endif
 }
 
-int panel_gemm_preferred(void) {
-#ifdef __AVX512F__
-    return 0;
-#else
-    return 1;
-#endif
-}
+/* 1: the engine multiplies float32 batches here rather than with oneDNN (every build: AVX2, and AVX-512 with
+ * its pair tiles, which read weights from memory faster than oneDNN's packed kernels) */
+int panel_gemm_preferred(void) { return 1; }

@@ -17,10 +17,11 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return (x.double() @ w.double().T).float()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 12, 13, 64, 131])
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 11, 12, 13, 23, 64, 131])
 @pytest.mark.parametrize("k,n", [(32, 16), (100, 48), (576, 960), (1536, 576)])
 def test_panel_product_matches_float64(rows, k, n):
-    # every tail-tile size (rows % 6 = 1..5), several tiles, K not a multiple of anything, one and many panels
+    # tail tiles of the AVX2 kernel's 6-row tiles and the AVX-512 kernel's 12-row ones, several tiles, K not a
+    # multiple of anything, one panel, an odd count (AVX-512: pairs and a single last panel) and many
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
     x = torch.randn(rows, k, generator=gen)
     w = torch.randn(n, k, generator=gen) / k ** 0.5
@@ -50,7 +51,7 @@ def test_zero_rows_and_bad_input():
 
 
 @pytest.mark.skipif(not (cpu_kernels.load_library() and cpu_kernels.load_library().panel_gemm_preferred()),
-                    reason="the panel kernel serves float32 only on CPUs without AVX-512")
+                    reason="needs the CPU kernels")
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_serves_float32_batches_from_panels(bias):
     gen = torch.Generator().manual_seed(3)
