@@ -19,6 +19,7 @@ Structured output: `add_request` starts each sequence's grammar compiling on `gr
 from __future__ import annotations
 
 import dataclasses
+import gc
 import itertools
 import logging
 import platform
@@ -268,6 +269,9 @@ class LLMEngine:
             "step_idle_gap_seconds_total": self.core.idle_gap_seconds,
             "step_idle_gap_last_seconds": self.core.idle_gap_last,
             "step_idle_gaps": self.core.num_idle_gaps,
+            # the collector: objects kept out of its reach, and its full collections (each walks the rest)
+            "gc_frozen_objects": gc.get_freeze_count(),
+            "gc_full_collections": gc.get_stats()[2]["collections"],
             **self.core.cost_model.stats(sched.step_time_budget),
             **({"eplb": self.expert_parallel.stats()} if self.expert_parallel is not None else {}),
             **(self.core.speculator.stats() if self.core.speculator is not None else {}),

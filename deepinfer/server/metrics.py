@@ -79,6 +79,11 @@ class _EngineCollector:
                       s["step_idle_gaps"])
         yield gauge("step_idle_gap_last_seconds", "The last idle gap between consecutive steps.",
                     s["step_idle_gap_last_seconds"])
+        if "gc_frozen_objects" in s:  # one engine's (a router's merged stats leave them out)
+            yield gauge("engine_gc_frozen_objects", "Objects of the engine process kept out of Python's garbage "
+                        "collector (what start-up built).", s["gc_frozen_objects"])
+            yield counter("engine_gc_full_collections", "Full garbage collections in the engine process (each "
+                          "walks every object not frozen).", s["gc_full_collections"])
         coef = GaugeMetricFamily("deepinfer:cost_model_coefficient",
                                  "Step-time cost model: seconds per unit of each term (overhead: per step; token: "
                                  "per token; seq: per request; attn_pair: per prefill attention pair; decode_ctx: "

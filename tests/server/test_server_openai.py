@@ -165,6 +165,9 @@ def test_admin_endpoints(server):
                  "deepinfer:step_idle_gap_last_seconds"):
         metric(server, name)
     assert metric(server, "deepinfer:step_idle_gaps_total") > 0  # consecutive steps of earlier requests
+    # the engine process froze what start-up built (the model's modules and tensors alone are thousands)
+    assert metric(server, "deepinfer:engine_gc_frozen_objects") > 10_000
+    metric(server, "deepinfer:engine_gc_full_collections_total")
     assert metric(server, "deepinfer:step_time_budget_seconds") > 0
     assert metric(server, "deepinfer:generation_tokens_total") > 0
 
