@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.server_utils import KEY, metric
+from tests.server_utils import KEY, metric, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -26,6 +26,15 @@ for _i, _city in enumerate(("Paris", "Rome")):
 FEW_SHOT.append({"role": "user", "content": "What is the weather in London?"})
 
 
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    # the shared server's flags, and one decode step per pass: a stream's tokens come one at a time, so the
+    # tool input arrives in pieces (a pass of several steps may send `{"city": "London"}` whole, as it did once
+    # the float32 kernels got faster and the pass budget let passes run 8 steps)
+    log = tmp_path_factory.mktemp("srv") / "server.log"
+    with running_server("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
+                        "--dtype", "float32", "--num-scheduler-steps", "1", log=log) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")
