@@ -197,7 +197,12 @@ def test_a_short_lookback_searches_only_the_last_tokens_and_slides_over_what_the
     cuts them; and the positions stay the request's own, so the tokens are still plain greedy decoding's."""
     plain, spec = float32_engines
     lookback = 16
-    monkeypatch.setattr(spec.engine.core.speculator.proposer, "max_lookback", lookback)
+    speculator = spec.engine.core.speculator
+    monkeypatch.setattr(speculator.proposer, "max_lookback", lookback)
+    # drafts on every match, whatever the adaptive policy's prices say (a start-up profile measured in a busy
+    # moment once priced every draft out and the steps proved nothing): a fixed draft length of 4
+    monkeypatch.setattr(speculator.policy, "adaptive", False)
+    monkeypatch.setattr(speculator, "k_max", 4)
     seen: list[tuple[int, list[int], int, int, int]] = []  # (lookback, tokens before the step, match, drafts, kept)
     original = FusedDecoder.spec_steps
 
