@@ -19,6 +19,9 @@ from deepinfer.cluster.auth import CLUSTER_TOKEN_HEADER
 CLUSTER_TOKEN = "deepinfer-test-cluster-token"
 INTERNAL = {CLUSTER_TOKEN_HEADER: CLUSTER_TOKEN}
 KEY = "test-key"  # the API key of tests/server/conftest.py's shared server
+# the flags of tests/server/conftest.py's shared server (a module that needs one more starts its own with these)
+SHARED_SERVER_FLAGS = ("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
+                       "--dtype", "float32")
 
 
 def free_port() -> int:

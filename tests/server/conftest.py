@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from tests.server_utils import KEY, running_server
+from tests.server_utils import SHARED_SERVER_FLAGS, running_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("srv") / "server.log"
-    with running_server("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
-                        "--dtype", "float32", log=log) as base:
+    with running_server(*SHARED_SERVER_FLAGS, log=log) as base:
         yield base

@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.server_utils import KEY, metric, running_server
+from tests.server_utils import KEY, SHARED_SERVER_FLAGS, metric, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -32,8 +32,7 @@ def server(tmp_path_factory):
     # tool input arrives in pieces (a pass of several steps may send `{"city": "London"}` whole, as it did once
     # the float32 kernels got faster and the pass budget let passes run 8 steps)
     log = tmp_path_factory.mktemp("srv") / "server.log"
-    with running_server("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
-                        "--dtype", "float32", "--num-scheduler-steps", "1", log=log) as base:
+    with running_server(*SHARED_SERVER_FLAGS, "--num-scheduler-steps", "1", log=log) as base:
         yield base
 
 
