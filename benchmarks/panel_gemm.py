@@ -1,4 +1,4 @@
-"""Float32 products at the default model's shapes: oneDNN's packed weights against `panel_gemm.c`, side by side.
+"""Float32 (or bfloat16) products at the default model's shapes: oneDNN's packed weights against `panel_gemm.c`.
 
 For each projection shape of SmolLM2-135M (and its LM head) and each row count, both kernels multiply the
 same activations with `--copies` distinct random weights in turn (30 by default, like the 30 layers: the
@@ -6,6 +6,7 @@ weights then come from memory, as in a decode step), interleaved within each rep
 wall-clock ms per product, GFLOP/s and the ratio oneDNN / panel (> 1: the panel kernel is faster)::
 
     PYTHONPATH=. python3 benchmarks/panel_gemm.py --threads 2 --repeats 7
+    PYTHONPATH=. python3 benchmarks/panel_gemm.py --threads 2 --repeats 7 --dtype bfloat16   # AVX-512 BF16 CPUs
 """
 
 from __future__ import annotations
@@ -44,24 +45,27 @@ def main() -> None:
     ap.add_argument("--copies", type=int, default=30)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
+    dtype = getattr(torch, args.dtype)
     torch.set_num_threads(args.threads)
     lib = load_library()
     if lib is None:
         raise SystemExit("the CPU kernels are unavailable here (x86-64 with AVX2 and gcc needed)")
-    print(f"{args.threads} thread(s); panel kernel preferred on this CPU: {bool(lib.panel_gemm_preferred())}")
+    preferred = lib.panel_gemm_bf16_preferred() if dtype == torch.bfloat16 else lib.panel_gemm_preferred()
+    print(f"{args.threads} thread(s), {args.dtype}; panel kernel preferred on this CPU: {bool(preferred)}")
     print(f"{'shape':14s} {'rows':>5s} {'oneDNN ms':>10s} {'GFLOP/s':>8s} {'panel ms':>9s} {'GFLOP/s':>8s} {'ratio':>6s}")
     gen = torch.Generator().manual_seed(0)
     for name, (k, n) in SHAPES.items():
         copies = 1 if name == "lm_head" else args.copies
-        weights = [torch.randn(n, k, generator=gen) / k ** 0.5 for _ in range(copies)]
+        weights = [(torch.randn(n, k, generator=gen) / k ** 0.5).to(dtype) for _ in range(copies)]
         packed = [torch.ops.mkldnn._reorder_linear_weight(w, 64) for w in weights]
         panels = [pack_panels(w) for w in weights]
         del weights
         for m in args.rows:
             if name == "lm_head" and m > 128:
                 continue  # the LM head runs on the last token of each sequence only
-            x = torch.randn(m, k, generator=gen)
+            x = torch.randn(m, k, generator=gen).to(dtype)
             times: dict[str, list[float]] = {"onednn": [], "panel": []}
             for key in times:  # warm-up: oneDNN builds its primitive for the shape
                 _product(key, x, packed[0], panels[0])
