@@ -24,7 +24,6 @@ writes) or when the server process disappears (its command pipe closes).
 from __future__ import annotations
 
 import asyncio
-import gc
 import itertools
 import logging
 import multiprocessing
@@ -234,10 +233,8 @@ def _engine_main(config: EngineConfig, commands: Connection, outputs: Connection
     # What start-up built (modules, tensors, tokenizer tables: ~330K objects for the default model) lives as
     # long as this process: out of the collector's reach, a full collection no longer walks it (125-148 ms on
     # a 2-core Zen 5, a stall inside some request's step whenever enough new objects had outlived younger
-    # collections). Only here, in a process that holds one engine for its life: an engine built and dropped
-    # in a longer-lived process would keep its reference cycles (its KV cache with them) frozen.
-    gc.collect()
-    gc.freeze()
+    # collections). Only here, in a process that holds one engine for its life.
+    engine.freeze_startup_objects()
     outputs.send(("ready", EngineInfo(engine.tokenizer, engine.max_model_len, engine.vocab_size,
                                       engine.core.retention, engine.eos_token_ids, engine.describe(),
                                       engine.stats())))
