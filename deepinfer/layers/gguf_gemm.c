@@ -243,8 +243,9 @@ static inline __attribute__((always_inline)) __m512 reduce16(const __m512 v[16])
  * v & (0xF << 4k), and converted: q * 2^4k, exact in float32 (the top nibble, which would set the sign
  * bit, is shifted down instead). 16 weights cost an and and a convert, with no widening shuffles: a quad's
  * 128 weights take 17 instructions, and each row 8 multiply-adds and 2 scalings, where widening each
- * block took ~36, and each row 12 and a scalar offset sum per block. The weights come in the order (k, dword) instead of k, so each row of x is
- * permuted to match once per call (quad_x) and pre-scaled by 2^-4k: every product is q * x exactly
+ * block took ~36, and each row 12 and a scalar offset sum per block. The weights come in the order
+ * (k, dword) instead of k, so each row of x is permuted to match once per call (quad_x) and pre-scaled by
+ * 2^-4k: every product is q * x exactly
  * (for |x| >= 2^-102, below which x * 2^-24 is subnormal and loses bits). A row's last nb % 4 blocks form
  * a short quad: masked loads of their 4 (nb % 4) dwords, and x packed at that stride (a row of the
  * permutation still fills exactly K floats), the missing lanes zeros that add nothing. */
