@@ -168,6 +168,9 @@ def main() -> None:
     cpu_rates: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
     accept: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
     tpots: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
+    # per run, the draft tokens verified and kept (each start's line reports the adaptive engine's)
+    drafted: dict[tuple, dict[str, list[int]]] = {c: {n: [] for n in names} for c in cells}
+    kept: dict[tuple, dict[str, list[int]]] = {c: {n: [] for n in names} for c in cells}
     for start in range(args.starts):
         # each start builds the engines afresh: an engine's start-up profile and first estimates shape its
         # choices for its whole life, so repeats within one start do not average over them
@@ -191,6 +194,8 @@ def main() -> None:
                         d = after["spec_draft_tokens"] - before["spec_draft_tokens"]
                         a = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
                         accept[workload, batch][name].append(a / d if d else 0.0)
+                        drafted[workload, batch][name].append(d)
+                        kept[workload, batch][name].append(a)
                     if ref is None:
                         ref = outs
                     elif outs != ref:
@@ -200,7 +205,9 @@ def main() -> None:
             tmed = {n: statistics.median(tpots[workload, batch][n][-args.repeats:]) for n in names}
             print(f"  start {start + 1}: {workload} b={batch} adaptive/none {med['adaptive'] / med['none']:.2f} "
                   f"k5/none {med['k5'] / med['none']:.2f} (decode: {tmed['none'] / tmed['adaptive']:.2f}, "
-                  f"{tmed['none'] / tmed['k5']:.2f})", flush=True)
+                  f"{tmed['none'] / tmed['k5']:.2f}; adaptive drafted "
+                  f"{sum(drafted[workload, batch]['adaptive'][-args.repeats:])} tokens, kept "
+                  f"{sum(kept[workload, batch]['adaptive'][-args.repeats:])})", flush=True)
         for llm in engines.values():
             llm.close()
         del engines

@@ -99,7 +99,7 @@ def load_library_from(directory: Path) -> ctypes.CDLL | None:
     lib.max_rows.restype = i
     lib.panel_gemm_f32.argtypes = [vp, i, i, vp, vp, i]
     lib.panel_gemm_preferred.restype = i
-    lib.panel_gemm_bf16.argtypes = [vp, i, i, vp, vp, vp, i]
+    lib.panel_gemm_bf16.argtypes = [vp, i, i, vp, vp, vp, i, i]
     lib.panel_gemm_bf16.restype = i
     lib.panel_gemm_bf16_preferred.restype = i
     lib.panel_gemm_bf16_supported.restype = i

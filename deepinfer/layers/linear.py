@@ -62,10 +62,13 @@ def pack_panels(weight: torch.Tensor) -> torch.Tensor:
     return w.reshape(n // PANEL, PANEL, k).transpose(1, 2).contiguous()
 
 
-def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None,
+                 prefetch: bool = False) -> torch.Tensor:
     """x [M, K] times the weight packed by `pack_panels`, plus `bias` -> [M, N], in the panels' dtype
     (the kernels must be loaded; bf16 panels need a CPU with AVX-512 BF16). A bf16 bias is added to
-    the float32 sums before the one rounding to bf16."""
+    the float32 sums before the one rounding to bf16. `prefetch` (bf16 only; the same bits either way):
+    whether each thread asks for its next panel while its first tile computes (see `panel_gemm_bf16`; off:
+    slower on the 2-core Zen 4, `benchmarks/panel_gemm.py` compares both)."""
     x = x.contiguous()
     if x.dim() != 2 or x.dtype != panels.dtype:
         raise ValueError(f"panel_matmul needs 2-D {panels.dtype} activations, got {x.dtype} {tuple(x.shape)}")
@@ -84,7 +87,7 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     if panels.dtype == torch.bfloat16:
         b = None if bias is None else bias.detach().float().contiguous()
         if not lib.panel_gemm_bf16(x.data_ptr(), x.shape[0], k, panels.data_ptr(),
-                                   None if b is None else b.data_ptr(), y.data_ptr(), n):
+                                   None if b is None else b.data_ptr(), y.data_ptr(), n, int(prefetch)):
             raise ValueError("bf16 panels need a CPU with AVX-512 BF16")
         return y
     lib.panel_gemm_f32(x.data_ptr(), x.shape[0], k, panels.data_ptr(), y.data_ptr(), n)
@@ -102,7 +105,7 @@ class Linear(nn.Linear):
     panels for `panel_gemm.c` instead (AVX2-only, 2 threads, 64 rows, on a 2-core EPYC: 185-192 GFLOP/s
     against oneDNN's 101-134; AVX-512, pairs of panels, weights from memory, 2-core Zen 5: 441-484 against
     oneDNN's packed 341-445 at 64 rows). bfloat16 on a CPU with AVX-512 BF16 but no AMX: `pack()` builds 32-feature
-    bf16 panels instead (no synchronisation inside a product, weights prefetched a panel ahead; the four
+    bf16 panels instead (no synchronisation inside a product, weights streamed by the hardware prefetcher; the four
     projections of SmolLM2-135M's 30 layers at 64 rows, weights from memory, 2 threads on a 2-core Zen 5:
     14.9 ms against oneDNN's packed 19.2 ms; at or above oneDNN from 9 to 1024 rows)."""
 

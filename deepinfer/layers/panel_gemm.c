@@ -205,8 +205,13 @@ static void bf16_panel_rows(const uint16_t *x, int M, int K, const uint16_t *pan
 #endif
 
 /* y = x w^T (+ bias, float32, or NULL) in bfloat16 from the bf16 panels of pack_panels; N a multiple of 32,
- * K even. Returns 0 where the CPU has no AVX-512 BF16 (nothing computed). */
-int panel_gemm_bf16(const void *x, int M, int K, const void *packed, const float *bias, void *y, int N) {
+ * K even. `prefetch`: each thread asks for its next panel while its first tile computes (1), or leaves the
+ * weights to the hardware prefetcher (0: what the engine passes). A panel is one sequential run of 36-98 KB
+ * (SmolLM2-135M), which the hardware prefetcher follows; on a 2-core Zen 4 the requests made a 64-row chat
+ * step's products 2-4% slower and the LM head 4-5% (benchmarks/BENCHMARKS.md, session 37). The same bits
+ * either way. Returns 0 where the CPU has no AVX-512 BF16 (nothing computed). */
+int panel_gemm_bf16(const void *x, int M, int K, const void *packed, const float *bias, void *y, int N,
+                    int prefetch) {
 #ifdef __AVX512BF16__
     const int panels = N / BF_PANEL;
     const uint16_t *xb = (const uint16_t *)x, *pb = (const uint16_t *)packed;
@@ -214,10 +219,11 @@ int panel_gemm_bf16(const void *x, int M, int K, const void *packed, const float
 #pragma omp parallel for schedule(static)
     for (int j = 0; j < panels; j++)
         bf16_panel_rows(xb, M, K, pb + (int64_t)j * K * BF_PANEL, bias ? bias + j * BF_PANEL : NULL,
-                        yb + (int64_t)j * BF_PANEL, N, j + 1 < panels ? pb + (int64_t)(j + 1) * K * BF_PANEL : NULL);
+                        yb + (int64_t)j * BF_PANEL, N,
+                        prefetch && j + 1 < panels ? pb + (int64_t)(j + 1) * K * BF_PANEL : NULL);
     return 1;
 #else
-    (void)x, (void)M, (void)K, (void)packed, (void)bias, (void)y, (void)N;
+    (void)x, (void)M, (void)K, (void)packed, (void)bias, (void)y, (void)N, (void)prefetch;
     return 0;
 #endif
 }

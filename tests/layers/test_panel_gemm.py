@@ -138,6 +138,16 @@ def test_bf16_rows_result_does_not_depend_on_the_other_rows():
     assert torch.equal(panel_matmul(x[12:29], panels), full[12:29])
 
 
+@_BF16
+@pytest.mark.parametrize("rows", [9, 12, 64])
+def test_bf16_prefetch_requests_change_no_bits(rows):
+    # the engine runs without the next-panel requests; the variant kept for panel_gemm.py must agree bit for bit
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    panels = pack_panels((torch.randn(1536, 576, generator=gen) / 24).to(torch.bfloat16))
+    assert torch.equal(panel_matmul(x, panels, prefetch=True), panel_matmul(x, panels))
+
+
 def test_bf16_panels_refuse_shapes_they_cannot_fill():
     with pytest.raises(ValueError, match="multiple of 32"):
         pack_panels(torch.randn(48, 64).to(torch.bfloat16))
