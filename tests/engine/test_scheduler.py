@@ -405,3 +405,38 @@ def test_a_pass_of_several_decode_steps_is_cut_to_the_time_budget():
     tight = Scheduler(SchedulerConfig(max_num_seqs=8, num_scheduler_steps=8, multi_step_budget_ms=1.0), kv, 256,
                       cost_model=model)
     assert tight._pass_steps(reqs[:1]) == 1
+
+
+def test_decodes_running_beside_a_wave_of_prompts_make_it_batch_in_larger_groups():
+    """The step's fixed part o that splitting a wave costs every queued prompt is the overhead plus the step's
+    decodes (each step runs them before its prompts are answered): with 24 requests decoding, the waiting
+    prompts join a step while p * c <= o * n with that o, where the overhead alone admits one a step."""
+    def first_step_prompts(decoding: int) -> tuple[list[str], int]:
+        s = _compute()
+        s.cost_model.coef = np.array([0.001, *COEFS[1:]])
+        s.policy.time_budget_s = 10.0
+        running = [_req(f"d{i}", 40, max_tokens=50) for i in range(decoding)]
+        for r in running:
+            s.add(r)
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in running):  # until all of them decode
+            _step(s)
+        wave = [_req(f"w{i}", 150) for i in range(8)]
+        for r in wave:
+            s.add(r)
+        out = _step(s)
+        decodes = [x for x in out.scheduled if x.num_new_tokens == 1]
+        o = s.cost_model.predict(StepWork(tuple((1, x.start) for x in decodes)))
+        c = s.cost_model.predict_features(chunk_features(150, 0))
+        expected = 0
+        for k in range(len(wave)):
+            if expected and expected * c > o * (len(wave) - k):
+                break
+            expected += 1
+        prompts = [x.request.request_id for x in out.scheduled if x.num_new_tokens > 1]
+        assert len(decodes) == decoding
+        return prompts, expected
+
+    alone, expected_alone = first_step_prompts(0)
+    assert alone == ["w0"] == [f"w{i}" for i in range(expected_alone)]
+    beside, expected_beside = first_step_prompts(24)
+    assert beside == [f"w{i}" for i in range(expected_beside)] and len(beside) >= 3
