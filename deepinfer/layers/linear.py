@@ -67,8 +67,9 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
     """x [M, K] times the weight packed by `pack_panels`, plus `bias` -> [M, N], in the panels' dtype
     (the kernels must be loaded; bf16 panels need a CPU with AVX-512 BF16). A bf16 bias is added to
     the float32 sums before the one rounding to bf16. `prefetch` (bf16 only; the same bits either way):
-    whether each thread asks for its next panel while its first tile computes (see `panel_gemm_bf16`; off:
-    slower on the 2-core Zen 4, `benchmarks/panel_gemm.py` compares both)."""
+    whether each thread asks for its next panel while its first tile computes (see `panel_gemm_bf16`; off in
+    the engine: the requests made the products slower on the 2-core Zen 4; `benchmarks/panel_gemm.py`
+    compares both)."""
     x = x.contiguous()
     if x.dim() != 2 or x.dtype != panels.dtype:
         raise ValueError(f"panel_matmul needs 2-D {panels.dtype} activations, got {x.dtype} {tuple(x.shape)}")

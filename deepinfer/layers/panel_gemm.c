@@ -208,7 +208,7 @@ static void bf16_panel_rows(const uint16_t *x, int M, int K, const uint16_t *pan
  * K even. `prefetch`: each thread asks for its next panel while its first tile computes (1), or leaves the
  * weights to the hardware prefetcher (0: what the engine passes). A panel is one sequential run of 36-98 KB
  * (SmolLM2-135M), which the hardware prefetcher follows; on a 2-core Zen 4 the requests made a 64-row chat
- * step's products 2-4% slower and the LM head 4-5% (benchmarks/BENCHMARKS.md, session 37). The same bits
+ * step's layer products ~2% slower and its LM head ~3% (benchmarks/BENCHMARKS.md, session 37). The same bits
  * either way. Returns 0 where the CPU has no AVX-512 BF16 (nothing computed). */
 int panel_gemm_bf16(const void *x, int M, int K, const void *packed, const float *bias, void *y, int N,
                     int prefetch) {
