@@ -130,6 +130,12 @@ def run_once(llm: LLM, prompts: list, max_tokens: int) -> tuple[float, float, fl
     return tokens / wall, tokens / max(cpu, 1e-9), tpot, [list(o.outputs[0].token_ids) for o in outs]
 
 
+def acceptance(drafted: list[int], kept: list[int]) -> float:
+    """The median over runs of the share of verified draft tokens kept (a run that drafted nothing: 0)."""
+    rates = [k / d if d else 0.0 for d, k in zip(drafted, kept, strict=True)]
+    return statistics.median(rates) if rates else 0.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the built-in GGUF")
@@ -166,9 +172,9 @@ def main() -> None:
     cells = [(w, b) for w in args.workloads for b in args.batches]
     rates: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
     cpu_rates: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
-    accept: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
     tpots: dict[tuple, dict[str, list[float]]] = {c: {n: [] for n in names} for c in cells}
-    # per run, the draft tokens verified and kept (each start's line reports the adaptive engine's)
+    # per run, the draft tokens verified and kept (each start's line reports the adaptive engine's sums; the
+    # table the median of the runs' acceptance rates)
     drafted: dict[tuple, dict[str, list[int]]] = {c: {n: [] for n in names} for c in cells}
     kept: dict[tuple, dict[str, list[int]]] = {c: {n: [] for n in names} for c in cells}
     for start in range(args.starts):
@@ -193,7 +199,6 @@ def main() -> None:
                     if "spec_draft_tokens" in after:
                         d = after["spec_draft_tokens"] - before["spec_draft_tokens"]
                         a = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-                        accept[workload, batch][name].append(a / d if d else 0.0)
                         drafted[workload, batch][name].append(d)
                         kept[workload, batch][name].append(a)
                     if ref is None:
@@ -215,13 +220,12 @@ def main() -> None:
     for workload, batch in cells:
         med = {n: statistics.median(rates[workload, batch][n]) for n in names}
         cmed = {n: statistics.median(cpu_rates[workload, batch][n]) for n in names}
-        acc = accept[workload, batch]
         tmed = {n: statistics.median(tpots[workload, batch][n]) for n in names}
         row = (workload, batch, med["none"], med["k5"], med["adaptive"], med["k5"] / med["none"],
                med["adaptive"] / med["none"], med["adaptive"] / med["k5"],
                cmed["k5"] / cmed["none"], cmed["adaptive"] / cmed["none"], cmed["adaptive"] / cmed["k5"],
-               statistics.median(acc["k5"]) if acc["k5"] else 0.0,
-               statistics.median(acc["adaptive"]) if acc["adaptive"] else 0.0,
+               acceptance(drafted[workload, batch]["k5"], kept[workload, batch]["k5"]),
+               acceptance(drafted[workload, batch]["adaptive"], kept[workload, batch]["adaptive"]),
                med["none_b"] / med["none"] if "none_b" in med else float("nan"),
                tmed["none"] / tmed["k5"], tmed["none"] / tmed["adaptive"], tmed["k5"] / tmed["adaptive"])
         rows.append(row)

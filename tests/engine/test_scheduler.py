@@ -269,6 +269,17 @@ def test_a_prompt_waits_for_its_prefix_being_computed_instead_of_computing_it_tw
     _assert_no_leak(s)
 
 
+def _prompts_joining(costs: list[float], o: float) -> int:
+    """How many queued prompts (their predicted prefill seconds, in queue order) the first step answers under
+    the batching rule: the k-th joins the p before it while p * c_k <= o * (prompts queued from it on)."""
+    p = 0
+    for k, c in enumerate(costs):
+        if p and p * c > o * (len(costs) - k):
+            break
+        p += 1
+    return p
+
+
 @pytest.mark.parametrize("overhead", [0.01, 0.001, 1.0])
 def test_prompts_that_arrived_together_batch_while_the_overhead_saved_outweighs_the_delay(overhead):
     """Eight similar prompts waiting together: the k-th joins a step that already completes p = k - 1 of them
@@ -282,12 +293,7 @@ def test_prompts_that_arrived_together_batch_while_the_overhead_saved_outweighs_
     reqs = [_req(f"r{i}", 120 + 10 * i) for i in range(8)]
     for r in reqs:
         s.add(r)
-    expected = 0
-    for k, r in enumerate(reqs):
-        c = cm.predict_features(chunk_features(r.num_prompt_tokens, 0))
-        if expected and expected * c > overhead * (len(reqs) - k):
-            break
-        expected += 1
+    expected = _prompts_joining([cm.predict_features(chunk_features(r.num_prompt_tokens, 0)) for r in reqs], overhead)
     out = _step(s)
     assert [x.request.request_id for x in out.scheduled] == [r.request_id for r in reqs[:expected]]
     assert all(x.start + x.num_new_tokens == x.request.num_prompt_tokens for x in out.scheduled)
@@ -426,12 +432,7 @@ def test_decodes_running_beside_a_wave_of_prompts_make_it_batch_in_larger_groups
         out = _step(s)
         decodes = [x for x in out.scheduled if x.num_new_tokens == 1]
         o = s.cost_model.predict(StepWork(tuple((1, x.start) for x in decodes)))
-        c = s.cost_model.predict_features(chunk_features(150, 0))
-        expected = 0
-        for k in range(len(wave)):
-            if expected and expected * c > o * (len(wave) - k):
-                break
-            expected += 1
+        expected = _prompts_joining([s.cost_model.predict_features(chunk_features(150, 0))] * len(wave), o)
         prompts = [x.request.request_id for x in out.scheduled if x.num_new_tokens > 1]
         assert len(decodes) == decoding
         return prompts, expected
