@@ -116,14 +116,25 @@ def test_prefill_worker_killed_mid_stream_is_retried_and_the_partial_transfer_dr
     t = threading.Thread(target=run, daemon=True)
     t.start()
     prefills = [w for w in _workers(cluster) if w["role"] == "prefill" and w["alive"]]
+    full = len(prompt) // BS
     victim = None
     deadline = time.monotonic() + 60
-    while victim is None:  # some blocks have landed on the decode worker: the stream is under way
+    while victim is None:
         assert time.monotonic() < deadline and t.is_alive(), ("the prefill finished before it could be killed", result)
-        if _load(decoder)["blocks_imported"] - before["blocks_imported"] >= 4:
-            # the worker computing the prompt: its queued-seconds estimate counts down and can reach 0
-            # before the prompt is done, so the running sequence is what identifies it
-            victim = next((w for w in prefills if _load(w["url"])["num_running"] > 0), None)
+        # the worker computing the prompt (its running sequence identifies it: its queued-seconds estimate
+        # can reach 0 before the prompt is done) is frozen at once, so a slow poll under a loaded machine
+        # cannot let it finish while the decode worker's count is read; it is killed only mid-stream
+        running = next((w for w in prefills if _load(w["url"])["num_running"] > 0), None)
+        if running is not None:
+            pid = running["load"]["pid"]
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(0.3)  # blocks already on the wire land before the count is read
+            landed = _load(decoder)["blocks_imported"] - before["blocks_imported"]
+            if 4 <= landed < full:
+                victim = running
+            else:
+                assert landed < full, ("the whole prompt had been shipped before the prefill could be killed", landed)
+                os.kill(pid, signal.SIGCONT)
         time.sleep(0.01)
     os.kill(victim["load"]["pid"], signal.SIGKILL)
     t.join(timeout=120)
