@@ -664,6 +664,78 @@ static inline __attribute__((always_inline)) __m512bh block_pbh(int kind, const 
     return (__m512bh)_mm512_loadu_si512((const uint16_t *)qs + i * QK);  /* kind 3 */
 }
 
+/* Blocks go through the kernels in pairs (b, b + 1), as two vectors of 32 weights:
+ *   lo = [block b: k 0..15 | block b + 1: k 0..15],  hi = [block b: k 16..31 | block b + 1: k 16..31],
+ * with x permuted the same way once per call (pair_x_bf16), so the products and their float32 lanes are
+ * those of the blocks in k order, summed in another fixed order. For Q4_1 one vpermw table then holds both
+ * blocks' 16 values (words 0..15 block b's, 16..31 block b + 1's): one conversion to bf16 per pair instead
+ * of one per block, and one widening of the pair's 32 quant bytes, whose words index the table after a
+ * mask (low nibbles) or a shift (high nibbles) and the block's bit: ~13% off a 1-row pass over weights in
+ * cache on the 2-core Zen 4 (benchmarks/BENCHMARKS.md, session 38). Every kind (and the dense copy of a
+ * GGUF weight) takes the same order, so their bits agree. A K / 32 that is odd leaves a last block alone,
+ * in k order with x as it is. */
+static inline void q4_1_pair_pbh(const uint8_t *bytes, const float *d, const float *mn, __m512bh *lo,
+                                 __m512bh *hi) {
+    const __m512 iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
+                                       14.f, 15.f);
+    /* bf16(d * j + mn) for j = 0..15: the same fmadd and rounding as dequantizing each weight */
+    const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(d[0]), iota, _mm512_set1_ps(mn[0]));
+    const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(d[1]), iota, _mm512_set1_ps(mn[1]));
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
+    const __m512i block = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
+    /* word k: byte k of the pair (block b's 16 bytes, then block b + 1's): low nibble q[k % 16], high q[k % 16 + 16] */
+    const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)bytes));
+    const __m512i lo_idx = _mm512_ternarylogic_epi32(w, _mm512_set1_epi16(0x0F), block, 0xEA);  /* (w & 15) | block */
+    const __m512i hi_idx = _mm512_or_si512(_mm512_srli_epi16(w, 4), block);
+    *lo = (__m512bh)_mm512_permutexvar_epi16(lo_idx, table);
+    *hi = (__m512bh)_mm512_permutexvar_epi16(hi_idx, table);
+}
+
+static inline void q8_0_pair_pbh(const int8_t *bytes, const float *d, __m512bh *lo, __m512bh *hi) {
+    const __m512 d0 = _mm512_set1_ps(d[0]), d1 = _mm512_set1_ps(d[1]);
+#define Q8_16(P) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(P))))
+    *lo = _mm512_cvtne2ps_pbh(_mm512_mul_ps(d1, Q8_16(bytes + QK)), _mm512_mul_ps(d0, Q8_16(bytes)));
+    *hi = _mm512_cvtne2ps_pbh(_mm512_mul_ps(d1, Q8_16(bytes + QK + 16)), _mm512_mul_ps(d0, Q8_16(bytes + 16)));
+#undef Q8_16
+}
+
+static inline __m512i two_halves(const uint16_t *a, const uint16_t *b) {
+    return _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)a)),
+                              _mm256_loadu_si256((const __m256i *)b), 1);
+}
+
+/* the pair of blocks (b, b + 1) of output feature n as lo, hi (above) */
+static inline __attribute__((always_inline)) void block_pair_pbh(int kind, const void *qs, const float *d,
+                                                                 const float *mn, int64_t n, int nb, int b,
+                                                                 __m512bh *lo, __m512bh *hi) {
+    const int64_t i = n * nb + b;
+    if (kind == 0) {
+        q4_1_pair_pbh((const uint8_t *)qs + i * 16, d + i, mn + i, lo, hi);
+    } else if (kind == 1) {
+        q8_0_pair_pbh((const int8_t *)qs + i * QK, d + i, lo, hi);
+    } else {  /* kind 3 */
+        const uint16_t *w = (const uint16_t *)qs + i * QK;
+        *lo = (__m512bh)two_halves(w, w + QK);
+        *hi = (__m512bh)two_halves(w + 16, w + QK + 16);
+    }
+}
+
+/* rows of x [M, K] (bf16) in the pair order of block_pair_pbh, into xp [M, K] */
+static void pair_x_bf16(const uint16_t *x, int M, int K, uint16_t *xp) {
+    const int nb = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *r = x + m * K;
+        uint16_t *o = xp + m * K;
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            const uint16_t *x0 = r + b * QK, *x1 = x0 + QK;
+            _mm512_storeu_si512(o + b * QK, two_halves(x0, x1));
+            _mm512_storeu_si512(o + b * QK + QK, two_halves(x0 + 16, x1 + 16));
+        }
+        if (b < nb) _mm512_storeu_si512(o + b * QK, _mm512_loadu_si512(r + b * QK));
+    }
+}
+
 /* Ask for output feature n's blocks (quants, scales, offsets) ahead of use. Each thread walks its
  * features in order, one short run of bytes per array and feature; the 210 weights of a small model are
  * each too short for the hardware prefetcher to ramp up on (8 features ahead: ~3-8% off a pass over
@@ -682,8 +754,9 @@ static inline __attribute__((always_inline)) void prefetch_feature(const int kin
         for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)(mn + n * nb) + o, _MM_HINT_T0);
 }
 
-/* The sums of output feature n for M rows (1..MAX_ROWS) into v[0..M): even blocks into one accumulator, odd
- * into another, then their sum. M and the weight kind are compile-time constants at each call site, so
+/* The sums of output feature n for M rows (1..MAX_ROWS) of x (in pair order: pair_x_bf16) into v[0..M): each
+ * block pair's lo vector into one accumulator, its hi vector into another (a last lone block into the first),
+ * then their sum. M and the weight kind are compile-time constants at each call site, so
  * the 2 * M accumulators stay in registers (a stack array indexed by a run-time m had every vdpbf16ps load
  * and store its accumulator: 4-8 rows cost 1.7-2.3x one row). Each block is dequantized once for all M
  * rows; the x blocks come from L1. The order is fixed whatever M is, so a row's bits do not depend on the
@@ -697,12 +770,13 @@ static inline __attribute__((always_inline)) void feature_sums(const uint16_t *x
     for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
     int b = 0;
     for (; b + 2 <= nb; b += 2) {
-        const __m512bh w0 = block_pbh(kind, qs, d, mn, n, nb, b), w1 = block_pbh(kind, qs, d, mn, n, nb, b + 1);
+        __m512bh lo, hi;
+        block_pair_pbh(kind, qs, d, mn, n, nb, b, &lo, &hi);
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) {
             const uint16_t *xm = x + (int64_t)m * K + b * QK;
-            acc[m] = _mm512_dpbf16_ps(acc[m], w0, (__m512bh)_mm512_loadu_si512(xm));
-            accb[m] = _mm512_dpbf16_ps(accb[m], w1, (__m512bh)_mm512_loadu_si512(xm + QK));
+            acc[m] = _mm512_dpbf16_ps(acc[m], lo, (__m512bh)_mm512_loadu_si512(xm));
+            accb[m] = _mm512_dpbf16_ps(accb[m], hi, (__m512bh)_mm512_loadu_si512(xm + QK));
         }
     }
     if (b < nb) {
@@ -819,7 +893,8 @@ static void rows_f32lanes(const float *xf, int M, int K, int kind, const void *q
  * call: each thread takes a fixed slice of the output features and runs every row group over it
  * (its slice of the weights stays in its cache; no barrier between groups, which matters when
  * another process holds one of the cores).
- * scratch: M * K floats for bf16 input (unused on CPUs with AVX-512 BF16), plus M * K/32 for Q4_1; float32
+ * scratch: M * K floats for bf16 input (on CPUs with AVX-512 BF16: the rows in block-pair order, half of it),
+ * plus M * K/32 for Q4_1; float32
  * Q4_1 input on AVX2 builds keeps its pair_x permutation in the M * K floats, after M * K/32 rounded up to
  * 16 floats. */
 static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, const float *d, const float *mn,
@@ -851,6 +926,13 @@ static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, 
 #endif
         xq = xp;
     }
+#ifdef __AVX512BF16__
+    const uint16_t *xb = (const uint16_t *)x_in;  /* path 2: the rows in block-pair order (block_pair_pbh) */
+    if (path == 2) {
+        pair_x_bf16(xb, M, K, (uint16_t *)scratch);
+        xb = (const uint16_t *)scratch;
+    }
+#endif
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -860,7 +942,7 @@ static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, 
             char *yg = (char *)y + (int64_t)m0 * N * es;
             if (path == 2) {
 #ifdef __AVX512BF16__
-                rows_bf16((const uint16_t *)x_in + (int64_t)m0 * K, rows, K, kind, qs, d, mn, (uint16_t *)yg, N, n0, n1);
+                rows_bf16(xb + (int64_t)m0 * K, rows, K, kind, qs, d, mn, (uint16_t *)yg, N, n0, n1);
 #endif
             } else if (path == 1) {
                 rows_f32lanes(xf + (int64_t)m0 * K, rows, K, kind, qs, d, mn, yg, N, dtype == 1, n0, n1);

@@ -105,6 +105,25 @@ def test_block_and_feature_tails(kind, nb):
         for rows in range(2, 10):
             assert torch.equal(w.matmul(x[:rows]), alone[:rows]), (n, nb, rows)
 
+@pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
+@pytest.mark.parametrize("nb", [1, 2, 3, 17, 18])
+def test_bf16_block_pairs_and_a_lone_last_block_give_the_dense_copys_bits(kind, nb):
+    """bfloat16 activations: blocks go through in pairs (one shared lookup table, x permuted to match) and an
+    odd K / 32 leaves a last block alone. Every row count must give each row the bits of a single-row call
+    and of the weight's dense bf16 copy (what the whole-layer C path multiplies past max_rows() rows), and
+    stay near the float64 product of the bf16-rounded weights."""
+    for n in (1, 2, 9):
+        w = _odd_shaped(kind, n, nb, 7 * nb + n)
+        dense = gk.QuantizedWeight.dense(w.dequantize().bfloat16())
+        x = torch.randn(9, w.k, generator=torch.Generator().manual_seed(nb)).bfloat16()
+        alone = torch.cat([w.matmul(x[i:i + 1]) for i in range(9)])
+        ref = x.double() @ dense.dequantize().double().T
+        assert ((alone.double() - ref).abs() / ref.abs().clamp_min(1e-2)).max().item() < 1e-2, (n, nb)
+        for rows in range(1, 10):
+            assert torch.equal(w.matmul(x[:rows]), alone[:rows]), (n, nb, rows)
+            assert torch.equal(dense.matmul(x[:rows]), alone[:rows]), (n, nb, rows)
+
+
 @pytest.mark.slow  # ~25 s: two default-model engines
 def test_engine_with_kernels_matches_float32_path():
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
