@@ -71,7 +71,7 @@ def main() -> None:
     for rep in range(args.repeats):
         for name in (["none", "spec"] if rep % 2 == 0 else ["spec", "none"]):
             log.clear()
-            rate, _, _ = run_once(engines[name], prompts, args.max_tokens)
+            rate, *_ = run_once(engines[name], prompts, args.max_tokens)
             model = sum(s[1] for s in log)
             host = sum(b[2] - a[3] for a, b in zip(log, log[1:], strict=False))
             print(f"{name:5s} {rate:7.1f} tok/s  model {model * 1e3:6.0f} ms  between steps {host * 1e3:5.0f} ms  "
