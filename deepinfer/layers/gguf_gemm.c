@@ -893,10 +893,9 @@ static void rows_f32lanes(const float *xf, int M, int K, int kind, const void *q
  * call: each thread takes a fixed slice of the output features and runs every row group over it
  * (its slice of the weights stays in its cache; no barrier between groups, which matters when
  * another process holds one of the cores).
- * scratch: M * K floats for bf16 input (on CPUs with AVX-512 BF16: the rows in block-pair order, half of it),
- * plus M * K/32 for Q4_1; float32
- * Q4_1 input on AVX2 builds keeps its pair_x permutation in the M * K floats, after M * K/32 rounded up to
- * 16 floats. */
+ * scratch: M * K floats for bf16 input (on CPUs with AVX-512 BF16: the rows in block-pair order, in half of
+ * it), plus M * K/32 for Q4_1; float32 Q4_1 input on AVX2 builds keeps its pair_x permutation in the M * K
+ * floats, after M * K/32 rounded up to 16 floats. */
 static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, const float *d, const float *mn,
                       void *y, int N, float *scratch, int dtype) {
     const int es = dtype == 1 ? 2 : 4;

@@ -133,8 +133,8 @@ def test_prefill_worker_killed_mid_stream_is_retried_and_the_partial_transfer_dr
             if 4 <= landed < full:
                 victim = running
             else:
-                assert landed < full, ("the whole prompt had been shipped before the prefill could be killed", landed)
                 os.kill(pid, signal.SIGCONT)
+                assert landed < full, ("the whole prompt had been shipped before the prefill could be killed", landed)
         time.sleep(0.01)
     os.kill(victim["load"]["pid"], signal.SIGKILL)
     t.join(timeout=120)

@@ -105,6 +105,7 @@ def test_block_and_feature_tails(kind, nb):
         for rows in range(2, 10):
             assert torch.equal(w.matmul(x[:rows]), alone[:rows]), (n, nb, rows)
 
+
 @pytest.mark.parametrize("kind", ["q4_1", "q8_0"])
 @pytest.mark.parametrize("nb", [1, 2, 3, 17, 18])
 def test_bf16_block_pairs_and_a_lone_last_block_give_the_dense_copys_bits(kind, nb):
