@@ -622,15 +622,20 @@ static void q8_0_rows_f32(const float *x, int M, int K, const int8_t *qs, const 
 #ifdef __AVX512BF16__
 /* CPUs with AVX-512 BF16: a block's 32 weights converted to bf16 in one instruction (round to
  * nearest even, as torch's .to(bfloat16)), bf16 pairs multiplied and summed into float32 lanes by
- * vdpbf16ps, reading the bf16 activations as they are. */
-static inline __m512bh q4_1_block_pbh(const uint8_t *bytes, float d, float mn) {
-#ifdef __AVX512BW__
-    /* a block has only 16 distinct weights, bf16(d * j + mn) for j = 0..15: build them once (the same
-     * fmadd and rounding as dequantizing each weight, so the same values) and look every weight up
-     * by its nibble, instead of widening, converting and scaling 32 lanes */
+ * vdpbf16ps, reading the bf16 activations as they are. (Compilers enable AVX-512 BW with AVX-512 BF16, so
+ * its word shuffles are there too.) */
+
+/* A Q4_1 block has only 16 distinct weights, d * j + mn for j = 0..15: built once per block (the same fmadd
+ * as dequantizing each weight, so after the bf16 rounding the same values), every weight is then looked up
+ * by its nibble instead of widening, converting and scaling 32 lanes */
+static inline __m512 q4_1_values(float d, float mn) {
     const __m512 iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
                                        14.f, 15.f);
-    const __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(mn));
+    return _mm512_fmadd_ps(_mm512_set1_ps(d), iota, _mm512_set1_ps(mn));
+}
+
+static inline __m512bh q4_1_block_pbh(const uint8_t *bytes, float d, float mn) {
+    const __m512 t = q4_1_values(d, mn);
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t, t);  /* words 16..31 repeat 0..15 */
     /* word k < 16: byte k (vpermw reads 5 bits: the low nibble, plus 16 for an odd high nibble, which
      * the repeated table absorbs); word k >= 16: byte k - 16 >> 4, its high nibble */
@@ -638,22 +643,16 @@ static inline __m512bh q4_1_block_pbh(const uint8_t *bytes, float d, float mn) {
     const __m512i idx = _mm512_srlv_epi16(
         _mm512_cvtepu8_epi16(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)bytes))), shifts);
     return (__m512bh)_mm512_permutexvar_epi16(idx, table);
-#else
-    const __m128i raw = _mm_loadu_si128((const __m128i *)bytes), nib = _mm_set1_epi8(0x0F);
-    const __m512 dv = _mm512_set1_ps(d), mv = _mm512_set1_ps(mn);
-    const __m512 lo = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(raw, nib))), mv);
-    const __m512 hi = _mm512_fmadd_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(
-                                              _mm_and_si128(_mm_srli_epi16(raw, 4), nib))), mv);
-    return _mm512_cvtne2ps_pbh(hi, lo);  /* k 0..15 from lo, 16..31 from hi */
-#endif
+}
+
+/* d * the 16 Q8_0 quants at p, as float32 */
+static inline __m512 q8_0_values16(const int8_t *p, __m512 d) {
+    return _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p))));
 }
 
 static inline __m512bh q8_0_block_pbh(const int8_t *bytes, float d) {
     const __m512 dv = _mm512_set1_ps(d);
-    const __m512 lo = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)bytes))));
-    const __m512 hi = _mm512_mul_ps(dv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                            _mm_loadu_si128((const __m128i *)(bytes + 16)))));
-    return _mm512_cvtne2ps_pbh(hi, lo);
+    return _mm512_cvtne2ps_pbh(q8_0_values16(bytes + 16, dv), q8_0_values16(bytes, dv));  /* k 0..15 low */
 }
 
 static inline __attribute__((always_inline)) __m512bh block_pbh(int kind, const void *qs, const float *d,
@@ -676,12 +675,7 @@ static inline __attribute__((always_inline)) __m512bh block_pbh(int kind, const 
  * in k order with x as it is. */
 static inline void q4_1_pair_pbh(const uint8_t *bytes, const float *d, const float *mn, __m512bh *lo,
                                  __m512bh *hi) {
-    const __m512 iota = _mm512_setr_ps(0.f, 1.f, 2.f, 3.f, 4.f, 5.f, 6.f, 7.f, 8.f, 9.f, 10.f, 11.f, 12.f, 13.f,
-                                       14.f, 15.f);
-    /* bf16(d * j + mn) for j = 0..15: the same fmadd and rounding as dequantizing each weight */
-    const __m512 t0 = _mm512_fmadd_ps(_mm512_set1_ps(d[0]), iota, _mm512_set1_ps(mn[0]));
-    const __m512 t1 = _mm512_fmadd_ps(_mm512_set1_ps(d[1]), iota, _mm512_set1_ps(mn[1]));
-    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(t1, t0);
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(q4_1_values(d[1], mn[1]), q4_1_values(d[0], mn[0]));
     const __m512i block = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(16), 1);
     /* word k: byte k of the pair (block b's 16 bytes, then block b + 1's): low nibble q[k % 16], high q[k % 16 + 16] */
     const __m512i w = _mm512_cvtepu8_epi16(_mm256_loadu_si256((const __m256i *)bytes));
@@ -693,10 +687,8 @@ static inline void q4_1_pair_pbh(const uint8_t *bytes, const float *d, const flo
 
 static inline void q8_0_pair_pbh(const int8_t *bytes, const float *d, __m512bh *lo, __m512bh *hi) {
     const __m512 d0 = _mm512_set1_ps(d[0]), d1 = _mm512_set1_ps(d[1]);
-#define Q8_16(P) _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(P))))
-    *lo = _mm512_cvtne2ps_pbh(_mm512_mul_ps(d1, Q8_16(bytes + QK)), _mm512_mul_ps(d0, Q8_16(bytes)));
-    *hi = _mm512_cvtne2ps_pbh(_mm512_mul_ps(d1, Q8_16(bytes + QK + 16)), _mm512_mul_ps(d0, Q8_16(bytes + 16)));
-#undef Q8_16
+    *lo = _mm512_cvtne2ps_pbh(q8_0_values16(bytes + QK, d1), q8_0_values16(bytes, d0));
+    *hi = _mm512_cvtne2ps_pbh(q8_0_values16(bytes + QK + 16, d1), q8_0_values16(bytes + 16, d0));
 }
 
 static inline __m512i two_halves(const uint16_t *a, const uint16_t *b) {
