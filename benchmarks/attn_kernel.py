@@ -18,6 +18,8 @@ A few short sequences' KV fits in the caches, where the engine's never stays: be
 that layer's weights (2.2 MB for SmolLM2-135M's Q4_1 blocks, 96 MB a step). `--between-mb 2.2` reads that
 much of a 256 MB buffer before each layer's call, outside the timed calls, so the KV comes from memory as in a
 decode step (`--batch 1 --context 140,140 --threads 2 --wall --between-mb 2.2`: a single stream's step).
+`--rows-per-seq R` gives each sequence R rows at consecutive positions over its one block table, the shape of a
+verification step's drafts or a prompt chunk's tokens (`--batch 1 --rows-per-seq 4 --context 300,300`).
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--wall", action="store_true", help="wall-clock time instead of CPU time")
+    ap.add_argument("--rows-per-seq", type=int, default=1,
+                    help="rows per sequence at consecutive positions sharing its block table (a verification "
+                         "step's drafts or a prompt chunk's tokens): the sequence's context is the last row's")
     ap.add_argument("--between-mb", type=float, default=0.0,
                     help="MB of another buffer read before each layer's call, untimed (the weights' traffic)")
     args = ap.parse_args()
@@ -71,7 +76,12 @@ def main() -> None:
         used += nb
     caches = [(torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype),
                torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype)) for _ in range(args.layers)]
-    q = torch.randn(args.batch, args.heads, d, generator=gen).to(dtype)
+    if args.rows_per_seq > 1:  # each sequence's rows: its table, contexts ending at its length
+        r = args.rows_per_seq
+        tables = tables.repeat_interleave(r, dim=0)
+        lens = (lens[:, None] - torch.arange(r - 1, -1, -1)[None, :]).reshape(-1).clamp(min=1)
+    rows = len(lens)
+    q = torch.randn(rows, args.heads, d, generator=gen).to(dtype)
     out = torch.empty_like(q)
     code = cpu_kernels.dtype_code(dtype)
 
@@ -91,7 +101,7 @@ def main() -> None:
                 at += chunk
             t = clock()
             rc = lib.paged_decode_attention(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(),
-                                            tables.data_ptr(), need, lens.data_ptr(), args.batch, args.heads, kvh,
+                                            tables.data_ptr(), need, lens.data_ptr(), rows, args.heads, kvh,
                                             d, bs, d ** -0.5, code, 0, None)
             total += clock() - t
             if rc != 0:
@@ -103,7 +113,7 @@ def main() -> None:
     times = [step() for _ in range(args.repeats)]
     tokens = int(lens.sum()) * kvh * args.layers
     med = statistics.median(times)
-    print(f"{args.dtype} B={args.batch} ctx {lo}-{hi} H={args.heads}/{kvh} D={d} layers={args.layers}: "
+    print(f"{args.dtype} B={args.batch}x{args.rows_per_seq} ctx {lo}-{hi} H={args.heads}/{kvh} D={d} layers={args.layers}: "
           f"median {med:.2f} ms {'wall' if args.wall else 'CPU'} per step (min {min(times):.2f}), "
           f"{med * 1e6 / tokens:.2f} ns per (token, kv head)")
 
