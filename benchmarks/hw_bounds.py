@@ -14,10 +14,17 @@ left out, so the bounds are upper bounds and the fractions are conservative.
 
 torch is imported inside the functions: a benchmark imports deepinfer (which sets the OpenMP wait
 policy) before torch loads, whatever order its imports are in.
+
+`RunBounds` bundles this for a benchmark of the default model (measure at start, `remeasure` at the end, `of`
+per result). Shell scripts (serve_compare.sh) use the command line::
+
+    python3 benchmarks/hw_bounds.py measure FILE                 # append a measurement to FILE (JSON lines)
+    python3 benchmarks/hw_bounds.py fraction FILE TOK_S DTYPE    # "0.41 cmp": the best of FILE's measurements
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import dataclass
@@ -139,3 +146,78 @@ def describe(machine: Machine, cost: ModelCost) -> str:
         wb += f", GGUF {cost.gguf_bytes / 1e6:.1f} MB"
     return (f"machine: {fl}, streaming read {machine.read_bytes_per_s / 1e9:.1f} GB/s; model: "
             f"{cost.flops_per_token / 1e9:.3f} GFLOP/token, weight bytes per token: {wb}")
+
+
+def default_dtype() -> str:
+    """The dtype deepinfer computes in by default on this machine (`--dtype auto` on CPU)."""
+    from deepinfer.engine.runner import cpu_has_fast_bf16
+
+    return "bfloat16" if cpu_has_fast_bf16() else "float32"
+
+
+class RunBounds:
+    """One benchmark run's bounds for a model (default: the built-in GGUF): the machine measured when made and
+    again by `remeasure` (the best of each kept, `best_of`), and the model's cost per token."""
+
+    def __init__(self, model: str | None = None, measure: bool = True) -> None:
+        from deepinfer.weights import resolve_model
+
+        files = resolve_model(model)
+        gguf_file = str(files.source) if files.source.suffix == ".gguf" else None
+        self.cost = model_cost(str(files.directory), gguf_file)
+        self.gguf = gguf_file is not None
+        self.machine = measure_machine() if measure else None
+
+    def remeasure(self) -> None:
+        again = measure_machine(tuple(self.machine.flops) if self.machine else None)
+        self.machine = best_of(self.machine, again) if self.machine else again
+
+    def of(self, tok_per_s: float, single_stream: bool, dtype: str | None = None) -> str:
+        """'0.41 cmp' / '0.31 mem': tok/s over the bound (single stream: memory; else compute) in `dtype`
+        (default: deepinfer's), for an engine that reads the GGUF's blocks when the model is one."""
+        f, kind = fraction(tok_per_s, single_stream, self.machine, self.cost, dtype or default_dtype(), self.gguf)
+        return f"{f:.2f} {kind}"
+
+    def describe(self) -> str:
+        return describe(self.machine, self.cost)
+
+
+def _machine_to_json(m: Machine) -> str:
+    return json.dumps({"flops": m.flops, "read_bytes_per_s": m.read_bytes_per_s})
+
+
+def _machines_from(path: str) -> list[Machine]:
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append(Machine(d["flops"], d["read_bytes_per_s"]))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="measure the machine's bounds, or a result's fraction of them")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    m = sub.add_parser("measure", help="append one measurement (JSON line) to FILE and describe it")
+    m.add_argument("file")
+    f = sub.add_parser("fraction", help="TOK_S over the bound, from the best of FILE's measurements")
+    f.add_argument("file")
+    f.add_argument("tok_per_s", type=float)
+    f.add_argument("dtype", help="the engine's dtype (auto: deepinfer's default on this machine)")
+    f.add_argument("--single-stream", action="store_true", help="the memory bound (default: compute)")
+    f.add_argument("--model", default=None, help="default: the built-in GGUF")
+    args = ap.parse_args()
+    if args.cmd == "measure":
+        bounds = RunBounds(measure=False)
+        bounds.remeasure()
+        with open(args.file, "a") as out:
+            out.write(_machine_to_json(bounds.machine) + "\n")
+        print(bounds.describe())
+        return
+    bounds = RunBounds(args.model, measure=False)
+    bounds.machine = best_of(*_machines_from(args.file))
+    print(bounds.of(args.tok_per_s, args.single_stream, None if args.dtype == "auto" else args.dtype))
+
+
+if __name__ == "__main__":
+    main()

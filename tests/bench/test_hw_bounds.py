@@ -28,3 +28,32 @@ def test_the_best_bound_gives_the_smaller_fraction():
 def test_best_of_nothing_is_an_error():
     with pytest.raises(ValueError):
         best_of()
+
+
+def test_the_command_line_divides_by_the_best_of_the_files_measurements(tmp_path):
+    """What serve_compare.sh runs: `measure` lines in a file, `fraction` against the best of them, for the
+    default model (its FLOPs per token from the HF copy, its GGUF's bytes for the memory bound)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from benchmarks.hw_bounds import RunBounds, _machine_to_json
+
+    root = Path(__file__).resolve().parents[2]
+    script = root / "benchmarks" / "hw_bounds.py"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    slow = Machine({"bfloat16": 200e9, "float32": 100e9}, 20e9)
+    fast = Machine({"bfloat16": 450e9, "float32": 220e9}, 37e9)
+    path = tmp_path / "bounds.jsonl"
+    path.write_text(_machine_to_json(slow) + "\n" + _machine_to_json(fast) + "\n")
+    cost = RunBounds(measure=False).cost
+
+    def run(*args: str) -> str:
+        done = subprocess.run([sys.executable, str(script), "fraction", str(path), *args], capture_output=True,
+                              text=True, check=True, timeout=120, env=env)
+        return done.stdout.strip()
+
+    assert run("1000", "bfloat16") == f"{1000 / (450e9 / cost.flops_per_token):.2f} cmp"
+    assert run("500", "float32") == f"{500 / (220e9 / cost.flops_per_token):.2f} cmp"
+    assert run("200", "float32", "--single-stream") == f"{200 / (37e9 / cost.gguf_bytes):.2f} mem"
