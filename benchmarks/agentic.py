@@ -64,6 +64,7 @@ from typing import Any
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import hw_bounds  # noqa: E402 - a sibling module (the script's directory is on sys.path); it loads no torch
 import torch  # noqa: E402
 
 from deepinfer.bench.simulate import DEFAULT_TRACE, TRACE_ENV, resolve_trace  # noqa: E402
@@ -364,6 +365,8 @@ def main() -> None:
     p.add_argument("--trace-max-output", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="smoke run: 4 sessions x 3 turns, 20 trace requests")
     p.add_argument("--json", default=None, help="also write the results to this file")
+    p.add_argument("--no-bounds", dest="bounds", action="store_false",
+                   help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
     args = p.parse_args()
     for name, value in PRESETS[args.agentic_preset].items():
         if getattr(args, name) is None:
@@ -377,6 +380,7 @@ def main() -> None:
     if 512 % args.scale:
         p.error("--scale must divide 512")
 
+    bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engines, and again after
     results: dict[str, dict[str, dict[str, float]]] = {}
     for workload in args.workloads.split(","):
         results[workload] = {cfg: measure(workload, cfg, args) for cfg in configs}
@@ -387,6 +391,9 @@ def main() -> None:
         from deepinfer.bench.plots import plot_after_run
 
         plot_after_run(args.json)  # hit rate by tier, TTFT and tok/s per configuration, next to the JSON
+    if bounds is not None:
+        bounds.remeasure()
+        print(f"\n{bounds.describe()}")
     sample = (f"first {args.trace_requests} requests" if args.trace_sample == "head" else
               f"{args.conv_fraction:g} of the conversations of the first {args.trace_minutes:g} min")
     time_scale = args.time_scale if args.time_scale is not None else (2.0 if args.trace_sample == "head" else 1 / 15)
@@ -402,6 +409,10 @@ def main() -> None:
             ratio = on[key] / off[key] if off[key] else float("nan")
             print(f"{label:30s}" + "".join(f"{fmt.format(r[key]):>14s}" for r in res.values()) + f"{ratio:8.2f}")
         print(f"{'gap to ideal (points)':30s}" + "".join(f"{r['ideal_hit_pct'] - r['hit_pct']:14.1f}" for r in res.values()))
+        if bounds is not None:  # the tokens computed (prompt tokens not served from a cache, and outputs)
+            dtype = None if args.dtype == "auto" else args.dtype
+            print(f"{'computed tok/s, of bound':30s}" + "".join(
+                f"{bounds.of(r['prefill_tok_per_s'] + r['output_tok_per_s'], False, dtype):>14s}" for r in res.values()))
         for cfg, r in res.items():
             if cfg != "store_off":
                 print(f"TTFT off/{cfg} (x better): mean {off['ttft_mean_ms'] / r['ttft_mean_ms']:.2f}, p50 "

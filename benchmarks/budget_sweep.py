@@ -18,6 +18,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import hw_bounds  # noqa: E402 - a sibling module (the script's directory is on sys.path); it loads no torch
+
 from deepinfer import LLM, SamplingParams  # noqa: E402
 
 
@@ -28,7 +30,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=158)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--budgets", default="75,auto", help="comma list of ms values or 'auto' for --scheduler compute")
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
     args = ap.parse_args()
+    bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engines, and again after
     rng = random.Random(0)
     prompts = [[rng.randrange(10, 40000) for _ in range(args.prompt_len)] for _ in range(args.num_prompts)]
     configs = [("compute", None if b == "auto" else float(b)) for b in args.budgets.split(",")] + [("tokens", None)]
@@ -46,10 +51,15 @@ def main() -> None:
         del llm
         gc.collect()
     base = rows[-1][4]
-    print(f"{'policy':8s} {'budget ms':>10s} {'wall s':>7s} {'out tok/s':>9s} {'steps':>6s} {'vs tokens':>9s}")
+    if bounds is not None:
+        bounds.remeasure()
+        print(bounds.describe())
+    print(f"{'policy':8s} {'budget ms':>10s} {'wall s':>7s} {'out tok/s':>9s} {'of bound':>9s} {'steps':>6s} "
+          f"{'vs tokens':>9s}")
     for sched, budget, used, wall, tps, steps in rows:
         label = "-" if sched == "tokens" else f"{1000 * used:.0f}" + ("" if budget is not None else " (auto)")
-        print(f"{sched:8s} {label:>10s} {wall:7.2f} {tps:9.1f} {steps:6d} {tps / base:8.2f}x")
+        frac = bounds.of(tps, False) if bounds is not None else "-"
+        print(f"{sched:8s} {label:>10s} {wall:7.2f} {tps:9.1f} {frac:>9s} {steps:6d} {tps / base:8.2f}x")
 
 
 if __name__ == "__main__":

@@ -52,7 +52,8 @@ def _timed(acc: collections.Counter, key: str, fn: Callable[..., Any], clock: Ca
 
 
 def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max_tokens: int, skip: int,
-                  clock: Callable[[], float] = time.process_time) -> None:
+                  clock: Callable[[], float] = time.process_time) -> float:
+    """Prints where the decode steps' time goes; returns the run's tok/s (wall)."""
     from deepinfer import SamplingParams
 
     core = llm.engine.core
@@ -118,6 +119,7 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
     print(f"{'CPU' if clock is time.process_time else 'wall'} ms per decode step, the {steps} steps after the first {skip} (total {1000 * acc['step'] / steps:.2f}):")
     for name, sec in rows:
         print(f"  {1000 * sec / steps:8.2f}  {100 * sec / acc['step']:5.1f}%  {name}")
+    return len(prompts) * max_tokens / wall
 
 
 def _weight_bytes(lin: Any, rows: int) -> int:
@@ -185,9 +187,14 @@ def main() -> None:
     ap.add_argument("--skip-steps", type=int, default=4, help="first steps left out (the prompts' prefill)")
     ap.add_argument("--workload", choices=["chat", "shared"], default="chat",
                     help="throughput.py's prompts: chat, or the same after a common ~400-token system prompt")
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
     args = ap.parse_args()
 
-    from throughput import build_runs  # sibling script: the same chat prompts
+    import hw_bounds  # sibling scripts
+    from throughput import build_runs  # the same chat prompts
+
+    bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engine, and again after
 
     from deepinfer import LLM
 
@@ -196,7 +203,11 @@ def main() -> None:
     runs = build_runs(llm.get_tokenizer(), args.num_prompts, 1)[args.workload]
     print(f"dtype {llm.engine.core.runner.dtype}, {args.threads} thread(s), workload {args.workload}")
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
-    phase_profile(llm, runs[1], runs[0], args.max_tokens, args.skip_steps, clock)
+    rate = phase_profile(llm, runs[1], runs[0], args.max_tokens, args.skip_steps, clock)
+    if bounds is not None:
+        bounds.remeasure()
+        print(f"{rate:.0f} tok/s wall: {bounds.of(rate, False, str(llm.engine.core.runner.dtype).removeprefix('torch.'))} "
+              f"of the bound ({bounds.describe()})")
     gemm_profile(llm.engine.core.runner.model, args.num_prompts)
 
 

@@ -20,6 +20,8 @@ import argparse
 import statistics
 import time
 
+import hw_bounds  # a sibling module (the script's directory is on sys.path); it loads no torch
+
 from deepinfer import LLM, SamplingParams
 
 QUESTIONS = [
@@ -62,7 +64,10 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--long-tokens", type=int, default=1000)
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
     args = ap.parse_args()
+    bounds = hw_bounds.RunBounds() if args.bounds else None  # before the engines, and again after
     engines = {name: LLM(None, dtype=args.dtype, deterministic=det, kv_cache_memory="512MiB")
                for name, det in (("default", False), ("deterministic", True))}
     dtype = engines["default"].engine.core.runner.dtype
@@ -78,11 +83,18 @@ def main() -> None:
                   flush=True)
     print(f"\n{dtype}, {args.num_prompts} chat prompts x {args.max_tokens} tokens, single stream x "
           f"{args.max_tokens}, prefill of {args.long_tokens} tokens; medians of {args.repeats}")
-    print(f"{'metric':<14}{'default':>12}{'deterministic':>15}{'ratio':>8}")
+    if bounds is not None:
+        bounds.remeasure()
+        print(bounds.describe())
+    print(f"{'metric':<14}{'default':>12}{'deterministic':>15}{'ratio':>8}  of bound (default, deterministic)")
     for key in results["default"][0]:
         a = statistics.median(x[key] for x in results["default"])
         b = statistics.median(x[key] for x in results["deterministic"])
-        print(f"{key:<14}{a:>12.2f}{b:>15.2f}{b / a:>8.2f}")
+        frac = ""
+        if bounds is not None and key.endswith("tok/s"):
+            name, single = str(dtype).removeprefix("torch."), key.startswith("single")
+            frac = f"  {bounds.of(a, single, name)}, {bounds.of(b, single, name)}"
+        print(f"{key:<14}{a:>12.2f}{b:>15.2f}{b / a:>8.2f}{frac}")
 
 
 if __name__ == "__main__":

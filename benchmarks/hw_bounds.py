@@ -172,11 +172,14 @@ class RunBounds:
         again = measure_machine(tuple(self.machine.flops) if self.machine else None)
         self.machine = best_of(self.machine, again) if self.machine else again
 
+    def value(self, tok_per_s: float, single_stream: bool, dtype: str | None = None) -> float:
+        """tok/s over the bound (single stream: memory; else compute) in `dtype` (default: deepinfer's), for an
+        engine that reads the GGUF's blocks when the model is one."""
+        return fraction(tok_per_s, single_stream, self.machine, self.cost, dtype or default_dtype(), self.gguf)[0]
+
     def of(self, tok_per_s: float, single_stream: bool, dtype: str | None = None) -> str:
-        """'0.41 cmp' / '0.31 mem': tok/s over the bound (single stream: memory; else compute) in `dtype`
-        (default: deepinfer's), for an engine that reads the GGUF's blocks when the model is one."""
-        f, kind = fraction(tok_per_s, single_stream, self.machine, self.cost, dtype or default_dtype(), self.gguf)
-        return f"{f:.2f} {kind}"
+        """`value` as '0.41 cmp' / '0.31 mem'."""
+        return f"{self.value(tok_per_s, single_stream, dtype):.2f} {'mem' if single_stream else 'cmp'}"
 
     def describe(self) -> str:
         return describe(self.machine, self.cost)

@@ -19,6 +19,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import hw_bounds  # noqa: E402 - a sibling module (the script's directory is on sys.path); it loads no torch
+
 from deepinfer import LLM, SamplingParams  # noqa: E402
 
 
@@ -43,7 +45,11 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
     args = ap.parse_args()
+    bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engines, and again after
+    dtype = None if args.dtype == "auto" else args.dtype
 
     rng = random.Random(0)
     workloads = {
@@ -60,7 +66,10 @@ def main() -> None:
         del llm
         gc.collect()
 
-    print(f"{'workload':8s} {'overlap':>7s} {'tok/s':>8s} {'idle gap ms/step':>16s} {'steps':>6s}")
+    if bounds is not None:
+        bounds.remeasure()
+        print(bounds.describe())
+    print(f"{'workload':8s} {'overlap':>7s} {'tok/s':>8s} {'of bound':>9s} {'idle gap ms/step':>16s} {'steps':>6s}")
     for name in workloads:
         row = {}
         for overlap in (False, True):
@@ -68,7 +77,8 @@ def main() -> None:
             tok = statistics.median(r["tok_s"] for r in runs)
             gap = statistics.median(r["gap_ms"] for r in runs)
             row[overlap] = (tok, gap)
-            print(f"{name:8s} {str(overlap):>7s} {tok:8.1f} {gap:16.2f} {int(runs[0]['steps']):6d}")
+            frac = bounds.of(tok, name == "single", dtype) if bounds is not None else "-"
+            print(f"{name:8s} {str(overlap):>7s} {tok:8.1f} {frac:>9s} {gap:16.2f} {int(runs[0]['steps']):6d}")
         print(f"{name:8s} {'on/off':>7s} {row[True][0] / row[False][0]:7.2f}x "
               f"{row[True][1] / max(row[False][1], 1e-9):15.2f}x")
     print("load average at end:", os.getloadavg())

@@ -103,10 +103,15 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.environ.get("HF_MODEL_DIR"),
                     help="HF copy of the default model for vLLM (default: $HF_MODEL_DIR, else deepinfer's conversion)")
     ap.add_argument("--engine", choices=["deepinfer", "vllm"], default="deepinfer", help=argparse.SUPPRESS)
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
     args = ap.parse_args()
     if args.engine == "vllm":  # the subprocess: its walls as JSON on a line of their own (vLLM logs around it)
         print(WALLS + json.dumps(vllm_walls(args)), flush=True)
         return
+    import hw_bounds  # a sibling module (main puts the script's directory on sys.path)
+
+    bounds = hw_bounds.RunBounds() if args.bounds else None  # before the engines, and again after
 
     tokens = args.num_prompts * args.prompt_len
     walls, phases = deepinfer_walls(args)
@@ -127,9 +132,14 @@ def main() -> None:
             sys.exit(f"vLLM failed:\n{proc.stderr[-3000:]}")
         line = next(ln for ln in proc.stdout.splitlines() if ln.startswith(WALLS))
         rates["vllm"] = tokens / min(json.loads(line[len(WALLS):]))
+    if bounds is not None:
+        bounds.remeasure()
+        print(bounds.describe())
     print(f"{args.num_prompts} prompts x {args.prompt_len} tokens, max_tokens 1, best of {args.repeats}:")
     for name, rate in rates.items():
-        print(f"  {name:10s} {rate:8.1f} prompt tok/s")
+        dtype = args.vllm_dtype if name == "vllm" else None
+        frac = f"  {bounds.of(rate, False, dtype)} of the compute bound" if bounds is not None else ""
+        print(f"  {name:10s} {rate:8.1f} prompt tok/s{frac}")
     if "vllm" in rates:
         print(f"  deepinfer / vLLM {rates['deepinfer'] / rates['vllm']:.2f}x")
     wall = phases["wall"]

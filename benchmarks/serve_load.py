@@ -48,7 +48,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import httpx
-from spinners import spinning  # a sibling module: the script's directory is on sys.path
+import hw_bounds  # sibling modules: the script's directory is on sys.path
+from spinners import spinning
 
 _WORD_TEXT = (
     "time year people way day man thing woman life child world school state family student group "
@@ -225,6 +226,8 @@ async def run_load(args: argparse.Namespace, server_sid: int | None = None) -> d
         "tpot_p50_ms": pct(tpots, 50) * 1e3,
         "e2e_p50_s": pct([r.e2e for r in good], 50), "e2e_p99_s": pct([r.e2e for r in good], 99),
         "output_tok_per_s": out_tokens / wall, "requests_per_s": len(good) / wall,
+        # prompt and output tokens alike: a prompt token costs the matmuls a decoded one does
+        "all_tok_per_s": (out_tokens + sum(r.prompt_tokens for r in good)) / wall,
         # CPU time the server spent per 1000 output tokens (NaN when the server was not started here):
         # unlike wall-clock rates it barely moves with other load on the machine
         **{f"cpu_ms_per_token_{role}": (cpu[role] * 1e3 / max(out_tokens, 1)) if cpu else float("nan")
@@ -241,6 +244,7 @@ METRICS = [
     ("itl_p99_ms", "ITL p99 (ms)", "{:.2f}"), ("tpot_p50_ms", "TPOT p50 (ms)", "{:.2f}"),
     ("e2e_p50_s", "E2E p50 (s)", "{:.3f}"), ("e2e_p99_s", "E2E p99 (s)", "{:.3f}"),
     ("output_tok_per_s", "output tok/s", "{:.1f}"), ("requests_per_s", "requests/s", "{:.3f}"),
+    ("all_tok_per_s", "prompt + output tok/s", "{:.1f}"),
     ("cpu_ms_per_token_frontend", "CPU ms/token frontend", "{:.3f}"),
     ("cpu_ms_per_token_engine", "CPU ms/token engine", "{:.3f}"),
 ]
@@ -340,6 +344,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "print per-pair ratios and their medians")
     p.add_argument("--labels", default=None, help="comma-separated names for the --server-cmd runs")
     p.add_argument("--json-out", default=None, help="write the summary (or both, with --compare) here")
+    p.add_argument("--bounds-model", default="", help="the model whose FLOPs per token divide the machine's matmul "
+                   "FLOP/s for the fraction of the compute bound (default: the built-in GGUF; 'none': no bounds)")
+    p.add_argument("--bounds-dtype", default="auto",
+                   help="the servers' dtype for that bound (auto: deepinfer's default on this machine)")
     args = p.parse_args(argv)
     if args.compare and len(args.server_cmd) != 2:
         p.error("--compare needs exactly two --server-cmd")
@@ -378,6 +386,10 @@ def print_pairs(labels: list[str], pairs: list[list[dict[str, Any]]]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    bounds = None  # the machine measured before the runs and again after (benchmarks/hw_bounds.py)
+    if args.bounds_model != "none":
+        bounds = hw_bounds.RunBounds(args.bounds_model or None)
+        print(bounds.describe(), flush=True)
     labels = args.labels.split(",") if args.labels else [default_label(c) for c in args.server_cmd]
     if len(labels) != len(args.server_cmd) or (args.compare and labels[0] == labels[1]):
         labels = [chr(65 + i) for i in range(len(args.server_cmd))]
@@ -405,6 +417,14 @@ def main(argv: list[str] | None = None) -> int:
         print_compare(labels, pairs[-1])
         if len(pairs) > 1:
             print_pairs(labels, pairs)
+    if bounds is not None:
+        bounds.remeasure()
+        dtype = None if args.bounds_dtype == "auto" else args.bounds_dtype
+        print(f"\nprompt + output tokens per second over the compute bound ({bounds.describe()}):")
+        for i, s in enumerate(sums):
+            label = labels[i % len(labels)] if args.server_cmd else args.base_url
+            s["of_compute_bound"] = bounds.value(s["all_tok_per_s"], False, dtype)
+            print(f"  {label}: {s['all_tok_per_s']:.1f} tok/s, {s['of_compute_bound']:.2f} of the bound")
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump(pairs if args.compare and len(pairs) > 1 else sums if args.compare else sums[0], f, indent=2)

@@ -25,6 +25,7 @@ from collections import defaultdict
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import hw_bounds  # noqa: E402
 from spec import build_workloads, run_once  # noqa: E402
 
 from deepinfer import LLM  # noqa: E402
@@ -55,7 +56,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 16, '
                     '"adaptive": true}', help="the second engine's (the first runs without speculation)")
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
     args = ap.parse_args()
+    bounds = hw_bounds.RunBounds() if args.bounds else None  # before the engines, and again after
 
     log: list = []
     record_steps(log)
@@ -84,6 +88,11 @@ def main() -> None:
     if not rates["none"]:
         return
     pairs = [s / n for s, n in zip(rates["spec"], rates["none"], strict=True)]
+    if bounds is not None:
+        bounds.remeasure()
+        print(f"\n{bounds.describe()}; of the {'memory' if args.batch == 1 else 'compute'} bound: none "
+              f"{bounds.of(statistics.median(rates['none']), args.batch == 1)}, spec "
+              f"{bounds.of(statistics.median(rates['spec']), args.batch == 1)}")
     print(f"\n{args.workload} b={args.batch}, {args.repeats - 1} warm pairs: median tok/s none "
           f"{statistics.median(rates['none']):.1f}, spec {statistics.median(rates['spec']):.1f}, ratio of medians "
           f"{statistics.median(rates['spec']) / statistics.median(rates['none']):.3f}, median pairwise ratio "

@@ -21,6 +21,8 @@ import time
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import hw_bounds  # noqa: E402 - a sibling module (the script's directory is on sys.path); it loads no torch
+
 from deepinfer import LLM, SamplingParams  # noqa: E402
 from deepinfer.engine.grammar import RequestGrammar  # noqa: E402
 from deepinfer.engine.sampler import Sampler  # noqa: E402
@@ -74,7 +76,10 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--overlap-host-work", default="auto", choices=["auto", "on", "off"])
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
     args = ap.parse_args()
+    bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engine, and again after
 
     llm = LLM(args.model, dtype=args.dtype, overlap_host_work=args.overlap_host_work, max_num_seqs=256)
     tok = llm.get_tokenizer()
@@ -95,12 +100,17 @@ def main() -> None:
             results[name].append(r)
     print(f"{args.num_prompts} requests x {args.max_tokens} tokens, {args.repeats} runs each, "
           f"overlap_host_work={args.overlap_host_work}")
+    if bounds is not None:
+        bounds.remeasure()
+        print(bounds.describe())
     med = {}
     for name, runs in results.items():
         med[name] = {k: statistics.median(r[k] for r in runs) for k in ("tok_s", "tok_cpu_s", "grammar_share")}
         walls = ", ".join(f"{r['tok_s']:.1f}" for r in runs)
-        print(f"{name:12s} median {med[name]['tok_s']:8.1f} tok/s (wall)  {med[name]['tok_cpu_s']:8.1f} tok/CPU-s  "
-              f"runs (wall tok/s): {walls}")
+        frac = bounds.of(med[name]["tok_s"], False, None if args.dtype == "auto" else args.dtype) \
+            if bounds is not None else "-"
+        print(f"{name:12s} median {med[name]['tok_s']:8.1f} tok/s (wall, {frac} of bound)  "
+              f"{med[name]['tok_cpu_s']:8.1f} tok/CPU-s  runs (wall tok/s): {walls}")
     for key, what in (("tok_s", "wall"), ("tok_cpu_s", "process CPU time")):
         ratio = med["json_schema"][key] / med["plain"][key]
         # each constrained run against the plain run just before it: robust to load drifting between runs
