@@ -21,6 +21,9 @@ Policies replayed:
   any occurrence    the oracle with, at each step, the longest-kept continuation of any earlier occurrence of
                     any suffix length 1..max_n (not only the most recent occurrence of the longest suffix): no
                     proposer that copies from the request's own tokens does better
+  online by match   not fitted to the text: every `--call-steps` steps (a C call's), the plan by match length
+                    that would have been fastest on the output so far (each past step's kept drafts capped at
+                    the tokens known then; k = 3 until 16 tokens are out), applied to the next steps
   adaptive          measured, not replayed: the adaptive engine (`num_speculative_tokens` 16) run beside the
                     others, its model time (the seconds its C calls timed) against the plain engine's on the
                     same prompt (medians over the repeats; its first run starts from the prior's estimates)
@@ -118,6 +121,34 @@ def replay(props: list[tuple[int, int, int, int]], price: list[float], choose) -
     return total
 
 
+def online(props: list[tuple[int, int, int, int]], price: list[float], lengths: range, choices: list[int],
+           every: int, warm: int = 16, start_k: int = 3) -> float:
+    """Seconds of the steps that emit the output when every `every` steps the plan (a draft length from `choices`
+    per match length) is the one that replays fastest on the output so far (positions before the current one,
+    each past step's kept drafts capped at the tokens known now), k = `start_k` until `warm` tokens are out."""
+    plans = [dict(zip(lengths, plan, strict=True)) for plan in itertools.product(choices, repeat=len(lengths))]
+
+    def known_cost(by: dict[int, int], end: int) -> float:
+        q, total = 0, 0.0
+        while q < end:
+            match, proposed, kept, _ = props[q]
+            k = min(by.get(match, 0), proposed)
+            total += price[1 + k]
+            q += min(kept, k, end - q - 1) + 1
+        return total / end
+
+    p, total, since, plan = 0, 0.0, every, None
+    while p < len(props):
+        if since >= every and p >= warm:
+            plan, since = min(plans, key=lambda by: known_cost(by, p)), 0
+        match, proposed, kept, _ = props[p]
+        k = min(plan.get(match, 0) if plan else start_k, proposed)
+        total += price[1 + k]
+        p += min(kept, k) + 1
+        since += 1
+    return total
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--max-tokens", type=int, default=96)
@@ -126,6 +157,7 @@ def main() -> None:
                     help="code edits 0..N-1 (spec.py's batch 1 runs the first of each workload)")
     ap.add_argument("--workloads", nargs="+", default=["code_edit", "json", "chat"])
     ap.add_argument("--repeats", type=int, default=3, help="runs of each prompt per engine for the prices")
+    ap.add_argument("--call-steps", type=int, default=6, help="online by match: steps between its plan choices")
     args = ap.parse_args()
 
     times = StepTimes()
@@ -186,7 +218,7 @@ def main() -> None:
     print(f"\nn-gram {min_n}..{max_n}, drafts up to {args.k_max}; ratios of the plain engine's model time to the "
           "replay's (no host time, prefill or first token)")
     head = "| prompt | tokens | " + " | ".join(f"k={k}" for k in range(1, args.k_max + 1)) + \
-        " | best by match | oracle | any occurrence | adaptive, measured |"
+        " | best by match | online by match | oracle | any occurrence | adaptive, measured |"
     print(head)
     print("|" + " --- |" * (head.count("|") - 1))
     for name, (prompt, output) in outputs.items():
@@ -200,12 +232,13 @@ def main() -> None:
             t = replay(props, price, lambda m, n, a, b, by=by: (min(by.get(m, 0), n), min(by.get(m, 0), a)))
             if best is None or t < best:
                 best, best_plan = t, plan
+        learnt = none / online(props, price, lengths, [0, 1, 2, 3, 5, 7], args.call_steps)
         oracle = none / replay(props, price, lambda m, n, a, b: (a, a))
         anywhere = none / replay(props, price, lambda m, n, a, b: (b, b))
         plan = ",".join(map(str, best_plan))
         adaptive = statistics.median(model[name, 0]) / statistics.median(model[name, "adaptive"])
         print(f"| {name} | {len(output)} | " + " | ".join(f"{r:.2f}" for r in fixed) +
-              f" | {none / best:.2f} (k by match {min_n}..{max_n}: {plan}) | {oracle:.2f} | {anywhere:.2f} "
+              f" | {none / best:.2f} (k by match {min_n}..{max_n}: {plan}) | {learnt:.2f} | {oracle:.2f} | {anywhere:.2f} "
               f"| {adaptive:.2f} |")
 
 
