@@ -14,8 +14,8 @@ counts them in its tok/s, which pulls its ratios towards 1.
 Policies replayed:
   fixed k           every step verifies min(k, the proposal's length) drafts
   best by match     one draft length per n-gram match length (min_n..max_n), the combination that minimises the
-                    replay's time, found by trying all of them: what the best policy that chooses by match
-                    length alone (as the C calls' plans do) gets with these prices
+                    replay's time, found by trying all of them: fitted to the whole text, an upper bound of any
+                    policy that chooses by match length alone (as the C calls' plans do) with these prices
   oracle            each step verifies exactly the drafts that will be kept (at most K): no draft-length policy
                     over this proposer does better
   any occurrence    the oracle with, at each step, the longest-kept continuation of any earlier occurrence of
