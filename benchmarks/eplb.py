@@ -38,6 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import hw_bounds  # a sibling module (the script's directory is on sys.path); it loads no torch
 import torch
 
 # the skewed experts: all on rank 0 under EP=2's contiguous split, and not the ones the initial placement's
@@ -131,6 +132,9 @@ def main() -> None:
     ap.add_argument("--skew", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank process (torch)")
+    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
+                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py; the MoE's FLOPs per token "
+                         "count the routed experts at top-k of their number)")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, 2048) for _ in range(args.prompt_len)] for _ in range(args.requests)]
@@ -139,6 +143,7 @@ def main() -> None:
                ("EPLB R=4", dict(enable_eplb=True, num_redundant_experts=4))]
     with tempfile.TemporaryDirectory() as tmp:
         path = build_model(Path(tmp), args.skew, args.seed)
+        bounds = hw_bounds.RunBounds(str(path)) if args.bounds else None  # before the engines, and again after
         results: dict[str, list[dict]] = {label: [] for label, _ in configs}
         for label, kw in [*configs, *reversed(configs)]:  # ABBA: both halves see the machine's drift
             r = run_config(path, label, kw, args, prompts)
@@ -146,6 +151,9 @@ def main() -> None:
             print(f"  {label}: wall {[round(w, 2) for w in r['wall']]} s, imbalance {[round(i, 3) for i in r['imb']]},"
                   f" CPU ms/step {[[round(1000 * c, 1) for c in x] for x in r['cpu']]},"
                   f" rebalances {r['rebalances']}, layer-0 placement {r['placement0']}", flush=True)
+        if bounds is not None:
+            bounds.remeasure()
+            print(bounds.describe())
     tokens = args.requests * args.max_tokens
     slot_bytes = 8 * 3 * 512 * 512 * 4  # one expert slot in each of the 8 layers, fp32
     share = statistics.median(r["hot_share"] for runs in results.values() for r in runs)
@@ -153,10 +161,10 @@ def main() -> None:
     base = None
     print(f"{args.requests} requests x {args.max_tokens} tokens, EP=2 ({args.threads} thread(s) per rank), "
           f"interval {args.interval}")
-    print("| config | imbalance | decode step (ms) | throughput (tok/s) | vs off | RSS per rank (MiB) | "
+    print("| config | imbalance | decode step (ms) | throughput (tok/s) | of bound | vs off | RSS per rank (MiB) | "
           "expert weights per rank (MiB) | pairs / step per rank | weight reads / step per rank | "
           "expert ms / step per rank | CPU ms / step per rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for label, kw in configs:
         runs = results[label]
         imb = statistics.median(i for r in runs for i in r["imb"])
@@ -168,7 +176,8 @@ def main() -> None:
         per_rank = {key: [statistics.median(x[k] for r in runs for x in r[key]) for k in range(2)]
                     for key in ("pairs", "reads", "secs", "cpu")}
         reads = "-" if per_rank["reads"][0] != per_rank["reads"][0] else "{:.1f} / {:.1f}".format(*per_rank["reads"])
-        print(f"| {label} | {imb:.3f} | {1000 * step:.1f} | {thr:.1f} | {thr / base:.3f} | "
+        frac = bounds.of(thr, False, "float32") if bounds is not None else "-"
+        print(f"| {label} | {imb:.3f} | {1000 * step:.1f} | {thr:.1f} | {frac} | {thr / base:.3f} | "
               f"{rss[0]:.0f} / {rss[1]:.0f} | {slots * slot_bytes / 2**20:.0f} | "
               "{:.1f} / {:.1f} | ".format(*per_rank["pairs"]) + reads + " | "
               "{:.1f} / {:.1f} | ".format(*(1000 * x for x in per_rank["secs"])) +

@@ -106,20 +106,29 @@ def best_of(*machines: Machine) -> Machine:
     return Machine(flops, max(m.read_bytes_per_s for m in machines))
 
 
+# config keys of the routed-expert count, by model family (Qwen-MoE, Mixtral, DeepSeek)
+_EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
+
+
 def model_cost(hf_dir: str, gguf_file: str | None) -> ModelCost:
-    """Parameters from the HF copy's tensors; the GGUF's tensor bytes when given one."""
+    """Parameters from the HF copy's tensors; the GGUF's tensor bytes when given one. In a mixture of experts a
+    token multiplies `num_experts_per_tok` of the routed experts: their tensors (`.experts.` in the name, shared
+    experts aside) count at that share of their size."""
     import torch
     from safetensors import safe_open
 
     cfg = json.loads(Path(hf_dir, "config.json").read_text())
     tied = bool(cfg.get("tie_word_embeddings", False))
+    experts = next((int(cfg[k]) for k in _EXPERT_COUNT_KEYS if cfg.get(k)), 0)
+    routed_share = min(1.0, int(cfg.get("num_experts_per_tok") or experts) / experts) if experts else 1.0
     numel = {}
     for f in sorted(Path(hf_dir).glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             for k in h.keys():  # noqa: SIM118 - safe_open has no __iter__
                 shape = h.get_slice(k).get_shape()
                 numel[k] = int(torch.tensor(shape).prod()) if shape else 1
-    multiplied = sum(v for k, v in numel.items() if tied or "embed_tokens" not in k)
+    multiplied = sum(v * (routed_share if ".experts." in k and "shared" not in k else 1.0)
+                     for k, v in numel.items() if tied or "embed_tokens" not in k)
     gguf_bytes = None
     if gguf_file:
         import gguf

@@ -57,3 +57,32 @@ def test_the_command_line_divides_by_the_best_of_the_files_measurements(tmp_path
     assert run("1000", "bfloat16") == f"{1000 / (450e9 / cost.flops_per_token):.2f} cmp"
     assert run("500", "float32") == f"{500 / (220e9 / cost.flops_per_token):.2f} cmp"
     assert run("200", "float32", "--single-stream") == f"{200 / (37e9 / cost.gguf_bytes):.2f} mem"
+
+
+def test_a_mixture_of_experts_counts_its_routed_experts_at_top_k_of_their_number(tmp_path):
+    """A token multiplies num_experts_per_tok of the routed experts: FLOPs per token count them at that share
+    (a real safetensors file and config; shared experts and dense tensors count whole)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from benchmarks.hw_bounds import model_cost
+
+    tensors = {
+        "model.layers.0.self_attn.q_proj.weight": torch.zeros(8, 8),  # 64, dense
+        "model.layers.0.mlp.gate.weight": torch.zeros(4, 8),  # 32, the router
+        "model.layers.0.mlp.shared_experts.up_proj.weight": torch.zeros(8, 16),  # 128, shared
+        "model.embed_tokens.weight": torch.zeros(10, 8),  # untied: not multiplied
+        "lm_head.weight": torch.zeros(10, 8),  # 80
+    }
+    for e in range(4):  # 4 routed experts of 8 x 16 each
+        tensors[f"model.layers.0.mlp.experts.{e}.up_proj.weight"] = torch.zeros(8, 16)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    dense = 64 + 32 + 128 + 80
+    (tmp_path / "config.json").write_text(json.dumps({"num_experts": 4, "num_experts_per_tok": 1}))
+    assert model_cost(str(tmp_path), None).params == dense + 4 * 128 / 4
+    (tmp_path / "config.json").write_text(json.dumps({"n_routed_experts": 4, "num_experts_per_tok": 2}))
+    assert model_cost(str(tmp_path), None).params == dense + 4 * 128 / 2
+    (tmp_path / "config.json").write_text(json.dumps({}))  # not a mixture: every tensor counts whole
+    assert model_cost(str(tmp_path), None).params == dense + 4 * 128
