@@ -95,29 +95,39 @@ def proposals(prompt: list[int], output: list[int], min_n: int, max_n: int, k_ma
         context = prompt + output[:p]
         room = min(k_max, len(output) - p - 1)
         draft, match = find_match(context, min_n, max_n, room)
-        kept = next((i for i, (d, t) in enumerate(zip(draft, output[p:], strict=False)) if d != t), len(draft))
+        kept = _kept(draft, output[p:])
         best = 0
         for n in range(1, min(max_n, len(context) - 1) + 1):
             suffix = context[-n:]
             for s in range(len(context) - n - 1, -1, -1):
                 if context[s:s + n] != suffix:
                     continue
-                follow = context[s + n:s + n + room]
-                best = max(best, next((i for i, (d, t) in enumerate(zip(follow, output[p:], strict=False))
-                                       if d != t), len(follow)))
+                best = max(best, _kept(context[s + n:s + n + room], output[p:]))
         out.append((match, len(draft), kept, best))
     return out
 
 
-def replay(props: list[tuple[int, int, int, int]], price: list[float], choose) -> float:
-    """Seconds of the steps that emit the output when each step verifies `choose(match, proposed, kept, best)`
-    drafts (at most the proposal's, or `best`'s for the any-occurrence oracle) and keeps what the text keeps."""
+def _kept(draft: list[int], actual: list[int]) -> int:
+    """How many leading draft tokens the actual tokens confirm."""
+    return next((i for i, (d, t) in enumerate(zip(draft, actual, strict=False)) if d != t), len(draft))
+
+
+def by_match(plan: dict[int, int]):
+    """The `replay` choice of a plan of draft lengths by match length: each proposal cut to its length's."""
+    return lambda m, n, a, b: (min(plan.get(m, 0), n), min(plan.get(m, 0), n, a))
+
+
+def replay(props: list[tuple[int, int, int, int]], price: list[float], choose, end: int | None = None) -> float:
+    """Seconds of the steps that emit the output up to position `end` (default: all of it) when each step
+    verifies `choose(match, proposed, kept, best)` drafts (at most the proposal's, or `best`'s for the
+    any-occurrence oracle) and keeps what the text keeps, no further than `end`."""
+    end = len(props) if end is None else end
     p, total = 0, 0.0
-    while p < len(props):
+    while p < end:
         match, proposed, kept, best = props[p]
         k, a = choose(match, proposed, kept, best)
         total += price[1 + k]
-        p += a + 1
+        p += min(a, end - p - 1) + 1
     return total
 
 
@@ -127,20 +137,10 @@ def online(props: list[tuple[int, int, int, int]], price: list[float], lengths: 
     per match length) is the one that replays fastest on the output so far (positions before the current one,
     each past step's kept drafts capped at the tokens known now), k = `start_k` until `warm` tokens are out."""
     plans = [dict(zip(lengths, plan, strict=True)) for plan in itertools.product(choices, repeat=len(lengths))]
-
-    def known_cost(by: dict[int, int], end: int) -> float:
-        q, total = 0, 0.0
-        while q < end:
-            match, proposed, kept, _ = props[q]
-            k = min(by.get(match, 0), proposed)
-            total += price[1 + k]
-            q += min(kept, k, end - q - 1) + 1
-        return total / end
-
     p, total, since, plan = 0, 0.0, every, None
     while p < len(props):
         if since >= every and p >= warm:
-            plan, since = min(plans, key=lambda by: known_cost(by, p)), 0
+            plan, since = min(plans, key=lambda by: replay(props, price, by_match(by), p)), 0
         match, proposed, kept, _ = props[p]
         k = min(plan.get(match, 0) if plan else start_k, proposed)
         total += price[1 + k]
@@ -229,7 +229,7 @@ def main() -> None:
         best, best_plan = None, None
         for plan in itertools.product(ks, repeat=len(lengths)):
             by = dict(zip(lengths, plan, strict=True))
-            t = replay(props, price, lambda m, n, a, b, by=by: (min(by.get(m, 0), n), min(by.get(m, 0), a)))
+            t = replay(props, price, by_match(by))
             if best is None or t < best:
                 best, best_plan = t, plan
         learnt = none / online(props, price, lengths, [0, 1, 2, 3, 5, 7], args.call_steps)
