@@ -19,7 +19,8 @@ policy) before torch loads, whatever order its imports are in.
 per result). Shell scripts (serve_compare.sh) use the command line::
 
     python3 benchmarks/hw_bounds.py measure FILE                 # append a measurement to FILE (JSON lines)
-    python3 benchmarks/hw_bounds.py fraction FILE TOK_S DTYPE    # "0.41 cmp": the best of FILE's measurements
+    python3 benchmarks/hw_bounds.py fraction FILE TOK_S DTYPE [TOK_S DTYPE ...]   # "0.41 cmp" a line, against
+                                                                  # the best of FILE's measurements
 """
 
 from __future__ import annotations
@@ -212,10 +213,11 @@ def main() -> None:
     sub = ap.add_subparsers(dest="cmd", required=True)
     m = sub.add_parser("measure", help="append one measurement (JSON line) to FILE and describe it")
     m.add_argument("file")
-    f = sub.add_parser("fraction", help="TOK_S over the bound, from the best of FILE's measurements")
+    f = sub.add_parser("fraction", help="each TOK_S over the bound in its DTYPE, from the best of FILE's "
+                       "measurements, a line each")
     f.add_argument("file")
-    f.add_argument("tok_per_s", type=float)
-    f.add_argument("dtype", help="the engine's dtype (auto: deepinfer's default on this machine)")
+    f.add_argument("results", nargs="+", metavar="TOK_S DTYPE",
+                   help="pairs: tok/s, the engine's dtype (auto: deepinfer's default on this machine)")
     f.add_argument("--single-stream", action="store_true", help="the memory bound (default: compute)")
     f.add_argument("--model", default=None, help="default: the built-in GGUF")
     args = ap.parse_args()
@@ -226,9 +228,12 @@ def main() -> None:
             out.write(_machine_to_json(bounds.machine) + "\n")
         print(bounds.describe())
         return
-    bounds = RunBounds(args.model, measure=False)
+    if len(args.results) % 2:
+        ap.error("fraction takes TOK_S DTYPE pairs")
+    bounds = RunBounds(args.model, measure=False)  # the model's cost read once for every result
     bounds.machine = best_of(*_machines_from(args.file))
-    print(bounds.of(args.tok_per_s, args.single_stream, None if args.dtype == "auto" else args.dtype))
+    for rate, dtype in zip(args.results[::2], args.results[1::2], strict=True):
+        print(bounds.of(float(rate), args.single_stream, None if dtype == "auto" else dtype))
 
 
 if __name__ == "__main__":

@@ -138,17 +138,23 @@ for ((i = 1; i <= ${REPEATS:-1}; i++)); do
     fi
 done
 
-stop_spinners
 python3 "$HERE/hw_bounds.py" measure "$BOUNDS"
-# each run's fraction of the compute bound in its server's dtype
+# each run's fraction of the compute bound in its server's dtype, all in one call (one read of the model's cost)
 DEEPINFER_DTYPE=auto
 [[ " ${DEEPINFER_ARGS:-} " =~ --dtype[=\ ]([a-z0-9]+) ]] && DEEPINFER_DTYPE=${BASH_REMATCH[1]}
-ANNOTATED=$(mktemp)
-while read -r label rest; do
+results=()
+while read -r label _ _ _ _ _ total; do
     dtype=$DEEPINFER_DTYPE
     [[ $label == vllm* ]] && dtype=${VLLM_DTYPE:-bfloat16}
-    total=$(awk '{print $6}' <<<"$rest")
-    echo "$label $rest $(python3 "$HERE/hw_bounds.py" fraction "$BOUNDS" "$total" "$dtype" 2>/dev/null || echo "0 cmp")"
+    results+=("$total" "$dtype")
+done <"$SUMMARY"
+fractions=()
+((${#results[@]})) && mapfile -t fractions < <(python3 "$HERE/hw_bounds.py" fraction "$BOUNDS" "${results[@]}" 2>/dev/null || true)
+ANNOTATED=$(mktemp)
+i=0
+while read -r line; do
+    echo "$line ${fractions[i]:-0 cmp}"
+    i=$((i + 1))
 done <"$SUMMARY" >"$ANNOTATED"
 mv "$ANNOTATED" "$SUMMARY"
 echo
