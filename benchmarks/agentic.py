@@ -365,8 +365,7 @@ def main() -> None:
     p.add_argument("--trace-max-output", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="smoke run: 4 sessions x 3 turns, 20 trace requests")
     p.add_argument("--json", default=None, help="also write the results to this file")
-    p.add_argument("--no-bounds", dest="bounds", action="store_false",
-                   help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
+    hw_bounds.add_flag(p)
     args = p.parse_args()
     for name, value in PRESETS[args.agentic_preset].items():
         if getattr(args, name) is None:

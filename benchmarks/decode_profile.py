@@ -176,6 +176,9 @@ def gemm_profile(model: Any, rows: int, reps: int = 20) -> None:
 
 
 def main() -> None:
+    import hw_bounds  # sibling scripts
+    from throughput import build_runs  # the same chat prompts
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -187,12 +190,8 @@ def main() -> None:
     ap.add_argument("--skip-steps", type=int, default=4, help="first steps left out (the prompts' prefill)")
     ap.add_argument("--workload", choices=["chat", "shared"], default="chat",
                     help="throughput.py's prompts: chat, or the same after a common ~400-token system prompt")
-    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
-                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
+    hw_bounds.add_flag(ap)
     args = ap.parse_args()
-
-    import hw_bounds  # sibling scripts
-    from throughput import build_runs  # the same chat prompts
 
     bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engine, and again after
 

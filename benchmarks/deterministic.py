@@ -64,8 +64,7 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--long-tokens", type=int, default=1000)
-    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
-                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
+    hw_bounds.add_flag(ap)
     args = ap.parse_args()
     bounds = hw_bounds.RunBounds() if args.bounds else None  # before the engines, and again after
     engines = {name: LLM(None, dtype=args.dtype, deterministic=det, kv_cache_memory="512MiB")

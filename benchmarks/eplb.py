@@ -132,9 +132,7 @@ def main() -> None:
     ap.add_argument("--skew", type=float, default=3.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--threads", type=int, default=1, help="CPU threads per rank process (torch)")
-    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
-                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py; the MoE's FLOPs per token "
-                         "count the routed experts at top-k of their number)")
+    hw_bounds.add_flag(ap, "; the MoE's FLOPs per token count the routed experts at top-k of their number")
     args = ap.parse_args()
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(3, 2048) for _ in range(args.prompt_len)] for _ in range(args.requests)]

@@ -165,6 +165,12 @@ def default_dtype() -> str:
     return "bfloat16" if cpu_has_fast_bf16() else "float32"
 
 
+def add_flag(parser: argparse.ArgumentParser, note: str = "") -> None:
+    """A benchmark's `--no-bounds` (`args.bounds`: whether to measure the machine for `RunBounds`)."""
+    parser.add_argument("--no-bounds", dest="bounds", action="store_false",
+                        help=f"skip measuring the machine's bounds (benchmarks/hw_bounds.py{note})")
+
+
 class RunBounds:
     """One benchmark run's bounds for a model (default: the built-in GGUF): the machine measured when made and
     again by `remeasure` (the best of each kept, `best_of`), and the model's cost per token."""

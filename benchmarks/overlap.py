@@ -45,8 +45,7 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=48)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
-                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
+    hw_bounds.add_flag(ap)
     args = ap.parse_args()
     bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engines, and again after
     dtype = None if args.dtype == "auto" else args.dtype

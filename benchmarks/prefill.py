@@ -94,6 +94,8 @@ def deepinfer_walls(args: argparse.Namespace) -> tuple[list[float], dict[str, fl
 
 
 def main() -> None:
+    import hw_bounds  # a sibling module (main puts the script's directory on sys.path); it loads no torch
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-prompts", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=158, help="guidellm's synthetic prompts in serve_compare.sh")
@@ -103,14 +105,11 @@ def main() -> None:
     ap.add_argument("--model-dir", default=os.environ.get("HF_MODEL_DIR"),
                     help="HF copy of the default model for vLLM (default: $HF_MODEL_DIR, else deepinfer's conversion)")
     ap.add_argument("--engine", choices=["deepinfer", "vllm"], default="deepinfer", help=argparse.SUPPRESS)
-    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
-                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
+    hw_bounds.add_flag(ap)
     args = ap.parse_args()
     if args.engine == "vllm":  # the subprocess: its walls as JSON on a line of their own (vLLM logs around it)
         print(WALLS + json.dumps(vllm_walls(args)), flush=True)
         return
-    import hw_bounds  # a sibling module (main puts the script's directory on sys.path)
-
     bounds = hw_bounds.RunBounds() if args.bounds else None  # before the engines, and again after
 
     tokens = args.num_prompts * args.prompt_len

@@ -137,6 +137,8 @@ def acceptance(drafted: list[int], kept: list[int]) -> float:
 
 
 def main() -> None:
+    import hw_bounds  # a sibling module: the script's directory is on sys.path (tests import this module's helpers)
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default=None, help="default: the built-in GGUF")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -157,12 +159,9 @@ def main() -> None:
                          "a step past the C path's 8 rows has other bits than one within it, and from batch 8 on the "
                          "engines' greedy outputs drift apart: their ratios then also compare different texts); "
                          "the step prices are this mode's, not the default's")
-    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
-                    help="skip measuring the machine's bounds (each row's tok/s as a fraction of the memory bound "
-                         "at batch 1, of the compute bound at larger batches: benchmarks/hw_bounds.py)")
+    hw_bounds.add_flag(ap, "; each row's tok/s over the memory bound at batch 1, the compute bound at larger "
+                           "batches")
     args = ap.parse_args()
-    import hw_bounds  # a sibling module: the script's directory is on sys.path (tests import this module's helpers)
-
     bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engines, and again after
 
     common = dict(kv_cache_memory="768MiB", max_num_seqs=max(args.batches), num_threads=args.num_threads,

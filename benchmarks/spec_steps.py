@@ -56,8 +56,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--speculative-config", default='{"method": "ngram", "num_speculative_tokens": 16, '
                     '"adaptive": true}', help="the second engine's (the first runs without speculation)")
-    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
-                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
+    hw_bounds.add_flag(ap)
     args = ap.parse_args()
     bounds = hw_bounds.RunBounds() if args.bounds else None  # before the engines, and again after
 

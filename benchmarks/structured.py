@@ -76,8 +76,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--overlap-host-work", default="auto", choices=["auto", "on", "off"])
-    ap.add_argument("--no-bounds", dest="bounds", action="store_false",
-                    help="skip measuring the machine's bounds (benchmarks/hw_bounds.py)")
+    hw_bounds.add_flag(ap)
     args = ap.parse_args()
     bounds = hw_bounds.RunBounds(args.model) if args.bounds else None  # before the engine, and again after
 
