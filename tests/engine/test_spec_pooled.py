@@ -17,9 +17,11 @@ from deepinfer.engine.spec.policy import (
     AcceptanceStats,
     Candidate,
     DraftLengthPolicy,
+    KeepCalibration,
     PooledAcceptance,
 )
 from deepinfer.engine.spec.speculator import Speculator
+from deepinfer.engine.spec.step_price import StepPrice
 from tests.engine.spec_utils import random_acceptance_stats
 
 # the tail "5 6 7 8" occurred before (a 4-token match), followed by 9 10 11 ...
@@ -42,14 +44,19 @@ def _speculator(**method) -> Speculator:
     return spec
 
 
-def _serve(spec: Speculator, tokens: list[int], kept: int | None, n: int, name: str) -> None:
-    """`n` requests of `tokens`, each proposed once and verified keeping `kept` drafts (None: all)."""
+def _serve(spec: Speculator, tokens: list[int], kept: int | None, n: int, name: str,
+           calibrated: bool = True) -> None:
+    """`n` requests of `tokens`, each proposed once and verified keeping `kept` drafts (None: all).
+    `calibrated=False`: the pool's lessons alone (the calibration forgets each verification; with it, drafts
+    that keep none of what was expected soon stop being chosen, and the pool would stop learning)."""
     for i in range(n):
         req = _req(f"{name}{i}", tokens)
         k = len(spec.propose([req], 4096).get(req.request_id, []))
         assert k > 0
         spec.verified(req, k, k if kept is None else min(kept, k))
         spec.finished(req)
+        if not calibrated:
+            spec.calibration = KeepCalibration()
 
 
 def test_the_match_lengths_are_what_the_tests_assume():
@@ -68,7 +75,7 @@ def test_a_new_request_starts_from_what_the_engine_has_verified():
     assert good.pool.rates[0] > 0.9
     assert len(good.propose([_req("b", LONG_MATCH)], 4096)["b"]) == 8
     bad = _speculator()
-    _serve(bad, LONG_MATCH, 0, 30, "x")
+    _serve(bad, LONG_MATCH, 0, 30, "x", calibrated=False)
     new = _req("c", LONG_MATCH)
     assert len(bad.propose([new], 4096).get("c", [])) < k_fresh
     assert new.spec is not None and new.spec.rates[0] < 0.2
@@ -79,7 +86,7 @@ def test_a_proposals_match_length_weighs_its_requests_estimates():
     long match than behind a short one, and its estimates themselves are not moved by the factor."""
     spec = _speculator()
     _serve(spec, LONG_MATCH, None, 20, "l")
-    _serve(spec, SHORT_MATCH, 0, 20, "s")
+    _serve(spec, SHORT_MATCH, 0, 20, "s", calibrated=False)
     pool = spec.pool
     long_f, short_f = pool.factors(4), pool.factors(2)
     assert long_f is not None and short_f is not None
@@ -161,3 +168,40 @@ def test_the_pool_starts_at_the_first_draft_prior_then_the_continuation_prior():
     assert tried == [1, 1] + [0] * 6
     with pytest.raises(ValueError, match="initial_continuation"):
         SpeculativeMethod("ngram", 4, initial_continuation=1.5)
+
+
+def test_drafts_are_weighed_by_how_much_of_what_was_expected_verification_kept():
+    """The calibration (`KeepCalibration`): after verifications that kept all they were expected to (and
+    more), its factor stays 1; after ones that kept none, it falls, and with the same estimates and the same
+    proposal the speculator then drafts less than one that trusts its estimates."""
+    good = _speculator()
+    _serve(good, LONG_MATCH, None, 30, "g")
+    assert good.calibration.factor == 1.0 and good.calibration.kept >= good.calibration.expected > 0
+    bad = _speculator()
+    ks = []
+    for i in range(30):
+        req = _req(f"x{i}", LONG_MATCH)
+        ks.append(len(bad.propose([req], 4096).get(req.request_id, [])))
+        if ks[-1]:
+            bad.verified(req, ks[-1], 0)
+        bad.finished(req)
+    assert ks[0] > 0 and ks[-1] == 0
+    assert bad.calibration.factor < 0.6
+    assert bad.calibration.expected > 10 * bad.calibration.kept  # expected from the estimates, kept none
+    # the same estimates (good's pool) with bad's calibration: fewer drafts on the same proposal
+    trusting = _speculator()
+    _serve(trusting, LONG_MATCH, None, 30, "t")
+    # a dear row (half a decode): drafts pay only where they are likely kept
+    trusting.policy.price = StepPrice(CostModel())
+    trusting.policy.price.seed([(r, 0.040 + 0.020 * (r - 1)) for r in range(1, 301)])
+    k_trusting = len(trusting.propose([_req("a", LONG_MATCH)], 4096).get("a", []))
+    trusting.calibration = bad.calibration
+    k_calibrated = len(trusting.propose([_req("b", LONG_MATCH)], 4096).get("b", []))
+    assert k_trusting > 0 and k_calibrated < k_trusting
+    # what each chosen draft was expected to keep is recorded until its verification consumes it
+    req = _req("c", LONG_MATCH)
+    spec = _speculator()
+    k = len(spec.propose([req], 4096)["c"])
+    assert 0 < req.spec.predicted_kept <= k
+    spec.verified(req, k, k)
+    assert req.spec.predicted_kept == 0.0

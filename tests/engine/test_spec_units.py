@@ -17,7 +17,7 @@ from deepinfer.engine.spec.ngram import NgramProposer, find_continuation
 from deepinfer.engine.spec.policy import Candidate, DraftLengthPolicy, expected_tokens
 from deepinfer.engine.spec.suffix import SuffixProposer
 from deepinfer.engine.spec.verify import verify
-from tests.engine.spec_utils import random_acceptance_stats
+from tests.engine.spec_utils import assert_all_free, random_acceptance_stats
 
 
 def _req(tokens: list[int], rid: str = "r", **params) -> Request:
@@ -340,6 +340,9 @@ def test_profile_measures_the_small_counts_three_times_first():
     assert steps[:27] == small * 3
     assert sorted(set(steps)) == sorted(order)
     assert all(steps.count(r) == 2 for r in order if r > 9)
+    # then the next two row blocks' counts (batch 8's choices) twice, before any larger count
+    near = [r for r in order if 9 < r <= 33]
+    assert steps[27:27 + 2 * len(near)] == near * 2
 
 
 def test_drafts_must_clear_their_break_even_by_the_margin():
@@ -565,3 +568,52 @@ def test_step_price_scales_the_profiled_counts_by_what_served_steps_cost():
     for _ in range(3):
         price.observe(1, 0.9 * 0.0042)
     assert price.seconds(4) == pytest.approx(0.9 * t[4], rel=0.05)
+
+
+def test_profile_divides_larger_counts_by_the_drift_its_reference_steps_measured():
+    """A slow spell that starts after the small counts were measured (every step 1.4x slower) must not
+    price the larger counts 1.4x dearer against them: each is divided by the reference steps beside it.
+    One slow reference among its three nearest moves nothing (their median)."""
+    from deepinfer.engine.spec.step_price import drift_corrected
+
+    level = 0.010  # the 8-row reference among the small counts
+    timed = [(8, level), (9, 0.0105)]  # measured in a quiet moment
+    references = []
+    for i, rows in enumerate([16, 24, 32]):  # measured in a spell 1.4x slower
+        references.append((len(timed), 1.4 * level * (1.5 if i == 1 else 1.0)))  # one reference slower still
+        timed.append((rows, 1.4 * level * rows / 11))
+    out = dict(drift_corrected(timed, references, 8, level))
+    assert out[8] == level and out[9] == pytest.approx(0.0105 / 1.4)  # the quiet ones only where a reference sat
+    for rows in (16, 24, 32):
+        assert out[rows] == pytest.approx(level * rows / 11)
+    # without references (or a level) the steps stand as measured
+    assert drift_corrected(timed, [], 8, level) == timed
+    assert drift_corrected(timed, references, 8, 0.0) == timed
+
+
+def test_profile_times_reference_steps_apart_from_the_counts(tiny_models):
+    """The real runner: with a reference due before every larger step, each larger count's step is preceded
+    by a step of the reference count, and the returned entries are the scheduled counts only (a reference
+    step is not one of the reference count's samples)."""
+    from deepinfer import LLM
+    from deepinfer.engine.spec.step_price import profile_rows
+
+    llm = LLM(str(tiny_models["llama"]), dtype="float32")
+    core = llm.engine.core
+    executed: list[int] = []
+    execute = core.runner.execute
+
+    def counting(plan, tables):
+        executed.append(sum(s.num_new_tokens for s in plan.scheduled))
+        return execute(plan, tables)
+
+    core.runner.execute = counting
+    try:
+        got = profile_rows(core.runner, core.kv, [1, 2, 3, 9, 12, 9, 12], 4, context=16, reference=3,
+                           reference_every_s=0.0)
+    finally:
+        core.runner.execute = execute
+    assert executed == [1, 1, 2, 3, 3, 9, 3, 12, 3, 9, 3, 12]  # the warm-up, then a reference before each > 3
+    assert [r for r, _ in got] == [1, 2, 3, 9, 12]
+    assert all(s > 0 for _, s in got)
+    assert_all_free(llm)  # every profile step's blocks went back

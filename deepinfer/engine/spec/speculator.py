@@ -29,6 +29,8 @@ decodes.
 
 from __future__ import annotations
 
+import itertools
+import operator
 import time
 
 import numpy as np
@@ -44,6 +46,7 @@ from deepinfer.engine.spec.policy import (
     Candidate,
     DraftLengthPolicy,
     HeldProposal,
+    KeepCalibration,
     PooledAcceptance,
     ceiling_gains,
     estimate_rows,
@@ -85,6 +88,7 @@ class Speculator:
         self.metrics = SpecMetrics(self.proposer.name, self.k_max)
         self.tries = tries or TryRules()
         self.ledger = ExploreLedger()
+        self.calibration = KeepCalibration()
         self._quiet_until, self._quiet_batch = 0, 0  # `_quiet`
         self.num_steps = 0  # decode steps proposed for (a call of several counts each): back-offs' and quiet spells' clock
         self._last_propose: float | None = None
@@ -114,10 +118,11 @@ class Speculator:
             self.policy.price.c_path_rows = fused.max_rows
         self.policy.price.row_blocks = any(getattr(m, "pads_rows", False) for m in runner.model.modules())
         c_path = self.policy.price.c_path_rows
-        counts = profile_schedule(profile_order(counts, c_path), max(c_path, max_rows()))
+        small = max(c_path, max_rows())
+        counts = profile_schedule(profile_order(counts, c_path), small)
         sink, runner.stream_sink = runner.stream_sink, None  # the MTP proposer must not keep the profile's rows
         try:
-            self.policy.price.seed(profile_rows(runner, kv, counts, k, context))
+            self.policy.price.seed(profile_rows(runner, kv, counts, k, context, reference=max(small, 1)))
         finally:
             runner.stream_sink = sink
 
@@ -201,17 +206,24 @@ class Speculator:
             if r.grammar is not None and len(d):
                 d = d.truncated(_grammar_prefix(r, d))
             cands.append((r, d))
+        factor = self.calibration.factor
+        predicted = None  # per candidate, its keep probabilities' expected kept tokens for each draft length
         if priced and len(cands) <= ROW_BY_ROW:  # request by request: cheaper than array operations here
             rows = estimates.tolist() if estimates is not None else [s.estimates() for s in states]
-            ks = self.policy.choose(
-                [Candidate(r.num_computed_tokens, self.policy.accept_probs(
-                    self.pool.match_probs(e, d.match), d.confidence, len(d)))
-                 for (r, d), e in zip(cands, rows, strict=True)], batch)
+            probs = [self.policy.accept_probs(self.pool.match_probs(e, d.match), d.confidence, len(d))
+                     for (_, d), e in zip(cands, rows, strict=True)]
+            ks = self.policy.choose([Candidate(r.num_computed_tokens, [p[0] * factor] + p[1:] if p else p)
+                                     for (r, _), p in zip(cands, probs, strict=True)], batch)
+            predicted = [list(itertools.accumulate(itertools.accumulate(p, operator.mul))) for p in probs]
         elif priced:
             lengths = [len(d) for _, d in cands]
             if estimates is None:
                 estimates = estimate_rows(states)
-            ks = self.policy.choose_rows(self._keep_probs(estimates, [d for _, d in cands], lengths), lengths, batch)
+            keep = self._keep_probs(estimates, [d for _, d in cands], lengths)
+            scaled = keep.copy()
+            scaled[:, 0] *= factor
+            ks = self.policy.choose_rows(scaled, lengths, batch)
+            predicted = np.cumsum(np.cumprod(keep, axis=1), axis=1).tolist()
         else:
             ks = [0] * len(cands)
         if priced and tries and not any(ks) and any(len(d) for _, d in cands):
@@ -226,6 +238,7 @@ class Speculator:
             if k:
                 out[r.request_id] = list(d.token_ids[:k])
                 s.last_match = d.match
+                s.predicted_kept = predicted[i][k - 1] if predicted is not None else 0.0
             else:
                 s.relax(unmatched=(lim > 0 and not len(d)) or (unmatched is not None and unmatched[i]))
         return out, [d for _, d in cands], unmatched
@@ -501,6 +514,9 @@ class Speculator:
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
         state = self._state(req)
+        if state.predicted_kept > 0:
+            self.calibration.observe(state.predicted_kept, accepted)
+            state.predicted_kept = 0.0
         state.observe(drafted, accepted, self.method.acceptance_ewma)
         self.pool.observe(state.last_match, drafted, accepted)
         if state.explore_refund:

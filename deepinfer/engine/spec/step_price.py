@@ -19,8 +19,9 @@ so the table is not smoothed there and the profile samples both sides of the fir
 
 Seeded at engine start by `profile_rows` (synthetic verification steps: every row count through the first
 two row blocks, both sides of the next block edges, then about 25% apart up to what the batch can verify;
-the counts through the C path three times, the others twice, the fastest kept: `profile_schedule`) and
-refreshed by every decode-phase step the engine runs (`observe`). A load factor (EWMA of measured over
+the counts through the C path three times, the others twice, the fastest kept: `profile_schedule`; the
+larger counts divided by the machine's drift, timed by steps of the C path's largest count between them:
+`drift_corrected`) and refreshed by every decode-phase step the engine runs (`observe`). A load factor (EWMA of measured over
 predicted seconds) scales the whole table and entries are stored divided by it: a busy machine makes the
 row counts in use slower, and the counts not in use (whose entries are older) must follow, or the policy
 would wander to whichever counts were measured at a quieter moment, or never return to one measured at a
@@ -325,26 +326,40 @@ def profile_order(counts: list[int], c_path_rows: int, block: int = ROW_BLOCK, d
     return first + [r for r in counts if r not in taken]
 
 
-def profile_schedule(order: list[int], c_path_rows: int, small_rounds: int = 3) -> list[int]:
+def profile_schedule(order: list[int], c_path_rows: int, small_rounds: int = 3, block: int = ROW_BLOCK) -> list[int]:
     """The profile's steps: the counts through the C decode path and the first row past it `small_rounds`
-    times each, round by round, then the rest of `order` (`profile_order`) twice. Each count keeps its
-    fastest step; the small counts are where batch 1 and small batches choose, and where one slow step
-    among two (a noisy moment on a shared machine) priced a draft row at 0.8 of a decode instead of 0.3
-    (session 21: no draft was ever verified at batch 1, and the table was never corrected). They are
-    cheap: ~0.2 s for a third round on the AVX2 machine, where the 4 s limit cut the whole profile after
-    its first round."""
+    times each, round by round, then the counts through the batched path's first two row blocks twice,
+    then the rest of `order` (`profile_order`) twice. Each count keeps its fastest step; the small counts are
+    where batch 1 and small batches choose, and where one slow step among two (a noisy moment on a shared
+    machine) priced a draft row at 0.8 of a decode instead of 0.3 (session 21: no draft was ever verified at
+    batch 1, and the table was never corrected). They are cheap: ~0.2 s for a third round on the AVX2
+    machine, where the 4 s limit cut the whole profile after its first round. The counts of the next two
+    blocks are where batch 8 chooses, and no served step corrects them while it drafts nothing: measured
+    once each at the end of a first round over all counts (the second cut by the time limit), one slow step
+    at 10 rows priced 9-17 rows at 1.57 T(8) where alternating steps measured 1.48 (the 2-core Zen 4)."""
     small = [r for r in order if r <= c_path_rows + 1]
-    rest = [r for r in order if r > c_path_rows + 1]
-    return small * small_rounds + rest * 2
+    near = [r for r in order if c_path_rows + 1 < r <= 2 * block + 1]
+    rest = [r for r in order if r > max(c_path_rows + 1, 2 * block + 1)]
+    return small * small_rounds + near * 2 + rest * 2
 
 
 def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 128,
-                 time_limit_s: float = 4.0) -> list[tuple[int, float]]:
+                 time_limit_s: float = 4.0, reference: int = 0,
+                 reference_every_s: float = 0.1) -> list[tuple[int, float]]:
     """Run the synthetic verification steps `row_counts` lists (`profile_schedule`: a count may repeat),
     after a warm-up step, through the real runner and return (rows, each count's fastest seconds). A step of R rows is ceil(R / (1 + k_max)) requests, each verifying up to
     `k_max` drafts, all decode rows as in real verification. The KV it writes is garbage in blocks that go
     straight back to the pool (as `cost_profile`); the drafts are all rejected or accepted, which does
-    not matter for timing. Stops once its steps have taken `time_limit_s` (CPU seconds at one thread, else wall)."""
+    not matter for timing. Stops once its steps have taken `time_limit_s` (CPU seconds at one thread, else wall).
+
+    `reference` (a row count the schedule measures before any larger one, the C decode path's limit): every
+    `reference_every_s` of profiling among the larger counts a step of that count is timed again, and each
+    larger count's steps are divided by the machine's drift at their moment (`drift_corrected`). The small
+    counts are measured in the profile's first half second, the larger ones over the next three, and a
+    slow spell of a few seconds on a shared machine then priced every larger count up to 1.4x against the
+    small ones: on the 2-core Zen 4, T(16) / T(8) read 1.38, 1.53, 1.69 and 1.94 over four engine starts
+    where steps alternating 8 and 16 rows measured 1.37 throughout, and code edits at batch 8 drafted or
+    did not by which start they got (a price past the C path that no served step corrects, as nothing drafts)."""
     from deepinfer.engine.request import Request
     from deepinfer.engine.sampling_params import SamplingParams
     from deepinfer.engine.scheduler import ScheduledRequest, SchedulerOutput
@@ -353,14 +368,9 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
     ids = itertools.count()
     cpu_clock = prices_in_cpu_time()
     started = time.perf_counter()
-    # the limit counts the steps' own time (CPU time at one thread): wall time on a machine shared with
-    # others (load 3-5 on 2 cores) cut the profile at 33 rows where an idle machine reaches 80
-    spent = 0.0
-    best: dict[int, float] = {}
-    # a warm-up step, then the counts in the given order (what shapes the table first, so a time limit cuts
-    # the counts that matter least): the fastest of each count's steps is kept (on a shared machine one
-    # step can be slowed by others; a fast one cannot be sped up by them)
-    for i, rows in enumerate([row_counts[0]] + list(row_counts)):
+
+    def step(rows: int) -> float | None:
+        """Seconds of one synthetic step of `rows` rows (None: the KV pool cannot hold it)."""
         plan = SchedulerOutput()
         left = rows
         while left > 0:
@@ -373,18 +383,62 @@ def profile_rows(runner, kv, row_counts: list[int], k_max: int, context: int = 1
         reqs = [s.request for s in plan.scheduled]
         try:
             if not all(kv.allocate(s.request, context + s.num_new_tokens) for s in plan.scheduled):
-                break
+                return None
             cpu = time.thread_time()
             result = runner.execute(plan, kv.group_tables)
             cpu = time.thread_time() - cpu
-            spent += cpu if cpu_clock else result.seconds
         finally:
             for r in reqs:
                 kv.free(r)
+        return cpu if cpu_clock else result.seconds
+
+    # the limit counts the steps' own time (CPU time at one thread): wall time on a machine shared with
+    # others (load 3-5 on 2 cores) cut the profile at 33 rows where an idle machine reaches 80
+    spent = 0.0
+    last_reference = -math.inf
+    timed: list[tuple[int, float]] = []  # every step after the warm-up, in order
+    references: list[tuple[int, float]] = []  # (its place in `timed`, seconds) of the reference steps
+    # a warm-up step, then the counts in the given order (what shapes the table first, so a time limit cuts
+    # the counts that matter least): the fastest of each count's steps is kept (on a shared machine one
+    # step can be slowed by others; a fast one cannot be sped up by them)
+    for i, rows in enumerate([row_counts[0]] + list(row_counts)):
+        if i > 0 and 0 < reference < rows and spent - last_reference >= reference_every_s:
+            seconds = step(reference)
+            if seconds is None:
+                break
+            spent += seconds
+            last_reference = spent
+            references.append((len(timed), seconds))
+        seconds = step(rows)
+        if seconds is None:
+            break
+        spent += seconds
         if i > 0:
-            best[rows] = min(best.get(rows, math.inf), cpu if cpu_clock else result.seconds)
+            timed.append((rows, seconds))
         if spent > time_limit_s:
             break
+    best: dict[int, float] = {}
+    level = min((s for r, s in timed if r == reference), default=0.0)
+    for rows, seconds in drift_corrected(timed, references, reference, level):
+        best[rows] = min(best.get(rows, math.inf), seconds)
     logger.info("speculative decoding: verification profile of %d row counts in %.2fs", len(best),
                 time.perf_counter() - started)
     return sorted(best.items())
+
+
+def drift_corrected(timed: list[tuple[int, float]], references: list[tuple[int, float]], reference: int,
+                    level: float) -> list[tuple[int, float]]:
+    """`timed` (rows, seconds, in the order measured) with each step of more than `reference` rows divided
+    by the machine's drift at its moment: the median of the three reference steps nearest to it in order
+    (`references`: (its place in `timed`, seconds); one slow reference among them moves nothing) over
+    `level`, the reference count's seconds among the profile's small counts. Without references or a
+    level: as given."""
+    if not references or level <= 0:
+        return list(timed)
+    out = []
+    for place, (rows, seconds) in enumerate(timed):
+        if rows > reference:
+            near = sorted(references, key=lambda ref: abs(ref[0] - place))[:3]
+            seconds *= level / statistics.median(s for _, s in near)
+        out.append((rows, seconds))
+    return out
