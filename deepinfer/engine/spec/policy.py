@@ -475,11 +475,12 @@ class DraftLengthPolicy:
         return self._best_count(num_decodes, -np.sort(-flat), first_gain=True) > 0
 
     def _best_count(self, b: int, gains: list[float] | np.ndarray, first_gain: bool = False,
-                    seconds: list[float] | None = None) -> int:
+                    seconds: list[float] | None = None, scale: float = 1.0) -> int:
         """The number m of draft rows (0..len(gains)) that maximises the expected tokens per second of a step
-        of `b` decodes, (b + sum of the first m `gains` / (1 + MARGIN)) / (T(b + m) + H_m): the first maximum
-        (the fewest drafts among equals); with `first_gain`, the first m that beats m = 0 (0: none does).
-        `seconds`: T(R) from another table (`choose_in_call`), with no host time.
+        of `b` decodes, (b + scale * sum of the first m `gains` / (1 + MARGIN)) / (T(b + m) + H_m): the first
+        maximum (the fewest drafts among equals); with `first_gain`, the first m that beats m = 0 (0: none
+        does). `seconds`: T(R) from another table (`choose_in_call`), with no host time. `scale`: the
+        speculator's calibration of the gains (`KeepCalibration.factor`).
 
         It runs every step, between model steps that have evicted its code and data from the caches: up to
         `SMALL` gains in plain Python (the numpy version, a dozen small-array calls, took ~140 us a step at
@@ -491,10 +492,11 @@ class DraftLengthPolicy:
         else:
             host = draft_host = 0.0
             t = np.asarray(seconds[:b + len(gains) + 1], dtype=float)
+        weight = scale / (1 + self.MARGIN)
         if len(gains) > self.SMALL:
             hosts = np.full(len(gains) + 1, draft_host)
             hosts[0] = host
-            rate = (b + np.concatenate([[0.0], np.cumsum(gains)]) / (1 + self.MARGIN)) / np.maximum(t[b:] + hosts, 1e-9)
+            rate = (b + np.concatenate([[0.0], np.cumsum(gains)]) * weight) / np.maximum(t[b:] + hosts, 1e-9)
             if first_gain:
                 above = np.flatnonzero(rate[1:] > rate[0])
                 return int(above[0]) + 1 if len(above) else 0
@@ -503,7 +505,7 @@ class DraftLengthPolicy:
         best, best_rate, kept = 0, b / max(t[b] + host, 1e-9), 0.0
         for m, g in enumerate(gains, 1):
             kept += g
-            rate = (b + kept / (1 + self.MARGIN)) / max(t[b + m] + draft_host, 1e-9)
+            rate = (b + kept * weight) / max(t[b + m] + draft_host, 1e-9)
             if rate > best_rate:  # strictly: the first maximum
                 if first_gain:
                     return m
@@ -523,7 +525,7 @@ class DraftLengthPolicy:
             gains.append(g)
         return self._best_count(batch, gains, seconds=seconds)
 
-    def choose(self, cands: list[Candidate], num_decodes: int) -> list[int]:
+    def choose(self, cands: list[Candidate], num_decodes: int, scale: float = 1.0) -> list[int]:
         """Draft tokens to verify per candidate; `num_decodes`: the decode batch the candidates are part of
         (one row each, the candidates included; with `Speculator.propose`'s `batch`, requests about to decode
         count too, priced as decode rows). Merges the candidates' gain sequences through a heap, in plain
@@ -545,12 +547,12 @@ class DraftLengthPolicy:
             probs = cands[i].accept_probs
             if j + 1 < len(probs) and probs[j + 1] > 0:
                 heapq.heappush(heap, (g * probs[j + 1], i, j + 1))
-        best = self._best_count(num_decodes, gains)
+        best = self._best_count(num_decodes, gains, scale=scale)
         for i in order[:best]:
             ks[i] += 1
         return ks
 
-    def choose_rows(self, probs: np.ndarray, lengths: list[int], num_decodes: int) -> list[int]:
+    def choose_rows(self, probs: np.ndarray, lengths: list[int], num_decodes: int, scale: float = 1.0) -> list[int]:
         """`choose` with the candidates' keep probabilities as the rows of one array (each row's first
         `lengths[i]` entries; the rest 0), each at most 1.
 
@@ -571,7 +573,7 @@ class DraftLengthPolicy:
         flat = gains[positive]
         order = np.argsort(-flat, kind="stable")
         ordered = flat[order]
-        best = self._best_count(num_decodes, ordered if len(ordered) > self.SMALL else ordered.tolist())
+        best = self._best_count(num_decodes, ordered if len(ordered) > self.SMALL else ordered.tolist(), scale=scale)
         return np.bincount(row_of[order[:best]], minlength=len(lengths)).tolist()
 
 

@@ -206,24 +206,19 @@ class Speculator:
             if r.grammar is not None and len(d):
                 d = d.truncated(_grammar_prefix(r, d))
             cands.append((r, d))
-        factor = self.calibration.factor
-        predicted = None  # per candidate, its keep probabilities' expected kept tokens for each draft length
+        keep = None  # per candidate, the keep probabilities of its proposal's tokens (rows of an array past 8)
         if priced and len(cands) <= ROW_BY_ROW:  # request by request: cheaper than array operations here
             rows = estimates.tolist() if estimates is not None else [s.estimates() for s in states]
-            probs = [self.policy.accept_probs(self.pool.match_probs(e, d.match), d.confidence, len(d))
-                     for (_, d), e in zip(cands, rows, strict=True)]
-            ks = self.policy.choose([Candidate(r.num_computed_tokens, [p[0] * factor] + p[1:] if p else p)
-                                     for (r, _), p in zip(cands, probs, strict=True)], batch)
-            predicted = [list(itertools.accumulate(itertools.accumulate(p, operator.mul))) for p in probs]
+            keep = [self.policy.accept_probs(self.pool.match_probs(e, d.match), d.confidence, len(d))
+                    for (_, d), e in zip(cands, rows, strict=True)]
+            ks = self.policy.choose([Candidate(r.num_computed_tokens, p) for (r, _), p in zip(cands, keep, strict=True)],
+                                    batch, scale=self.calibration.factor)
         elif priced:
             lengths = [len(d) for _, d in cands]
             if estimates is None:
                 estimates = estimate_rows(states)
             keep = self._keep_probs(estimates, [d for _, d in cands], lengths)
-            scaled = keep.copy()
-            scaled[:, 0] *= factor
-            ks = self.policy.choose_rows(scaled, lengths, batch)
-            predicted = np.cumsum(np.cumprod(keep, axis=1), axis=1).tolist()
+            ks = self.policy.choose_rows(keep, lengths, batch, scale=self.calibration.factor)
         else:
             ks = [0] * len(cands)
         if priced and tries and not any(ks) and any(len(d) for _, d in cands):
@@ -238,7 +233,8 @@ class Speculator:
             if k:
                 out[r.request_id] = list(d.token_ids[:k])
                 s.last_match = d.match
-                s.predicted_kept = predicted[i][k - 1] if predicted is not None else 0.0
+                # what the estimates expect it to keep (`KeepCalibration`): the sum of its gains' prefix products
+                s.predicted_kept = float(sum(itertools.accumulate(keep[i][:k], operator.mul))) if keep is not None else 0.0
             else:
                 s.relax(unmatched=(lim > 0 and not len(d)) or (unmatched is not None and unmatched[i]))
         return out, [d for _, d in cands], unmatched
