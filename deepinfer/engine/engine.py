@@ -18,12 +18,14 @@ Structured output: `add_request` starts each sequence's grammar compiling on `gr
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import itertools
 import logging
 import platform
 import time
+from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -185,6 +187,21 @@ class LLMEngine:
             self._kv_streams[request_id] = [seqs[0], 0]
         return request_id
 
+    @contextlib.contextmanager
+    def closed_batch(self) -> Iterator[None]:
+        """Within it, the caller adds no request until every one in the engine has finished (`LLM.generate`):
+        speculation then weighs each request's drafts by its projected finish (`FinishBalance`), since the
+        batch's wall time is its last request's."""
+        speculator = self.core.speculator
+        if speculator is None:
+            yield
+            return
+        speculator.balance.begin()
+        try:
+            yield
+        finally:
+            speculator.balance.end()
+
     def abort_request(self, request_id: str) -> None:
         if self.processor is not None:
             self.processor.abort(request_id)
@@ -333,7 +350,7 @@ class LLMEngine:
             elif core.speculator is not None and (_carries_drafts(inflight) or (
                     inflight.ready is not None and core.speculator.wants_fresh_step(
                         [item.request for item in inflight.plan.scheduled], core.max_model_len,
-                        core.scheduler.decode_batch_ahead()))):
+                        core.scheduler.decode_batch_ahead(), bool(core.scheduler.waiting)))):
                 # Speculative decoding: nothing is scheduled behind a step that verifies drafts (where its
                 # requests resume depends on how many drafts it keeps, so the scheduler would leave them out
                 # of a step scheduled ahead: they would sit a step out), nor, while drafts may pay, behind a

@@ -139,12 +139,13 @@ class LLM:
     def _run(self, ids: list[str]) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
         try:
-            while len(final) < len(ids):
-                for out in self.engine.step():
-                    if out.finished:
-                        final[out.request_id] = out
-                if not self.engine.core.has_unfinished() and len(final) < len(ids):
-                    raise RuntimeError("engine stopped with unfinished requests")
+            with self.engine.closed_batch():
+                while len(final) < len(ids):
+                    for out in self.engine.step():
+                        if out.finished:
+                            final[out.request_id] = out
+                    if not self.engine.core.has_unfinished() and len(final) < len(ids):
+                        raise RuntimeError("engine stopped with unfinished requests")
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)

@@ -178,7 +178,7 @@ class Scheduler:
                 for item in call:
                     policy.add_work(1, item.start)
                 return out
-        drafts = self.speculator.propose(decodes, self.max_model_len, self.decode_batch_ahead()) \
+        drafts = self.speculator.propose(decodes, self.max_model_len, self.decode_batch_ahead(), bool(self.waiting)) \
             if self.speculator is not None else {}
         verifying: list[ScheduledRequest] = []
         for req in decodes:  # oldest first; never held back by the time budget
@@ -490,7 +490,7 @@ class Scheduler:
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         if self.speculator is not None:
-            self.speculator.finished(req)
+            self.speculator.finished(req, status)
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
             self.kv.free(req)

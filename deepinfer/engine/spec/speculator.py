@@ -7,7 +7,7 @@ scheduler makes.
     Scheduler.update   ─▶ Speculator.verified(request, drafted, accepted): statistics; the scheduler
                           rewinds num_computed_tokens past the accepted tokens and frees the KV blocks
                           that only rejected positions used (KVCacheManager.truncate)
-    Scheduler._finish  ─▶ Speculator.finished(request)
+    Scheduler._finish  ─▶ Speculator.finished(request, status)
 
 A proposer that is cheap to skip (n-gram, suffix: pure functions of the request's tokens) is not run at
 all on a step where, by the policy's bound, no drafts could pay (every request's acceptance estimate too
@@ -37,7 +37,7 @@ import numpy as np
 
 from deepinfer.config import SpeculativeMethod
 from deepinfer.engine.cost_model import CostModel
-from deepinfer.engine.request import Request
+from deepinfer.engine.request import Request, RequestStatus
 from deepinfer.engine.spec.metrics import SpecMetrics
 from deepinfer.engine.spec.ngram import LookupPlan, NgramProposer
 from deepinfer.engine.spec.policy import (
@@ -45,6 +45,7 @@ from deepinfer.engine.spec.policy import (
     AcceptanceStats,
     Candidate,
     DraftLengthPolicy,
+    FinishBalance,
     HeldProposal,
     KeepCalibration,
     PooledAcceptance,
@@ -89,6 +90,7 @@ class Speculator:
         self.tries = tries or TryRules()
         self.ledger = ExploreLedger()
         self.calibration = KeepCalibration()
+        self.balance = FinishBalance()  # closed batches: what each request's kept tokens are worth
         self._quiet_until, self._quiet_batch = 0, 0  # `_quiet`
         self.num_steps = 0  # decode steps proposed for (a call of several counts each): back-offs' and quiet spells' clock
         self._last_propose: float | None = None
@@ -132,7 +134,8 @@ class Speculator:
                                            self.pool.rates)
         return req.spec
 
-    def propose(self, decodes: list[Request], max_model_len: int, batch: int = 0) -> dict[str, list[int]]:
+    def propose(self, decodes: list[Request], max_model_len: int, batch: int = 0,
+                waiting: bool = False) -> dict[str, list[int]]:
         """Draft tokens for the decoding requests of a step (request id -> drafts; absent: none). A request
         with a token still in flight (a step scheduled ahead, `overlap_host_work`) drafts nothing and is not
         counted: its drafts would follow a token not known yet.
@@ -143,7 +146,8 @@ class Speculator:
         prefill, the first to decode would otherwise price its drafts as a lone request's (a kept token
         worth a whole step), and the tokens it gains only make it finish ahead of the others, leaving a tail
         of smaller steps that cost nearly as much (code_edit b=8 on the AVX2 machine: ~10 such drafting
-        steps per run, 0.93x of no speculation)."""
+        steps per run, 0.93x of no speculation). `waiting`: requests wait for a slot (a closed batch's
+        weights, `FinishBalance`, wait until they are all in)."""
         decodes = [r for r in decodes if not r.num_pending_tokens]
         now = time.thread_time() if self.cpu_clock else time.perf_counter()
         if self._last_propose is not None and self._last_run is not None:
@@ -161,16 +165,19 @@ class Speculator:
         for r, st in zip(decodes, states, strict=True):
             if st.hindsight is not None:
                 self._check_hindsight(r, st)
-        out, looked, unmatched = self._choose_drafts(decodes, states, limits, max(batch, len(decodes)))
+        weights = None if waiting else self.balance.weights(decodes, time.perf_counter())
+        out, looked, unmatched = self._choose_drafts(decodes, states, limits, max(batch, len(decodes)), weights)
         if self._hindsight_on():
             self._keep_for_hindsight(decodes, states, limits, looked, unmatched, out)
         return out
 
     def _choose_drafts(self, decodes: list[Request], states: list[AcceptanceStats], limits: list[int],
-                       batch: int) -> tuple[dict[str, list[int]], list[Draft] | None, list[bool] | None]:
-        """`propose`'s choice for the requests `decodes` (`limits`: the most drafts each may verify): the
-        drafts (request id -> tokens); where it looked the requests up, each one's proposal (None where it
-        looked up none); where it asked the proposer's cheap check, whether it ruled each request out."""
+                       batch: int, weights: list[float] | None = None
+                       ) -> tuple[dict[str, list[int]], list[Draft] | None, list[bool] | None]:
+        """`propose`'s choice for the requests `decodes` (`limits`: the most drafts each may verify;
+        `weights`: `FinishBalance.weights`): the drafts (request id -> tokens); where it looked the requests
+        up, each one's proposal (None where it looked up none); where it asked the proposer's cheap check,
+        whether it ruled each request out."""
         # the back-off and exploration rules (tries.py) and the price bound need a proposer the speculator
         # may skip at will
         tries = self._skippable()
@@ -188,7 +195,7 @@ class Speculator:
                 if not any(limits):
                     return self._no_drafts(decodes, states, unmatched), None, unmatched
                 estimates = estimate_rows(states)
-            if quiet or not self._drafts_can_pay(states, limits, batch, estimates):
+            if quiet or not self._drafts_can_pay(states, limits, batch, estimates, weights):
                 # no drafts pay by the price: look up only requests owed exploration, every few steps
                 priced = False
                 if not quiet:
@@ -212,13 +219,13 @@ class Speculator:
             keep = [self.policy.accept_probs(self.pool.match_probs(e, d.match), d.confidence, len(d))
                     for (_, d), e in zip(cands, rows, strict=True)]
             ks = self.policy.choose([Candidate(r.num_computed_tokens, p) for (r, _), p in zip(cands, keep, strict=True)],
-                                    batch, scale=self.calibration.factor)
+                                    batch, scale=self.calibration.factor, weights=weights)
         elif priced:
             lengths = [len(d) for _, d in cands]
             if estimates is None:
                 estimates = estimate_rows(states)
             keep = self._keep_probs(estimates, [d for _, d in cands], lengths)
-            ks = self.policy.choose_rows(keep, lengths, batch, scale=self.calibration.factor)
+            ks = self.policy.choose_rows(keep, lengths, batch, scale=self.calibration.factor, weights=weights)
         else:
             ks = [0] * len(cands)
         if priced and tries and not any(ks) and any(len(d) for _, d in cands):
@@ -363,7 +370,8 @@ class Speculator:
     def _may_explore(self, batch: int) -> bool:
         return batch < self._explore_rows() and self.ledger.allows(self.tries.budget)
 
-    def wants_fresh_step(self, requests: list[Request], max_model_len: int, batch: int = 0) -> bool:
+    def wants_fresh_step(self, requests: list[Request], max_model_len: int, batch: int = 0,
+                         waiting: bool = False) -> bool:
         """Whether the engine should let the step in flight finish before it schedules the next one, so that
         `requests` (that step's) can draft: a step scheduled ahead of the one in flight has their next token
         pending, and they draft nothing in it (`propose`). False only where `propose` would give them no
@@ -373,7 +381,7 @@ class Speculator:
         `propose`). The engine then keeps overlapping host work with the model (`LLMEngine.step_tokens`),
         as without speculation, instead of running every other step without it (chat at batch 1: the
         prior's drafts pay on the C path's cheap rows, but an n-gram is found at ~11% of positions, and
-        losing every other step's overlap cost 3-6% of throughput)."""
+        losing every other step's overlap cost 3-6% of throughput). `waiting` as in `propose`."""
         if not self._skippable():
             return True
         requests = [r for r in requests if not r.finished]
@@ -385,7 +393,8 @@ class Speculator:
         likely = [lim if lim and self.proposer.likely_to_propose(r) else 0
                   for r, lim in zip(requests, limits, strict=True)]
         batch = max(batch, len(requests))
-        if not self._quiet(batch, step) and self._drafts_can_pay(states, likely, batch):
+        weights = None if waiting else self.balance.weights(requests, time.perf_counter())
+        if not self._quiet(batch, step) and self._drafts_can_pay(states, likely, batch, weights=weights):
             return True
         return step % self.tries.lookup_every == 0 and self._may_explore(batch) and any(
             lim and self.tries.explorable(s) for s, lim in zip(states, limits, strict=True))
@@ -425,15 +434,18 @@ class Speculator:
         return [0 if self.tries.backed_off(s, step) else lim for s, lim in zip(states, limits, strict=True)]
 
     def _drafts_can_pay(self, states: list[AcceptanceStats], limits: list[int], batch: int,
-                        estimates: np.ndarray | None = None) -> bool:
-        """The policy's bound (`DraftLengthPolicy.drafts_can_pay`) on the states' gain ceilings;
-        `estimates`: `estimate_rows(states)` where the caller has it."""
+                        estimates: np.ndarray | None = None, weights: list[float] | None = None) -> bool:
+        """The policy's bound (`DraftLengthPolicy.drafts_can_pay`) on the states' gain ceilings (times
+        their requests' `weights`, where given); `estimates`: `estimate_rows(states)` where the caller has it."""
         if not any(limits):
             return self.policy.drafts_can_pay(batch, [])
         if estimates is None:
             estimates = estimate_rows(states)
-        return self.policy.drafts_can_pay(batch, ceiling_gains(
-            estimates, [s.prior for s in states], limits, self.proposer.confident, self.pool.boost()))
+        ceilings = ceiling_gains(estimates, [s.prior for s in states], limits, self.proposer.confident,
+                                 self.pool.boost())
+        if weights is not None:  # each request's ceilings are its limit's first entries, in request order
+            ceilings = ceilings * np.repeat(weights, limits)
+        return self.policy.drafts_can_pay(batch, ceilings)
 
     def observe_step(self, num_rows: int, seconds: float, cpu_seconds: float | None = None, steps: int = 1) -> None:
         """A finished step in which every request decoded or verified drafts: `num_rows` rows (decodes and
@@ -523,7 +535,9 @@ class Speculator:
         self.metrics.verified(drafted, accepted)
         self.proposer.on_verified(req, drafted, accepted)
 
-    def finished(self, req: Request) -> None:
+    def finished(self, req: Request, status: RequestStatus | None = None) -> None:
+        """`req` ends with `status` (None: not known to the caller; as a stop)."""
+        self.balance.on_finished(req.request_id, status is RequestStatus.FINISHED_LENGTH)
         self.proposer.on_finished(req)
 
     def stats(self) -> dict[str, float]:
