@@ -387,11 +387,11 @@ class FinishBalance:
             start = self._start.setdefault(r.request_id, (now, r.num_output_tokens))
             made = r.num_output_tokens - start[1]
             rates.append(made / (now - start[0]) if made >= self.MIN_TOKENS and now > start[0] else None)
-        known = [x for x in rates if x is not None and x > 0]
+        known = [x for x in rates if x is not None]  # each > 0: MIN_TOKENS made over a positive time
         if not known:
             return None
         mean_rate = sum(known) / len(known)
-        times = [max(0, r.max_tokens - r.num_output_tokens) / (x if x is not None and x > 0 else mean_rate)
+        times = [max(0, r.max_tokens - r.num_output_tokens) / (mean_rate if x is None else x)
                  for r, x in zip(requests, rates, strict=True)]
         mean_time = sum(times) / len(times)
         if mean_time <= 0:
