@@ -125,3 +125,59 @@ def test_no_hindsight_for_a_fixed_draft_length_or_when_switched_off():
     reqs = [_copying(f"r{i}", i) for i in range(8)]
     assert off.propose(reqs, 4096) == {}
     assert all(r.spec.hindsight is None for r in reqs)
+
+
+def _pessimist(stale_steps: int) -> Speculator:
+    """A speculator that has learnt, from many verifications, that drafts rarely keep (pooled rates ~0.3,
+    calibration 0.25): at the jump nothing pays, and hindsight is off (the pool is past HINDSIGHT_UNTIL)."""
+    spec = _speculator()
+    spec.STALE_STEPS = stale_steps
+    for i in range(3 * spec.HINDSIGHT_UNTIL):
+        spec.pool.observe(2 + i % 4, 4, 1 if i % 3 == 0 else 0)
+    spec.calibration.kept, spec.calibration.expected = 6.0, 36.0
+    assert spec.pool.rates[0] < 0.4 and spec.calibration.factor < 0.3 and not spec._hindsight_on()
+    return spec
+
+
+def test_an_engine_that_stopped_drafting_rearms_hindsight_and_drafts_again():
+    """Pessimism the engine learnt earlier keeps it from drafting, so nothing it verifies can correct it:
+    without the re-arm, copying requests are never drafted; with it, after STALE_STEPS steps without a
+    verification hindsight runs again (its calibration reset), learns the copies and the price drafts."""
+    stuck = _pessimist(stale_steps=10**9)
+    reqs = [_copying(f"r{i}", i) for i in range(8)]
+    assert _run(stuck, reqs, 120) == 0
+    assert stuck.metrics.num_hindsight_checks == 0
+    spec = _pessimist(stale_steps=20)
+    reqs = [_copying(f"r{i}", i) for i in range(8)]
+    assert _run(spec, reqs, 19) == 0 and spec.metrics.num_hindsight_checks == 0  # not stale yet
+    pooled = spec.pool.verifications
+    assert _run(spec, reqs, 100) > 0
+    assert spec.metrics.num_hindsight_checks > 0 and spec.pool.verifications > pooled
+    assert spec.calibration.factor == 1.0  # reset at the re-arm, and the copies kept what was expected
+
+
+def test_hindsight_is_not_rearmed_while_the_engine_verifies_drafts():
+    """A busy engine (drafts chosen every step) never goes stale: no held proposals, however long it runs."""
+    spec = _speculator()
+    spec.STALE_STEPS = 8
+    for _ in range(spec.HINDSIGHT_UNTIL):
+        spec.pool.observe(5, 8, 8)
+    reqs = [_copying(f"r{i}", i) for i in range(8)]
+    assert _run(spec, reqs, 30) > 0  # ~9 tokens a step: within the requests' max_tokens
+    assert spec.metrics.num_hindsight_checks == 0 and not spec._hindsight_on()
+    assert spec.num_steps - spec._verified_at <= 1
+
+
+def test_a_rearmed_burst_ends_after_its_pooled_verifications():
+    spec = _pessimist(stale_steps=5)
+    spec.num_steps = 5  # stale: the next proposal re-arms
+    spec._rearm_if_stale()
+    assert spec._hindsight_on() and spec._verified_at == 5
+    for _ in range(spec.HINDSIGHT_UNTIL):
+        spec.pool.observe(3, 2, 0)
+    assert not spec._hindsight_on()
+    spec._rearm_if_stale()  # the clock restarted at the re-arm: not stale again yet
+    assert not spec._hindsight_on()
+    spec.num_steps = 10
+    spec._rearm_if_stale()
+    assert spec._hindsight_on()

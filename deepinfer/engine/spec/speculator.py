@@ -78,6 +78,7 @@ def build_proposer(method: SpeculativeMethod) -> Proposer:
 class Speculator:
     QUIET_STEPS = 4  # steps a batch skips the lookup after one that chose no drafts (`_quiet`)
     HINDSIGHT_UNTIL = 64  # pooled verifications (hindsight's included) after which hindsight stops (`_hindsight_on`)
+    STALE_STEPS = 64  # steps without a verification after which hindsight is on again (`_rearm_if_stale`)
 
     def __init__(self, method: SpeculativeMethod, cost_model: CostModel, proposer: Proposer | None = None,
                  tries: TryRules | None = None) -> None:
@@ -92,6 +93,8 @@ class Speculator:
         self.calibration = KeepCalibration()
         self.balance = FinishBalance()  # closed batches: what each request's kept tokens are worth
         self._quiet_until, self._quiet_batch = 0, 0  # `_quiet`
+        self._hindsight_until = self.HINDSIGHT_UNTIL  # pooled verifications while hindsight is on (`_hindsight_on`)
+        self._verified_at = 0  # `num_steps` at the last verification (or re-arm: `_rearm_if_stale`)
         self.num_steps = 0  # decode steps proposed for (a call of several counts each): back-offs' and quiet spells' clock
         self._last_propose: float | None = None
         self._last_run: float | None = None
@@ -165,6 +168,7 @@ class Speculator:
         for r, st in zip(decodes, states, strict=True):
             if st.hindsight is not None:
                 self._check_hindsight(r, st)
+        self._rearm_if_stale()
         weights = None if waiting else self.balance.weights(decodes, time.perf_counter())
         out, looked, unmatched = self._choose_drafts(decodes, states, limits, max(batch, len(decodes)), weights)
         if self._hindsight_on():
@@ -251,9 +255,31 @@ class Speculator:
         while the pooled estimates rest on fewer than HINDSIGHT_UNTIL verifications (a new engine, which
         knows only the prior). Past that they stop: on an engine warmed by spec.py's earlier rows, holding
         proposals throughout read 0.97-0.98 of the same engine without (JSON at batch 8 and 32, chat at 32,
-        code edits at 8; 3 starts): the lookups' time, and drafts chosen at estimates near break-even."""
-        return (self.method.hindsight and self.policy.adaptive and self.proposer.skippable
-                and self.pool.verifications < self.HINDSIGHT_UNTIL)
+        code edits at 8; 3 starts): the lookups' time, and drafts chosen at estimates near break-even. An
+        engine that goes STALE_STEPS steps without verifying anything turns it on for another
+        HINDSIGHT_UNTIL (`_rearm_if_stale`)."""
+        return self._holds_proposals() and self.pool.verifications < self._hindsight_until
+
+    def _holds_proposals(self) -> bool:
+        """Whether hindsight applies at all (`SpeculativeMethod.hindsight`, an adaptive draft length and a
+        proposer the speculator may skip at will)."""
+        return self.method.hindsight and self.policy.adaptive and self.proposer.skippable
+
+    def _rearm_if_stale(self) -> None:
+        """After STALE_STEPS steps without a verification (hindsight off), hindsight is on for another
+        HINDSIGHT_UNTIL pooled verifications and the calibration starts over. Nothing else teaches an engine
+        that drafts nothing: one whose first run of code edits at batch 8 kept half of its few drafts
+        (calibration 0.66, pooled first-draft rate 0.73) priced every later proposal out, past the C path
+        where a draft row needs ~0.75 of a kept token, and drafted 6-36 tokens a run where its twins drafted
+        400-500 (about one start in ten on the 2-core Zen 4). Hindsight costs lookups, not rows: it checks
+        the proposals the engine does not draft against the tokens it decodes, and it stops again after the
+        burst; the calibration's evidence is the drafts of a time the engine has since stopped drafting in."""
+        if self.num_steps - self._verified_at < self.STALE_STEPS or not self._holds_proposals() \
+                or self._hindsight_on():
+            return
+        self._verified_at = self.num_steps
+        self._hindsight_until = self.pool.verifications + self.HINDSIGHT_UNTIL
+        self.calibration = KeepCalibration()
 
     def _keep_for_hindsight(self, decodes: list[Request], states: list[AcceptanceStats], limits: list[int],
                             looked: list[Draft] | None, unmatched: list[bool] | None,
@@ -521,6 +547,7 @@ class Speculator:
         self._last_propose = None
 
     def verified(self, req: Request, drafted: int, accepted: int) -> None:
+        self._verified_at = self.num_steps
         state = self._state(req)
         if state.predicted_kept > 0:
             self.calibration.observe(state.predicted_kept, accepted)
