@@ -1,6 +1,8 @@
 """Hindsight (engine/spec/speculator.py): a request that drafts nothing holds its proposal and checks it
-against the tokens it decodes next, learning its keep rates while priced out of drafting. The real
-Speculator and n-gram proposer, deterministic token streams and fixed step-price tables (no timings)."""
+against the tokens it decodes next, learning its keep rates while priced out of drafting; and what a
+speculator that has verified nothing for a while does (`_rearm_if_stale`: hindsight again, a price probe
+past the C path). The real Speculator and n-gram proposer, deterministic token streams and fixed step-price
+tables (no timings)."""
 
 from __future__ import annotations
 
@@ -135,6 +137,7 @@ def _pessimist(stale_steps: int) -> Speculator:
     for i in range(3 * spec.HINDSIGHT_UNTIL):
         spec.pool.observe(2 + i % 4, 4, 1 if i % 3 == 0 else 0)
     spec.calibration.kept, spec.calibration.expected = 6.0, 36.0
+    spec.policy.price.observe(16, 0.053)  # a served count past the C path, as profiled: no price probe
     assert spec.pool.rates[0] < 0.4 and spec.calibration.factor < 0.3 and not spec._hindsight_on()
     return spec
 
@@ -171,13 +174,72 @@ def test_hindsight_is_not_rearmed_while_the_engine_verifies_drafts():
 def test_a_rearmed_burst_ends_after_its_pooled_verifications():
     spec = _pessimist(stale_steps=5)
     spec.num_steps = 5  # stale: the next proposal re-arms
-    spec._rearm_if_stale()
+    spec._rearm_if_stale(8)
     assert spec._hindsight_on() and spec._verified_at == 5
     for _ in range(spec.HINDSIGHT_UNTIL):
         spec.pool.observe(3, 2, 0)
     assert not spec._hindsight_on()
-    spec._rearm_if_stale()  # the clock restarted at the re-arm: not stale again yet
+    spec._rearm_if_stale(8)  # the clock restarted at the re-arm: not stale again yet
     assert not spec._hindsight_on()
     spec.num_steps = 10
-    spec._rearm_if_stale()
+    spec._rearm_if_stale(8)
     assert spec._hindsight_on()
+
+
+def _served(rows: int) -> float:
+    """What a step of `rows` rows takes in the probe tests: the C path's 20 ms, past it 21 ms and 0.2 ms a
+    row (the seeded profile, `_speculator`, priced those at 45 ms and 1 ms a row: a slow spell)."""
+    return 0.020 if rows <= 8 else 0.021 + 0.0002 * (rows - 8)
+
+
+def _run_served(spec: Speculator, reqs: list[Request], steps: int) -> list[int]:
+    """As `_run`, each step observed at its `_served` seconds; the rows of each step."""
+    rows = []
+    for _ in range(steps):
+        out = spec.propose(reqs, 4096)
+        for r in reqs:
+            d = out.get(r.request_id, [])
+            truth = _next(r, len(d) + 1)
+            if d:
+                spec.verified(r, len(d), len(d))
+            _decode(r, truth)
+        rows.append(len(reqs) + sum(len(d) for d in out.values()))
+        spec.observe_step(rows[-1], _served(rows[-1]))
+    return rows
+
+
+def test_a_profile_priced_too_high_past_the_c_path_is_probed_once_and_corrected():
+    """Batch 8 on the C path, the counts past it profiled at over twice what they take: no draft pays, so
+    without the probe no step past the C path is ever served and the price stays; with it the first stale
+    spell verifies one step past it, its served time rescales the whole regime, and the price drafts."""
+    stuck = _speculator(hindsight=False)
+    stuck.STALE_STEPS = 10**9
+    reqs = [_copying(f"r{i}", i) for i in range(8)]
+    assert max(_run_served(stuck, reqs, 40)) == 8
+    assert stuck.policy.price.unserved_past_c_path() and stuck.policy.price.seconds(16) > 0.04
+    spec = _speculator(hindsight=False)
+    spec.STALE_STEPS = 10
+    reqs = [_copying(f"r{i}", i) for i in range(8)]
+    rows = _run_served(spec, reqs, 40)
+    assert rows[:9] == [8] * 9 and rows[9] > 8  # the probe: the 10th proposal, the first of the stale spell
+    assert not spec.policy.price.unserved_past_c_path()
+    assert spec.policy.price.seconds(16) < 0.03  # rescaled by the served step
+    assert sum(r > 8 for r in rows[10:]) > 10  # the price drafts from then on
+    assert spec.ledger.spent > 0  # the probe's predicted cost was charged
+
+
+def test_no_price_probe_where_plain_steps_are_served_past_the_c_path():
+    """A batch wider than the C path serves its counts past it with every plain step: a stale spell there,
+    or later at a batch on the C path, has nothing to probe. A fresh speculator's stale spell does."""
+    fresh = _speculator(hindsight=False)
+    fresh.num_steps = fresh.STALE_STEPS
+    fresh._rearm_if_stale(8)
+    assert fresh._price_probe
+    spec = _speculator(hindsight=False)
+    reqs = [_copying(f"r{i}", i) for i in range(12)]
+    _run_served(spec, reqs, 4)
+    assert not spec.policy.price.unserved_past_c_path()
+    spec.num_steps += spec.STALE_STEPS
+    spec._rearm_if_stale(12)
+    spec._rearm_if_stale(8)
+    assert not spec._price_probe

@@ -95,6 +95,7 @@ class Speculator:
         self._quiet_until, self._quiet_batch = 0, 0  # `_quiet`
         self._hindsight_until = self.HINDSIGHT_UNTIL  # pooled verifications while hindsight is on (`_hindsight_on`)
         self._verified_at = 0  # `num_steps` at the last verification (or re-arm: `_rearm_if_stale`)
+        self._price_probe = False  # the next proposal verifies a step past the C path (`_probe_past_c_path`)
         self.num_steps = 0  # decode steps proposed for (a call of several counts each): back-offs' and quiet spells' clock
         self._last_propose: float | None = None
         self._last_run: float | None = None
@@ -168,7 +169,7 @@ class Speculator:
         for r, st in zip(decodes, states, strict=True):
             if st.hindsight is not None:
                 self._check_hindsight(r, st)
-        self._rearm_if_stale()
+        self._rearm_if_stale(max(batch, len(decodes)))
         weights = None if waiting else self.balance.weights(decodes, time.perf_counter())
         out, looked, unmatched = self._choose_drafts(decodes, states, limits, max(batch, len(decodes)), weights)
         if self._hindsight_on():
@@ -186,12 +187,13 @@ class Speculator:
         # may skip at will
         tries = self._skippable()
         explore = tries and self._may_explore(batch)
+        probe, self._price_probe = self._price_probe, False  # one try per stale spell (`_rearm_if_stale`)
         priced = True
         estimates = None  # the states' estimates (`estimate_rows`), once per step where the price reads them
         unmatched = None  # per request: its lookup (or the proposer's cheap check) found nothing
         if tries:
             limits = self._unpaused(states, limits, self.num_steps)
-            quiet = self._quiet(batch, self.num_steps)
+            quiet = not probe and self._quiet(batch, self.num_steps)
             if not quiet and any(limits):
                 matched = self._matched(decodes, limits)
                 unmatched = [lim > 0 and not m for lim, m in zip(limits, matched, strict=True)]
@@ -199,7 +201,7 @@ class Speculator:
                 if not any(limits):
                     return self._no_drafts(decodes, states, unmatched), None, unmatched
                 estimates = estimate_rows(states)
-            if quiet or not self._drafts_can_pay(states, limits, batch, estimates, weights):
+            if quiet or not (probe or self._drafts_can_pay(states, limits, batch, estimates, weights)):
                 # no drafts pay by the price: look up only requests owed exploration, every few steps
                 priced = False
                 if not quiet:
@@ -234,6 +236,8 @@ class Speculator:
             ks = [0] * len(cands)
         if priced and tries and not any(ks) and any(len(d) for _, d in cands):
             self._go_quiet(batch)  # proposals priced out
+        if probe and keep is not None:
+            ks = self._probe_past_c_path(cands, keep, ks)
         if explore:
             ks = self._explore(cands, states, ks, batch)
         out = {}
@@ -265,21 +269,51 @@ class Speculator:
         proposer the speculator may skip at will)."""
         return self.method.hindsight and self.policy.adaptive and self.proposer.skippable
 
-    def _rearm_if_stale(self) -> None:
-        """After STALE_STEPS steps without a verification (hindsight off), hindsight is on for another
-        HINDSIGHT_UNTIL pooled verifications and the calibration starts over. Nothing else teaches an engine
+    def _rearm_if_stale(self, batch: int) -> None:
+        """After STALE_STEPS steps without a verification: hindsight (if off) is on for another
+        HINDSIGHT_UNTIL pooled verifications and the calibration starts over; and at a batch whose plain
+        steps take the C decode path, while the counts past it are priced by the start-up profile alone
+        (`StepPrice.unserved_past_c_path`), the next proposal verifies a step past it
+        (`_probe_past_c_path`). Nothing else teaches an engine
         that drafts nothing: one whose first run of code edits at batch 8 kept half of its few drafts
         (calibration 0.66, pooled first-draft rate 0.73) priced every later proposal out, past the C path
         where a draft row needs ~0.75 of a kept token, and drafted 6-36 tokens a run where its twins drafted
         400-500 (about one start in ten on the 2-core Zen 4). Hindsight costs lookups, not rows: it checks
         the proposals the engine does not draft against the tokens it decodes, and it stops again after the
         burst; the calibration's evidence is the drafts of a time the engine has since stopped drafting in."""
-        if self.num_steps - self._verified_at < self.STALE_STEPS or not self._holds_proposals() \
-                or self._hindsight_on():
+        if self.num_steps - self._verified_at < self.STALE_STEPS:
             return
-        self._verified_at = self.num_steps
-        self._hindsight_until = self.pool.verifications + self.HINDSIGHT_UNTIL
-        self.calibration = KeepCalibration()
+        price = self.policy.price
+        if self._holds_proposals() and not self._hindsight_on():
+            self._verified_at = self.num_steps
+            self._hindsight_until = self.pool.verifications + self.HINDSIGHT_UNTIL
+            self.calibration = KeepCalibration()
+        if self._skippable() and batch <= price.c_path_rows and price.unserved_past_c_path():
+            self._verified_at = self.num_steps
+            self._price_probe = True
+
+    def _probe_past_c_path(self, cands: list[tuple[Request, Draft]], keep: list[list[float]] | np.ndarray,
+                           ks: list[int]) -> list[int]:
+        """The priced draft lengths `ks`, raised so that the step goes past the C decode path's rows: the
+        candidates' whole proposals, the likeliest first draft first, until it does (`ks` where they cannot
+        take it there, or it is there already). A start-up profile measured in a slow spell priced the counts
+        past the C path at up to 1.5x what served steps took (T(16) 30.9 ms where other starts read
+        18.7-21.4), and an engine at batch 8 then never chose such a step, so no served step corrected them
+        (session 41, the 2-core Zen 4). One served step is enough: a count's served over profiled seconds
+        scales every count of its regime (`StepPrice._entries`). Its predicted cost is charged to
+        exploration's ledger."""
+        price, decodes = self.policy.price, len(cands)
+        if decodes + sum(ks) > price.c_path_rows:
+            return ks
+        out = list(ks)
+        for i in sorted(range(decodes), key=lambda i: -keep[i][0] if len(cands[i][1]) else 1.0):
+            if decodes + sum(out) > price.c_path_rows or not len(cands[i][1]):
+                break
+            out[i] = max(out[i], len(cands[i][1]))
+        if decodes + sum(out) <= price.c_path_rows:
+            return ks
+        self.ledger.charge(price.seconds(decodes + sum(out)) - price.seconds(decodes + sum(ks)))
+        return out
 
     def _keep_for_hindsight(self, decodes: list[Request], states: list[AcceptanceStats], limits: list[int],
                             looked: list[Draft] | None, unmatched: list[bool] | None,
@@ -408,7 +442,7 @@ class Speculator:
         as without speculation, instead of running every other step without it (chat at batch 1: the
         prior's drafts pay on the C path's cheap rows, but an n-gram is found at ~11% of positions, and
         losing every other step's overlap cost 3-6% of throughput). `waiting` as in `propose`."""
-        if not self._skippable():
+        if not self._skippable() or self._price_probe:
             return True
         requests = [r for r in requests if not r.finished]
         if not requests:

@@ -134,6 +134,12 @@ class StepPrice:
                 self._profile.setdefault(rows, []).append(seconds)
         self._table = None
 
+    def unserved_past_c_path(self) -> bool:
+        """Whether the counts past the C decode path are priced by the start-up profile alone: no served
+        step there has corrected them (`_entries`' bias of 1), and none will while the policy chooses no
+        step that big (`Speculator._probe_past_c_path`). False without a C path."""
+        return self.c_path_rows > 0 and not any(r > self.c_path_rows for r in self._samples)
+
     @property
     def measured_rows(self) -> list[int]:
         return sorted(set(self._samples) | set(self._profile))
