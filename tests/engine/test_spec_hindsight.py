@@ -49,10 +49,10 @@ def _next(req: Request, n: int) -> list[int]:
     return SEQ[pos:pos + n]
 
 
-def _run(spec: Speculator, reqs: list[Request], steps: int) -> int:
-    """`steps` steps of the batch, each request decoding its copy's next token (and its kept drafts); the
-    drafts verified in total."""
-    drafted = 0
+def _step_rows(spec: Speculator, reqs: list[Request], steps: int, seconds=lambda rows: 0.020) -> list[int]:
+    """`steps` steps of the batch, each request decoding its copy's next token (and its kept drafts), each
+    step observed at `seconds(its rows)`; the rows (decodes and drafts) of each step."""
+    rows = []
     for _ in range(steps):
         out = spec.propose(reqs, 4096)
         for r in reqs:
@@ -61,10 +61,15 @@ def _run(spec: Speculator, reqs: list[Request], steps: int) -> int:
             assert d == truth[:len(d)]  # the n-gram proposal continues the copy
             if d:
                 spec.verified(r, len(d), len(d))
-                drafted += len(d)
             _decode(r, truth)
-        spec.observe_step(len(reqs) + sum(len(d) for d in out.values()), 0.020)
-    return drafted
+        rows.append(len(reqs) + sum(len(d) for d in out.values()))
+        spec.observe_step(rows[-1], seconds(rows[-1]))
+    return rows
+
+
+def _run(spec: Speculator, reqs: list[Request], steps: int) -> int:
+    """`_step_rows` at 20 ms a step; the drafts verified in total."""
+    return sum(_step_rows(spec, reqs, steps)) - steps * len(reqs)
 
 
 def test_priced_out_requests_learn_in_hindsight_and_start_drafting():
@@ -193,19 +198,8 @@ def _served(rows: int) -> float:
 
 
 def _run_served(spec: Speculator, reqs: list[Request], steps: int) -> list[int]:
-    """As `_run`, each step observed at its `_served` seconds; the rows of each step."""
-    rows = []
-    for _ in range(steps):
-        out = spec.propose(reqs, 4096)
-        for r in reqs:
-            d = out.get(r.request_id, [])
-            truth = _next(r, len(d) + 1)
-            if d:
-                spec.verified(r, len(d), len(d))
-            _decode(r, truth)
-        rows.append(len(reqs) + sum(len(d) for d in out.values()))
-        spec.observe_step(rows[-1], _served(rows[-1]))
-    return rows
+    """`_step_rows` with each step observed at its `_served` seconds."""
+    return _step_rows(spec, reqs, steps, _served)
 
 
 def test_a_profile_priced_too_high_past_the_c_path_is_probed_once_and_corrected():

@@ -169,9 +169,10 @@ class Speculator:
         for r, st in zip(decodes, states, strict=True):
             if st.hindsight is not None:
                 self._check_hindsight(r, st)
-        self._rearm_if_stale(max(batch, len(decodes)))
+        batch = max(batch, len(decodes))
+        self._rearm_if_stale(batch)
         weights = None if waiting else self.balance.weights(decodes, time.perf_counter())
-        out, looked, unmatched = self._choose_drafts(decodes, states, limits, max(batch, len(decodes)), weights)
+        out, looked, unmatched = self._choose_drafts(decodes, states, limits, batch, weights)
         if self._hindsight_on():
             self._keep_for_hindsight(decodes, states, limits, looked, unmatched, out)
         return out
@@ -274,8 +275,8 @@ class Speculator:
         HINDSIGHT_UNTIL pooled verifications and the calibration starts over; and at a batch whose plain
         steps take the C decode path, while the counts past it are priced by the start-up profile alone
         (`StepPrice.unserved_past_c_path`), the next proposal verifies a step past it
-        (`_probe_past_c_path`). Nothing else teaches an engine
-        that drafts nothing: one whose first run of code edits at batch 8 kept half of its few drafts
+        (`_probe_past_c_path`). Nothing else teaches an engine that drafts nothing: one whose first run of
+        code edits at batch 8 kept half of its few drafts
         (calibration 0.66, pooled first-draft rate 0.73) priced every later proposal out, past the C path
         where a draft row needs ~0.75 of a kept token, and drafted 6-36 tokens a run where its twins drafted
         400-500 (about one start in ten on the 2-core Zen 4). Hindsight costs lookups, not rows: it checks
