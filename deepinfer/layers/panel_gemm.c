@@ -14,6 +14,7 @@
  * with the same order of operations per feature.
  */
 #include <omp.h>
+#include <stdlib.h>
 
 #include "cpu_common.h"
 
@@ -63,29 +64,36 @@ static void panel_rows(const float *x, int M, int K, const float *panel, float *
 }
 
 #ifdef __AVX512F__
-/* AVX-512: two adjacent panels (32 features) against 12 rows of x at a time, 24 accumulators of 16 lanes:
- * per k, two loads, twelve broadcasts and 24 FMAs. Each feature's lane adds its products in k order with
- * one fused multiply-add each, as the AVX2 tile does, so both builds give a row the same bits. `two`
- * (a constant at each call): 0 for an odd last panel. The first tile also asks for the next pair's
- * panels (prefetch0/1), a line each per k: oneDNN's packed float32 kernels read their weights from memory
- * at ~60% of their in-cache rate in a 64-row decode step (2-core Zen 5). */
+/* AVX-512: two adjacent panels (32 features) against up to 12 rows of x at a time, 24 accumulators of 16
+ * lanes: per k, two loads, twelve broadcasts and 24 FMAs. Each feature's lane adds its products in k order
+ * with one fused multiply-add each, as the AVX2 tile does, so both builds give a row the same bits. `two`
+ * (a constant at each call): 0 for an odd last panel. The first tile also asks for the next pair's panels
+ * (prefetch0/1) into L2, a line each per k: oneDNN's packed float32 kernels read their weights from
+ * memory at ~60% of their in-cache rate in a 64-row decode step (2-core Zen 5), and a pair's panels
+ * (~74 KB at K = 576) overflow L1.
+ * x is read either as it is (row r at x + r * K) or packed per tile as [k][12] (`packed`, a constant at
+ * each call): then the broadcasts come from one pointer at fixed offsets, where the twelve row pointers
+ * of plain x overflow the general registers and are reloaded from the stack every k (~4% of a 12-row
+ * tile in cache on the 2-core Zen 4). */
 #define TILE_ROWS16 12
 
-static inline __attribute__((always_inline)) void pair_tile(const float *x, const int rows, int K, const float *p0,
-                                                           const float *p1, const int two, float *y, int N,
-                                                           const float *prefetch0, const float *prefetch1) {
+static inline __attribute__((always_inline)) void pair_tile(const float *x, const int packed, const int rows, int K,
+                                                           const float *p0, const float *p1, const int two, float *y,
+                                                           int N, const float *prefetch0, const float *prefetch1) {
+    const int64_t rs = packed ? 1 : K, ks = packed ? TILE_ROWS16 : 1;
     __m512 c[TILE_ROWS16][2];
 #pragma GCC unroll 12
     for (int r = 0; r < TILE_ROWS16; r++) c[r][0] = c[r][1] = _mm512_setzero_ps();
     for (int k = 0; k < K; k++) {
-        if (prefetch0) _mm_prefetch((const char *)(prefetch0 + (int64_t)k * PANEL), _MM_HINT_T0);
-        if (prefetch1) _mm_prefetch((const char *)(prefetch1 + (int64_t)k * PANEL), _MM_HINT_T0);
+        if (prefetch0) _mm_prefetch((const char *)(prefetch0 + (int64_t)k * PANEL), _MM_HINT_T1);
+        if (prefetch1) _mm_prefetch((const char *)(prefetch1 + (int64_t)k * PANEL), _MM_HINT_T1);
         const __m512 b0 = _mm512_loadu_ps(p0 + (int64_t)k * PANEL);
         const __m512 b1 = two ? _mm512_loadu_ps(p1 + (int64_t)k * PANEL) : _mm512_setzero_ps();
+        const float *xk = x + k * ks;
 #pragma GCC unroll 12
         for (int r = 0; r < TILE_ROWS16; r++)
             if (r < rows) {
-                const __m512 a = _mm512_set1_ps(x[(int64_t)r * K + k]);
+                const __m512 a = _mm512_set1_ps(xk[r * rs]);
                 c[r][0] = _mm512_fmadd_ps(a, b0, c[r][0]);
                 if (two) c[r][1] = _mm512_fmadd_ps(a, b1, c[r][1]);
             }
@@ -98,22 +106,61 @@ static inline __attribute__((always_inline)) void pair_tile(const float *x, cons
         }
 }
 
-/* all M rows against panels p0 (and p1 when two), as panel_rows */
-static inline __attribute__((always_inline)) void pair_rows(const float *x, int M, int K, const float *p0,
-                                                           const float *p1, const int two, float *y, int N,
-                                                           const float *next0, const float *next1) {
-    int m = 0;
-    for (; m + TILE_ROWS16 <= M; m += TILE_ROWS16, next0 = next1 = NULL)
-        pair_tile(x + (int64_t)m * K, TILE_ROWS16, K, p0, p1, two, y + (int64_t)m * N, N, next0, next1);
-    const float *xt = x + (int64_t)m * K;
-    float *yt = y + (int64_t)m * N;
-    switch (M - m) {
-#define PAIR_TAIL(R) case R: pair_tile(xt, R, K, p0, p1, two, yt, N, next0, next1); break;
-        PAIR_TAIL(1) PAIR_TAIL(2) PAIR_TAIL(3) PAIR_TAIL(4) PAIR_TAIL(5) PAIR_TAIL(6)
-        PAIR_TAIL(7) PAIR_TAIL(8) PAIR_TAIL(9) PAIR_TAIL(10) PAIR_TAIL(11)
-#undef PAIR_TAIL
-        default: break;
+/* M rows in ceil(M / 12) tiles as even as can be: tile t holds rows [*r0, *r0 + *rows). At 64 rows
+ * 11, 11, 11, 11, 10, 10, where 12-row tiles left a 4-row tail at a fraction of the FMA rate. */
+static inline void tile_span(int M, int t, int *r0, int *rows) {
+    const int tiles = (M + TILE_ROWS16 - 1) / TILE_ROWS16, base = M / tiles, extra = M % tiles;
+    *r0 = t * base + (t < extra ? t : extra);
+    *rows = base + (t < extra);
+}
+
+/* all M rows against panels p0 (and p1 when two), tile by tile; x packed (pack_tiles) or as it is */
+static inline __attribute__((always_inline)) void pair_rows(const float *x, const int packed, int M, int K,
+                                                           const float *p0, const float *p1, const int two, float *y,
+                                                           int N, const float *next0, const float *next1) {
+    const int tiles = (M + TILE_ROWS16 - 1) / TILE_ROWS16;
+    for (int t = 0; t < tiles; t++, next0 = next1 = NULL) {
+        int r0, rows;
+        tile_span(M, t, &r0, &rows);
+        const float *xt = packed ? x + (int64_t)t * TILE_ROWS16 * K : x + (int64_t)r0 * K;
+        float *yt = y + (int64_t)r0 * N;
+        switch (rows) {
+#define PAIR_TILE(R) case R: pair_tile(xt, packed, R, K, p0, p1, two, yt, N, next0, next1); break;
+            PAIR_TILE(1) PAIR_TILE(2) PAIR_TILE(3) PAIR_TILE(4) PAIR_TILE(5) PAIR_TILE(6)
+            PAIR_TILE(7) PAIR_TILE(8) PAIR_TILE(9) PAIR_TILE(10) PAIR_TILE(11) PAIR_TILE(12)
+#undef PAIR_TILE
+            default: break;
+        }
     }
+}
+
+/* x [M, K] into xp, tile t at xp + t * 12 * K as [k][12] (a shorter tile's unused lanes unwritten) */
+static void pack_tiles(const float *x, int M, int K, float *xp) {
+    const int tiles = (M + TILE_ROWS16 - 1) / TILE_ROWS16;
+    for (int t = 0; t < tiles; t++) {
+        int r0, rows;
+        tile_span(M, t, &r0, &rows);
+        float *o = xp + (int64_t)t * TILE_ROWS16 * K;
+        for (int k = 0; k < K; k++)
+            for (int r = 0; r < rows; r++) o[(int64_t)k * TILE_ROWS16 + r] = x[(int64_t)(r0 + r) * K + k];
+    }
+}
+
+/* Each thread packs x for itself (a copy shared between the threads cost more in cross-core reads than
+ * it saved), and only where the product is wide enough to repay the copy: ~0.3-0.5 ns per element of x
+ * against N / 2 multiply-adds per element on each thread (576 features: 3% slower packed, 3072 and the
+ * LM head's 49152: 3-4% faster). Per thread, grown as needed, never freed: the pool's threads persist. */
+#define PACK_MIN_N 2048
+static __thread float *packed_x;
+static __thread size_t packed_x_floats;
+
+static float *thread_pack_buffer(size_t floats) {
+    if (floats > packed_x_floats) {
+        free(packed_x);
+        packed_x = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        packed_x_floats = packed_x ? floats : 0;
+    }
+    return packed_x;
 }
 #endif
 
@@ -123,15 +170,25 @@ void panel_gemm_f32(const float *x, int M, int K, const float *packed, float *y,
     const int panels = N / PANEL;
 #ifdef __AVX512F__
     const int pairs = (panels + 1) / 2;
-#pragma omp parallel for schedule(static)
-    for (int j = 0; j < pairs; j++) {
-        const float *p0 = packed + (int64_t)2 * j * K * PANEL, *p1 = p0 + (int64_t)K * PANEL;
-        const float *n0 = j + 1 < pairs ? p0 + (int64_t)2 * K * PANEL : NULL;
-        const float *n1 = 2 * j + 3 < panels ? p0 + (int64_t)3 * K * PANEL : NULL;
-        if (2 * j + 1 < panels)
-            pair_rows(x, M, K, p0, p1, 1, y + (int64_t)2 * j * PANEL, N, n0, n1);
-        else
-            pair_rows(x, M, K, p0, NULL, 0, y + (int64_t)2 * j * PANEL, N, n0, n1);
+    const size_t pack_floats = (size_t)(M + TILE_ROWS16 - 1) / TILE_ROWS16 * TILE_ROWS16 * K;
+#pragma omp parallel
+    {
+        float *xp = N >= PACK_MIN_N ? thread_pack_buffer(pack_floats) : NULL;
+        if (xp) pack_tiles(x, M, K, xp);
+#pragma omp for schedule(static) nowait
+        for (int j = 0; j < pairs; j++) {
+            const float *p0 = packed + (int64_t)2 * j * K * PANEL, *p1 = p0 + (int64_t)K * PANEL;
+            const float *n0 = j + 1 < pairs ? p0 + (int64_t)2 * K * PANEL : NULL;
+            const float *n1 = 2 * j + 3 < panels ? p0 + (int64_t)3 * K * PANEL : NULL;
+            float *yj = y + (int64_t)2 * j * PANEL;
+            if (2 * j + 1 < panels) {
+                if (xp) pair_rows(xp, 1, M, K, p0, p1, 1, yj, N, n0, n1);
+                else pair_rows(x, 0, M, K, p0, p1, 1, yj, N, n0, n1);
+            } else {
+                if (xp) pair_rows(xp, 1, M, K, p0, NULL, 0, yj, N, n0, n1);
+                else pair_rows(x, 0, M, K, p0, NULL, 0, yj, N, n0, n1);
+            }
+        }
     }
 #else
 #pragma omp parallel for schedule(static)

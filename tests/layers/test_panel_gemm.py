@@ -18,10 +18,11 @@ def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 11, 12, 13, 23, 64, 131])
-@pytest.mark.parametrize("k,n", [(32, 16), (100, 48), (576, 960), (1536, 576)])
+@pytest.mark.parametrize("k,n", [(32, 16), (100, 48), (576, 960), (1536, 576), (100, 2064)])
 def test_panel_product_matches_float64(rows, k, n):
     # tail tiles of the AVX2 kernel's 6-row tiles and the AVX-512 kernel's 12-row ones, several tiles, K not a
-    # multiple of anything, one panel, an odd count (AVX-512: pairs and a single last panel) and many
+    # multiple of anything, one panel, an odd count (AVX-512: pairs and a single last panel) and many; 2064
+    # features: the AVX-512 kernel's x packed per tile (N >= 2048), with an odd last panel
     gen = torch.Generator().manual_seed(rows * 1000 + k + n)
     x = torch.randn(rows, k, generator=gen)
     w = torch.randn(n, k, generator=gen) / k ** 0.5
@@ -30,15 +31,29 @@ def test_panel_product_matches_float64(rows, k, n):
     torch.testing.assert_close(y, _reference(x, w), rtol=1e-5, atol=1e-5)
 
 
-def test_a_rows_result_does_not_depend_on_the_other_rows():
+@pytest.mark.parametrize("n", [96, 2048])
+def test_a_rows_result_does_not_depend_on_the_other_rows(n):
     # the sums run in k order for every tile position and row count: a row alone equals the same row in a batch
+    # (2048 features: x packed per tile on AVX-512, in tiles whose sizes depend on the row count)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(37, 576, generator=gen)
-    panels = pack_panels(torch.randn(96, 576, generator=gen))
+    panels = pack_panels(torch.randn(n, 576, generator=gen))
     full = panel_matmul(x, panels)
     for r in (0, 5, 6, 30, 36):
         assert torch.equal(panel_matmul(x[r:r + 1], panels)[0], full[r])
     assert torch.equal(panel_matmul(x[6:19], panels), full[6:19])
+
+
+@pytest.mark.parametrize("rows", [1, 16, 64, 131])
+def test_packed_and_plain_x_give_the_same_bits(rows):
+    # from 2048 features the AVX-512 kernel reads x packed per tile, below it as it is: the same weights'
+    # first 96 features agree bit for bit either way
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen)
+    w = torch.randn(2080, 576, generator=gen) / 24
+    wide = panel_matmul(x, pack_panels(w))
+    assert torch.equal(wide[:, :96], panel_matmul(x, pack_panels(w[:96])))
+    assert torch.equal(wide[:, 2000:], panel_matmul(x, pack_panels(w[2000:])))
 
 
 def test_zero_rows_and_bad_input():
