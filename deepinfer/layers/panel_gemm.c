@@ -149,8 +149,11 @@ static void pack_tiles(const float *x, int M, int K, float *xp) {
 /* Each thread packs x for itself (a copy shared between the threads cost more in cross-core reads than
  * it saved), and only where the product is wide enough to repay the copy: ~0.3-0.5 ns per element of x
  * against N / 2 multiply-adds per element on each thread (576 features: 3% slower packed, 3072 and the
- * LM head's 49152: 3-4% faster). Per thread, grown as needed, never freed: the pool's threads persist. */
+ * LM head's 49152: 3-4% faster), and x is at most PACK_MAX_FLOATS (8 MB: a 64-row step's x is 0.15 MB
+ * at K = 576, a 2,048-token prefill chunk's 4.7 MB). The buffer is per thread, grown as needed and kept:
+ * the pool's threads persist. */
 #define PACK_MIN_N 2048
+#define PACK_MAX_FLOATS ((size_t)1 << 21)
 static __thread float *packed_x;
 static __thread size_t packed_x_floats;
 
@@ -173,7 +176,7 @@ void panel_gemm_f32(const float *x, int M, int K, const float *packed, float *y,
     const size_t pack_floats = (size_t)(M + TILE_ROWS16 - 1) / TILE_ROWS16 * TILE_ROWS16 * K;
 #pragma omp parallel
     {
-        float *xp = N >= PACK_MIN_N ? thread_pack_buffer(pack_floats) : NULL;
+        float *xp = N >= PACK_MIN_N && pack_floats <= PACK_MAX_FLOATS ? thread_pack_buffer(pack_floats) : NULL;
         if (xp) pack_tiles(x, M, K, xp);
 #pragma omp for schedule(static) nowait
         for (int j = 0; j < pairs; j++) {

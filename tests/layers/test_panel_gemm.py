@@ -56,6 +56,17 @@ def test_packed_and_plain_x_give_the_same_bits(rows):
     assert torch.equal(wide[:, 2000:], panel_matmul(x, pack_panels(w[2000:])))
 
 
+def test_a_product_too_tall_to_pack_gives_the_packed_rows_bits():
+    # x of more than 8 MB is read as it is even at 2048 features: its rows equal the same rows of a packed
+    # 64-row product
+    gen = torch.Generator().manual_seed(11)
+    x = torch.randn(3700, 576, generator=gen)
+    panels = pack_panels(torch.randn(2048, 576, generator=gen) / 24)
+    tall = panel_matmul(x, panels)
+    assert torch.equal(tall[100:164], panel_matmul(x[100:164], panels))
+    assert torch.equal(tall[-64:], panel_matmul(x[-64:], panels))
+
+
 def test_zero_rows_and_bad_input():
     panels = pack_panels(torch.randn(32, 64))
     assert panel_matmul(torch.empty(0, 64), panels).shape == (0, 32)
