@@ -9,7 +9,8 @@ Here a layer is
     their cache slots, q into a contiguous buffer) -> C attention kernel -> o matmul ->
     C rms_norm (+ residual add) -> gate_up matmul -> C silu_mul -> down matmul
 
-with the matmuls left to `Linear` (oneDNN's packed weights) and the step's buffers allocated once.
+with the matmuls left to `Linear` (oneDNN's packed weights or panels) and the step's buffers allocated
+once; on float32 panels the gate_up matmul applies silu_mul in its tiles (`Linear.silu_mul_into`).
 The kernels are the ones the torch path calls (elementwise.c, paged_attention.c), with the same
 rounding points, so the output is bit-identical to it. Used for every step whose new tokens are all
 rows of the C attention kernel (decodes, and prefill chunks where the kernel serves them, see
@@ -119,10 +120,11 @@ class BatchedDecoder:
             if not o.is_contiguous():
                 o = o.contiguous()
             lib.rms_norm(o.data_ptr(), res_p, refs.norm2, h_p, rows, hidden, refs.eps2, code)
-            gu = refs.gate_up.forward(h)
-            if not gu.is_contiguous():
-                gu = gu.contiguous()
-            lib.silu_mul(gu.data_ptr(), act_p, rows, inter, code)
+            if not refs.gate_up.silu_mul_into(h, act):
+                gu = refs.gate_up.forward(h)
+                if not gu.is_contiguous():
+                    gu = gu.contiguous()
+                lib.silu_mul(gu.data_ptr(), act_p, rows, inter, code)
             x = refs.down.forward(act)
             if not x.is_contiguous():
                 x = x.contiguous()

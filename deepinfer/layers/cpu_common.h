@@ -127,3 +127,15 @@ static inline __m512 exp16(__m512 x) {
     return _mm512_mul_ps(_mm512_mul_ps(p, e1), e2);
 }
 #endif
+
+/* silu over 16 lanes where the CPU has the AVX-512 parts it needs (silu_mul's wide loop, and the float32
+ * gate/up product that applies it in its tiles: both through silu16, so both give the same bits) */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define SILU_WIDE 1
+/* g / (1 + e^-g), in float32 */
+static inline __m512 silu16(__m512 g) {
+    return _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp16(_mm512_xor_ps(g, _mm512_set1_ps(-0.f)))));
+}
+#else
+#define SILU_WIDE 0
+#endif

@@ -104,12 +104,6 @@ void rope_kv_write(const void *qkv, int T, int q_heads, int k_heads, int D, cons
     }
 }
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define SILU_WIDE 1
-#else
-#define SILU_WIDE 0
-#endif
-
 /* out[m, i] = silu(gu[m, i]) * gu[m, I + i]; gu: [M, 2I], out: [M, I]; I % 8 == 0 */
 void silu_mul(const void *gu, void *out, int M, int I, int dtype) {
     const int bf16 = dtype == 1, es = bf16 ? 2 : 4;
@@ -120,11 +114,9 @@ void silu_mul(const void *gu, void *out, int M, int I, int dtype) {
         char *o_row = (char *)out + (int64_t)m * I * es;
         int i = 0;
 #if SILU_WIDE
-        const __m512 one16 = _mm512_set1_ps(1.f), sign16 = _mm512_set1_ps(-0.f);
         for (; i + 16 <= I; i += 16) {
             const __m512 g = load16(g_row + i * es, bf16);
-            const __m512 act = round16(
-                _mm512_div_ps(g, _mm512_add_ps(one16, exp16(_mm512_xor_ps(g, sign16)))), bf16);
+            const __m512 act = round16(silu16(g), bf16);
             store16(o_row + i * es, _mm512_mul_ps(act, load16(u_row + i * es, bf16)), bf16);
         }
 #endif

@@ -78,8 +78,9 @@ static void panel_rows(const float *x, int M, int K, const float *panel, float *
 #define TILE_ROWS16 12
 
 static inline __attribute__((always_inline)) void pair_tile(const float *x, const int packed, const int rows, int K,
-                                                           const float *p0, const float *p1, const int two, float *y,
-                                                           int N, const float *prefetch0, const float *prefetch1) {
+                                                           const float *p0, const float *p1, const int two,
+                                                           const int gated, float *y, int N, const float *prefetch0,
+                                                           const float *prefetch1) {
     const int64_t rs = packed ? 1 : K, ks = packed ? TILE_ROWS16 : 1;
     __m512 c[TILE_ROWS16][2];
 #pragma GCC unroll 12
@@ -101,6 +102,12 @@ static inline __attribute__((always_inline)) void pair_tile(const float *x, cons
 #pragma GCC unroll 12
     for (int r = 0; r < TILE_ROWS16; r++)
         if (r < rows) {
+#if SILU_WIDE
+            if (gated) {  /* p0 a gate panel, p1 its up panel: y = silu(gate) * up, as silu_mul computes it */
+                _mm512_storeu_ps(y + (int64_t)r * N, _mm512_mul_ps(silu16(c[r][0]), c[r][1]));
+                continue;
+            }
+#endif
             _mm512_storeu_ps(y + (int64_t)r * N, c[r][0]);
             if (two) _mm512_storeu_ps(y + (int64_t)r * N + PANEL, c[r][1]);
         }
@@ -116,8 +123,9 @@ static inline void tile_span(int M, int t, int *r0, int *rows) {
 
 /* all M rows against panels p0 (and p1 when two), tile by tile; x packed (pack_tiles) or as it is */
 static inline __attribute__((always_inline)) void pair_rows(const float *x, const int packed, int M, int K,
-                                                           const float *p0, const float *p1, const int two, float *y,
-                                                           int N, const float *next0, const float *next1) {
+                                                           const float *p0, const float *p1, const int two,
+                                                           const int gated, float *y, int N, const float *next0,
+                                                           const float *next1) {
     const int tiles = (M + TILE_ROWS16 - 1) / TILE_ROWS16;
     for (int t = 0; t < tiles; t++, next0 = next1 = NULL) {
         int r0, rows;
@@ -125,7 +133,7 @@ static inline __attribute__((always_inline)) void pair_rows(const float *x, cons
         const float *xt = packed ? x + (int64_t)t * TILE_ROWS16 * K : x + (int64_t)r0 * K;
         float *yt = y + (int64_t)r0 * N;
         switch (rows) {
-#define PAIR_TILE(R) case R: pair_tile(xt, packed, R, K, p0, p1, two, yt, N, next0, next1); break;
+#define PAIR_TILE(R) case R: pair_tile(xt, packed, R, K, p0, p1, two, gated, yt, N, next0, next1); break;
             PAIR_TILE(1) PAIR_TILE(2) PAIR_TILE(3) PAIR_TILE(4) PAIR_TILE(5) PAIR_TILE(6)
             PAIR_TILE(7) PAIR_TILE(8) PAIR_TILE(9) PAIR_TILE(10) PAIR_TILE(11) PAIR_TILE(12)
 #undef PAIR_TILE
@@ -165,6 +173,14 @@ static float *thread_pack_buffer(size_t floats) {
     }
     return packed_x;
 }
+
+/* the calling thread's packed copy of x for a product of N features, or NULL: read x as it is */
+static float *thread_packed_x(const float *x, int M, int K, int N) {
+    const size_t floats = (size_t)(M + TILE_ROWS16 - 1) / TILE_ROWS16 * TILE_ROWS16 * K;
+    float *xp = N >= PACK_MIN_N && floats <= PACK_MAX_FLOATS ? thread_pack_buffer(floats) : NULL;
+    if (xp) pack_tiles(x, M, K, xp);
+    return xp;
+}
 #endif
 
 /* One parallel region: each thread takes a fixed share of the panels (its weights stay in its cache); on
@@ -173,11 +189,9 @@ void panel_gemm_f32(const float *x, int M, int K, const float *packed, float *y,
     const int panels = N / PANEL;
 #ifdef __AVX512F__
     const int pairs = (panels + 1) / 2;
-    const size_t pack_floats = (size_t)(M + TILE_ROWS16 - 1) / TILE_ROWS16 * TILE_ROWS16 * K;
 #pragma omp parallel
     {
-        float *xp = N >= PACK_MIN_N && pack_floats <= PACK_MAX_FLOATS ? thread_pack_buffer(pack_floats) : NULL;
-        if (xp) pack_tiles(x, M, K, xp);
+        const float *xp = thread_packed_x(x, M, K, N);
 #pragma omp for schedule(static) nowait
         for (int j = 0; j < pairs; j++) {
             const float *p0 = packed + (int64_t)2 * j * K * PANEL, *p1 = p0 + (int64_t)K * PANEL;
@@ -185,11 +199,11 @@ void panel_gemm_f32(const float *x, int M, int K, const float *packed, float *y,
             const float *n1 = 2 * j + 3 < panels ? p0 + (int64_t)3 * K * PANEL : NULL;
             float *yj = y + (int64_t)2 * j * PANEL;
             if (2 * j + 1 < panels) {
-                if (xp) pair_rows(xp, 1, M, K, p0, p1, 1, yj, N, n0, n1);
-                else pair_rows(x, 0, M, K, p0, p1, 1, yj, N, n0, n1);
+                if (xp) pair_rows(xp, 1, M, K, p0, p1, 1, 0, yj, N, n0, n1);
+                else pair_rows(x, 0, M, K, p0, p1, 1, 0, yj, N, n0, n1);
             } else {
-                if (xp) pair_rows(xp, 1, M, K, p0, NULL, 0, yj, N, n0, n1);
-                else pair_rows(x, 0, M, K, p0, NULL, 0, yj, N, n0, n1);
+                if (xp) pair_rows(xp, 1, M, K, p0, NULL, 0, 0, yj, N, n0, n1);
+                else pair_rows(x, 0, M, K, p0, NULL, 0, 0, yj, N, n0, n1);
             }
         }
     }
@@ -198,6 +212,33 @@ void panel_gemm_f32(const float *x, int M, int K, const float *packed, float *y,
     for (int j = 0; j < panels; j++)
         panel_rows(x, M, K, packed + (int64_t)j * K * PANEL, y + (int64_t)j * PANEL, N,
                    j + 1 < panels ? packed + (int64_t)(j + 1) * K * PANEL : NULL);
+#endif
+}
+
+/* out [M, I] = silu(x g^T) * (x u^T) for a gate/up weight [2I, K] packed as panel_gemm_f32's (gate features
+ * 0..I-1, up I..2I-1; I a multiple of 16): each tile takes gate panel j and up panel j as its pair and
+ * applies silu_mul's operations to the sums in its registers, so out has the bits of panel_gemm_f32 then
+ * silu_mul, without writing the [M, 2I] product and reading it back (at 64 rows and I = 1536, 0.8 MB a layer
+ * each way, and silu_mul's own parallel region). Returns 0 where the build has no such tile (nothing
+ * computed): the caller then runs the two steps. */
+int panel_gemm_f32_silu(const float *x, int M, int K, const float *packed, float *out, int I) {
+#if defined(__AVX512F__) && SILU_WIDE
+    const int half = I / PANEL;
+#pragma omp parallel
+    {
+        const float *xp = thread_packed_x(x, M, K, 2 * I);
+#pragma omp for schedule(static) nowait
+        for (int j = 0; j < half; j++) {
+            const float *p0 = packed + (int64_t)j * K * PANEL, *p1 = p0 + (int64_t)half * K * PANEL;
+            const float *n0 = j + 1 < half ? p0 + (int64_t)K * PANEL : NULL, *n1 = n0 ? p1 + (int64_t)K * PANEL : NULL;
+            if (xp) pair_rows(xp, 1, M, K, p0, p1, 1, 1, out + (int64_t)j * PANEL, I, n0, n1);
+            else pair_rows(x, 0, M, K, p0, p1, 1, 1, out + (int64_t)j * PANEL, I, n0, n1);
+        }
+    }
+    return 1;
+#else
+    (void)x, (void)M, (void)K, (void)packed, (void)out, (void)I;
+    return 0;
 #endif
 }
 
