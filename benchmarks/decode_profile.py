@@ -71,7 +71,7 @@ def phase_profile(llm: Any, prompts: list[list[int]], warm: list[list[int]], max
         _wrap(layer.mlp, "forward", acc, "mlp")
         for lin in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj):
             _wrap(lin, "forward", acc, "layer_matmuls")
-        if hasattr(layer.mlp.gate_up_proj, "silu_mul_into"):  # float32 panels: gate_up with SiLU*mul in its tiles
+        if hasattr(layer.mlp.gate_up_proj, "silu_mul_into"):  # panels: gate_up with SiLU*mul in its tiles
             _wrap(layer.mlp.gate_up_proj, "silu_mul_into", acc, "layer_matmuls")
     _wrap(model.lm_head, "forward", acc, "lm_head_matmul")
     if model.fused is not None:  # the whole-layer C path of small decode steps (batch 1 lands here)

@@ -10,7 +10,7 @@ Here a layer is
     C rms_norm (+ residual add) -> gate_up matmul -> C silu_mul -> down matmul
 
 with the matmuls left to `Linear` (oneDNN's packed weights or panels) and the step's buffers allocated
-once; on float32 panels the gate_up matmul applies silu_mul in its tiles (`Linear.silu_mul_into`).
+once; on panels the gate_up matmul applies silu_mul in its tiles (`Linear.silu_mul_into`).
 The kernels are the ones the torch path calls (elementwise.c, paged_attention.c), with the same
 rounding points, so the output is bit-identical to it. Used for every step whose new tokens are all
 rows of the C attention kernel (decodes, and prefill chunks where the kernel serves them, see

@@ -100,6 +100,8 @@ def load_library_from(directory: Path) -> ctypes.CDLL | None:
     lib.panel_gemm_f32.argtypes = [vp, i, i, vp, vp, i]
     lib.panel_gemm_f32_silu.argtypes = [vp, i, i, vp, vp, i]
     lib.panel_gemm_f32_silu.restype = i
+    lib.panel_gemm_bf16_silu.argtypes = [vp, i, i, vp, vp, i]
+    lib.panel_gemm_bf16_silu.restype = i
     lib.panel_gemm_preferred.restype = i
     lib.panel_gemm_bf16.argtypes = [vp, i, i, vp, vp, vp, i, i]
     lib.panel_gemm_bf16.restype = i

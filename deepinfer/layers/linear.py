@@ -189,25 +189,28 @@ class Linear(nn.Linear):
 
     def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
         """For a gate/up projection (the gate's features first, then the up's): out = silu(gate) * up of x in
-        one pass over the float32 panels, with the bits of `forward` followed by the kernels' `silu_mul`.
-        False, with out untouched, where `forward` would not take x to float32 panels (GGUF blocks, bf16, a
-        bias) or the build has no such tile: the caller then runs the two steps. out: [rows, features / 2]
-        float32, contiguous."""
+        one pass over the panels, with the bits of `forward` followed by the kernels' `silu_mul`. False, with
+        out untouched, where `forward` would not take x to panels (GGUF blocks, oneDNN, a bias) or the build
+        has no such tile: the caller then runs the two steps. out: [rows, features / 2] in x's dtype,
+        contiguous."""
         panels = self._panels
         q = self.quantized
-        if (panels is None or panels.dtype != torch.float32 or self.bias is not None or x.dim() != 2
-                or x.dtype != torch.float32 or (q is not None and (self.row_invariant or x.shape[0] <= self._rows))):
+        if (panels is None or self.bias is not None or x.dim() != 2 or x.dtype != panels.dtype
+                or (q is not None and (self.row_invariant or x.shape[0] <= self._rows))):
             return False
-        groups, k, _ = panels.shape
-        inter = groups * PANEL // 2
-        if inter % PANEL or x.shape[1] != k or out.shape != (x.shape[0], inter) or out.dtype != torch.float32 \
+        bf16 = panels.dtype == torch.bfloat16
+        width = BF16_PANEL if bf16 else PANEL
+        k = 2 * panels.shape[1] if bf16 else panels.shape[1]
+        inter = panels.shape[0] * width // 2
+        if inter % width or x.shape[1] != k or out.shape != (x.shape[0], inter) or out.dtype != x.dtype \
                 or not out.is_contiguous():
             return False
         if not x.shape[0]:
             return True
         x = x.contiguous()
-        return bool(load_library().panel_gemm_f32_silu(x.data_ptr(), x.shape[0], k, panels.data_ptr(),
-                                                        out.data_ptr(), inter))
+        lib = load_library()
+        fused = lib.panel_gemm_bf16_silu if bf16 else lib.panel_gemm_f32_silu
+        return bool(fused(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out.data_ptr(), inter))
 
 def padded_rows(m: int) -> int:
     """The row count a packed product runs at: m up to 16, above that rounded up to one of 16 sizes per

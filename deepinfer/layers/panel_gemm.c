@@ -329,6 +329,74 @@ int panel_gemm_bf16(const void *x, int M, int K, const void *packed, const float
 #endif
 }
 
+#if defined(__AVX512BF16__) && SILU_WIDE
+/* rows (<= 6) of x against gate panel gp and up panel up (32 features each): 4 accumulators a row. Each
+ * feature's lane sums its products in the same order as bf16_tile's, then takes panel_gemm_bf16's rounding
+ * (+ a zero bias, then bf16) and silu_mul's operations, into y = silu(gate) * up rounded to bf16. */
+#define BF_GATED_ROWS 6
+static inline __attribute__((always_inline)) void bf16_gated_tile(const uint16_t *x, const int rows, int K,
+                                                                 const uint16_t *gp, const uint16_t *up, uint16_t *y,
+                                                                 int N) {
+    __m512 c[BF_GATED_ROWS][4];
+#pragma GCC unroll 6
+    for (int r = 0; r < BF_GATED_ROWS; r++) c[r][0] = c[r][1] = c[r][2] = c[r][3] = _mm512_setzero_ps();
+    for (int kp = 0; kp < K / 2; kp++) {
+        const uint16_t *gk = gp + (int64_t)kp * 2 * BF_PANEL, *uk = up + (int64_t)kp * 2 * BF_PANEL;
+        const __m512bh g0 = (__m512bh)_mm512_loadu_si512(gk), g1 = (__m512bh)_mm512_loadu_si512(gk + 32);
+        const __m512bh u0 = (__m512bh)_mm512_loadu_si512(uk), u1 = (__m512bh)_mm512_loadu_si512(uk + 32);
+#pragma GCC unroll 6
+        for (int r = 0; r < BF_GATED_ROWS; r++)
+            if (r < rows) {
+                int32_t pair;
+                memcpy(&pair, x + (int64_t)r * K + 2 * kp, sizeof pair);
+                const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+                c[r][0] = _mm512_dpbf16_ps(c[r][0], a, g0);
+                c[r][1] = _mm512_dpbf16_ps(c[r][1], a, g1);
+                c[r][2] = _mm512_dpbf16_ps(c[r][2], a, u0);
+                c[r][3] = _mm512_dpbf16_ps(c[r][3], a, u1);
+            }
+    }
+    const __m512 zero = _mm512_setzero_ps();
+#pragma GCC unroll 6
+    for (int r = 0; r < BF_GATED_ROWS; r++)
+        if (r < rows)
+            for (int h = 0; h < 2; h++) {
+                const __m512 g = round16(_mm512_add_ps(c[r][h], zero), 1), u = round16(_mm512_add_ps(c[r][2 + h], zero), 1);
+                store16(y + (int64_t)r * N + 16 * h, _mm512_mul_ps(round16(silu16(g), 1), u), 1);
+            }
+}
+#endif
+
+/* panel_gemm_f32_silu for bf16 panels (I a multiple of 32), with the bits of panel_gemm_bf16 (no bias) then
+ * silu_mul. Returns 0 where the CPU has no AVX-512 BF16 (nothing computed). */
+int panel_gemm_bf16_silu(const void *x, int M, int K, const void *packed, void *out, int I) {
+#if defined(__AVX512BF16__) && SILU_WIDE
+    const int half = I / BF_PANEL;
+    const uint16_t *xb = (const uint16_t *)x, *pb = (const uint16_t *)packed;
+    uint16_t *ob = (uint16_t *)out;
+#pragma omp parallel for schedule(static)
+    for (int j = 0; j < half; j++) {
+        const uint16_t *gp = pb + (int64_t)j * K * BF_PANEL, *up = gp + (int64_t)half * K * BF_PANEL;
+        uint16_t *oj = ob + (int64_t)j * BF_PANEL;
+        int m = 0;
+        for (; m + BF_GATED_ROWS <= M; m += BF_GATED_ROWS)
+            bf16_gated_tile(xb + (int64_t)m * K, BF_GATED_ROWS, K, gp, up, oj + (int64_t)m * I, I);
+        const uint16_t *xt = xb + (int64_t)m * K;
+        uint16_t *yt = oj + (int64_t)m * I;
+        switch (M - m) {
+#define BF_GATED_TAIL(R) case R: bf16_gated_tile(xt, R, K, gp, up, yt, I); break;
+            BF_GATED_TAIL(1) BF_GATED_TAIL(2) BF_GATED_TAIL(3) BF_GATED_TAIL(4) BF_GATED_TAIL(5)
+#undef BF_GATED_TAIL
+            default: break;
+        }
+    }
+    return 1;
+#else
+    (void)x, (void)M, (void)K, (void)packed, (void)out, (void)I;
+    return 0;
+#endif
+}
+
 /* 1 where panel_gemm_bf16 computes (AVX-512 BF16) */
 int panel_gemm_bf16_supported(void) {
 #ifdef __AVX512BF16__

@@ -203,53 +203,68 @@ def test_linear_serves_bf16_batches_from_panels(bias):
     assert narrow._panels is None
 
 
-# a build with the float32 gate/up tile computes an empty product (returns 1); others compute nothing (0)
-_needs_fused_tile = pytest.mark.skipif(
-    not (cpu_kernels.load_library() and cpu_kernels.load_library().panel_gemm_f32_silu(0, 0, 16, 0, 0, 16)),
-    reason="needs the AVX-512 float32 panel tiles")
+# a build with the gate/up tiles computes an empty product (returns 1); others compute nothing (0)
+def _fused_tile(dtype: torch.dtype) -> bool:
+    lib = cpu_kernels.load_library()
+    if lib is None:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(lib.panel_gemm_bf16_preferred() and lib.panel_gemm_bf16_silu(0, 0, 32, 0, 0, 32))
+    return bool(lib.panel_gemm_f32_silu(0, 0, 16, 0, 0, 16))
 
 
-def _gate_up(k: int, inter: int, seed: int, bias: bool = False) -> Linear:
+_DTYPES = [pytest.param(torch.float32, marks=pytest.mark.skipif(not _fused_tile(torch.float32),
+                                                                 reason="needs the AVX-512 float32 panel tiles")),
+           pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not _fused_tile(torch.bfloat16),
+                                                                  reason="needs bf16 panels (AVX-512 BF16, no AMX)"))]
+
+
+def _gate_up(k: int, inter: int, seed: int, bias: bool = False, dtype: torch.dtype = torch.float32) -> Linear:
     gen = torch.Generator().manual_seed(seed)
     lin = Linear(k, 2 * inter, bias=bias)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(2 * inter, k, generator=gen) / k ** 0.5)
         if bias:
             lin.bias.copy_(torch.randn(2 * inter, generator=gen))
-    assert lin.pack()
+    lin = lin.to(dtype)
+    assert lin.pack() and lin._panels is not None
     return lin
 
 
 def _two_steps(lin: Linear, x: torch.Tensor) -> torch.Tensor:
     gu = lin(x)
-    out = torch.empty(x.shape[0], gu.shape[1] // 2)
-    cpu_kernels.load_library().silu_mul(gu.data_ptr(), out.data_ptr(), x.shape[0], out.shape[1], 0)
+    out = torch.empty(x.shape[0], gu.shape[1] // 2, dtype=x.dtype)
+    cpu_kernels.load_library().silu_mul(gu.data_ptr(), out.data_ptr(), x.shape[0], out.shape[1],
+                                        cpu_kernels.dtype_code(x.dtype))
     return out
 
 
-@_needs_fused_tile
+@pytest.mark.parametrize("dtype", _DTYPES)
 @pytest.mark.parametrize("rows", [9, 16, 64, 131])
-@pytest.mark.parametrize("k,inter", [(576, 1536), (100, 48)])
-def test_gate_up_with_silu_in_its_tiles_gives_the_two_steps_bits(rows, k, inter):
-    # 1536: x packed per tile (3072 features); 48: three gate panels and three up panels, x as it is
-    lin = _gate_up(k, inter, rows + inter)
-    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
-    fused = torch.full((rows, inter), float("nan"))
+@pytest.mark.parametrize("k,inter", [(576, 1536), (100, 96)])
+def test_gate_up_with_silu_in_its_tiles_gives_the_two_steps_bits(dtype, rows, k, inter):
+    # float32: x packed per tile at 1536 (3072 features), six gate and six up panels read as they are at 96;
+    # bf16: 6-row tiles with a tail of 3, 4 or 1 rows; three gate and three up panels at 96
+    lin = _gate_up(k, inter, rows + inter, dtype=dtype)
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    fused = torch.full((rows, inter), float("nan"), dtype=dtype)
     assert lin.silu_mul_into(x, fused)
-    expected = _two_steps(lin, x)
-    assert torch.equal(fused, expected)
-    gu = _reference(x, lin.weight)  # and against float64 sums, for a kernel that got both steps wrong alike
-    torch.testing.assert_close(fused, F.silu(gu[:, :inter]) * gu[:, inter:], rtol=1e-4, atol=1e-5)
+    assert torch.equal(fused, _two_steps(lin, x))
+    # and against float64 sums, for a kernel that got both steps wrong alike
+    gu = _reference(x, lin.weight)
+    tol = {"rtol": 1e-4, "atol": 1e-5} if dtype == torch.float32 else {"rtol": 3e-2, "atol": 2e-2}
+    torch.testing.assert_close(fused.float(), F.silu(gu[:, :inter]) * gu[:, inter:], **tol)
 
 
-@_needs_fused_tile
-def test_gate_up_with_silu_declines_what_forward_would_not_take_to_float32_panels():
-    x = torch.randn(12, 64)
-    out = torch.zeros(12, 32)
-    assert not _gate_up(64, 32, 1, bias=True).silu_mul_into(x, out)  # a bias: forward adds it after the panels
-    assert not _gate_up(64, 24, 2).silu_mul_into(x, torch.zeros(12, 24))  # 24 features a half: not whole panels
-    assert not _gate_up(64, 32, 3).silu_mul_into(x.bfloat16(), out)
-    assert not _gate_up(64, 32, 4).silu_mul_into(x, torch.zeros(12, 16))  # out of the wrong width
-    unpacked = Linear(64, 64)
-    assert not unpacked.silu_mul_into(x, out)
-    assert torch.equal(out, torch.zeros(12, 32))
+@pytest.mark.parametrize("dtype", _DTYPES)
+def test_gate_up_with_silu_declines_what_forward_would_not_take_to_panels(dtype):
+    x = torch.randn(12, 64).to(dtype)
+    out = torch.zeros(12, 32, dtype=dtype)
+    assert not _gate_up(64, 32, 1, bias=True, dtype=dtype).silu_mul_into(x, out)  # forward adds a bias after
+    half = 24 if dtype == torch.float32 else 48  # halves of whole panels' features that are not whole panels
+    assert not _gate_up(64, half, 2, dtype=dtype).silu_mul_into(x, torch.zeros(12, half, dtype=dtype))
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    assert not _gate_up(64, 32, 3, dtype=dtype).silu_mul_into(x.to(other), out.to(other))
+    assert not _gate_up(64, 32, 4, dtype=dtype).silu_mul_into(x, torch.zeros(12, 16, dtype=dtype))  # out too narrow
+    assert not Linear(64, 64).to(dtype).silu_mul_into(x, out)  # not packed
+    assert torch.equal(out, torch.zeros(12, 32, dtype=dtype))
