@@ -128,8 +128,8 @@ static inline __m512 exp16(__m512 x) {
 }
 #endif
 
-/* silu over 16 lanes where the CPU has the AVX-512 parts it needs (silu_mul's wide loop, and the float32
- * gate/up product that applies it in its tiles: both through silu16, so both give the same bits) */
+/* silu over 16 lanes where the CPU has the AVX-512 parts it needs (silu_mul's wide loop, and the gate/up
+ * products of panel_gemm.c that apply it in their tiles: both through silu16, so both give the same bits) */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define SILU_WIDE 1
 /* g / (1 + e^-g), in float32 */

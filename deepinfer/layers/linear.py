@@ -186,7 +186,6 @@ class Linear(nn.Linear):
             return torch.ops.mkldnn._linear_pointwise(xp, self._packed, self.bias, "none", [], "")[:m]
         return F.linear(x, self.weight, self.bias)
 
-
     def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
         """For a gate/up projection (the gate's features first, then the up's): out = silu(gate) * up of x in
         one pass over the panels, with the bits of `forward` followed by the kernels' `silu_mul`. False, with
@@ -211,6 +210,7 @@ class Linear(nn.Linear):
         lib = load_library()
         fused = lib.panel_gemm_bf16_silu if bf16 else lib.panel_gemm_f32_silu
         return bool(fused(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out.data_ptr(), inter))
+
 
 def padded_rows(m: int) -> int:
     """The row count a packed product runs at: m up to 16, above that rounded up to one of 16 sizes per
