@@ -254,6 +254,13 @@ int panel_gemm_f32_silu(const float *x, int M, int K, const float *packed, float
 #define BF_PANEL 32
 #define BF_TILE_ROWS 12
 
+/* row r's (k, k + 1) pair of x at pair index kp, in every 32-bit lane */
+static inline __m512bh x_pair_bf16(const uint16_t *x, int64_t r, int K, int kp) {
+    int32_t pair;
+    memcpy(&pair, x + r * K + 2 * kp, sizeof pair);
+    return (__m512bh)_mm512_set1_epi32(pair);
+}
+
 static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *x, const int rows, int K,
                                                            const uint16_t *panel, const float *bias, uint16_t *y,
                                                            int N, const uint16_t *prefetch) {
@@ -270,9 +277,7 @@ static inline __attribute__((always_inline)) void bf16_tile(const uint16_t *x, c
 #pragma GCC unroll 12
         for (int r = 0; r < BF_TILE_ROWS; r++)
             if (r < rows) {
-                int32_t pair;
-                memcpy(&pair, x + (int64_t)r * K + 2 * kp, sizeof pair);
-                const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+                const __m512bh a = x_pair_bf16(x, r, K, kp);
                 c[r][0] = _mm512_dpbf16_ps(c[r][0], a, b0);
                 c[r][1] = _mm512_dpbf16_ps(c[r][1], a, b1);
             }
@@ -347,9 +352,7 @@ static inline __attribute__((always_inline)) void bf16_gated_tile(const uint16_t
 #pragma GCC unroll 6
         for (int r = 0; r < BF_GATED_ROWS; r++)
             if (r < rows) {
-                int32_t pair;
-                memcpy(&pair, x + (int64_t)r * K + 2 * kp, sizeof pair);
-                const __m512bh a = (__m512bh)_mm512_set1_epi32(pair);
+                const __m512bh a = x_pair_bf16(x, r, K, kp);
                 c[r][0] = _mm512_dpbf16_ps(c[r][0], a, g0);
                 c[r][1] = _mm512_dpbf16_ps(c[r][1], a, g1);
                 c[r][2] = _mm512_dpbf16_ps(c[r][2], a, u0);
