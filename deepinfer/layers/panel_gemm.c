@@ -142,6 +142,15 @@ static inline __attribute__((always_inline)) void pair_rows(const float *x, cons
     }
 }
 
+/* pair_rows from this thread's packed copy of x (xp, thread_packed_x) where it has one, else from x as it is */
+static inline __attribute__((always_inline)) void pair_rows_from(const float *x, const float *xp, int M, int K,
+                                                                const float *p0, const float *p1, const int two,
+                                                                const int gated, float *y, int N, const float *next0,
+                                                                const float *next1) {
+    if (xp) pair_rows(xp, 1, M, K, p0, p1, two, gated, y, N, next0, next1);
+    else pair_rows(x, 0, M, K, p0, p1, two, gated, y, N, next0, next1);
+}
+
 /* x [M, K] into xp, tile t at xp + t * 12 * K as [k][12] (a shorter tile's unused lanes unwritten) */
 static void pack_tiles(const float *x, int M, int K, float *xp) {
     const int tiles = (M + TILE_ROWS16 - 1) / TILE_ROWS16;
@@ -198,13 +207,8 @@ void panel_gemm_f32(const float *x, int M, int K, const float *packed, float *y,
             const float *n0 = j + 1 < pairs ? p0 + (int64_t)2 * K * PANEL : NULL;
             const float *n1 = 2 * j + 3 < panels ? p0 + (int64_t)3 * K * PANEL : NULL;
             float *yj = y + (int64_t)2 * j * PANEL;
-            if (2 * j + 1 < panels) {
-                if (xp) pair_rows(xp, 1, M, K, p0, p1, 1, 0, yj, N, n0, n1);
-                else pair_rows(x, 0, M, K, p0, p1, 1, 0, yj, N, n0, n1);
-            } else {
-                if (xp) pair_rows(xp, 1, M, K, p0, NULL, 0, 0, yj, N, n0, n1);
-                else pair_rows(x, 0, M, K, p0, NULL, 0, 0, yj, N, n0, n1);
-            }
+            if (2 * j + 1 < panels) pair_rows_from(x, xp, M, K, p0, p1, 1, 0, yj, N, n0, n1);
+            else pair_rows_from(x, xp, M, K, p0, NULL, 0, 0, yj, N, n0, n1);
         }
     }
 #else
@@ -231,8 +235,7 @@ int panel_gemm_f32_silu(const float *x, int M, int K, const float *packed, float
         for (int j = 0; j < half; j++) {
             const float *p0 = packed + (int64_t)j * K * PANEL, *p1 = p0 + (int64_t)half * K * PANEL;
             const float *n0 = j + 1 < half ? p0 + (int64_t)K * PANEL : NULL, *n1 = n0 ? p1 + (int64_t)K * PANEL : NULL;
-            if (xp) pair_rows(xp, 1, M, K, p0, p1, 1, 1, out + (int64_t)j * PANEL, I, n0, n1);
-            else pair_rows(x, 0, M, K, p0, p1, 1, 1, out + (int64_t)j * PANEL, I, n0, n1);
+            pair_rows_from(x, xp, M, K, p0, p1, 1, 1, out + (int64_t)j * PANEL, I, n0, n1);
         }
     }
     return 1;
