@@ -166,10 +166,14 @@ class Linear(nn.Linear):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
         return True
 
+    def _quantized_serves(self, x: torch.Tensor) -> bool:
+        """Whether `forward` takes x to the GGUF block kernels (`quantized`) rather than to panels or oneDNN."""
+        return self.quantized is not None and x.dim() == 2 and (self.row_invariant or x.shape[0] <= self._rows) \
+            and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.quantized
-        if q is not None and x.dim() == 2 and (self.row_invariant or x.shape[0] <= self._rows) \
-                and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16):
+        if self._quantized_serves(x):
             if self.dense_twin is not None and x.shape[0] > self._rows and x.dtype == torch.bfloat16:
                 q = self.dense_twin
             y = q.matmul(x)
@@ -193,9 +197,8 @@ class Linear(nn.Linear):
         has no such tile: the caller then runs the two steps. out: [rows, features / 2] in x's dtype,
         contiguous."""
         panels = self._panels
-        q = self.quantized
         if (panels is None or self.bias is not None or x.dim() != 2 or x.dtype != panels.dtype
-                or (q is not None and (self.row_invariant or x.shape[0] <= self._rows))):
+                or self._quantized_serves(x)):
             return False
         bf16 = panels.dtype == torch.bfloat16
         width = BF16_PANEL if bf16 else PANEL
