@@ -6,7 +6,8 @@ extra rows should cost only their arithmetic. The kernels are called directly (`
 `lib.q8_0_gemm` with preallocated inputs and outputs), so the Python around `QuantizedWeight.matmul` is not
 in the numbers. Reports CPU ms per pass (`time.process_time`, one thread: on a shared machine CPU time moves
 far less than wall time with the others' load), median and minimum over `--repeats`, row counts
-interleaved within each repeat, and the ratio of each median to the 1-row one. Compare builds by running it
+interleaved within each repeat, and the ratio of each median to the 1-row one. `--in-cache` adds a pass
+over one layer weight repeated (cache-resident) beside them. Compare builds by running it
 with PYTHONPATH pointing at each tree, interleaved::
 
     OMP_NUM_THREADS=1 PYTHONPATH=. python3 benchmarks/gemm_rows.py --repeats 15
@@ -33,14 +34,21 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--in-cache", action="store_true",
+                    help="also time a pass over one layer weight repeated as many times as there are layer "
+                         "weights (it stays in L2 / L3): near the from-memory rate, the kernel is bound by its "
+                         "instructions rather than by memory")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     lib = load_library()
     if lib is None:
         raise SystemExit("the CPU kernels are unavailable here")
     blocks = read_quantized_tensors(default_model_path())
-    sets = {"layers": [w for name, w in blocks.items() if name.startswith("blk.")],
-            "head": [blocks["token_embd.weight"]]}
+    layers = [w for name, w in blocks.items() if name.startswith("blk.")]
+    sets = {"layers": layers, "head": [blocks["token_embd.weight"]]}
+    if args.in_cache:
+        resident = next(w for w in layers if w.kind == "q4_1")
+        sets["cached"] = [resident] * len(layers)
     dtype = getattr(torch, args.dtype)
     code = 1 if dtype == torch.bfloat16 else 0
     counts = list(range(1, 9))
@@ -72,7 +80,7 @@ def main() -> None:
         one = statistics.median(times[1])
         cells = "  ".join(f"{m}: {statistics.median(times[m]) * 1e3:.2f}/{min(times[m]) * 1e3:.2f} "
                           f"x{statistics.median(times[m]) / one:.2f}" for m in counts)
-        print(f"{label:>6} ({len(ws)} weights, {mb:.0f} MB)  {cells}")
+        print(f"{label:>6} ({len(ws)} weights, {mb:.0f} MB; 1 row {mb / 1e3 / one:.1f} GB/s of CPU time)  {cells}")
 
 
 if __name__ == "__main__":
