@@ -14,7 +14,6 @@ import torch
 
 from benchmarks.spec import code_edit_prompt
 from deepinfer import LLM, SamplingParams
-from deepinfer.engine.runner import cpu_has_fast_bf16
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.engine.spec.ngram import find_match
 from deepinfer.layers import cpu_kernels
@@ -22,9 +21,6 @@ from deepinfer.layers.fused_decode import FusedDecoder, SpecSeq
 from tests.engine.spec_utils import assert_all_free, spec_config, token_ids
 
 needs_kernels = pytest.mark.skipif(cpu_kernels.load_library() is None, reason="the C kernels cannot be built here")
-# bfloat16 is checked in the default suite where it is the default dtype (AVX-512 BF16 / AMX); where the CPU
-# emulates it (AVX2: ~2 minutes for the two tests below) it runs in the slow suite
-DTYPES = [pytest.param("bfloat16", marks=() if cpu_has_fast_bf16() else pytest.mark.slow), "float32"]
 
 
 @needs_kernels
@@ -73,7 +69,7 @@ def _count_calls(monkeypatch) -> list[tuple[int, int]]:
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_single_stream_code_edits_are_token_identical_and_drafted_in_c(dtype, request, monkeypatch):
     """One request at a time (batch 1, where the call applies), on the default model in its default mode, in
     both dtypes: the call verifies drafts with the kernels plain decode steps use (row-invariant up to 8
@@ -116,7 +112,7 @@ def test_stop_tokens_and_max_tokens_end_a_call_where_plain_decoding_ends(float32
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_a_batch_of_code_edits_is_token_identical_and_shares_the_calls_rows(dtype, request, monkeypatch):
     """Four requests at once: their steps speculate in calls of all four (one row each, four to share among
     the drafts), and every output is the tokens of the same batch decoded without speculation, in both
