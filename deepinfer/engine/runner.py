@@ -189,7 +189,9 @@ class ModelRunner:
             self._make_row_invariant()
         packed = sum(m.pack() for m in self.model.modules() if isinstance(m, Linear))
         if packed:
-            logger.info("packed %d projections (panels for panel_gemm.c, or oneDNN)", packed)
+            released = self._release_packed_dense()
+            logger.info("packed %d projections (panels for panel_gemm.c, or oneDNN); freed %d dense copies "
+                        "(%.0f MB)", packed, *released)
         if hasattr(self.model, "enable_batched_decode") and self.model.enable_batched_decode():
             logger.info("decode steps run norms, rotary, KV writes and SiLU*mul as C calls between the matmuls")
         logger.info("loaded weights (%s, %s) in %.1fs", self.dtype, self.device, time.perf_counter() - started)
@@ -256,6 +258,18 @@ class ModelRunner:
         if attached and hasattr(self.model, "enable_fused_decode") and self.model.enable_fused_decode():
             logger.info("small decode steps run each decoder layer as one C call")
         return attached > 0
+
+    def _release_packed_dense(self) -> tuple[int, float]:
+        """Free the dense copy of every packed projection whose weight no other module holds (a tied LM head
+        keeps the embedding's); returns how many and their MB."""
+        shared = {id(p) for m in self.model.modules() if not isinstance(m, Linear) for p in m.parameters(False)}
+        count, freed = 0, 0
+        for m in self.model.modules():
+            if isinstance(m, Linear) and id(m.weight) not in shared:
+                nbytes = m.weight.numel() * m.weight.element_size()
+                if m.release_dense():
+                    count, freed = count + 1, freed + nbytes
+        return count, freed / 1e6
 
     def _make_row_invariant(self) -> None:
         """Deterministic mode: every projection through the row-invariant kernel, and (Llama layout)

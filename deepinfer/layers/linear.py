@@ -96,9 +96,9 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 
 
 class Linear(nn.Linear):
-    """Float weights always present (reference path); `quantized`, when attached, serves CPU
-    float32 / bfloat16 inputs of at most `max_rows()` rows; `pack()` adds a oneDNN-blocked
-    copy of the weight, which skips the per-call weight reorder. bf16: measured 25-40% faster
+    """Float weights present until `release_dense()` (then panels or oneDNN's copy serve every product);
+    `quantized`, when attached, serves CPU float32 / bfloat16 inputs of at most `max_rows()` rows;
+    `pack()` adds a oneDNN-blocked copy of the weight, which skips the per-call weight reorder. bf16: measured 25-40% faster
     at 64 rows on an AMX Xeon, bit-identical output. fp32: torch's MKL sgemm repacks the weight
     every call and is slow at mid-size batches (576->3072 on a 2-core AVX-512 Xeon: 2.05 ms at
     32 rows, slower than 1.67 ms at 64); packed, 0.69 ms at 32 rows and never slower at 8-200
@@ -154,6 +154,8 @@ class Linear(nn.Linear):
     def pack(self, batch_hint: int = 64) -> bool:
         """Pre-pack the weight for oneDNN (bf16 / fp32 on CPU only), or in panels for `panel_gemm.c`
         (see the class docstring); call again after changing the weight."""
+        if self.dense_released:
+            raise ValueError("the dense weight was released (release_dense); reload it before packing again")
         self._packed = self._panels = None
         if self.row_invariant:
             return False
@@ -166,12 +168,29 @@ class Linear(nn.Linear):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), batch_hint)
         return True
 
+    @property
+    def dense_released(self) -> bool:
+        return self.weight.numel() == 0 and self.in_features * self.out_features > 0
+
+    def release_dense(self) -> bool:
+        """Free the dense weight's memory where the packed copy (panels or oneDNN's) serves every product that
+        does not take the GGUF blocks: a CPU model then holds its float weights once, not twice. The parameter
+        keeps its dtype and device (an empty tensor); `in_features` / `out_features` keep the shape. The
+        caller must not release a weight another module shares (a tied embedding). Returns whether it freed."""
+        if (self._panels is None and self._packed is None) or self.row_invariant or self.dense_released:
+            return False
+        self.weight.data = self.weight.data.new_empty(0)
+        return True
+
     def _quantized_serves(self, x: torch.Tensor) -> bool:
         """Whether `forward` takes x to the GGUF block kernels (`quantized`) rather than to panels or oneDNN."""
         return self.quantized is not None and x.dim() == 2 and (self.row_invariant or x.shape[0] <= self._rows) \
             and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() != 2 and (self._panels is not None or self._packed is not None):
+            # the packed paths take rows: other ranks as their rows (a released dense weight has no other path)
+            return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         q = self.quantized
         if self._quantized_serves(x):
             if self.dense_twin is not None and x.shape[0] > self._rows and x.dtype == torch.bfloat16:
@@ -188,6 +207,8 @@ class Linear(nn.Linear):
             xp = x.new_zeros((rows, x.shape[1]))
             xp[:m] = x
             return torch.ops.mkldnn._linear_pointwise(xp, self._packed, self.bias, "none", [], "")[:m]
+        if self.dense_released:
+            raise TypeError(f"{self.weight.dtype} packed weights cannot take {x.dtype} input on {x.device}")
         return F.linear(x, self.weight, self.bias)
 
     def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:

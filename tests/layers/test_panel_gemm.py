@@ -113,6 +113,41 @@ def test_row_invariant_linear_drops_its_panels():
     assert not lin.pack()
 
 
+@pytest.mark.parametrize("k,n", [(576, 960), (64, 100)])
+def test_a_released_dense_weight_changes_no_product(k, n):
+    # 960 features take panels, 100 oneDNN's packed copy (where torch has mkldnn): with the dense copy freed,
+    # every row count and a 3-D input give the bits they gave before
+    gen = torch.Generator().manual_seed(k + n)
+    lin = Linear(k, n, bias=True)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=gen) / k ** 0.5)
+        lin.bias.copy_(torch.randn(n, generator=gen))
+    if not lin.pack():
+        pytest.skip("neither panels nor oneDNN packing on this machine")
+    xs = [torch.randn(rows, k, generator=gen) for rows in (1, 9, 40)] + [torch.randn(2, 7, k, generator=gen)]
+    before = [lin(x) for x in xs]
+    assert torch.equal(before[-1].reshape(14, n), lin(xs[-1].reshape(14, k)))
+    dense_bytes = lin.weight.numel() * lin.weight.element_size()
+    assert dense_bytes > 0 and lin.release_dense()
+    assert lin.dense_released and lin.weight.numel() == 0 and lin.weight.dtype == torch.float32
+    for x, y in zip(xs, before, strict=True):
+        assert torch.equal(lin(x), y)
+    assert not lin.release_dense()  # once
+    with pytest.raises(ValueError, match="released"):
+        lin.pack()
+    with pytest.raises(TypeError, match="cannot take"):
+        lin(xs[1].double())
+
+
+def test_an_unpacked_or_row_invariant_linear_keeps_its_dense_weight():
+    plain = Linear(64, 32, bias=False)
+    assert not plain.release_dense() and plain.weight.numel() == 64 * 32
+    invariant = Linear(64, 32, bias=False)
+    invariant.pack()
+    invariant.make_row_invariant()  # its kernel's dense kind reads the weight itself
+    assert not invariant.release_dense() and invariant.weight.numel() == 64 * 32
+
+
 _LIB = cpu_kernels.load_library()
 _BF16 = pytest.mark.skipif(not (_LIB and _LIB.panel_gemm_bf16_supported()), reason="needs a CPU with AVX-512 BF16")
 

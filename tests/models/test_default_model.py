@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.layers.linear import Linear
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -53,6 +54,18 @@ def test_greedy_matches_hf_tie_aware(llm, hf):
     outs = llm.generate(prompts, params)
     for p, o in zip(prompts, outs, strict=True):
         _compare_tie_aware(hf, p, o.outputs[0].token_ids, o.outputs[0].logprobs)
+
+
+def test_packed_projections_hold_their_weights_once(llm):
+    # every packed projection's dense copy is freed, except the LM head that is the embedding's own table
+    model = llm.engine.core.runner.model
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    packed = [m for m in linears if m._panels is not None or m._packed is not None]
+    if not packed:
+        pytest.skip("no projection is packed on this machine")
+    tied = model.lm_head.weight is model.embed_tokens.weight
+    assert all(m.dense_released for m in packed if not (tied and m is model.lm_head))
+    assert model.embed_tokens.weight.numel() == model.config.vocab_size * model.config.hidden_size
 
 
 def test_chat_answers_and_reports_cache(llm):
