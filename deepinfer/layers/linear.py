@@ -96,19 +96,18 @@ def panel_matmul(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | Non
 
 
 class Linear(nn.Linear):
-    """Float weights present until `release_dense()` (then panels or oneDNN's copy serve every product);
-    `quantized`, when attached, serves CPU float32 / bfloat16 inputs of at most `max_rows()` rows;
-    `pack()` adds a oneDNN-blocked copy of the weight, which skips the per-call weight reorder. bf16: measured 25-40% faster
-    at 64 rows on an AMX Xeon, bit-identical output. fp32: torch's MKL sgemm repacks the weight
-    every call and is slow at mid-size batches (576->3072 on a 2-core AVX-512 Xeon: 2.05 ms at
-    32 rows, slower than 1.67 ms at 64); packed, 0.69 ms at 32 rows and never slower at 8-200
-    rows; the sums are reassociated (differences ~1e-6 relative). float32: `pack()` builds 16-feature
-    panels for `panel_gemm.c` instead (AVX2-only, 2 threads, 64 rows, on a 2-core EPYC: 185-192 GFLOP/s
-    against oneDNN's 101-134; AVX-512, pairs of panels, weights from memory, 2-core Zen 5: 441-484 against
-    oneDNN's packed 341-445 at 64 rows). bfloat16 on a CPU with AVX-512 BF16 but no AMX: `pack()` builds 32-feature
-    bf16 panels instead (no synchronisation inside a product, weights streamed by the hardware prefetcher; the four
-    projections of SmolLM2-135M's 30 layers at 64 rows, weights from memory, 2 threads on a 2-core Zen 5:
-    14.9 ms against oneDNN's packed 19.2 ms; at or above oneDNN from 9 to 1024 rows)."""
+    """Float weights present until `release_dense()` (then panels or oneDNN's copy serve every product); `quantized`,
+    when attached, serves CPU float32 / bfloat16 inputs of at most `max_rows()` rows; `pack()` adds a oneDNN-blocked
+    copy of the weight, which skips the per-call weight reorder. bf16: measured 25-40% faster at 64 rows on an AMX
+    Xeon, bit-identical output. fp32: torch's MKL sgemm repacks the weight every call and is slow at mid-size
+    batches (576->3072 on a 2-core AVX-512 Xeon: 2.05 ms at 32 rows, slower than 1.67 ms at 64); packed, 0.69 ms at
+    32 rows and never slower at 8-200 rows; the sums are reassociated (differences ~1e-6 relative). float32:
+    `pack()` builds 16-feature panels for `panel_gemm.c` instead (AVX2-only, 2 threads, 64 rows, on a 2-core EPYC:
+    185-192 GFLOP/s against oneDNN's 101-134; AVX-512, pairs of panels, weights from memory, 2-core Zen 5: 441-484
+    against oneDNN's packed 341-445 at 64 rows). bfloat16 on a CPU with AVX-512 BF16 but no AMX: `pack()` builds
+    32-feature bf16 panels instead (no synchronisation inside a product, weights streamed by the hardware
+    prefetcher; the four projections of SmolLM2-135M's 30 layers at 64 rows, weights from memory, 2 threads on a
+    2-core Zen 5: 14.9 ms against oneDNN's packed 19.2 ms; at or above oneDNN from 9 to 1024 rows)."""
 
     quantized: QuantizedWeight | None = None
     _rows: int = 0
@@ -169,6 +168,11 @@ class Linear(nn.Linear):
         return True
 
     @property
+    def has_packed_copy(self) -> bool:
+        """Whether `pack()` gave the weight a packed copy (panels or oneDNN's) that serves 2-D products."""
+        return self._panels is not None or self._packed is not None
+
+    @property
     def dense_released(self) -> bool:
         return self.weight.numel() == 0 and self.in_features * self.out_features > 0
 
@@ -177,7 +181,7 @@ class Linear(nn.Linear):
         does not take the GGUF blocks: a CPU model then holds its float weights once, not twice. The parameter
         keeps its dtype and device (an empty tensor); `in_features` / `out_features` keep the shape. The
         caller must not release a weight another module shares (a tied embedding). Returns whether it freed."""
-        if (self._panels is None and self._packed is None) or self.row_invariant or self.dense_released:
+        if not self.has_packed_copy or self.row_invariant or self.dense_released:
             return False
         self.weight.data = self.weight.data.new_empty(0)
         return True
@@ -188,7 +192,7 @@ class Linear(nn.Linear):
             and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() != 2 and (self._panels is not None or self._packed is not None):
+        if x.dim() != 2 and self.has_packed_copy:
             # the packed paths take rows: other ranks as their rows (a released dense weight has no other path)
             return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         q = self.quantized
