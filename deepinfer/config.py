@@ -557,9 +557,10 @@ class LimitsConfig:
         None, "Most tokens one request may ask to generate (max_tokens, max_completion_tokens, Responses "
         "max_output_tokens, Anthropic max_tokens); default: the context length.")
     max_logprobs: int = _f(20, "Most alternatives per token a request may ask for (top_logprobs; Completions "
-                           "logprobs); the engine computes at most 20.")
-    max_stop_sequences: int = _f(32, "Most stop strings (stop, stop_sequences) in one request.")
-    max_stop_length: int = _f(512, "Longest stop string, in characters.")
+                           "logprobs; prompt_logprobs); the engine computes at most 20.")
+    max_stop_sequences: int = _f(32, "Most stop strings (stop, stop_sequences) in one request; also the most "
+                                 "bad_words.")
+    max_stop_length: int = _f(512, "Longest stop string (and bad word), in characters.")
     max_tools: int = _f(128, "Most tools in one request.")
     max_messages: int = _f(2048, "Most messages in one request (Responses: input items).")
     max_logit_bias: int = _f(300, "Most logit_bias entries in one request.")

@@ -129,3 +129,19 @@ def greedy_completion_tokens(base: str, prompts: list[list[int]], max_tokens: in
                                       extra_body={"ignore_eos": True})
         outs.append(r.choices[0].logprobs.tokens)
     return outs
+
+
+def prefill_reference(base: str, model_dir: Path, messages: list[dict], max_tokens: int) -> tuple[list[int], str]:
+    """An assistant prefill's reference: the prompt transformers renders with the final message left open
+    (`continue_final_message`), and the server's greedy /v1/completions text for exactly those ids, which a
+    reply that continues the message must equal."""
+    import httpx
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(model_dir)).apply_chat_template(
+        messages, add_generation_prompt=False, continue_final_message=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    r = httpx.post(f"{base}/v1/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=120,
+                   json={"prompt": ids, "max_tokens": max_tokens, "temperature": 0})
+    r.raise_for_status()
+    return ids, r.json()["choices"][0]["text"]

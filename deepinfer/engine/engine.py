@@ -47,7 +47,7 @@ from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import tier_stats
 from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
-from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
+from deepinfer.recipe.tokenizer import bad_word_sequences, eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,9 @@ class LLMEngine:
         if not validated:
             retention_class = self.validator.validate(prompt_ids, params, retention_class, output_prefix,
                                                       prefix_logprobs, stream_kv)
+        if params.bad_words and params.bad_words_token_ids is None:
+            params = dataclasses.replace(params, bad_words_token_ids=bad_word_sequences(self.tokenizer,
+                                                                                        params.bad_words))
         if self.processor is not None:
             self.processor.add_request(request_id, prompt if isinstance(prompt, str) else None, prompt_ids, params,
                                        output_prefix, prefix_logprobs, stream)

@@ -96,12 +96,14 @@ class LLM:
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             chat_template: str | None = None) -> list[RequestOutput]:
-        """`chat_template`: Jinja text used instead of the model's (needed for models without one)."""
+             chat_template: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+        """`chat_template`: Jinja text used instead of the model's (needed for models without one).
+        `continue_final_message` (with `add_generation_prompt=False`): the output continues the last
+        message, e.g. an assistant prefill, as in vLLM."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = [render_chat(tok, conv, add_generation_prompt, tools, chat_template,
-                               **(chat_template_kwargs or {}))
+                               continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                    for conv in conversations]
         return self.generate(prompts, sampling_params)
 

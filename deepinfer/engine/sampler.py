@@ -1,4 +1,4 @@
-"""Batched sampling: penalties, logit bias, min_tokens, grammar masks, temperature, top-k / top-p /
+"""Batched sampling: penalties, logit bias, allowed tokens, bad words, min_tokens, grammar masks, temperature, top-k / top-p /
 min-p, seeds, logprobs.
 
 All rows are processed as one [B, vocab] tensor; per-row parameters become
@@ -68,6 +68,8 @@ class Sampler:
         (float32; may be `logits` itself, changed in place by the grammar mask)."""
         logits = self._apply_penalties(logits, reqs)
         logits = self._apply_logit_bias(logits, reqs)
+        logits = self._apply_allowed_tokens(logits, reqs)
+        logits = self._apply_bad_words(logits, reqs)
         logits = self._apply_min_tokens(logits, reqs)
         self._apply_grammar(logits, reqs)
         return logits
@@ -149,6 +151,43 @@ class Sampler:
         bitmask = backend.allocate_bitmask(len(reqs))
         backend.fill_bitmask([reqs[i].grammar.matcher for i in rows], bitmask, rows)
         backend.apply_bitmask(logits, bitmask, rows)
+
+    @staticmethod
+    def _apply_allowed_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        rows = [i for i, r in enumerate(reqs) if r.params.allowed_token_ids]
+        if not rows:
+            return logits
+        logits = logits.clone()
+        vocab = logits.shape[1]
+        for i in rows:
+            keep = torch.tensor([t for t in reqs[i].params.allowed_token_ids if t < vocab], dtype=torch.long)
+            row = torch.full((vocab,), float("-inf"))
+            row[keep] = logits[i, keep]
+            logits[i] = row
+        return logits
+
+    @staticmethod
+    def _apply_bad_words(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """Ban each bad word's last token where the output so far ends with the tokens before it (always,
+        for one-token words)."""
+        rows: list[int] = []
+        cols: list[int] = []
+        vocab = logits.shape[1]
+        for i, r in enumerate(reqs):
+            words = r.params.bad_words_token_ids
+            if not words:
+                continue
+            out = r.output_token_ids
+            for seq in words:
+                head = len(seq) - 1
+                if seq[-1] < vocab and (head == 0 or (len(out) >= head and out[len(out) - head:] == seq[:-1])):
+                    rows.append(i)
+                    cols.append(seq[-1])
+        if not rows:
+            return logits
+        logits = logits.clone()
+        logits[rows, cols] = float("-inf")
+        return logits
 
     @staticmethod
     def _apply_min_tokens(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
@@ -266,7 +305,7 @@ def plain_greedy(r: Request) -> bool:
     """A row `process` leaves alone and `_choose` takes the argmax of, with no logprobs to compute."""
     p = r.params
     return (p.temperature <= 0 and p.logprobs is None and not p.needs_penalties and not p.logit_bias
-            and r.grammar is None and r.num_output_tokens >= p.min_tokens)
+            and not p.allowed_token_ids and not p.bad_words_token_ids and r.grammar is None and r.num_output_tokens >= p.min_tokens)
 
 
 def _needs_filter(r: Request) -> bool:

@@ -20,6 +20,9 @@ class SamplingParams:
     `structured_output` constrains the output to a JSON schema, JSON object, regex or EBNF
     grammar (see `StructuredOutputParams`). `logit_bias` maps token ids to values in [-100, 100]
     added to their logits before sampling (OpenAI semantics; -100 effectively bans, 100 forces).
+    `allowed_token_ids` (vLLM's): only these tokens may be generated (with a grammar, only those of
+    them it allows). `bad_words` (vLLM's): words that are never generated; a word of several tokens is
+    stopped at its last one (that token is banned after the others).
     """
 
     n: int = 1
@@ -45,6 +48,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     structured_output: StructuredOutputParams | None = None
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    # bad_words as token sequences, both spellings of each word (with and without a leading space); the engine
+    # fills it from its tokenizer (`recipe.tokenizer.bad_word_sequences`) when a request arrives
+    bad_words_token_ids: list[list[int]] | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -98,6 +106,18 @@ class SamplingParams:
                     raise bad(f"logit_bias keys must be token ids (integers >= 0), got {tid!r}")
                 if not isinstance(value, int | float) or isinstance(value, bool) or not -100 <= value <= 100:
                     raise bad(f"logit_bias values must be numbers in [-100, 100], got {value!r} for token {tid}")
+
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list | tuple) or not ids or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+                raise bad("allowed_token_ids must be a non-empty list of token ids (integers >= 0)")
+            self.allowed_token_ids = list(ids)
+        if self.bad_words is not None:
+            if isinstance(self.bad_words, str) or not isinstance(self.bad_words, list | tuple) or any(
+                    not isinstance(w, str) or not w.strip() for w in self.bad_words):
+                raise bad("bad_words must be a list of non-blank strings")
+            self.bad_words = list(self.bad_words)
 
     @property
     def greedy(self) -> bool:

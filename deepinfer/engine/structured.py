@@ -27,20 +27,27 @@ class StructuredOutputParams:
 
     `json_schema`: a JSON schema (dict, or its JSON text); `json_object`: any JSON object;
     `regex`: the whole output matches this regular expression; `grammar`: an EBNF grammar
-    (xgrammar / GBNF dialect, start rule `root`). Invalid values raise ValueError.
+    (xgrammar / GBNF dialect, start rule `root`); `choice`: the whole output is exactly one of these
+    strings (vLLM's `guided_choice`; a list is kept as a tuple). Invalid values raise ValueError.
     """
 
     json_schema: dict | str | None = None
     json_object: bool = False
     regex: str | None = None
     grammar: str | None = None
+    choice: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
-        given = [name for name in ("json_schema", "json_object", "regex", "grammar")
-                 if getattr(self, name) is not None and getattr(self, name) is not False]
+        given = [name for name in _KINDS if getattr(self, name) is not None and getattr(self, name) is not False]
         if len(given) != 1:
-            raise ValueError("structured output needs exactly one of json_schema, json_object, regex, grammar; "
+            raise ValueError(f"structured output needs exactly one of {', '.join(_KINDS)}; "
                              f"got {', '.join(given) if given else 'none'}")
+        if self.choice is not None:
+            if isinstance(self.choice, str) or not isinstance(self.choice, list | tuple) or not self.choice:
+                raise ValueError("choice must be a non-empty list of strings")
+            if not all(isinstance(c, str) and c for c in self.choice):
+                raise ValueError("every choice must be a non-empty string")
+            object.__setattr__(self, "choice", tuple(self.choice))
         if self.json_schema is not None:
             schema = self.json_schema
             if isinstance(schema, str):
@@ -59,12 +66,10 @@ class StructuredOutputParams:
 
     @property
     def kind(self) -> str:
-        """Which field is set: "json_schema", "json_object", "regex" or "grammar"."""
-        if self.json_schema is not None:
-            return "json_schema"
+        """Which field is set: one of `_KINDS`."""
         if self.json_object:
             return "json_object"
-        return "regex" if self.regex is not None else "grammar"
+        return next(name for name in _KINDS if name != "json_object" and getattr(self, name) is not None)
 
     @property
     def key(self) -> tuple[str, str]:
@@ -76,7 +81,17 @@ class StructuredOutputParams:
             return kind, schema if isinstance(schema, str) else json.dumps(schema)
         if kind == "json_object":
             return kind, ""
+        if kind == "choice":
+            return kind, json.dumps(self.choice)
         return kind, self.regex if kind == "regex" else self.grammar  # type: ignore[return-value]
+
+
+_KINDS = ("json_schema", "json_object", "regex", "grammar", "choice")
+
+
+def choice_grammar(choices: Sequence[str]) -> str:
+    """The EBNF grammar whose only sentences are `choices` (JSON string escapes are EBNF's too)."""
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
 
 
 class GrammarMatcher(ABC):
@@ -177,6 +192,8 @@ class XGrammarBackend(GrammarBackend):
                     return self._compiler.compile_json_schema('{"type": "object"}', any_whitespace=self.any_whitespace)
                 if kind == "regex":
                     return self._compiler.compile_regex(text)
+                if kind == "choice":
+                    return self._compiler.compile_grammar(choice_grammar(params.choice or ()))
                 return self._compiler.compile_grammar(text)
         except Exception as e:  # xgrammar raises RuntimeError / its own types for bad input
             raise ValueError(f"invalid {kind}: {_first_line(e)}") from e

@@ -73,14 +73,17 @@ class RequestValidator:
                 f"{max_len} tokens (prompt + at least one generated token)", param, "context_length_exceeded")
 
     def check_params(self, params: SamplingParams) -> None:
-        """RequestError for sampling parameters this model cannot honour: logit_bias token ids outside its
-        vocabulary, structured output without a tokenizer. (SamplingParams validates itself on
+        """RequestError for sampling parameters this model cannot honour: logit_bias or allowed token ids
+        outside its vocabulary, structured output without a tokenizer. (SamplingParams validates itself on
         construction: ranges, types.)"""
-        bad = next((t for t in (params.logit_bias or {}) if t >= self.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"logit_bias token id {bad} is out of range [0, {self.vocab_size})", "logit_bias")
+        for field, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+            bad = next((t for t in ids if t >= self.vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"{field} token id {bad} is out of range [0, {self.vocab_size})", field)
         if params.structured_output is not None and not self.has_tokenizer:
             raise RequestError("structured output needs a tokenizer; this model has none")
+        if params.bad_words and params.bad_words_token_ids is None and not self.has_tokenizer:
+            raise RequestError("bad_words needs a tokenizer; this model has none", "bad_words")
 
     def check_retention(self, retention_class: str | None) -> str | None:
         """The retention class a request naming `retention_class` gets (ValueError if unknown)."""

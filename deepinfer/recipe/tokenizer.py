@@ -36,6 +36,18 @@ def eos_token_ids(tokenizer, hf_config, directory: Path) -> frozenset[int]:
     return frozenset(ids)
 
 
+def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
+    """The token sequences that spell `words` in generated text: each word as it starts a text and after a
+    space (BPE tokenizers give the two different tokens), duplicates removed."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = list(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return out
+
+
 class NoChatTemplate(ValueError):
     """A chat request for a model without a chat template (base models, e.g. a Gemma 3 GGUF)."""
 
@@ -66,14 +78,19 @@ def use_chat_template(tokenizer, spec: str | None) -> None:
 
 def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                 tools: list[dict] | None = None, chat_template: str | None = None,
-                **template_kwargs: Any) -> list[int]:
+                continue_final_message: bool = False, **template_kwargs: Any) -> list[int]:
     """Apply the chat template (`chat_template`, else the tokenizer's) and return prompt token ids;
-    `NoChatTemplate` (a ValueError) when there is none."""
+    `NoChatTemplate` (a ValueError) when there is none. `continue_final_message`: the last message is
+    left open (no end-of-turn after it), so generation continues it: an assistant prefill. It excludes
+    `add_generation_prompt` (ValueError)."""
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise NoChatTemplate()
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
     out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, chat_template=template, **template_kwargs)
+                                        continue_final_message=continue_final_message, tokenize=True,
+                                        chat_template=template, **template_kwargs)
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)

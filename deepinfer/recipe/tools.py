@@ -183,7 +183,8 @@ def fallback_messages(messages: list[dict], specs: list[ToolSpec]) -> list[dict]
 
 def render_prompt(tokenizer, messages: list[dict], specs: list[ToolSpec] | None,
                   add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
-    """Prompt token ids for a conversation with (optional) tools, through the model's chat template."""
+    """Prompt token ids for a conversation with (optional) tools, through the model's chat template;
+    `template_kwargs` go to `render_chat` (`continue_final_message` among them)."""
     from deepinfer.recipe.tokenizer import render_chat
 
     if template_renders_tools(tokenizer):

@@ -8,6 +8,9 @@ Streaming sends Anthropic's events:
                content_block_stop
     message_delta (stop_reason, usage), message_stop
 
+A final assistant message is a prefill (protocol_anthropic.split_prefill): the reply's content is
+what follows it, as Anthropic returns it.
+
 stop_reason: tool_use when the model called a tool, max_tokens when cut short, stop_sequence when a
 stop_sequences entry matched, end_turn otherwise. Errors on these paths use Anthropic's shape
 (protocol_anthropic.anthropic_error_body; app.py picks it by path).
@@ -33,6 +36,7 @@ from deepinfer.server.protocol_anthropic import (
     cache_retention,
     chat_messages,
     output_format,
+    split_prefill,
 )
 from deepinfer.server.serving import (
     ServingContext,
@@ -64,7 +68,9 @@ def _prompt(ctx: ServingContext, req: CountTokensRequest) -> tuple[list[int], To
     kwargs = {}
     if isinstance(req.thinking, dict) and req.thinking.get("type") in ("enabled", "disabled"):
         kwargs["enable_thinking"] = req.thinking["type"] == "enabled"  # Qwen3-style templates read this
-    return render(ctx, chat_messages(req), plan, "messages", **kwargs), plan
+    messages, prefill = split_prefill(chat_messages(req), req)
+    return render(ctx, messages, plan, "messages", add_generation_prompt=not prefill,
+                  continue_final_message=prefill, **kwargs), plan
 
 
 async def count_tokens(ctx: ServingContext, req: CountTokensRequest) -> dict:

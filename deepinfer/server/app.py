@@ -30,6 +30,7 @@ from deepinfer.server.openai_api import (
     ServingContext,
     chat_completion,
     chat_messages,
+    check_prefill_flags,
     completion,
 )
 from deepinfer.server.protocol import (
@@ -45,6 +46,7 @@ from deepinfer.server.response_store import ResponseStore
 from deepinfer.server.responses_api import create_response, delete_response, stored_response
 from deepinfer.server.serving import tenant_of
 from deepinfer.server.tenants import Tenants
+from deepinfer.server.tooling import ToolPlan, render
 
 logger = logging.getLogger(__name__)
 
@@ -218,9 +220,9 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str
         check_model(req.model)
         tok = engine.tokenizer
         if req.messages is not None:
-            from deepinfer.recipe.tokenizer import render_chat
-
-            ids = render_chat(tok, chat_messages(req), req.add_generation_prompt)
+            check_prefill_flags(req)
+            ids = render(ctx, chat_messages(req), ToolPlan(), "messages", req.add_generation_prompt,
+                         continue_final_message=req.continue_final_message)
         elif req.prompt is not None:
             ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:

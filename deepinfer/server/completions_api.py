@@ -1,7 +1,8 @@
 """OpenAI Completions (`/v1/completions`): prompts (text or token ids, one or many) -> engine streams ->
 JSON body or SSE chunks in OpenAI's exact shapes.
 
-`echo` with `logprobs` returns the prompt's tokens with their logprobs before the generated ones (the
+`best_of` samples that many candidates per prompt and returns the `n` of highest log-probability per token
+(not with `stream`). `echo` with `logprobs` returns the prompt's tokens with their logprobs before the generated ones (the
 engine's prompt logprobs); `echo` with `max_tokens: 0` only scores the prompt. This is how evaluation
 harnesses (lm-evaluation-harness's `local-completions`) compute log-likelihoods."""
 
@@ -16,12 +17,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
-from deepinfer.server.logprobs import completion_logprobs, joined, prompt_logprobs
+from deepinfer.server.logprobs import completion_logprobs, joined, prompt_logprobs, vllm_prompt_logprobs
 from deepinfer.server.protocol import APIError, CompletionRequest
 from deepinfer.server.serving import (
     ChoiceState,
     ServingContext,
     check_context,
+    check_prompt_logprobs,
+    check_unsupported,
     client_gone,
     error_event,
     final_output_or_disconnect,
@@ -33,12 +36,15 @@ from deepinfer.server.serving import (
     stream_usage,
     stream_with_metrics,
     tenant_of,
+    truncated_prompt,
     usage,
 )
 from deepinfer.server.structured_fields import grammar_field, precompile
 
 
-def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[str | None, list[int]]]:
+def completion_prompts(req: CompletionRequest, tokenizer, max_model_len: int) -> list[tuple[str | None, list[int]]]:
+    """(text, token ids) per prompt; the text is None where there is none to echo as given (token-id prompts,
+    and prompts `truncate_prompt_tokens` cut)."""
     p = req.prompt
     if isinstance(p, str):
         items: list = [p]
@@ -53,9 +59,11 @@ def completion_prompts(req: CompletionRequest, tokenizer) -> list[tuple[str | No
         if isinstance(item, str):
             if tokenizer is None:
                 raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
-            out.append((item, list(tokenizer.encode(item))))
+            ids = list(tokenizer.encode(item))
         else:
-            out.append((None, list(item)))
+            item, ids = None, list(item)
+        cut = truncated_prompt(ids, req, max_model_len)
+        out.append((item if len(cut) == len(ids) else None, cut))
     return out
 
 
@@ -65,7 +73,9 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
         raise APIError(400, "suffix is not supported", param="suffix")
     if req.logprobs is not None and not 0 <= req.logprobs <= 20:
         raise APIError(400, "logprobs must be between 0 and 20", param="logprobs")
-    prompts = completion_prompts(req, engine.tokenizer)
+    check_prompt_logprobs(req)
+    check_unsupported(req)
+    prompts = completion_prompts(req, engine.tokenizer, engine.max_model_len)
     retention = retention_class(ctx, req, raw)
     engine.check_admission(len(prompts))
     # max_tokens 0 with echo: score the prompt only. The engine still samples one token (its steps end in
@@ -78,8 +88,12 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     params = [sampling_params(req, mt, req.logprobs, engine) for mt in max_tokens]
+    best_of = _best_of(req)
+    if best_of > req.n:  # sample best_of, keep the n best: every candidate needs its logprobs to be ranked
+        params = [dataclasses.replace(p, n=best_of, logprobs=p.logprobs if p.logprobs is not None else 0)
+                  for p in params]
     if req.echo and req.logprobs is not None:
-        params = [dataclasses.replace(p, prompt_logprobs=req.logprobs) for p in params]
+        params = [dataclasses.replace(p, prompt_logprobs=max(req.logprobs, req.prompt_logprobs or 0)) for p in params]
     await precompile(engine, params[0], grammar_field(req))  # a bad grammar is a 400, also when streaming
     tenant = tenant_of(raw)
     gens = [stream_with_metrics(ctx, ids, p, req.cache_salt, prompt=text, retention=retention,
@@ -97,10 +111,11 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
         cached += final.num_cached_tokens
         replayed += final.num_replayed_tokens
         echo = (text if text is not None else engine.tokenizer.decode(ids)) if req.echo else ""
-        for c in final.outputs:
+        completion_tokens += sum(len(c.token_ids) for c in final.outputs) if best_of > req.n else 0
+        for c in (_best(final.outputs, req.n) if best_of > req.n else final.outputs):
             if score_only:
                 c = _scored(c)
-            completion_tokens += len(c.token_ids)
+            completion_tokens += len(c.token_ids) if best_of <= req.n else 0
             lp = None
             if req.logprobs is not None:
                 lp = completion_logprobs(engine.tokenizer, c, 0, len(c.token_ids), req.logprobs, len(echo))
@@ -108,9 +123,30 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
                     lp = joined(prompt_logprobs(engine.tokenizer, ids, final.prompt_logprobs, req.logprobs), lp)
             choices.append({"index": pi * req.n + c.index, "text": echo + c.text, "logprobs": lp,
                             "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
+            if req.prompt_logprobs is not None:
+                choices[-1]["prompt_logprobs"] = vllm_prompt_logprobs(engine.tokenizer, ids, final.prompt_logprobs,
+                                                                      req.prompt_logprobs)
     return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": ctx.model_name,
                          "choices": choices, "usage": usage(prompt_tokens, completion_tokens, cached, replayed),
                          "system_fingerprint": None})
+
+
+def _best_of(req: CompletionRequest) -> int:
+    """`best_of` (OpenAI's legacy field, vLLM's too): how many candidates to sample per prompt."""
+    if req.best_of is None:
+        return req.n
+    if req.best_of < req.n:
+        raise APIError(400, f"best_of ({req.best_of}) must be at least n ({req.n})", param="best_of")
+    if req.stream and req.best_of > 1:
+        raise APIError(400, "best_of cannot be used with stream", param="best_of")
+    return req.best_of
+
+
+def _best(outputs: list[CompletionOutput], n: int) -> list[CompletionOutput]:
+    """The `n` candidates of highest log-probability per token (OpenAI's definition of best), best first,
+    renumbered 0..n-1. Every candidate was sampled with logprobs, so each has its cumulative logprob."""
+    ranked = sorted(outputs, key=lambda c: -(c.cumulative_logprob or 0.0) / max(1, len(c.token_ids)))
+    return [dataclasses.replace(c, index=j) for j, c in enumerate(ranked[:n])]
 
 
 def _scored(c: CompletionOutput) -> CompletionOutput:

@@ -7,7 +7,8 @@ BaseHTTPMiddleware would hide client disconnects from the handlers):
   so, before reading), parsed once, and refused (400) when it nests deeper than `--max-json-depth` or holds
   a non-finite number: Python's json reads NaN, Infinity and 1e999, which JSON does not have;
 - on the generation routes every count a client controls (n / best_of, max_tokens and its aliases,
-  top_logprobs / logprobs, stop strings, tools, messages / input items, logit_bias entries) is checked
+  top_logprobs / logprobs / prompt_logprobs, stop strings and bad words, tools, messages / input items,
+  logit_bias entries) is checked
   against `LimitsConfig`, naming the field;
 - a generation request then takes one admission slot per sequence it asks for (n x prompts) from
   `Admission`: past the server's bound (running capacity + `--max-waiting-requests`) or the caller's
@@ -213,16 +214,17 @@ def _count(body: dict, name: str, high: int, what: str) -> None:
         raise LimitError(400, f"{name}: at most {high} {what} are allowed, got {len(value)}", param=name)
 
 
-def _stops(body: dict, name: str, limits: LimitsConfig) -> None:
+def _stops(body: dict, name: str, limits: LimitsConfig, what: str = "stop sequence") -> None:
+    """Stop strings (and bad words, held to the same bounds): how many, and how long each."""
     value = body.get(name)
     stops = [value] if isinstance(value, str) else value if isinstance(value, list) else []
     if len(stops) > limits.max_stop_sequences:
-        raise LimitError(400, f"{name}: at most {limits.max_stop_sequences} stop sequences are allowed, got "
+        raise LimitError(400, f"{name}: at most {limits.max_stop_sequences} {what}s are allowed, got "
                               f"{len(stops)}", param=name)
     for i, s in enumerate(stops):
         if isinstance(s, str) and len(s) > limits.max_stop_length:
             where = name if isinstance(value, str) else f"{name}[{i}]"
-            raise LimitError(400, f"{where}: a stop sequence may be at most {limits.max_stop_length} characters, "
+            raise LimitError(400, f"{where}: a {what} may be at most {limits.max_stop_length} characters, "
                                   f"got {len(s)}", param=where)
 
 
@@ -258,6 +260,8 @@ def check_counts(api: str, body: dict, limits: LimitsConfig, max_model_len: int)
         _bounded(body, "logprobs", limits.max_logprobs)
     if api in ("chat", "completions"):
         _stops(body, "stop", limits)
+        _stops(body, "bad_words", limits, "bad word")
+        _bounded(body, "prompt_logprobs", limits.max_logprobs, low=0)
         _count(body, "logit_bias", limits.max_logit_bias, "logit_bias entries")
         n = _bounded(body, "n", limits.max_n, low=1) or 1
         best_of = _bounded(body, "best_of", limits.max_n, low=1) or 1

@@ -1,5 +1,6 @@
 """Logprobs in OpenAI's shapes: Chat Completions `logprobs.content[]` and Completions' parallel lists
-(with `echo`, the prompt's tokens first: the first one has no logprob, `null`, as in OpenAI and vLLM)."""
+(with `echo`, the prompt's tokens first: the first one has no logprob, `null`, as in OpenAI and vLLM),
+and vLLM's `prompt_logprobs` list."""
 
 from __future__ import annotations
 
@@ -70,3 +71,20 @@ def joined(first: dict, second: dict | None) -> dict:
         return first
     return {k: first[k] + second[k] for k in first}
 
+
+
+def vllm_prompt_logprobs(tokenizer, prompt_ids: list[int], entries: list[dict[int, Logprob] | None] | None,
+                         top_n: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, `null` for the first, else {token id: {"logprob", "rank",
+    "decoded_token"}} for the prompt's token and the `top_n` most likely."""
+    out: list[dict | None] = []
+    for i, tid in enumerate(prompt_ids):
+        entry = entries[i] if entries is not None and i < len(entries) else None
+        if entry is None:
+            out.append(None)
+            continue
+        kept = {t: lp for t, lp in entry.items() if t == tid or (lp.rank is not None and lp.rank <= top_n)}
+        out.append({str(t): {"logprob": lp.logprob, "rank": lp.rank,
+                             "decoded_token": lp.decoded_token if lp.decoded_token is not None
+                             else _token_str(tokenizer, t)} for t, lp in kept.items()})
+    return out

@@ -19,13 +19,15 @@ from deepinfer.recipe.output import Content, OutputParser, Reasoning
 from deepinfer.recipe.tool_parsers import ToolCallDelta
 from deepinfer.recipe.tools import arguments_object
 from deepinfer.server.completions_api import completion
-from deepinfer.server.logprobs import chat_logprobs
-from deepinfer.server.protocol import APIError, ChatCompletionRequest
+from deepinfer.server.logprobs import chat_logprobs, vllm_prompt_logprobs
+from deepinfer.server.protocol import APIError, ChatCompletionRequest, TokenizeRequest
 from deepinfer.server.serving import (
     ChoiceState,
     ServingContext,
     chain,
     check_context,
+    check_prompt_logprobs,
+    check_unsupported,
     client_gone,
     error_event,
     final_output_or_disconnect,
@@ -37,6 +39,7 @@ from deepinfer.server.serving import (
     stream_usage,
     stream_with_metrics,
     tenant_of,
+    truncated_prompt,
     usage,
 )
 from deepinfer.server.structured_fields import grammar_field
@@ -95,9 +98,17 @@ def chat_plan(req: ChatCompletionRequest) -> ToolPlan:
     return openai_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
 
 
+def check_prefill_flags(req: ChatCompletionRequest | TokenizeRequest) -> None:
+    """vLLM's rule: a final message continued (prefill) gets no new turn's header after it."""
+    if req.continue_final_message and req.add_generation_prompt:
+        raise APIError(400, "continue_final_message and add_generation_prompt cannot both be true: set "
+                       "add_generation_prompt to false to continue the final message", param="continue_final_message")
+
+
 def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+    check_prefill_flags(req)
     return render(ctx, chat_messages(req), plan, "messages", req.add_generation_prompt,
-                  **(req.chat_template_kwargs or {}))
+                  continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
 
 
 # ---------------------------------------------------------------- chat completions
@@ -129,9 +140,11 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
         raise APIError(400, "top_logprobs requires logprobs to be true", param="top_logprobs")
     if req.top_logprobs is not None and not 0 <= req.top_logprobs <= 20:
         raise APIError(400, "top_logprobs must be between 0 and 20", param="top_logprobs")
+    check_prompt_logprobs(req)
+    check_unsupported(req)
     engine.check_admission()
     plan = chat_plan(req)
-    prompt_ids = render_chat_prompt(ctx, req, plan)
+    prompt_ids = truncated_prompt(render_chat_prompt(ctx, req, plan), req, engine.max_model_len)
     max_tokens = check_context(len(prompt_ids), req.max_completion_tokens or req.max_tokens,
                                engine.max_model_len, "messages")
     top_n = req.top_logprobs or 0
@@ -158,10 +171,12 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
             "logprobs": chat_logprobs(engine.tokenizer, c, 0, len(c.token_ids), top_n) if req.logprobs else None,
             "finish_reason": finish, "stop_reason": c.stop_reason,
         })
-    return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
-        "choices": choices, "usage": _usage(ctx, final, parsers), "system_fingerprint": None,
-    })
+    body = {"id": rid, "object": "chat.completion", "created": created, "model": ctx.model_name,
+            "choices": choices, "usage": _usage(ctx, final, parsers), "system_fingerprint": None}
+    if req.prompt_logprobs is not None:
+        body["prompt_logprobs"] = vllm_prompt_logprobs(engine.tokenizer, prompt_ids, final.prompt_logprobs,
+                                                       req.prompt_logprobs)
+    return JSONResponse(body)
 
 
 def _usage(ctx: ServingContext, final: RequestOutput, parsers: list[OutputParser]) -> dict:

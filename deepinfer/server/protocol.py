@@ -74,7 +74,14 @@ class SamplingFields(_Lenient):
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's extras: only these tokens may be generated; words never generated; the prompt's logprobs (`prompt_logprobs` in the
+    # response); keep only the prompt's last N tokens
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    prompt_logprobs: int | None = None
+    truncate_prompt_tokens: int | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -83,6 +90,8 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: render the final message open, so the reply continues it (assistant prefill)
+    continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -94,6 +103,7 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = None
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
 
 
 class TokenizeRequest(_Lenient):
@@ -102,6 +112,7 @@ class TokenizeRequest(_Lenient):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
 
 
 class DetokenizeRequest(_Lenient):

@@ -2,7 +2,7 @@
 -> KV retention class, and Anthropic's error shape {"type": "error", "error": {"type", "message"}}.
 
 Content blocks understood: text; tool_use (assistant) and tool_result (user); thinking blocks of
-earlier turns are dropped. Images and documents are a 400 (this server runs text models).
+earlier turns are dropped. A final assistant message is a prefill: the reply continues it. Images and documents are a 400 (this server runs text models).
 """
 
 from __future__ import annotations
@@ -105,6 +105,26 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
                 msg["tool_calls"] = calls
             out.append(msg)
     return out
+
+
+def split_prefill(messages: list[dict], req: CountTokensRequest) -> tuple[list[dict], bool]:
+    """Anthropic's prefill: a final assistant message is the start of the reply, which continues it.
+    Returns the chat messages to render and whether the last is continued (False: a new turn). An
+    empty final assistant message is no prefill and is dropped; one with tool calls, or with trailing
+    whitespace (which the API refuses: it would end the prefill mid-token), is a 400."""
+    if req.messages[-1].role != "assistant" or not messages or messages[-1]["role"] != "assistant":
+        return messages, False
+    at = f"messages.{len(req.messages) - 1}.content"
+    last = messages[-1]
+    if last.get("tool_calls"):
+        raise APIError(400, f"{at}: a final assistant message with tool_use blocks needs a user message with "
+                       "their tool_result blocks after it", param=at)
+    text = last.get("content") or ""
+    if not text:
+        return messages[:-1], False
+    if text != text.rstrip():
+        raise APIError(400, "final assistant content cannot end with trailing whitespace", param=at)
+    return messages, True
 
 
 def _controls(req: CountTokensRequest) -> list[dict]:

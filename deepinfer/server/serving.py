@@ -62,8 +62,47 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
         max_tokens=max_tokens, min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
         frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
         ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
-        include_stop_str_in_output=req.include_stop_str_in_output, **engine_fields(req, engine),
+        include_stop_str_in_output=req.include_stop_str_in_output, allowed_token_ids=req.allowed_token_ids,
+        bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs, **engine_fields(req, engine),
     )
+
+
+def truncated_prompt(ids: list[int], req: SamplingFields, max_model_len: int) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: the prompt's last N tokens (-1: the last `max_model_len`)."""
+    n = req.truncate_prompt_tokens
+    if n is None:
+        return ids
+    if n == -1:
+        n = max_model_len
+    if n < 1:
+        raise APIError(400, f"truncate_prompt_tokens must be -1 or >= 1, got {n}", param="truncate_prompt_tokens")
+    return ids[-n:]
+
+
+# vLLM request fields this server does not implement. Unknown fields are ignored (clients send fields servers may
+# not know), but these change what a vLLM user gets back: ignored, they would answer another question. (`echo` is
+# a declared field of Completions, so only Chat's reaches this.)
+_UNSUPPORTED = {
+    "use_beam_search": "beam search is not supported; sample with n / best_of instead",
+    "chat_template": "a per-request chat_template is not accepted; start the server with --chat-template",
+    "logits_processors": "logits_processors are not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "echo": "echo is not supported on chat completions (continue_final_message continues the last message)",
+}
+
+
+def check_unsupported(req: SamplingFields) -> None:
+    """A 400 naming the field for a vLLM extra that is set but not implemented here."""
+    for name, value in (req.model_extra or {}).items():
+        if name in _UNSUPPORTED and value not in (None, False, [], {}, ""):
+            raise APIError(400, _UNSUPPORTED[name], param=name)
+
+
+def check_prompt_logprobs(req: SamplingFields) -> None:
+    """vLLM's rule for `prompt_logprobs`: not on a stream (it has no place in a chunk). Its range is the
+    request limits' (`--max-logprobs`) and SamplingParams' to check."""
+    if req.prompt_logprobs is not None and req.stream:
+        raise APIError(400, "prompt_logprobs is not available when stream is true", param="prompt_logprobs")
 
 
 def with_structured_output(params: SamplingParams, param: str, **spec: Any) -> SamplingParams:

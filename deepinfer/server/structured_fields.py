@@ -2,7 +2,8 @@
 
 Accepted spellings (one per request): OpenAI's `response_format` ({"type": "text" | "json_object" |
 "json_schema", "json_schema": {"name", "schema", "strict"}}), vLLM's `guided_json` / `guided_regex` /
-`guided_grammar`, and `structured_outputs: {"json" | "regex" | "grammar" | "json_object": ...}`.
+`guided_grammar` / `guided_choice`, and `structured_outputs: {"json" | "regex" | "grammar" | "choice" |
+"json_object": ...}`.
 `logit_bias` arrives with string token-id keys (JSON objects have no integer keys).
 
 Grammars are compiled before a request is queued (`precompile`): on the engine's compile pool, awaited
@@ -26,13 +27,15 @@ def structured_output(req: SamplingFields) -> tuple[StructuredOutputParams | Non
     rf = req.response_format
     if rf is not None:
         found.extend(_response_format(rf))
-    for name, key in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "grammar")):
+    for name, key in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "grammar"),
+                      ("guided_choice", "choice")):
         value = getattr(req, name)
         if value is not None:
             found.append((name, {key: value}))
     so = req.structured_outputs
     if so is not None:
-        keys = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "json_object": "json_object"}
+        keys = {"json": "json_schema", "regex": "regex", "grammar": "grammar", "choice": "choice",
+                "json_object": "json_object"}
         given = {k: v for k, v in so.items() if k in keys and v is not None}
         unknown = sorted(set(so) - set(keys))
         if unknown:

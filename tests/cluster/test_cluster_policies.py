@@ -286,6 +286,8 @@ def test_sampling_params_survive_the_wire():
     p = SamplingParams(temperature=0, max_tokens=7, stop=["x"], logit_bias={5: 2.5, 17: -100.0},
                        structured_output=StructuredOutputParams(json_schema={"type": "object"}))
     assert params_from_json(json.loads(json.dumps(params_to_json(p)))) == p
+    p = SamplingParams(structured_output=StructuredOutputParams(choice=["yes", "no"]))  # a tuple: JSON makes it a list
+    assert params_from_json(json.loads(json.dumps(params_to_json(p)))) == p
 
 
 def _reporting(url: str, coef, hardware: str | None, queued: float = 0.0, routed: float = 0.0) -> Worker:

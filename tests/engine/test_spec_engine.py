@@ -48,6 +48,14 @@ def test_greedy_identical_fast(tiny_models):
 
 
 @pytest.mark.slow
+def test_greedy_identical_with_allowed_and_bad_tokens_and_bias(tiny_models):
+    """Drafts are verified against the processed distribution: only allowed tokens, with their biases, and no
+    bad word (whose ban depends on the drafts before it)."""
+    allowed = sorted({t for p in PROMPTS[:2] for t in p} | {1234, 2000})
+    _check_identical(tiny_models["llama"], "oracle", prompts=PROMPTS[:2], params=greedy(
+        20, allowed_token_ids=allowed, logit_bias={1234: 3.0, 7: -2.0}, bad_words_token_ids=[[5, 6], [2000]]))
+
+
 @pytest.mark.parametrize("method", METHODS)
 def test_greedy_identical_llama_chunked_prefill(tiny_models, method):
     llm = _check_identical(tiny_models["llama"], method, max_num_batched_tokens=16, block_size=16, adaptive=True)

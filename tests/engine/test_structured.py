@@ -87,6 +87,24 @@ def test_regex_and_ebnf(llm):
     _assert_all_free(llm)
 
 
+def test_choice_is_exactly_one_of_the_strings(llm):
+    # quotes, a backslash, a newline and non-ASCII text must reach the grammar as themselves; "ab" / "abc" share
+    # a prefix, so the grammar has to decide where an answer may end
+    choices = ["ab", "abc", 'say "hi"', "back\\slash", "two\nlines", "é中文"]
+    so = StructuredOutputParams(choice=choices)
+    assert so.choice == tuple(choices) and so.kind == "choice"
+    outs = llm.generate(["a", "b", "c", "d"], [SamplingParams(temperature=t, seed=i, n=3, max_tokens=20,
+                                                              structured_output=so)
+                                               for i, t in enumerate((0.0, 1.0, 1.5, 2.0))])
+    seen = set()
+    for out in outs:
+        for c in out.outputs:
+            assert c.finish_reason == "stop" and c.text in choices, c.text
+            seen.add(c.text)
+    assert len(seen) > 1  # sampling at high temperature picks more than one
+    _assert_all_free(llm)
+
+
 def test_mixed_batch_leaves_unconstrained_requests_identical(tiny_models):
     free = _prompts(21, [7, 19, 33])
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -188,12 +206,62 @@ def test_logit_bias_forces_and_bans(tiny_models):
         llm.generate("a", SamplingParams(logit_bias={10**7: 1.0}))
 
 
+def test_allowed_token_ids_restrict_every_token(tiny_models):
+    llm = _llm(tiny_models["llama"])
+    prompts = _prompts(3, [5, 12, 9])
+    allowed = [7, 300, 1234, 4000]
+    outs = llm.generate(prompts, [SamplingParams(temperature=t, seed=i, max_tokens=8, ignore_eos=True,
+                                                 allowed_token_ids=allowed) for i, t in enumerate((0.0, 1.0, 2.0))])
+    assert all(set(o.outputs[0].token_ids) <= set(allowed) for o in outs), [o.outputs[0].token_ids for o in outs]
+    # greedy picks the best allowed token: the raw logprobs (before the restriction) rank it above the others
+    out = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20,
+                                                  allowed_token_ids=allowed))[0].outputs[0]
+    plain = llm.generate(prompts[0], SamplingParams(temperature=0.0, max_tokens=1, logprobs=20))[0].outputs[0]
+    assert out.token_ids[0] in allowed and (plain.token_ids[0] in allowed) == (plain.token_ids == out.token_ids)
+    # one allowed token: every step takes it, whatever the model prefers
+    assert llm.generate(prompts[1], SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True,
+                                                   allowed_token_ids=[4000]))[0].outputs[0].token_ids == [4000] * 5
+    with pytest.raises(ValueError, match="out of range"):
+        llm.generate("a", SamplingParams(allowed_token_ids=[10**7]))
+    _assert_all_free(llm)
+
+
+def test_bad_words_ban_a_word_at_its_last_token(tiny_models):
+    llm = _llm(tiny_models["llama"])
+    prompt = _prompts(4, [9])[0]
+    plain = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))[0].outputs[0]
+    ids = plain.token_ids
+    # a two-token word: its first token still comes, the second never right after it (the word starts at the
+    # first token that did not come before, so the output up to it cannot change)
+    i = next(j for j in range(1, 8) if ids[j] not in ids[:j])
+    word = ids[i:i + 2]
+    two = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                bad_words_token_ids=[word]))[0].outputs[0].token_ids
+    assert two[:i + 1] == ids[:i + 1] and two[i + 1] != ids[i + 1]
+    assert all(two[j:j + 2] != word for j in range(len(two) - 1))
+    one = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True,
+                                                bad_words_token_ids=[[ids[0]]]))[0].outputs[0].token_ids
+    assert ids[0] not in one
+    # as words: the engine spells them with its tokenizer, with and without a leading space
+    tok = llm.get_tokenizer()
+    word = tok.decode(ids[5:6]).strip()
+    params = SamplingParams(temperature=1.0, seed=3, n=3, max_tokens=12, ignore_eos=True, bad_words=[word])
+    for c in llm.generate([prompt], params)[0].outputs:
+        assert word not in c.text, (word, c.text)
+    _assert_all_free(llm)
+
+
 @pytest.mark.parametrize("kwargs, match", [
     ({}, "exactly one"),
     ({"regex": "a", "grammar": 'root ::= "a"'}, "exactly one"),
     ({"json_schema": "{not json"}, "not valid JSON"),
     ({"json_schema": "[1, 2]"}, "JSON object"),
     ({"regex": ""}, "non-empty"),
+    ({"choice": []}, "non-empty list"),
+    ({"choice": "yes"}, "non-empty list"),
+    ({"choice": ["yes", ""]}, "non-empty string"),
+    ({"choice": ["yes", 1]}, "non-empty string"),
+    ({"choice": ["a"], "regex": "a"}, "exactly one"),
 ])
 def test_params_validation(kwargs, match):
     with pytest.raises(ValueError, match=match):

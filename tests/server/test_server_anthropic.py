@@ -10,7 +10,7 @@ import anthropic
 import httpx
 import pytest
 
-from tests.server_utils import KEY, SHARED_SERVER_FLAGS, metric, running_server
+from tests.server_utils import KEY, SHARED_SERVER_FLAGS, metric, prefill_reference, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -66,6 +66,25 @@ def test_system_and_count_tokens_match_the_prompt(client, server):
     assert _prompt_tokens(m.usage) == count
     with_tools = client.messages.count_tokens(model=MODEL, messages=Q, tools=[WEATHER]).input_tokens
     assert with_tools > client.messages.count_tokens(model=MODEL, messages=Q).input_tokens
+
+
+def test_a_final_assistant_message_is_a_prefill(client, server, default_model_dir):
+    prefill = [*Q, {"role": "assistant", "content": [{"type": "text", "text": "The capital of France is"}]}]
+    ids, expected = prefill_reference(server, default_model_dir, [*Q, {"role": "assistant",
+                                                                      "content": "The capital of France is"}], 12)
+    m = client.messages.create(model=MODEL, max_tokens=12, messages=prefill, extra_body=GREEDY)
+    assert expected.strip() and m.content[0].text == expected  # the continuation only, as Anthropic returns it
+    assert _prompt_tokens(m.usage) == len(ids) == client.messages.count_tokens(model=MODEL, messages=prefill).input_tokens
+    with client.messages.stream(model=MODEL, max_tokens=12, messages=prefill, extra_body=GREEDY) as stream:
+        assert stream.get_final_text() == expected
+    # an empty final assistant message is no prefill: the reply is a new turn, as without it
+    plain = client.messages.create(model=MODEL, max_tokens=12, messages=Q, extra_body=GREEDY)
+    empty = client.messages.create(model=MODEL, max_tokens=12, messages=[*Q, {"role": "assistant", "content": ""}],
+                                   extra_body=GREEDY)
+    assert empty.content[0].text == plain.content[0].text != expected
+    for last in ("The capital of France is ", [{"type": "tool_use", "id": "toolu_1", "name": "f", "input": {}}]):
+        with pytest.raises(anthropic.BadRequestError):
+            client.messages.create(model=MODEL, max_tokens=5, messages=[*Q, {"role": "assistant", "content": last}])
 
 
 def test_stop_reasons(client):

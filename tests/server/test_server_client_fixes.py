@@ -160,6 +160,103 @@ def test_completions_echo_returns_prompt_logprobs(client):
     assert all(len(top) >= 1 for top in c.logprobs.top_logprobs[1:])
 
 
+def test_vllm_prompt_logprobs(client, server):
+    prompt = "The capital of France is Paris"
+    ids = _ids(client, prompt)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                  extra_body={"prompt_logprobs": 2})
+    plp = r.choices[0].model_extra["prompt_logprobs"]
+    echo = client.completions.create(model=MODEL, prompt=prompt, echo=True, logprobs=2, max_tokens=1,
+                                     temperature=0).choices[0].logprobs
+    assert len(plp) == len(ids) and plp[0] is None
+    for i, (tid, entry) in enumerate(zip(ids[1:], plp[1:], strict=True), start=1):
+        # the prompt's own token (whatever its rank) and the two most likely, as vLLM returns them
+        assert math.isclose(entry[str(tid)]["logprob"], echo.token_logprobs[i], abs_tol=1e-5)
+        assert entry[str(tid)]["decoded_token"] == echo.tokens[i]
+        assert sorted(e["rank"] for e in entry.values() if e["rank"] <= 2) == [1, 2]
+        assert len(entry) == 2 + (entry[str(tid)]["rank"] > 2)
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=1,
+                                          extra_body={"prompt_logprobs": 0})
+    plp = chat.model_extra["prompt_logprobs"]
+    assert len(plp) == chat.usage.prompt_tokens and plp[0] is None and all(len(e) == 1 for e in plp[1:])
+    for body in ({"prompt_logprobs": 1, "stream": True}, {"prompt_logprobs": 21}):
+        r = httpx.post(f"{server}/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                       json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
+
+
+def test_vllm_truncate_prompt_tokens_and_allowed_token_ids(client, default_model_dir):
+    from transformers import AutoTokenizer
+
+    prompt = "The capital of France is Paris, and the capital of Italy is"
+    ids = _ids(client, prompt)
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                    extra_body={"truncate_prompt_tokens": 3})
+    same = client.completions.create(model=MODEL, prompt=ids[-3:], max_tokens=4, temperature=0, echo=True)
+    assert cut.usage.prompt_tokens == 3 and cut.choices[0].text == same.choices[0].text  # the echo is what ran
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": prompt}], max_tokens=2,
+                                          extra_body={"truncate_prompt_tokens": 5})
+    assert chat.usage.prompt_tokens == 5
+    tok = AutoTokenizer.from_pretrained(str(default_model_dir))
+    allowed = tok.encode(" Rome Paris London", add_special_tokens=False)
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=1.5, seed=4, n=3,
+                                  extra_body={"allowed_token_ids": allowed, "ignore_eos": True})
+    for c in r.choices:
+        got = tok.encode(c.text, add_special_tokens=False)
+        assert set(got) <= set(allowed) and r.usage.completion_tokens == 18, c.text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2,
+                                  extra_body={"allowed_token_ids": [10**8]})
+    assert e.value.body["param"] == "allowed_token_ids"
+
+
+def test_completions_best_of_keeps_the_best_per_token(client):
+    def mean(c) -> float:
+        return sum(c.logprobs.token_logprobs) / len(c.logprobs.token_logprobs)
+
+    ask = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 8, "temperature": 1.2, "seed": 7}
+    best = client.completions.create(**ask, n=2, best_of=5, logprobs=0)
+    # the same seed samples the same five candidates with n=5: best_of keeps the two of highest mean logprob
+    five = client.completions.create(**ask, n=5, logprobs=0)
+    ranked = sorted(five.choices, key=mean, reverse=True)
+    assert len({c.text for c in five.choices}) > 2  # candidates differ, so the choice is a real one
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]] and [c.index for c in best.choices] == [0, 1]
+    assert best.usage.completion_tokens == five.usage.completion_tokens  # every candidate was generated
+    plain = client.completions.create(**ask, n=1, best_of=3)
+    assert plain.choices[0].logprobs is None  # ranked by logprobs the client did not ask for
+    for bad in ({"n": 3, "best_of": 2}, {"best_of": 2, "stream": True}):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(**{**ask, **bad})
+        assert e.value.body["param"] == "best_of"
+
+
+@pytest.mark.parametrize("field, value", [("use_beam_search", True), ("chat_template", "{{ messages }}"),
+                                          ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
+                                          ("echo", True)])
+def test_vllm_fields_not_implemented_are_400s_not_ignored(client, field, value):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={field: value})
+    assert e.value.body["param"] == field
+    # unset (null / false) they are accepted, as clients that send every field by default do
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                       extra_body={field: False if value is True else None})
+    assert r.choices[0].message.content is not None
+
+
+def test_vllm_bad_words(client):
+    q = [{"role": "user", "content": "What is the capital of France?"}]
+    plain = client.chat.completions.create(model=MODEL, messages=q, max_tokens=20, temperature=0)
+    assert "Paris" in plain.choices[0].message.content
+    r = client.chat.completions.create(model=MODEL, messages=q, max_tokens=20, temperature=0,
+                                       extra_body={"bad_words": ["Paris"]})
+    assert "Paris" not in r.choices[0].message.content and r.choices[0].message.content
+    for bad in (["x"] * 33, [" "], "Paris"):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model=MODEL, messages=q, max_tokens=2, extra_body={"bad_words": bad})
+        assert e.value.status_code == 400
+
+
 def test_completions_echo_max_tokens_zero_scores_the_prompt(client):
     prompt = "The capital of France is Paris"
     ids = _ids(client, prompt)

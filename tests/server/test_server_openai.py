@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import KEY, metric
+from tests.server_utils import KEY, metric, prefill_reference
 
 MODEL = "SmolLM2-135M-Instruct"
 Q = [{"role": "user", "content": "What is the capital of France?"}]
@@ -66,6 +66,22 @@ def test_continuous_usage_stats_put_running_usage_on_every_chunk(client):
         model=MODEL, prompt="The sky is", max_tokens=5, temperature=0, stream=True,
         stream_options={"include_usage": True, "continuous_usage_stats": True}))
     assert [c.usage.completion_tokens for c in texts[:-1]][-1] == 5 == texts[-1].usage.completion_tokens
+
+
+def test_continue_final_message_prefills_the_reply(client, server, default_model_dir):
+    # vLLM's flags: the final (assistant) message is rendered open and the reply continues it
+    prefill = [*Q, {"role": "assistant", "content": "The capital of France is"}]
+    ids, expected = prefill_reference(server, default_model_dir, prefill, 12)
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    r = client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=12, temperature=0, extra_body=flags)
+    assert expected.strip() and r.choices[0].message.content == expected and r.usage.prompt_tokens == len(ids)
+    tokenized = httpx.post(f"{server}/tokenize", headers={"Authorization": f"Bearer {KEY}"}, timeout=30,
+                           json={"messages": prefill, **flags}).json()
+    assert tokenized["tokens"] == ids
+    with pytest.raises(openai.BadRequestError) as e:  # a new turn's header after a continued message
+        client.chat.completions.create(model=MODEL, messages=prefill, max_tokens=3,
+                                       extra_body={"continue_final_message": True})
+    assert e.value.body["param"] == "continue_final_message"
 
 
 def test_n_two(client):

@@ -76,6 +76,18 @@ def test_vllm_style_extras_on_completions_and_chat(client):
     jsonschema.validate(json.loads(r.choices[0].message.content), schema)
 
 
+def test_vllm_choice(client):
+    """vLLM's `guided_choice` and `structured_outputs: {"choice": ...}`: the whole output is one of the strings."""
+    options = ["Paris", "London", "New York", 'naïve "quoted"']
+    r = client.chat.completions.create(model=MODEL, messages=_ask("Which city is in France?"), max_tokens=20,
+                                       temperature=1.5, seed=5, n=6, extra_body={"guided_choice": options})
+    assert all(c.message.content in options and c.finish_reason == "stop" for c in r.choices), r.choices
+    chunks = list(client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=20,
+                                            temperature=0, stream=True,
+                                            extra_body={"structured_outputs": {"choice": options}}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) in options
+
+
 @pytest.mark.parametrize("body, param", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
         "type": "object", "properties": {"a": {"$ref": "#/definitions/missing"}}}}}},
@@ -87,6 +99,10 @@ def test_vllm_style_extras_on_completions_and_chat(client):
     ({"guided_json": "{not json"}, "guided_json"),
     ({"guided_regex": "a", "guided_json": {"type": "object"}}, "guided_regex"),
     ({"structured_outputs": {"yaml": "x"}}, "structured_outputs"),
+    ({"guided_choice": []}, "guided_choice"),
+    ({"guided_choice": ["yes", ""]}, "guided_choice"),
+    ({"structured_outputs": {"choice": "yes"}}, "structured_outputs.choice"),
+    ({"guided_choice": ["yes"], "guided_regex": "y"}, "guided_choice"),
     ({"logit_bias": {"hello": 5}}, "logit_bias"),
     ({"logit_bias": {"10000000": 5}}, "logit_bias"),
     ({"logit_bias": {"5": 101}}, "logit_bias"),
