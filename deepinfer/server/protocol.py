@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class APIError(Exception):
@@ -24,16 +24,27 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
-class _Lenient(BaseModel):
+class Lenient(BaseModel):
+    """A request body: unknown fields are kept and ignored, and an optional field sent as `null` takes its
+    default (OpenAI's schemas make optional fields nullable, and clients send `"n": null` for "not set")."""
+
     model_config = ConfigDict(extra="allow")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if not (v is None and k in fields and not fields[k].is_required())}
 
-class StreamOptions(_Lenient):
+
+class StreamOptions(Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class ChatMessage(_Lenient):
+class ChatMessage(Lenient):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[dict[str, Any]] | None = None
     name: str | None = None
@@ -41,7 +52,7 @@ class ChatMessage(_Lenient):
     tool_call_id: str | None = None  # tool: the call this result answers
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(Lenient):
     """Fields shared by chat and completion requests."""
 
     model: str | None = None
@@ -106,7 +117,7 @@ class CompletionRequest(SamplingFields):
     best_of: int | None = None
 
 
-class TokenizeRequest(_Lenient):
+class TokenizeRequest(Lenient):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -115,6 +126,6 @@ class TokenizeRequest(_Lenient):
     continue_final_message: bool = False
 
 
-class DetokenizeRequest(_Lenient):
+class DetokenizeRequest(Lenient):
     model: str | None = None
     tokens: list[int]

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
-from deepinfer.server.protocol import APIError
+from deepinfer.server.protocol import APIError, Lenient
 
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
@@ -23,16 +23,12 @@ def anthropic_error_body(status: int, message: str) -> dict:
                                                                "invalid_request_error"), "message": message}}
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-
-class AnthropicMessage(_Lenient):
+class AnthropicMessage(Lenient):
     role: Literal["user", "assistant"]
     content: str | list[dict[str, Any]]
 
 
-class CountTokensRequest(_Lenient):
+class CountTokensRequest(Lenient):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[dict[str, Any]] | None = None

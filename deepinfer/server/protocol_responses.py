@@ -9,15 +9,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
-
 from deepinfer.recipe.tools import arguments_object
-from deepinfer.server.protocol import APIError
+from deepinfer.server.protocol import APIError, Lenient
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ResponsesRequest(Lenient):
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
