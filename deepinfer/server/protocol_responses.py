@@ -33,6 +33,8 @@ class ResponsesRequest(Lenient):
     reasoning: dict[str, Any] | None = None
     user: str | None = None
     seed: int | None = None  # extension: reproducible sampling
+    include: list[str] | None = None  # "message.output_text.logprobs" is the one this server produces
+    top_logprobs: int | None = None
 
 
 def _parts_text(content: Any, where: str) -> str:

@@ -12,6 +12,10 @@ with one `output_text` part, and `function_call` items. Streaming sends, with on
                output_item.done
     response.completed (response.incomplete when max_output_tokens cut it short)
 
+`include: ["message.output_text.logprobs"]` (with `top_logprobs`) fills the message's `logprobs` with every
+generated token's, as Chat Completions does (a token of reasoning or of a tool call included); streamed, each
+`output_text.delta` carries those of the tokens since the previous one.
+
 `previous_response_id` continues a stored conversation (response_store.py); instructions are not
 carried over, as in OpenAI's API.
 """
@@ -28,6 +32,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.recipe.output import Content, OutputEvent, OutputParser, Reasoning
 from deepinfer.recipe.tool_parsers import ToolCallDelta
+from deepinfer.server.logprobs import chat_logprobs
 from deepinfer.server.protocol import APIError
 from deepinfer.server.protocol_responses import ResponsesRequest, input_messages, output_messages, text_format
 from deepinfer.server.response_store import ResponseStore
@@ -84,9 +89,11 @@ class _Job:
         self.plan: ToolPlan = openai_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         self.prompt_ids = render(ctx, messages, self.plan, "input")
         max_tokens = check_context(len(self.prompt_ids), req.max_output_tokens, ctx.engine.max_model_len, "input")
+        self.logprobs = LOGPROBS_ITEM in (req.include or [])
+        self.top_logprobs = req.top_logprobs or 0
         params = make_sampling_params(temperature=1.0 if req.temperature is None else req.temperature,
                                       top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
-                                      seed=req.seed)
+                                      seed=req.seed, logprobs=self.top_logprobs if self.logprobs else None)
         fmt = text_format(req.text)
         if fmt is not None:
             params = with_structured_output(params, "text.format", **fmt)
@@ -98,6 +105,14 @@ class _Job:
                                                  "prompt_cache_retention", raw)
         self.id = _id("resp")
         self.created = int(time.time())
+
+    def token_logprobs(self, final: RequestOutput, start: int | None = None) -> list[dict]:
+        """Chat Completions' logprob entries of the generated tokens from `start` (default: all), if asked for."""
+        c = final.outputs[0]
+        if not self.logprobs or c.logprobs is None:
+            return []
+        begin = 0 if start is None else start
+        return chat_logprobs(self.ctx.engine.tokenizer, c, begin, len(c.token_ids), self.top_logprobs)["content"]
 
     def body(self, status: str, output: list[dict], usage: dict | None, incomplete: bool = False) -> dict:
         req = self.req
@@ -142,15 +157,18 @@ class _Job:
 # ---------------------------------------------------------------- output items
 
 
-def _message(item_id: str, text: str, status: str = "completed") -> dict:
+LOGPROBS_ITEM = "message.output_text.logprobs"
+
+
+def _message(item_id: str, text: str, status: str = "completed", logprobs: list[dict] | None = None) -> dict:
     """A message item; "in_progress" ones (stream openers) have no content yet, "incomplete" ones (cut
     by max_output_tokens, as OpenAI marks them) keep what was written."""
     return {"id": item_id, "type": "message", "role": "assistant", "status": status,
-            "content": [] if status == "in_progress" else [_text_part(text)]}
+            "content": [] if status == "in_progress" else [_text_part(text, logprobs)]}
 
 
-def _text_part(text: str) -> dict:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def _text_part(text: str, logprobs: list[dict] | None = None) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def _reasoning(item_id: str, text: str, status: str = "completed") -> dict:
@@ -202,6 +220,9 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, store: Res
         output = [_message(_id("msg"), text, _status(_cut(final)))]
     else:
         output = output_items(parser, job.plan, parser.parse_all(text), _cut(final))
+    message = next((item for item in output if item["type"] == "message"), None)
+    if message is not None:
+        message["content"][0]["logprobs"] = job.token_logprobs(final)
     return JSONResponse(job.finish(final, parser, output))
 
 
@@ -236,6 +257,7 @@ class _Events:
         self.items: list[dict] = []  # finished items
         self.open: dict | None = None  # {"kind", "item", "index", "text", "call"}
         self.pending_ws = ""  # whitespace content seen while no message is open
+        self.pending_logprobs: list[dict] = []  # tokens' entries not yet sent with a text delta
         self.calls_kept: set[int] = set()
 
     def ev(self, kind: str, **data) -> str:
@@ -245,7 +267,7 @@ class _Events:
 
     def _open(self, kind: str, item: dict, call: int | None = None) -> list[str]:
         index = len(self.items)
-        self.open = {"kind": kind, "item": item, "index": index, "text": "", "call": call}
+        self.open = {"kind": kind, "item": item, "index": index, "text": "", "call": call, "logprobs": []}
         out = [self.ev("response.output_item.added", output_index=index, item=item)]
         if kind == "message":
             out.append(self.ev("response.content_part.added", item_id=item["id"], output_index=index,
@@ -264,9 +286,11 @@ class _Events:
         item, index, text = o["item"], o["index"], o["text"]
         where = {"item_id": item["id"], "output_index": index}
         if o["kind"] == "message":
-            done = _message(item["id"], text, _status(cut))
-            out = [self.ev("response.output_text.done", **where, content_index=0, text=text, logprobs=[]),
-                   self.ev("response.content_part.done", **where, content_index=0, part=_text_part(text))]
+            lps = o["logprobs"] + self.pending_logprobs  # the last tokens' (an end of turn after the text)
+            self.pending_logprobs = []
+            done = _message(item["id"], text, _status(cut), lps)
+            out = [self.ev("response.output_text.done", **where, content_index=0, text=text, logprobs=lps),
+                   self.ev("response.content_part.done", **where, content_index=0, part=_text_part(text, lps))]
         elif o["kind"] == "reasoning":
             done = _reasoning(item["id"], text, _status(cut))
             part = {"type": "reasoning_text", "text": text}
@@ -308,7 +332,10 @@ class _Events:
                 out += self._open(kind, item)
             self.open["text"] += e.text
             delta_kind = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
-            extra = {"logprobs": []} if kind == "message" else {}
+            extra = {}
+            if kind == "message":
+                extra["logprobs"], self.pending_logprobs = self.pending_logprobs, []
+                self.open["logprobs"] += extra["logprobs"]
             out.append(self.ev(delta_kind, item_id=self.open["item"]["id"], output_index=self.open["index"],
                                content_index=0, delta=e.text, **extra))
         return out
@@ -324,6 +351,7 @@ async def _stream(job: _Job, first: RequestOutput | None, gen) -> AsyncIterator[
         async for out in chain(first, gen):
             last = out
             c = out.outputs[0]
+            ev.pending_logprobs += job.token_logprobs(out, len(c.token_ids) - len(c.delta_token_ids))
             delta = c.delta_text
             events = parser.feed(delta) if not parser.passthrough else ([Content(delta)] if delta else [])
             if c.finished():

@@ -58,6 +58,30 @@ def _tokens(server: str, messages: list[dict]) -> int:
     return httpx.post(f"{server}/tokenize", json={"messages": messages}, timeout=30).json()["count"]
 
 
+def test_logprobs_when_included(client):
+    # the same prompt and greedy tokens as Chat Completions, so the same logprob entries
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": Q}], max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    want = [(t.token, round(t.logprob, 4), [a.token for a in t.top_logprobs]) for t in chat.choices[0].logprobs.content]
+    ask = {"model": MODEL, "input": Q, "max_output_tokens": 8, "temperature": 0,
+           "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    r = client.responses.create(**ask)
+    got = r.output[0].content[0].logprobs
+    assert [(t.token, round(t.logprob, 4), [a.token for a in t.top_logprobs]) for t in got] == want
+    assert "".join(t.token for t in got).startswith(r.output_text)  # and the end of turn, as Chat's
+    streamed, done = [], None
+    for event in client.responses.create(**ask, stream=True):
+        if event.type == "response.output_text.delta":
+            streamed += event.logprobs
+        elif event.type == "response.output_text.done":
+            done = event.logprobs
+    # the deltas carry the text's tokens; the end of turn, which adds no text, only the done event
+    assert [(t.token, round(t.logprob, 4)) for t in streamed] == [(t[0], t[1]) for t in want[:len(streamed)]]
+    assert len(streamed) >= len(want) - 1 and [t.token for t in done] == [t[0] for t in want]
+    plain = client.responses.create(model=MODEL, input=Q, max_output_tokens=4, temperature=0)
+    assert plain.output[0].content[0].logprobs == []  # not asked for
+
+
 def test_create_non_streaming(client, server):
     r = client.responses.create(model=MODEL, input=Q, max_output_tokens=30, temperature=0,
                                 prompt_cache_key="k1", prompt_cache_retention="24h")
