@@ -1,5 +1,5 @@
-"""Batched sampling: penalties, logit bias, allowed tokens, bad words, min_tokens, grammar masks, temperature, top-k / top-p /
-min-p, seeds, logprobs.
+"""Batched sampling: penalties, logit bias, allowed tokens, bad words, min_tokens, grammar masks,
+temperature, top-k / top-p / min-p, seeds, logprobs.
 
 All rows are processed as one [B, vocab] tensor; per-row parameters become
 column vectors. Random rows sample by inverse CDF with one uniform per row: a seeded request
@@ -305,7 +305,8 @@ def plain_greedy(r: Request) -> bool:
     """A row `process` leaves alone and `_choose` takes the argmax of, with no logprobs to compute."""
     p = r.params
     return (p.temperature <= 0 and p.logprobs is None and not p.needs_penalties and not p.logit_bias
-            and not p.allowed_token_ids and not p.bad_words_token_ids and r.grammar is None and r.num_output_tokens >= p.min_tokens)
+            and not p.allowed_token_ids and not p.bad_words_token_ids and r.grammar is None
+            and r.num_output_tokens >= p.min_tokens)
 
 
 def _needs_filter(r: Request) -> bool:

@@ -76,7 +76,8 @@ class RequestValidator:
         """RequestError for sampling parameters this model cannot honour: logit_bias or allowed token ids
         outside its vocabulary, structured output without a tokenizer. (SamplingParams validates itself on
         construction: ranges, types.)"""
-        for field, ids in (("logit_bias", params.logit_bias or {}), ("allowed_token_ids", params.allowed_token_ids or [])):
+        for field, ids in (("logit_bias", params.logit_bias or {}),
+                           ("allowed_token_ids", params.allowed_token_ids or [])):
             bad = next((t for t in ids if t >= self.vocab_size), None)
             if bad is not None:
                 raise RequestError(f"{field} token id {bad} is out of range [0, {self.vocab_size})", field)

@@ -1,10 +1,10 @@
 """OpenAI Completions (`/v1/completions`): prompts (text or token ids, one or many) -> engine streams ->
 JSON body or SSE chunks in OpenAI's exact shapes.
 
-`best_of` samples that many candidates per prompt and returns the `n` of highest log-probability per token
-(not with `stream`). `echo` with `logprobs` returns the prompt's tokens with their logprobs before the generated ones (the
-engine's prompt logprobs); `echo` with `max_tokens: 0` only scores the prompt. This is how evaluation
-harnesses (lm-evaluation-harness's `local-completions`) compute log-likelihoods."""
+`best_of` samples that many candidates per prompt and returns the `n` of highest log-probability per
+token (not with `stream`). `echo` with `logprobs` returns the prompt's tokens with their logprobs before
+the generated ones (the engine's prompt logprobs); `echo` with `max_tokens: 0` only scores the prompt.
+This is how evaluation harnesses (lm-evaluation-harness's `local-completions`) compute log-likelihoods."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ def truncated_prompt(ids: list[int], req: SamplingFields, max_model_len: int) ->
 # not know), but these change what a vLLM user gets back: ignored, they would answer another question. (`echo` is
 # a declared field of Completions, so only Chat's reaches this.)
 _UNSUPPORTED = {
-    "use_beam_search": "beam search is not supported; sample with n / best_of instead",
+    "use_beam_search": "beam search is not supported; sample several with n (Completions: best_of)",
     "chat_template": "a per-request chat_template is not accepted; start the server with --chat-template",
     "logits_processors": "logits_processors are not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
