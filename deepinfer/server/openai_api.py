@@ -107,8 +107,9 @@ def check_prefill_flags(req: ChatCompletionRequest | TokenizeRequest) -> None:
 
 def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
     check_prefill_flags(req)
+    kwargs = {**(req.chat_template_kwargs or {}), **({"documents": req.documents} if req.documents else {})}
     return render(ctx, chat_messages(req), plan, "messages", req.add_generation_prompt,
-                  continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+                  continue_final_message=req.continue_final_message, **kwargs)
 
 
 # ---------------------------------------------------------------- chat completions

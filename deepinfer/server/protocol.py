@@ -104,6 +104,8 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's: render the final message open, so the reply continues it (assistant prefill)
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    # vLLM's: passed to the chat template, for templates that render retrieved documents (RAG)
+    documents: list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None

@@ -97,6 +97,23 @@ def test_tiny_model_with_chat_template_file_serves_chat(tiny_base, template_file
         assert text.endswith("<start_of_turn>model\n")
 
 
+def test_documents_reach_the_chat_template(tiny_base, tmp_path):
+    # vLLM's `documents` (RAG templates render them); the template here writes each before the messages
+    template = tmp_path / "rag.jinja"
+    template.write_text("{% for d in documents or [] %}[{{ d['title'] }}: {{ d['text'] }}]\n{% endfor %}"
+                        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    with running_server("--model", str(tiny_base), "--chat-template", str(template), *ARGS) as base:
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=60)
+        docs = [{"title": "Paris", "text": "the capital of France"}, {"title": "Rome", "text": "the capital of Italy"}]
+        r = client.chat.completions.create(model="tiny-gemma3", messages=Q, max_tokens=2, extra_body={"documents": docs})
+        text = "".join(f"[{d['title']}: {d['text']}]\n" for d in docs) + "".join(
+            f"{m['role']}: {m['content']}\n" for m in Q)
+        ids = httpx.post(f"{base}/tokenize", json={"prompt": text, "add_special_tokens": False}, timeout=30).json()
+        assert r.usage.prompt_tokens == ids["count"]
+        plain = client.chat.completions.create(model="tiny-gemma3", messages=Q, max_tokens=2)
+        assert plain.usage.prompt_tokens < r.usage.prompt_tokens
+
+
 def test_missing_chat_template_file_fails_at_start(tiny_base, tmp_path):
     with pytest.raises(RuntimeError, match="server exited"), \
             running_server("--model", str(tiny_base), "--chat-template", str(tmp_path / "nope.jinja"), *ARGS,
