@@ -22,6 +22,7 @@ from deepinfer.config import (
     engine_config_from_args,
     parse_size,
 )
+from deepinfer.vllm_cli import add_vllm_arguments, apply_vllm_arguments
 
 ENGINE_SECTIONS = (ModelConfig, CacheConfig, SchedulerConfig, KVStoreConfig, ParallelConfig, SpeculativeConfig)
 
@@ -73,6 +74,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from deepinfer.server.app import serve
 
+    for note in apply_vllm_arguments(args):
+        print(f"deepinfer: {note}", file=sys.stderr)
     engine, server = engine_config_from_args(args), _server_config(args)
     cluster = config_from_args(ClusterConfig, args)
     if cluster.role != "unified":  # a worker: `auto` admission writes every block (KVStoreConfig.admission)
@@ -265,6 +268,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     srv = sub.add_parser("serve", help="Run the OpenAI-compatible API server (default model if no --model).")
     add_config_arguments(srv, ServerConfig, LimitsConfig, *ENGINE_SECTIONS, ClusterConfig, RouterConfig)
+    add_vllm_arguments(srv)
     srv.set_defaults(func=cmd_serve)
 
     rtr = sub.add_parser("router", help="Run the load-balancing router in front of prefill and decode workers "

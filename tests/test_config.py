@@ -102,3 +102,28 @@ def test_cli_takes_the_same_strings_and_help_is_unchanged():
                           ("--kv-retention", "agent=72h,chat=7d")):
         assert flags[flag].help.endswith(f"(default: {default})") and flags[flag].type is str, flag
     assert isinstance(ServerConfig().limits.max_request_body_size, int)
+
+
+def test_vllm_serve_command_lines(capsys):
+    """A `vllm serve` line: the model positional, vLLM's names of deepinfer's flags, flags for what deepinfer
+    always does, and flags that only take the one value deepinfer supports (else an error naming the flag)."""
+    from deepinfer.cli import main
+    from deepinfer.vllm_cli import apply_vllm_arguments
+
+    parser = build_parser()
+    args = parser.parse_args(["serve", "--port", "8001", "/models/x.gguf", "--tool-call-parser", "llama3_json",
+                              "--enable-auto-tool-choice", "--trust-remote-code", "--enforce-eager", "-tp", "1",
+                              "--pipeline-parallel-size", "1", "--kv-cache-dtype", "auto", "--enable-chunked-prefill",
+                              "--gpu-memory-utilization", "0.9", "--disable-log-requests", "--disable-log-stats"])
+    notes = apply_vllm_arguments(args)
+    assert args.model == "/models/x.gguf" and args.tool_parser == "llama3_json" and args.port == 8001
+    assert len(notes) == 1 and "--kv-cache-memory" in notes[0]
+    assert engine_config_from_args(args).model.model == "/models/x.gguf"
+    for argv, flag in ((["-tp", "2"], "--tensor-parallel-size"), (["--pipeline-parallel-size", "2"], "--pipeline"),
+                       (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
+                       (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
+                       (["a.gguf", "--model", "b.gguf"], "given twice"),
+                       (["--tool-call-parser", "hermes", "--tool-parser", "llama3_json"], "contradicts"),
+                       (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization")):
+        assert main(["serve", *argv]) == 2, argv  # refused before anything loads
+        assert flag in capsys.readouterr().err, argv

@@ -1,5 +1,5 @@
-"""vLLM's request extras and OpenAI's nullable fields on the real server (default model), through the official
-SDKs: `prompt_logprobs`, `truncate_prompt_tokens`, `allowed_token_ids`, `bad_words`, Completions' `best_of`; the
+"""vLLM's request extras and OpenAI's nullable fields on the real server (default model, started with a `vllm
+serve` command line), through the official SDKs: `prompt_logprobs`, `truncate_prompt_tokens`, `allowed_token_ids`, `bad_words`, Completions' `best_of`; the
 extras this server does not implement are a 400 naming the field; `null` for an optional field is its default."""
 
 from __future__ import annotations
@@ -11,9 +11,23 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import KEY
+from tests.server_utils import KEY, SHARED_SERVER_FLAGS, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    """Started the way a `vllm serve` launch script starts vLLM (deepinfer/vllm_cli.py): the model positional,
+    vLLM's tool flags, and flags that change nothing here."""
+    from deepinfer.weights.loader import default_model_path
+
+    log = tmp_path_factory.mktemp("srv") / "server.log"
+    with running_server(str(default_model_path()), *SHARED_SERVER_FLAGS, "--served-model-name", MODEL,
+                        "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-remote-code",
+                        "--enforce-eager", "--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.9",
+                        "--disable-log-requests", log=log) as base:
+        yield base
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,71 @@
+"""`vllm serve` command lines accepted by `deepinfer serve`, so a launch script written for vLLM runs unchanged.
+
+Each vLLM flag here either means the same thing in deepinfer (the model as a positional argument,
+`--tool-call-parser`), asks for what deepinfer always does (`--enable-auto-tool-choice`, `--enforce-eager`,
+`--enable-chunked-prefill`, `--trust-remote-code`: no model code is ever run), only tunes vLLM itself
+(request and stats logging; `--gpu-memory-utilization`, whose budget here is `--kv-cache-memory`), or takes
+the one value deepinfer supports (`--tensor-parallel-size 1`, `--pipeline-parallel-size 1`,
+`--kv-cache-dtype auto`). Any other value is an error naming the flag, never a silent change of what is
+served; flags not listed here are argparse's "unrecognized arguments".
+"""
+
+from __future__ import annotations
+
+import argparse
+
+# vLLM's --tool-call-parser names -> deepinfer's --tool-parser names
+TOOL_PARSERS = {"hermes": "hermes", "llama3_json": "llama3_json", "llama4_json": "llama3_json"}
+
+
+def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
+    """vLLM's spellings, in a group of their own (`deepinfer serve --help` lists them last)."""
+    g = parser.add_argument_group("vLLM compatibility", "vllm serve flags, accepted as described in "
+                                  "deepinfer/vllm_cli.py")
+    g.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                   help="The model, as `vllm serve MODEL` takes it (the same as --model).")
+    g.add_argument("--tool-call-parser", default=None, choices=sorted(TOOL_PARSERS),
+                   help="vLLM's name of --tool-parser.")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=None, help="Only 1.")
+    g.add_argument("--pipeline-parallel-size", "-pp", type=int, default=None, help="Only 1.")
+    g.add_argument("--kv-cache-dtype", default=None, help="Only auto (the KV cache is in the model's dtype).")
+    g.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="Accepted; the KV cache budget here is --kv-cache-memory.")
+    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
+                   help="Always on: the scheduler fits prefill chunks to a step budget.")
+    for name, why in (("--enable-auto-tool-choice", "tool calls are always parsed when a request has tools"),
+                      ("--trust-remote-code", "no model code from the model's repository is ever run"),
+                      ("--enforce-eager", "no graphs are captured"),
+                      ("--disable-log-requests", "requests are not logged"),
+                      ("--enable-log-requests", "requests are not logged"),
+                      ("--disable-log-stats", "stats are on /metrics, not in the log")):
+        g.add_argument(name, action="store_true", help=f"Accepted: {why}.")
+
+
+def apply_vllm_arguments(args: argparse.Namespace) -> list[str]:
+    """Fold the vLLM flags into deepinfer's (`args.model`, `args.tool_parser`); ValueError for a value deepinfer
+    cannot honour. Returns notes for the user about flags accepted without effect."""
+    notes: list[str] = []
+    if args.model_tag is not None:
+        if args.model is not None and args.model != args.model_tag:
+            raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
+        args.model = args.model_tag
+    if args.tool_call_parser is not None:
+        name = TOOL_PARSERS[args.tool_call_parser]
+        if args.tool_parser not in ("auto", name):
+            raise ValueError(f"--tool-call-parser {args.tool_call_parser} contradicts --tool-parser {args.tool_parser}")
+        args.tool_parser = name
+    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
+                        ("--pipeline-parallel-size", args.pipeline_parallel_size)):
+        if value not in (None, 1):
+            raise ValueError(f"{flag} {value}: deepinfer runs a model on one device per process; scale out with "
+                             "--prefill-workers / --decode-workers, MoE models with --expert-parallel-size")
+    if args.kv_cache_dtype not in (None, "auto"):
+        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: only auto (the model's dtype) is supported")
+    if args.enable_chunked_prefill is False:
+        raise ValueError("--no-enable-chunked-prefill: prefill is always chunked to the step budget here")
+    if args.gpu_memory_utilization is not None:
+        if not 0 < args.gpu_memory_utilization <= 1:
+            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+        notes.append("--gpu-memory-utilization is not used: the KV cache budget is --kv-cache-memory "
+                     f"(now {args.kv_cache_memory})")
+    return notes
