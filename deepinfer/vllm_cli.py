@@ -1,4 +1,5 @@
-"""`vllm serve` command lines accepted by `deepinfer serve`, so a launch script written for vLLM runs unchanged.
+"""`vllm serve` command lines accepted by `deepinfer serve`, and vLLM's `LLM(...)` engine arguments accepted by
+the offline `LLM`, so a launch script or a program written for vLLM runs unchanged.
 
 Each vLLM flag here either means the same thing in deepinfer (the model as a positional argument,
 `--tool-call-parser`), asks for what deepinfer always does (`--enable-auto-tool-choice`, `--enforce-eager`,
@@ -6,7 +7,7 @@ Each vLLM flag here either means the same thing in deepinfer (the model as a pos
 (request and stats logging; `--gpu-memory-utilization`, whose budget here is `--kv-cache-memory`), or takes
 the one value deepinfer supports (`--tensor-parallel-size 1`, `--pipeline-parallel-size 1`,
 `--kv-cache-dtype auto`). Any other value is an error naming the flag, never a silent change of what is
-served; flags not listed here are argparse's "unrecognized arguments".
+served; flags not listed here are argparse's "unrecognized arguments" (offline: a TypeError naming the argument).
 """
 
 from __future__ import annotations
@@ -41,10 +42,37 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
         g.add_argument(name, action="store_true", help=f"Accepted: {why}.")
 
 
+# vLLM's engine arguments (`vllm serve` flags and `LLM(...)` keywords) that deepinfer takes without a setting
+# of its own; each is checked by `check_vllm_settings`
+VLLM_SETTINGS = ("tensor_parallel_size", "pipeline_parallel_size", "kv_cache_dtype", "gpu_memory_utilization",
+                 "enable_chunked_prefill", "trust_remote_code", "enforce_eager", "disable_log_stats")
+
+
+def check_vllm_settings(kv_cache_memory: object = "auto", **settings: object) -> list[str]:
+    """ValueError for a vLLM engine setting deepinfer cannot honour (any of `VLLM_SETTINGS`; None: not given);
+    returns notes for the user about those accepted without effect."""
+    notes: list[str] = []
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        value = settings.get(name)
+        if value not in (None, 1):
+            raise ValueError(f"{name} {value}: deepinfer runs a model on one device per process; scale out with "
+                             "--prefill-workers / --decode-workers, MoE models with --expert-parallel-size")
+    if settings.get("kv_cache_dtype") not in (None, "auto"):
+        raise ValueError(f"kv_cache_dtype {settings['kv_cache_dtype']}: only auto (the model's dtype) is supported")
+    if settings.get("enable_chunked_prefill") is False:
+        raise ValueError("enable_chunked_prefill False: prefill is always chunked to the step budget here")
+    fraction = settings.get("gpu_memory_utilization")
+    if fraction is not None:
+        if not isinstance(fraction, int | float) or not 0 < fraction <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {fraction}")
+        notes.append(f"gpu_memory_utilization is not used: the KV cache budget is kv_cache_memory (now "
+                     f"{kv_cache_memory})")
+    return notes
+
+
 def apply_vllm_arguments(args: argparse.Namespace) -> list[str]:
     """Fold the vLLM flags into deepinfer's (`args.model`, `args.tool_parser`); ValueError for a value deepinfer
     cannot honour. Returns notes for the user about flags accepted without effect."""
-    notes: list[str] = []
     if args.model_tag is not None:
         if args.model is not None and args.model != args.model_tag:
             raise ValueError(f"the model is given twice: {args.model_tag!r} and --model {args.model!r}")
@@ -54,18 +82,11 @@ def apply_vllm_arguments(args: argparse.Namespace) -> list[str]:
         if args.tool_parser not in ("auto", name):
             raise ValueError(f"--tool-call-parser {args.tool_call_parser} contradicts --tool-parser {args.tool_parser}")
         args.tool_parser = name
-    for flag, value in (("--tensor-parallel-size", args.tensor_parallel_size),
-                        ("--pipeline-parallel-size", args.pipeline_parallel_size)):
-        if value not in (None, 1):
-            raise ValueError(f"{flag} {value}: deepinfer runs a model on one device per process; scale out with "
-                             "--prefill-workers / --decode-workers, MoE models with --expert-parallel-size")
-    if args.kv_cache_dtype not in (None, "auto"):
-        raise ValueError(f"--kv-cache-dtype {args.kv_cache_dtype}: only auto (the model's dtype) is supported")
-    if args.enable_chunked_prefill is False:
-        raise ValueError("--no-enable-chunked-prefill: prefill is always chunked to the step budget here")
-    if args.gpu_memory_utilization is not None:
-        if not 0 < args.gpu_memory_utilization <= 1:
-            raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
-        notes.append("--gpu-memory-utilization is not used: the KV cache budget is --kv-cache-memory "
-                     f"(now {args.kv_cache_memory})")
-    return notes
+    return check_vllm_settings(args.kv_cache_memory, **{name: getattr(args, name, None) for name in VLLM_SETTINGS})
+
+
+def split_vllm_kwargs(kwargs: dict[str, object]) -> tuple[dict[str, object], list[str]]:
+    """`LLM(...)`'s keyword arguments without vLLM's `VLLM_SETTINGS` (checked), and the notes about them."""
+    vllm = {k: kwargs[k] for k in VLLM_SETTINGS if k in kwargs}
+    notes = check_vllm_settings(kwargs.get("kv_cache_memory", "auto"), **vllm)
+    return {k: v for k, v in kwargs.items() if k not in vllm}, notes

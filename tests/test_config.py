@@ -117,13 +117,13 @@ def test_vllm_serve_command_lines(capsys):
                               "--gpu-memory-utilization", "0.9", "--disable-log-requests", "--disable-log-stats"])
     notes = apply_vllm_arguments(args)
     assert args.model == "/models/x.gguf" and args.tool_parser == "llama3_json" and args.port == 8001
-    assert len(notes) == 1 and "--kv-cache-memory" in notes[0]
+    assert len(notes) == 1 and "kv_cache_memory" in notes[0]
     assert engine_config_from_args(args).model.model == "/models/x.gguf"
-    for argv, flag in ((["-tp", "2"], "--tensor-parallel-size"), (["--pipeline-parallel-size", "2"], "--pipeline"),
-                       (["--kv-cache-dtype", "fp8"], "--kv-cache-dtype"),
-                       (["--no-enable-chunked-prefill"], "--no-enable-chunked-prefill"),
+    for argv, flag in ((["-tp", "2"], "tensor_parallel_size"), (["--pipeline-parallel-size", "2"], "pipeline"),
+                       (["--kv-cache-dtype", "fp8"], "kv_cache_dtype"),
+                       (["--no-enable-chunked-prefill"], "enable_chunked_prefill"),
                        (["a.gguf", "--model", "b.gguf"], "given twice"),
                        (["--tool-call-parser", "hermes", "--tool-parser", "llama3_json"], "contradicts"),
-                       (["--gpu-memory-utilization", "1.5"], "--gpu-memory-utilization")):
+                       (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization")):
         assert main(["serve", *argv]) == 2, argv  # refused before anything loads
         assert flag in capsys.readouterr().err, argv

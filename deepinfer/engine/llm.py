@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,6 +13,9 @@ from deepinfer.engine.ep_engine import ExpertParallelEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.recipe.tokenizer import render_chat
+from deepinfer.vllm_cli import split_vllm_kwargs
+
+logger = logging.getLogger(__name__)
 
 PromptType = str | list[int] | dict[str, Any]
 
@@ -22,7 +26,9 @@ class LLM:
     `model` is None (the default SmolLM2-135M-Instruct GGUF), an HF directory or a .gguf
     file; other keyword arguments are engine settings (see `deepinfer.config`), e.g.
     `dtype`, `max_model_len`, `max_num_seqs`, `max_num_batched_tokens`, `kv_cache_memory`,
-    `enable_prefix_caching`, `block_size`, `seed`.
+    `enable_prefix_caching`, `block_size`, `seed`. vLLM's engine arguments without a setting here
+    (`tensor_parallel_size=1`, `gpu_memory_utilization`, `enforce_eager`, `trust_remote_code`, ...) are
+    accepted where they change nothing and refused where they would (`deepinfer/vllm_cli.py`).
 
     KV tiers: `host_cache_memory` (e.g. "2GiB") adds a host-memory tier; `kv_store` (a directory)
     persists KV blocks across runs and processes. Unlike `deepinfer serve`, the offline API keeps
@@ -33,6 +39,9 @@ class LLM:
 
     def __init__(self, model: str | None = None, **kwargs: Any) -> None:
         kwargs.setdefault("kv_store", "none")
+        kwargs, notes = split_vllm_kwargs(kwargs)
+        for note in notes:
+            logger.warning(note)
         config = EngineConfig.from_kwargs(model=model, **kwargs)
         # expert_parallel_size > 1: the ranks are processes behind one client (`ExpertParallelEngine`)
         self.ranks: ExpertParallelEngine | None = None
@@ -64,9 +73,13 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 cache_salt: str | None = None, retention_class: str | None = None) -> list[RequestOutput]:
+                 cache_salt: str | None = None, retention_class: str | None = None, *, use_tqdm: bool = False,
+                 lora_request: object = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Prompts are strings, token-id lists, or `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`.
-        `retention_class` names how long the KV store keeps the blocks (default: `default_retention_class`)."""
+        `retention_class` names how long the KV store keeps the blocks (default: `default_retention_class`).
+        vLLM's keywords: `use_tqdm` shows a progress bar of finished prompts; `lora_request` and a non-zero
+        `priority` are refused (no adapters, first-come-first-served scheduling)."""
+        _refuse_unsupported(lora_request, priority)
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -91,21 +104,22 @@ class LLM:
         ids = [self.engine.add_request(self._prompt_of(p), sp, cache_salt=cache_salt, prompt_token_ids=t,
                                        retention_class=retention_class, validated=True, stream=False)
                for p, t, sp in zip(prompts, tokenized, params_list, strict=True)]
-        return self._run(ids)
+        return self._run(ids, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
-             chat_template: str | None = None, continue_final_message: bool = False) -> list[RequestOutput]:
+             chat_template: str | None = None, continue_final_message: bool = False, *, use_tqdm: bool = False,
+             lora_request: object = None) -> list[RequestOutput]:
         """`chat_template`: Jinja text used instead of the model's (needed for models without one).
         `continue_final_message` (with `add_generation_prompt=False`): the output continues the last
-        message, e.g. an assistant prefill, as in vLLM."""
+        message, e.g. an assistant prefill, as in vLLM. `use_tqdm`, `lora_request`: as in `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
         prompts = [render_chat(tok, conv, add_generation_prompt, tools, chat_template,
                                continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
                    for conv in conversations]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _generate_on_ranks(self, prompts: list[PromptType], params_list: list[SamplingParams],
                            cache_salt: str | None, retention_class: str | None) -> list[RequestOutput]:
@@ -138,20 +152,30 @@ class LLM:
 
         return asyncio.run(run_all())
 
-    def _run(self, ids: list[str]) -> list[RequestOutput]:
+    def _run(self, ids: list[str], use_tqdm: bool = False) -> list[RequestOutput]:
         final: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", unit="prompt")
         try:
             with self.engine.closed_batch():
                 while len(final) < len(ids):
                     for out in self.engine.step():
                         if out.finished:
                             final[out.request_id] = out
+                            if bar is not None:
+                                bar.update(1)
                     if not self.engine.core.has_unfinished() and len(final) < len(ids):
                         raise RuntimeError("engine stopped with unfinished requests")
         except BaseException:
             for rid in ids:
                 self.engine.abort_request(rid)
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [final[rid] for rid in ids]
 
     @staticmethod
@@ -163,3 +187,11 @@ class LLM:
                 return p["prompt"]
             raise ValueError("a prompt dict needs 'prompt' or 'prompt_token_ids'")
         return p
+
+
+def _refuse_unsupported(lora_request: object, priority: Sequence[int] | None) -> None:
+    """vLLM's `generate` keywords that would change the result and that deepinfer does not implement."""
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported")
+    if priority is not None and any(p != 0 for p in priority):
+        raise ValueError("priority: requests are scheduled first come, first served; only 0 is accepted")

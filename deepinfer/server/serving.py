@@ -88,6 +88,7 @@ _UNSUPPORTED = {
     "logits_processors": "logits_processors are not supported",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
     "echo": "echo is not supported on chat completions (continue_final_message continues the last message)",
+    "priority": "requests are scheduled first come, first served; only priority 0 is accepted",
 }
 
 

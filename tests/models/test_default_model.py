@@ -108,3 +108,35 @@ def test_bad_arguments_raise_clear_errors(llm, tmp_path):
     # the engine is still healthy after rejected requests
     assert not llm.engine.core.has_unfinished()
     assert llm.generate(["Hi"], SamplingParams(max_tokens=2))[0].outputs[0].token_ids
+
+
+def test_a_vllm_program_runs_unchanged(llm, capsys, caplog):
+    """vLLM's engine arguments and generate / chat keywords: accepted where they change nothing here, refused
+    (before any model loads) where they would."""
+    msgs = [{"role": "user", "content": "What is the capital of France?"},
+            {"role": "assistant", "content": "The capital of France is"}]
+    greedy = SamplingParams(temperature=0, max_tokens=8)
+    out = llm.chat(msgs, greedy, add_generation_prompt=False, continue_final_message=True, use_tqdm=True,
+                   lora_request=None)[0]
+    assert "Processed prompts" in capsys.readouterr().err  # the bar ran to its end
+    tok = llm.get_tokenizer()
+    ids = tok.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True, tokenize=True)
+    ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    assert out.prompt_token_ids == ids and out.outputs[0].token_ids == llm.generate([ids], greedy)[0].outputs[0].token_ids
+    assert llm.generate(["Hi"], SamplingParams(max_tokens=2), priority=[0])[0].outputs[0].token_ids
+    with pytest.raises(ValueError, match="LoRA"):
+        llm.generate(["Hi"], greedy, lora_request=object())
+    with pytest.raises(ValueError, match="first come"):
+        llm.generate(["Hi"], greedy, priority=[1])
+    for kwargs, match in (({"tensor_parallel_size": 2}, "tensor_parallel_size"),
+                          ({"kv_cache_dtype": "fp8"}, "kv_cache_dtype"),
+                          ({"enable_chunked_prefill": False}, "chunked"),
+                          ({"gpu_memory_utilization": 2.0}, "gpu_memory_utilization")):
+        with pytest.raises(ValueError, match=match):
+            LLM(None, **kwargs)
+    with caplog.at_level("WARNING"):
+        other = LLM(None, dtype="float32", kv_cache_memory="32MiB", tensor_parallel_size=1, trust_remote_code=True,
+                    enforce_eager=True, gpu_memory_utilization=0.9, enable_chunked_prefill=True)
+    assert "gpu_memory_utilization is not used" in caplog.text
+    assert other.generate([ids], greedy)[0].outputs[0].token_ids == out.outputs[0].token_ids
+    other.close()

@@ -140,7 +140,7 @@ def test_completions_best_of_keeps_the_best_per_token(client):
 
 @pytest.mark.parametrize("field, value", [("use_beam_search", True), ("chat_template", "{{ messages }}"),
                                           ("logits_processors", ["x"]), ("return_tokens_as_token_ids", True),
-                                          ("echo", True)])
+                                          ("echo", True), ("priority", 1)])
 def test_vllm_fields_not_implemented_are_400s_not_ignored(client, field, value):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
@@ -148,7 +148,7 @@ def test_vllm_fields_not_implemented_are_400s_not_ignored(client, field, value):
     assert e.value.body["param"] == field
     # unset (null / false) they are accepted, as clients that send every field by default do
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
-                                       extra_body={field: False if value is True else None})
+                                       extra_body={field: 0 if field == "priority" else False if value is True else None})
     assert r.choices[0].message.content is not None
 
 
