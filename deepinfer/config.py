@@ -18,11 +18,13 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import math
 import os
 import re
 import types
 import typing
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -97,6 +99,27 @@ def parse_retention(spec: str, default_class: str = "chat") -> RetentionPolicy:
             raise ValueError(f"bad retention entry {part!r} in {spec!r}; expected class=duration")
         ttls[name.strip()] = parse_duration(dur)
     return RetentionPolicy(ttls, default_class)
+
+
+def parse_str_list(spec: str | Sequence[str] | None) -> tuple[str, ...]:
+    """A list of strings from its text form: a JSON list (as vLLM takes `--allowed-origins`), comma-separated
+    words, or none (empty). Parsed values come back as a tuple."""
+    if spec is None:
+        return ()
+    if not isinstance(spec, str):
+        return tuple(spec)
+    text = spec.strip()
+    if text.startswith("["):
+        try:
+            values = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"not a JSON list of strings: {spec!r} ({e})") from e
+        if not isinstance(values, list) or not all(isinstance(v, str) for v in values):
+            raise ValueError(f"not a JSON list of strings: {spec!r}")
+        return tuple(values)
+    if text.lower() in ("", "none"):
+        return ()
+    return tuple(v.strip() for v in text.split(",") if v.strip())
 
 
 def _parse_fields(cfg: Any) -> None:
@@ -631,9 +654,20 @@ class ServerConfig:
     responses_store_size: int = _f(1000, "Responses kept for previous_response_id and GET /v1/responses/{id} "
                                          "(the oldest are dropped first).")
     responses_store_ttl: float = _f(3600.0, "Seconds a stored response is kept.")
+    allowed_origins: tuple[str, ...] = _f(
+        "*", "CORS: the origins whose browser pages may call the API: a JSON list, as vLLM takes it "
+        "('[\"https://app.example\"]'), or comma-separated; * (vLLM's default) = any; none = no CORS answers, so "
+        "browsers refuse cross-origin calls.", parse=parse_str_list)
+    allowed_methods: tuple[str, ...] = _f("*", "CORS: the methods allowed (as --allowed-origins).",
+                                          parse=parse_str_list)
+    allowed_headers: tuple[str, ...] = _f("*", "CORS: the request headers allowed (as --allowed-origins).",
+                                          parse=parse_str_list)
+    allow_credentials: bool = _f(False, "CORS: let browsers send cookies and HTTP auth along with cross-origin "
+                                 "calls.")
     limits: LimitsConfig = field(default_factory=LimitsConfig)  # its own flag group (--max-n, ...)
 
     def __post_init__(self) -> None:
+        _parse_fields(self)
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}")
         keys = self.api_key
@@ -654,6 +688,13 @@ class ServerConfig:
             read_chat_template(self.chat_template)  # a missing file fails here, before any model loads
         if self.responses_store_size < 0 or self.responses_store_ttl <= 0:
             raise ValueError("responses_store_size must be >= 0 and responses_store_ttl > 0")
+
+    def cors_options(self) -> dict[str, Any] | None:
+        """Starlette's CORSMiddleware keyword arguments, or None when no origin is allowed."""
+        if not self.allowed_origins:
+            return None
+        return {"allow_origins": list(self.allowed_origins), "allow_methods": list(self.allowed_methods),
+                "allow_headers": list(self.allowed_headers), "allow_credentials": self.allow_credentials}
 
     def resolved_cluster_token(self) -> str | None:
         """--cluster-token, else $DEEPINFER_CLUSTER_TOKEN, else None (no token: the cluster is open)."""

@@ -127,3 +127,21 @@ def test_vllm_serve_command_lines(capsys):
                        (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization")):
         assert main(["serve", *argv]) == 2, argv  # refused before anything loads
         assert flag in capsys.readouterr().err, argv
+
+
+def test_cors_origins_take_vllm_json_or_words():
+    from deepinfer.config import parse_str_list
+
+    assert parse_str_list('["https://a.example", "http://b:3000"]') == ("https://a.example", "http://b:3000")
+    assert parse_str_list("https://a.example, http://b") == ("https://a.example", "http://b")
+    assert parse_str_list("none") == () and parse_str_list(("x",)) == ("x",)
+    with pytest.raises(ValueError, match="JSON list"):
+        parse_str_list('["a", 1]')
+    assert ServerConfig().cors_options() == {"allow_origins": ["*"], "allow_methods": ["*"], "allow_headers": ["*"],
+                                             "allow_credentials": False}  # vLLM's defaults
+    assert ServerConfig(allowed_origins="none").cors_options() is None
+    args = build_parser().parse_args(["serve", "--allowed-origins", '["http://a.test"]', "--allow-credentials"])
+    from deepinfer.cli import _server_config
+
+    server = _server_config(args)
+    assert server.allowed_origins == ("http://a.test",) and server.cors_options()["allow_credentials"] is True

@@ -75,12 +75,15 @@ class ClusterCollector:
 
 
 def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str | Sequence[str] | None = None,
-                     cluster_token: str | None = None, limits: LimitsConfig | None = None) -> FastAPI:
-    """`cluster_token`: what /internal/* requires (None: open, for clusters configured without one)."""
+                     cluster_token: str | None = None, limits: LimitsConfig | None = None,
+                     cors: dict | None = None) -> FastAPI:
+    """`cluster_token`: what /internal/* requires (None: open, for clusters configured without one); `cors`:
+    as `build_app` takes it."""
     from deepinfer.server.app import build_app
 
     # the server's limits and admission, with the cluster's running capacity
-    app = build_app(client, model_name, api_key, limits=limits)  # type: ignore[arg-type]  # the EngineClient surface
+    app = build_app(client, model_name, api_key, limits=limits,  # type: ignore[arg-type]  # the EngineClient surface
+                    cors=cors)
     pool = client.pool
     app.state.ctx.metrics.registry.register(ClusterCollector(pool))
     internal = APIRouter(prefix="/internal", dependencies=[Depends(require_token(cluster_token))])
@@ -158,7 +161,8 @@ async def run_router(client: ClusterEngineClient, model_name: str, server: Serve
     from deepinfer.recipe.tokenizer import use_chat_template
 
     use_chat_template(client.tokenizer, server.chat_template)  # the router renders chat prompts
-    app = build_router_app(client, model_name, server.api_key, server.resolved_cluster_token(), server.limits)
+    app = build_router_app(client, model_name, server.api_key, server.resolved_cluster_token(), server.limits,
+                           server.cors_options())
     client.pool.start()
     if ready_timeout:
         await client.pool.wait_ready(ready_timeout)

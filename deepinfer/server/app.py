@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -75,17 +76,21 @@ def recipe_options(tokenizer, architectures: list[str] | None, tool_parser: str 
 
 def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str] | None = None, *,
               recipe: RecipeOptions | None = None, responses: ResponseStore | None = None,
-              api_token: str | None = None, limits: LimitsConfig | None = None) -> FastAPI:
+              api_token: str | None = None, limits: LimitsConfig | None = None,
+              cors: dict | None = None) -> FastAPI:
     """`api_key`: one key or several (`KEY` or `KEY=GROUP` each, see `server/tenants.py`); each key is a
     tenant whose requests get a prefix cache namespace of their own. None: no auth, one namespace.
     `api_token`: a cluster worker's cluster token, which its API routes then require as well (in
-    `CLUSTER_TOKEN_HEADER`): clients must go through the router, which checks their API keys."""
+    `CLUSTER_TOKEN_HEADER`): clients must go through the router, which checks their API keys.
+    `cors`: CORSMiddleware's keyword arguments (`ServerConfig.cors_options`); None: no CORS answers."""
     app = FastAPI(title="deepinfer", version=__version__)
     metrics = ServerMetrics(engine.stats, model_name)
     # request limits and admission run before routing and pydantic (server/limits.py)
     limits = limits or LimitsConfig()
     admission = Admission(limits, lambda: engine.running_capacity, getattr(engine, "max_queue", None))
     app.add_middleware(RequestLimits, limits=limits, admission=admission, max_model_len=lambda: engine.max_model_len)
+    if cors is not None:  # added last, so outermost: a preflight is answered before limits and auth see it
+        app.add_middleware(CORSMiddleware, **cors)
     metrics.registry.register(AdmissionCollector(admission))
     app.state.admission = admission
     if recipe is None:
@@ -268,7 +273,7 @@ def serve(engine_config, server_config, customize=None, api_token: str | None = 
           flush=True)
     app = build_app(engine, name, server_config.api_key, recipe=recipe,
                     responses=ResponseStore(server_config.responses_store_size, server_config.responses_store_ttl),
-                    api_token=api_token, limits=server_config.limits)
+                    api_token=api_token, limits=server_config.limits, cors=server_config.cors_options())
     if customize is not None:
         customize(app, engine)
     url = f"http://{server_config.host}:{server_config.port}"

@@ -84,6 +84,20 @@ def test_continue_final_message_prefills_the_reply(client, server, default_model
     assert e.value.body["param"] == "continue_final_message"
 
 
+def test_cors_answers_browsers_from_any_origin(server):
+    # vLLM's defaults: any origin, method and header; a preflight needs no API key, the call itself does
+    preflight = httpx.options(f"{server}/v1/chat/completions", timeout=10, headers={
+        "Origin": "http://ui.example", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+    assert preflight.status_code == 200 and preflight.headers["access-control-allow-origin"] == "*"
+    assert "authorization" in preflight.headers["access-control-allow-headers"].lower()
+    r = httpx.get(f"{server}/v1/models", headers={"Origin": "http://ui.example"}, timeout=10)
+    assert r.status_code == 401 and r.headers["access-control-allow-origin"] == "*"  # an error a page can read
+    r = httpx.get(f"{server}/v1/models", headers={"Origin": "http://ui.example", "Authorization": f"Bearer {KEY}"},
+                  timeout=10)
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+
+
 def test_n_two(client):
     r = client.chat.completions.create(model=MODEL, messages=Q, max_tokens=12, temperature=1.0, n=2, seed=3)
     assert sorted(c.index for c in r.choices) == [0, 1]

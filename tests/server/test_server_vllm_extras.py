@@ -26,8 +26,19 @@ def server(tmp_path_factory):
     with running_server(str(default_model_path()), *SHARED_SERVER_FLAGS, "--served-model-name", MODEL,
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-remote-code",
                         "--enforce-eager", "--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.9",
-                        "--disable-log-requests", log=log) as base:
+                        "--disable-log-requests", "--allowed-origins", '["http://ui.test"]', log=log) as base:
         yield base
+
+
+def test_cors_only_for_the_allowed_origins(server):
+    def preflight(origin: str) -> httpx.Response:
+        return httpx.options(f"{server}/v1/chat/completions", timeout=10, headers={
+            "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+
+    ok = preflight("http://ui.test")
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://ui.test"
+    refused = preflight("http://other.test")
+    assert refused.status_code == 400 and "access-control-allow-origin" not in refused.headers
 
 
 @pytest.fixture(scope="module")
