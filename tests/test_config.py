@@ -13,6 +13,7 @@ from deepinfer.config import (
     EngineConfig,
     KVStoreConfig,
     LimitsConfig,
+    ModelConfig,
     ServerConfig,
     engine_config_from_args,
     parse_duration,
@@ -119,6 +120,11 @@ def test_vllm_serve_command_lines(capsys):
     assert args.model == "/models/x.gguf" and args.tool_parser == "llama3_json" and args.port == 8001
     assert len(notes) == 1 and "kv_cache_memory" in notes[0]
     assert engine_config_from_args(args).model.model == "/models/x.gguf"
+    names = parser.parse_args(["serve", "m.gguf", "--served-model-name", "a", "b"])
+    engine = engine_config_from_args(names)
+    assert engine.model.served_model_name == ("a", "b")
+    assert engine_config_from_args(parser.parse_args(["serve", *engine_flags(engine)])) == engine  # to workers
+    assert ModelConfig(served_model_name="one").served_model_name == ("one",)  # the old str form
     for argv, flag in ((["-tp", "2"], "tensor_parallel_size"), (["--pipeline-parallel-size", "2"], "pipeline"),
                        (["--kv-cache-dtype", "fp8"], "kv_cache_dtype"),
                        (["--no-enable-chunked-prefill"], "enable_chunked_prefill"),

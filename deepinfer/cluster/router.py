@@ -74,7 +74,7 @@ class ClusterCollector:
         yield from (up, queued, running, kv_tokens, kv_usage, pool_queued, pool_running, pool_usage, pool_live)
 
 
-def build_router_app(client: ClusterEngineClient, model_name: str, api_key: str | Sequence[str] | None = None,
+def build_router_app(client: ClusterEngineClient, model_name: str | Sequence[str], api_key: str | Sequence[str] | None = None,
                      cluster_token: str | None = None, limits: LimitsConfig | None = None,
                      cors: dict | None = None) -> FastAPI:
     """`cluster_token`: what /internal/* requires (None: open, for clusters configured without one); `cors`:
@@ -147,13 +147,14 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
                                eos_token_ids(tokenizer, hf_config, files.directory), token)
 
 
-def model_name_of(model: ModelConfig) -> str:
+def model_name_of(model: ModelConfig) -> tuple[str, ...]:
+    """The names the API answers to (the first is the one responses report)."""
     from deepinfer.weights import resolve_model
 
-    return model.served_model_name or resolve_model(model.model).name
+    return model.served_model_name or (resolve_model(model.model).name,)
 
 
-async def run_router(client: ClusterEngineClient, model_name: str, server: ServerConfig,
+async def run_router(client: ClusterEngineClient, model_name: str | Sequence[str], server: ServerConfig,
                      ready_timeout: float = 0.0) -> None:
     """Serve the router until cancelled (the poll loop runs alongside)."""
     import uvicorn
@@ -184,6 +185,6 @@ def serve_router(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
                        "set --cluster-token or $DEEPINFER_CLUSTER_TOKEN on the router and every worker")
     client = build_client(model, kvstore, router, token)
     name = model_name_of(model)
-    print(f"deepinfer: router for {name} at http://{server.host}:{server.port}/v1 ({router.routing_policy} "
+    print(f"deepinfer: router for {', '.join(name)} at http://{server.host}:{server.port}/v1 ({router.routing_policy} "
           f"policy; {len(router.prefill)} prefill and {len(router.decode)} decode workers listed)", flush=True)
     asyncio.run(run_router(client, name, server))

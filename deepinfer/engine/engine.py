@@ -116,7 +116,8 @@ class LLMEngine:
         """Model and cache facts for start-up banners and cluster registration (plain values only)."""
         core = self.core
         tiers = core.tiers
-        return {"model_name": core.config.model.served_model_name or core.files.name,
+        names = core.config.model.served_model_name
+        return {"model_name": names[0] if names else core.files.name,
                 "dtype": str(core.runner.dtype), "device": str(core.runner.device),
                 "hardware": hardware_name(core.runner.device),
                 "num_blocks": core.runner.num_blocks, "block_size": core.config.cache.block_size,

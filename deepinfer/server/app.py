@@ -74,7 +74,7 @@ def recipe_options(tokenizer, architectures: list[str] | None, tool_parser: str 
     return RecipeOptions(tool_parser=tools, reasoning_parser=resolve_reasoning_parser(reasoning_parser, template))
 
 
-def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str] | None = None, *,
+def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: str | Sequence[str] | None = None, *,
               recipe: RecipeOptions | None = None, responses: ResponseStore | None = None,
               api_token: str | None = None, limits: LimitsConfig | None = None,
               cors: dict | None = None) -> FastAPI:
@@ -82,7 +82,10 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str
     tenant whose requests get a prefix cache namespace of their own. None: no auth, one namespace.
     `api_token`: a cluster worker's cluster token, which its API routes then require as well (in
     `CLUSTER_TOKEN_HEADER`): clients must go through the router, which checks their API keys.
-    `cors`: CORSMiddleware's keyword arguments (`ServerConfig.cors_options`); None: no CORS answers."""
+    `cors`: CORSMiddleware's keyword arguments (`ServerConfig.cors_options`); None: no CORS answers.
+    `model_name`: the name requests may give, or several (`--served-model-name a b`): responses report the first."""
+    names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+    model_name = names[0]
     app = FastAPI(title="deepinfer", version=__version__)
     metrics = ServerMetrics(engine.stats, model_name)
     # request limits and admission run before routing and pydantic (server/limits.py)
@@ -152,7 +155,7 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str
         return _error(503, str(e), type="server_error", code="engine_dead", request=request)
 
     def check_model(name: str | None) -> None:
-        if name is not None and name != model_name:
+        if name is not None and name not in names:
             raise APIError(404, f"The model `{name}` does not exist.", type="invalid_request_error",
                            param="model", code="model_not_found")
 
@@ -177,14 +180,14 @@ def build_app(engine: EngineClient, model_name: str, api_key: str | Sequence[str
     @api.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{
-            "id": model_name, "object": "model", "created": created, "owned_by": "deepinfer",
+            "id": name, "object": "model", "created": created, "owned_by": "deepinfer",
             "root": model_name, "parent": None, "max_model_len": engine.max_model_len,
-        }]}
+        } for name in names]}
 
     @api.get("/v1/models/{name:path}")
     async def model_info(name: str):
         check_model(name)
-        return {"id": model_name, "object": "model", "created": created, "owned_by": "deepinfer",
+        return {"id": name, "object": "model", "created": created, "owned_by": "deepinfer",
                 "max_model_len": engine.max_model_len}
 
     @api.post("/v1/chat/completions")
@@ -257,7 +260,8 @@ def serve(engine_config, server_config, customize=None, api_token: str | None = 
     print("deepinfer: loading model and allocating the KV cache ...", flush=True)
     engine = start_engine(engine_config, server_config.engine_process)
     info = engine.facts
-    name = engine_config.model.served_model_name or info["model_name"]
+    names = engine_config.model.served_model_name or (info["model_name"],)
+    name = names[0]
     print(f"deepinfer: model {name} ({info['dtype']}, {info['device']}); KV cache {info['num_blocks']} "
           f"blocks x {info['block_size']} tokens; max_model_len {engine.max_model_len}; engine "
           f"{'in its own process' if server_config.engine_process else 'on a server thread'}", flush=True)
@@ -271,7 +275,7 @@ def serve(engine_config, server_config, customize=None, api_token: str | None = 
                             server_config.reasoning_parser)
     print(f"deepinfer: tool parser {recipe.tool_parser}; reasoning parser {recipe.reasoning_parser or 'none'}",
           flush=True)
-    app = build_app(engine, name, server_config.api_key, recipe=recipe,
+    app = build_app(engine, names, server_config.api_key, recipe=recipe,
                     responses=ResponseStore(server_config.responses_store_size, server_config.responses_store_ttl),
                     api_token=api_token, limits=server_config.limits, cors=server_config.cors_options())
     if customize is not None:

@@ -14,6 +14,7 @@ import pytest
 from tests.server_utils import KEY, SHARED_SERVER_FLAGS, running_server
 
 MODEL = "SmolLM2-135M-Instruct"
+ALIAS = "smollm2"  # a second --served-model-name
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +24,20 @@ def server(tmp_path_factory):
     from deepinfer.weights.loader import default_model_path
 
     log = tmp_path_factory.mktemp("srv") / "server.log"
-    with running_server(str(default_model_path()), *SHARED_SERVER_FLAGS, "--served-model-name", MODEL,
+    with running_server(str(default_model_path()), *SHARED_SERVER_FLAGS, "--served-model-name", MODEL, ALIAS,
                         "--enable-auto-tool-choice", "--tool-call-parser", "hermes", "--trust-remote-code",
                         "--enforce-eager", "--tensor-parallel-size", "1", "--gpu-memory-utilization", "0.9",
                         "--disable-log-requests", "--allowed-origins", '["http://ui.test"]', log=log) as base:
         yield base
+
+
+def test_every_served_model_name_answers(client):
+    assert [m.id for m in client.models.list().data] == [MODEL, ALIAS]
+    assert client.models.retrieve(ALIAS).id == ALIAS
+    r = client.chat.completions.create(model=ALIAS, messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert r.model == MODEL  # responses report the first name, as vLLM's do
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
 
 
 def test_cors_only_for_the_allowed_origins(server):
