@@ -143,6 +143,11 @@ class ModelConfig:
     served_model_name: tuple[str, ...] = _f(
         (), "Model names the API answers to (one or more after the flag, as vLLM takes them); responses report the "
         "first. Default: derived from --model.", nargs="+")
+    generation_config: str = _f(
+        "auto", "Sampling defaults for requests that leave a parameter unset: auto = the model's "
+        "generation_config.json (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens as "
+        "max_tokens), as vLLM and SGLang take it; vllm = none (OpenAI's defaults); or a directory holding a "
+        "generation_config.json.")
     dtype: str = _f(
         "auto",
         "Weight and activation dtype: auto | float32 | bfloat16 | float16. `auto` picks bfloat16 on CUDA and on "

@@ -77,8 +77,10 @@ class _Retry(Exception):
 class ClusterEngineClient:
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, tokenizer, vocab_size: int,
                  retention: RetentionPolicy, config: RouterConfig, default_max_model_len: int,
-                 store_path: Path | None = None, eos_token_ids: Any = frozenset(), token: str | None = None) -> None:
+                 store_path: Path | None = None, eos_token_ids: Any = frozenset(), token: str | None = None,
+                 sampling_defaults: dict | None = None) -> None:
         self.pool = pool
+        self._sampling_defaults = dict(sampling_defaults or {})
         self.policy = policy
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -118,6 +120,10 @@ class ClusterEngineClient:
 
     def num_waiting(self) -> int:
         return sum(len(w.inflight_prefill) for w in self.pool.workers.values())
+
+    @property
+    def sampling_defaults(self) -> dict:
+        return dict(self._sampling_defaults)
 
     @property
     def running_capacity(self) -> int:

@@ -127,7 +127,7 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
     the cluster token its worker calls carry."""
     from transformers import AutoConfig
 
-    from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer
+    from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
     from deepinfer.weights import resolve_model
 
     files = resolve_model(model.model)
@@ -144,7 +144,8 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
     default_len = model.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 4096
     store: Path | None = kvstore.store_path()
     return ClusterEngineClient(pool, policy, tokenizer, hf_config.vocab_size, retention, router, default_len, store,
-                               eos_token_ids(tokenizer, hf_config, files.directory), token)
+                               eos_token_ids(tokenizer, hf_config, files.directory), token,
+                               sampling_defaults(model.generation_config, files.directory))
 
 
 def model_name_of(model: ModelConfig) -> tuple[str, ...]:

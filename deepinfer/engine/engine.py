@@ -47,7 +47,7 @@ from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import tier_stats
 from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
-from deepinfer.recipe.tokenizer import bad_word_sequences, eos_token_ids, load_tokenizer
+from deepinfer.recipe.tokenizer import bad_word_sequences, eos_token_ids, load_tokenizer, sampling_defaults
 
 logger = logging.getLogger(__name__)
 
@@ -78,6 +78,7 @@ class LLMEngine:
         self.core = EngineCore(config, policy, self.expert_parallel)
         self.tokenizer = load_tokenizer(self.core.files) if self.core.files.has_tokenizer() else None
         self.eos_token_ids = eos_token_ids(self.tokenizer, self.core.hf_config, self.core.files.directory)
+        self.sampling_defaults = sampling_defaults(self.core.config.model.generation_config, self.core.files.directory)
         self.vocab_size = self.core.hf_config.vocab_size
         self.validator = RequestValidator(self.vocab_size, self.core.max_model_len, self.tokenizer is not None,
                                           self.core.check_retention)
@@ -117,7 +118,7 @@ class LLMEngine:
         core = self.core
         tiers = core.tiers
         names = core.config.model.served_model_name
-        return {"model_name": names[0] if names else core.files.name,
+        return {"model_name": names[0] if names else core.files.name, "sampling_defaults": self.sampling_defaults,
                 "dtype": str(core.runner.dtype), "device": str(core.runner.device),
                 "hardware": hardware_name(core.runner.device),
                 "num_blocks": core.runner.num_blocks, "block_size": core.config.cache.block_size,

@@ -119,6 +119,11 @@ class EngineClient(ABC):
         return int(self.stats().get("num_waiting", 0)) + self._num_pending_adds
 
     @property
+    def sampling_defaults(self) -> dict:
+        """The model's sampling defaults for parameters a request leaves unset (`--generation-config`)."""
+        return dict(self.facts.get("sampling_defaults", {}))
+
+    @property
     def running_capacity(self) -> int:
         """Sequences the engine runs at once (max_num_seqs); the server's admission bound builds on it."""
         return int(self.facts.get("max_num_seqs", 1))

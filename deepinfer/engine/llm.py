@@ -67,6 +67,12 @@ class LLM:
     def get_tokenizer(self):
         return (self.ranks or self.engine).tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: the model's generation_config.json
+        defaults (`generation_config`, as vLLM's method of this name returns them), else SamplingParams'."""
+        defaults = (self.ranks or self.engine).sampling_defaults
+        return SamplingParams(**defaults)
+
     def stats(self) -> dict:
         """The engine's (or the merged ranks') stats snapshot, as /metrics reads it."""
         return (self.ranks or self.engine).stats()
@@ -83,7 +89,7 @@ class LLM:
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
-        params = sampling_params or SamplingParams()
+        params = sampling_params or self.get_default_sampling_params()
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")

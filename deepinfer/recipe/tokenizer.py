@@ -48,6 +48,27 @@ def bad_word_sequences(tokenizer, words: list[str]) -> list[list[int]]:
     return out
 
 
+# generation_config.json keys -> SamplingParams fields: what vLLM and SGLang take from a model's generation config
+_GENERATION_DEFAULTS = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                        "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(spec: str, model_dir: Path) -> dict[str, float | int]:
+    """The sampling parameters a model's creator recommends, for requests that leave them unset (`--generation-config`):
+    `auto` reads the model directory's generation_config.json, `vllm` none (OpenAI's defaults), anything else is a
+    directory holding a generation_config.json."""
+    if spec == "vllm":
+        return {}
+    path = (model_dir if spec == "auto" else Path(spec).expanduser()) / "generation_config.json"
+    if not path.is_file():
+        if spec != "auto":
+            raise FileNotFoundError(f"--generation-config {spec}: no generation_config.json there")
+        return {}
+    config = json.loads(path.read_text())
+    return {field: config[key] for key, field in _GENERATION_DEFAULTS.items()
+            if isinstance(config.get(key), int | float) and not isinstance(config.get(key), bool)}
+
+
 class NoChatTemplate(ValueError):
     """A chat request for a model without a chat template (base models, e.g. a Gemma 3 GGUF)."""
 

@@ -146,8 +146,8 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
     engine.check_admission()
     plan = chat_plan(req)
     prompt_ids = truncated_prompt(render_chat_prompt(ctx, req, plan), req, engine.max_model_len)
-    max_tokens = check_context(len(prompt_ids), req.max_completion_tokens or req.max_tokens,
-                               engine.max_model_len, "messages")
+    max_tokens = check_context(len(prompt_ids), req.max_completion_tokens or req.max_tokens
+                               or engine.sampling_defaults.get("max_tokens"), engine.max_model_len, "messages")
     top_n = req.top_logprobs or 0
     params = constrain(sampling_params(req, max_tokens, top_n if req.logprobs else None, engine), plan)
     grammar = grammar_param(plan, grammar_field(req))

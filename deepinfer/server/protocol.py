@@ -68,7 +68,7 @@ class SamplingFields(Lenient):
     min_tokens: int = 0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None  # None: the model's default (--generation-config), else 1
     ignore_eos: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None

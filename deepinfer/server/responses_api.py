@@ -44,6 +44,7 @@ from deepinfer.server.serving import (
     final_output_or_disconnect,
     first_or_error,
     make_sampling_params,
+    or_default,
     resolve_retention_class,
     sse_event,
     stream_with_metrics,
@@ -88,11 +89,17 @@ class _Job:
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + self.conversation
         self.plan: ToolPlan = openai_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
         self.prompt_ids = render(ctx, messages, self.plan, "input")
-        max_tokens = check_context(len(self.prompt_ids), req.max_output_tokens, ctx.engine.max_model_len, "input")
+        engine = ctx.engine
+        max_tokens = check_context(len(self.prompt_ids), req.max_output_tokens or engine.sampling_defaults.get(
+            "max_tokens"), engine.max_model_len, "input")
         self.logprobs = LOGPROBS_ITEM in (req.include or [])
         self.top_logprobs = req.top_logprobs or 0
-        params = make_sampling_params(temperature=1.0 if req.temperature is None else req.temperature,
-                                      top_p=1.0 if req.top_p is None else req.top_p, max_tokens=max_tokens,
+        params = make_sampling_params(temperature=or_default(req.temperature, "temperature", engine, 1.0),
+                                      top_p=or_default(req.top_p, "top_p", engine, 1.0),
+                                      top_k=or_default(None, "top_k", engine, 0),
+                                      min_p=or_default(None, "min_p", engine, 0.0),
+                                      repetition_penalty=or_default(None, "repetition_penalty", engine, 1.0),
+                                      max_tokens=max_tokens,
                                       seed=req.seed, logprobs=self.top_logprobs if self.logprobs else None)
         fmt = text_format(req.text)
         if fmt is not None:

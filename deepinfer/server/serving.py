@@ -50,17 +50,24 @@ def make_sampling_params(**kwargs: Any) -> SamplingParams:
         raise APIError(400, str(e).removeprefix("invalid sampling parameter: ")) from e
 
 
+def or_default(value: Any, name: str, engine: EngineClient, fallback: Any) -> Any:
+    """A request's sampling parameter; unset (None), the model's default (`--generation-config`), else `fallback`
+    (OpenAI's)."""
+    return value if value is not None else engine.sampling_defaults.get(name, fallback)
+
+
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
                     engine: EngineClient) -> SamplingParams:
     """The Chat / Completions fields as SamplingParams (structured output and logit_bias included)."""
     from deepinfer.server.structured_fields import engine_fields
 
     return make_sampling_params(
-        n=req.n, temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-        min_p=req.min_p or 0.0, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
-        max_tokens=max_tokens, min_tokens=req.min_tokens, presence_penalty=req.presence_penalty,
-        frequency_penalty=req.frequency_penalty, repetition_penalty=req.repetition_penalty,
+        n=req.n, temperature=or_default(req.temperature, "temperature", engine, 1.0),
+        top_p=or_default(req.top_p, "top_p", engine, 1.0), top_k=or_default(req.top_k, "top_k", engine, 0),
+        min_p=or_default(req.min_p, "min_p", engine, 0.0), seed=req.seed, stop=req.stop,
+        stop_token_ids=req.stop_token_ids, max_tokens=max_tokens, min_tokens=req.min_tokens,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        repetition_penalty=or_default(req.repetition_penalty, "repetition_penalty", engine, 1.0),
         ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs, **engine_fields(req, engine),
