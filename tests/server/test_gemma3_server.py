@@ -97,6 +97,7 @@ def test_tiny_model_with_chat_template_file_serves_chat(tiny_base, template_file
         assert text.endswith("<start_of_turn>model\n")
 
 
+@pytest.mark.slow  # a server of its own for one field
 def test_documents_reach_the_chat_template(tiny_base, tmp_path):
     # vLLM's `documents` (RAG templates render them); the template here writes each before the messages
     template = tmp_path / "rag.jinja"
