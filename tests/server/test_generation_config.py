@@ -51,6 +51,7 @@ def test_reading_a_generation_config(tmp_path):
         sampling_defaults(str(tmp_path / "nope"), tmp_path)
 
 
+@pytest.mark.slow  # a server of its own; test_offline_defaults checks the same defaults in the default suite
 def test_unset_parameters_take_the_models_defaults(server):
     client = openai.OpenAI(base_url=f"{server}/v1", api_key="x", max_retries=0, timeout=60)
     greedy = client.chat.completions.create(model=MODEL, messages=MSGS, max_tokens=5, temperature=0,
