@@ -74,7 +74,8 @@ class ClusterCollector:
         yield from (up, queued, running, kv_tokens, kv_usage, pool_queued, pool_running, pool_usage, pool_live)
 
 
-def build_router_app(client: ClusterEngineClient, model_name: str | Sequence[str], api_key: str | Sequence[str] | None = None,
+def build_router_app(client: ClusterEngineClient, model_name: str | Sequence[str],
+                     api_key: str | Sequence[str] | None = None,
                      cluster_token: str | None = None, limits: LimitsConfig | None = None,
                      cors: dict | None = None) -> FastAPI:
     """`cluster_token`: what /internal/* requires (None: open, for clusters configured without one); `cors`:

@@ -46,8 +46,8 @@ from deepinfer.server.serving import (
     final_output_or_disconnect,
     first_or_error,
     make_sampling_params,
-    or_default,
     resolve_retention_class,
+    sampling_knobs,
     sse_event,
     stream_with_metrics,
     tenant_of,
@@ -118,11 +118,8 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     if req.max_tokens < 1:
         raise APIError(400, "max_tokens: must be at least 1", param="max_tokens")
     max_tokens = check_context(len(prompt_ids), req.max_tokens, engine.max_model_len, "messages")
-    params = make_sampling_params(temperature=or_default(req.temperature, "temperature", engine, 1.0),
-                                  top_p=or_default(req.top_p, "top_p", engine, 1.0),
-                                  top_k=or_default(req.top_k, "top_k", engine, 0),
-                                  min_p=or_default(None, "min_p", engine, 0.0),
-                                  repetition_penalty=or_default(None, "repetition_penalty", engine, 1.0),
+    params = make_sampling_params(**sampling_knobs(engine, temperature=req.temperature, top_p=req.top_p,
+                                                   top_k=req.top_k),
                                   stop=req.stop_sequences, max_tokens=max_tokens, seed=req.seed)
     fmt = output_format(req)
     if fmt is not None:

@@ -111,11 +111,14 @@ async def completion(ctx: ServingContext, req: CompletionRequest, raw: Request):
         cached += final.num_cached_tokens
         replayed += final.num_replayed_tokens
         echo = (text if text is not None else engine.tokenizer.decode(ids)) if req.echo else ""
-        completion_tokens += sum(len(c.token_ids) for c in final.outputs) if best_of > req.n else 0
-        for c in (_best(final.outputs, req.n) if best_of > req.n else final.outputs):
+        ranked = best_of > req.n
+        if ranked:  # every candidate was generated, kept or not, so each one's tokens are billed
+            completion_tokens += sum(len(c.token_ids) for c in final.outputs)
+        for c in (_best(final.outputs, req.n) if ranked else final.outputs):
             if score_only:
                 c = _scored(c)
-            completion_tokens += len(c.token_ids) if best_of <= req.n else 0
+            if not ranked:
+                completion_tokens += len(c.token_ids)
             lp = None
             if req.logprobs is not None:
                 lp = completion_logprobs(engine.tokenizer, c, 0, len(c.token_ids), req.logprobs, len(echo))

@@ -87,8 +87,8 @@ class SamplingFields(Lenient):
     guided_grammar: str | None = None
     guided_choice: list[str] | None = None
     structured_outputs: dict[str, Any] | None = None
-    # vLLM's extras: only these tokens may be generated; words never generated; the prompt's logprobs (`prompt_logprobs` in the
-    # response); keep only the prompt's last N tokens
+    # vLLM's extras: only these tokens may be generated; words never generated; the prompt's logprobs
+    # (`prompt_logprobs` in the response); keep only the prompt's last N tokens
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
     prompt_logprobs: int | None = None

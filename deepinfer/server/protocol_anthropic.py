@@ -2,7 +2,8 @@
 -> KV retention class, and Anthropic's error shape {"type": "error", "error": {"type", "message"}}.
 
 Content blocks understood: text; tool_use (assistant) and tool_result (user); thinking blocks of
-earlier turns are dropped. A final assistant message is a prefill: the reply continues it. Images and documents are a 400 (this server runs text models).
+earlier turns are dropped. A final assistant message is a prefill: the reply continues it. Images and
+documents are a 400 (this server runs text models).
 """
 
 from __future__ import annotations

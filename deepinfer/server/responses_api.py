@@ -44,8 +44,8 @@ from deepinfer.server.serving import (
     final_output_or_disconnect,
     first_or_error,
     make_sampling_params,
-    or_default,
     resolve_retention_class,
+    sampling_knobs,
     sse_event,
     stream_with_metrics,
     tenant_of,
@@ -94,11 +94,7 @@ class _Job:
             "max_tokens"), engine.max_model_len, "input")
         self.logprobs = LOGPROBS_ITEM in (req.include or [])
         self.top_logprobs = req.top_logprobs or 0
-        params = make_sampling_params(temperature=or_default(req.temperature, "temperature", engine, 1.0),
-                                      top_p=or_default(req.top_p, "top_p", engine, 1.0),
-                                      top_k=or_default(None, "top_k", engine, 0),
-                                      min_p=or_default(None, "min_p", engine, 0.0),
-                                      repetition_penalty=or_default(None, "repetition_penalty", engine, 1.0),
+        params = make_sampling_params(**sampling_knobs(engine, temperature=req.temperature, top_p=req.top_p),
                                       max_tokens=max_tokens,
                                       seed=req.seed, logprobs=self.top_logprobs if self.logprobs else None)
         fmt = text_format(req.text)

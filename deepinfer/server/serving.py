@@ -50,10 +50,16 @@ def make_sampling_params(**kwargs: Any) -> SamplingParams:
         raise APIError(400, str(e).removeprefix("invalid sampling parameter: ")) from e
 
 
-def or_default(value: Any, name: str, engine: EngineClient, fallback: Any) -> Any:
-    """A request's sampling parameter; unset (None), the model's default (`--generation-config`), else `fallback`
-    (OpenAI's)."""
-    return value if value is not None else engine.sampling_defaults.get(name, fallback)
+# OpenAI's value of each sampling parameter the model's generation config may set
+_OPENAI_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": 0, "min_p": 0.0, "repetition_penalty": 1.0}
+
+
+def sampling_knobs(engine: EngineClient, **given: Any) -> dict[str, Any]:
+    """temperature, top_p, top_k, min_p and repetition_penalty for SamplingParams: what the request gave (None:
+    unset; an API without a field leaves it out), else the model's default (`--generation-config`), else OpenAI's."""
+    defaults = engine.sampling_defaults
+    return {name: given[name] if given.get(name) is not None else defaults.get(name, fallback)
+            for name, fallback in _OPENAI_SAMPLING.items()}
 
 
 def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
@@ -62,12 +68,10 @@ def sampling_params(req: SamplingFields, max_tokens: int, logprobs: int | None,
     from deepinfer.server.structured_fields import engine_fields
 
     return make_sampling_params(
-        n=req.n, temperature=or_default(req.temperature, "temperature", engine, 1.0),
-        top_p=or_default(req.top_p, "top_p", engine, 1.0), top_k=or_default(req.top_k, "top_k", engine, 0),
-        min_p=or_default(req.min_p, "min_p", engine, 0.0), seed=req.seed, stop=req.stop,
-        stop_token_ids=req.stop_token_ids, max_tokens=max_tokens, min_tokens=req.min_tokens,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        repetition_penalty=or_default(req.repetition_penalty, "repetition_penalty", engine, 1.0),
+        n=req.n, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids, max_tokens=max_tokens,
+        min_tokens=req.min_tokens, presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        **sampling_knobs(engine, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+                         repetition_penalty=req.repetition_penalty),
         ignore_eos=req.ignore_eos, logprobs=logprobs, skip_special_tokens=req.skip_special_tokens,
         include_stop_str_in_output=req.include_stop_str_in_output, allowed_token_ids=req.allowed_token_ids,
         bad_words=req.bad_words, prompt_logprobs=req.prompt_logprobs, **engine_fields(req, engine),
