@@ -75,6 +75,10 @@ class _Retry(Exception):
 
 
 class ClusterEngineClient:
+    # prompts with images are served in unified mode only: the router has no processor, so the API layer refuses
+    # image parts as it does for a text-only model
+    image_processor = None
+
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, tokenizer, vocab_size: int,
                  retention: RetentionPolicy, config: RouterConfig, default_max_model_len: int,
                  store_path: Path | None = None, eos_token_ids: Any = frozenset(), token: str | None = None,

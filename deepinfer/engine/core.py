@@ -30,6 +30,7 @@ from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
 from deepinfer.engine.spec import Speculator
 from deepinfer.kvcache.engine_tiers import KVTiers, resolve_retention
 from deepinfer.kvcache.manager import KVCacheManager
+from deepinfer.models.registry import text_config
 from deepinfer.weights import resolve_model
 
 logger = logging.getLogger(__name__)
@@ -61,11 +62,13 @@ class EngineCore:
 
         self.config = config
         self.files = resolve_model(config.model.model)
-        self.hf_config = AutoConfig.from_pretrained(str(self.files.directory))
+        self.checkpoint_config = checkpoint_config = AutoConfig.from_pretrained(str(self.files.directory))
+        # the language model's config (a vision-language checkpoint's text_config): what the engine sizes by
+        self.hf_config = text_config(checkpoint_config)
         model_len = getattr(self.hf_config, "max_position_embeddings", None) or 4096
         self.max_model_len = config.model.max_model_len or model_len
         sc = config.scheduler
-        self.runner = ModelRunner(config.model, config.cache, self.files, self.hf_config, self.max_model_len,
+        self.runner = ModelRunner(config.model, config.cache, self.files, checkpoint_config, self.max_model_len,
                                   sc.max_num_seqs, sc.max_num_batched_tokens, expert_parallel)
         bs = config.cache.block_size
         capacity = self.runner.num_blocks * bs

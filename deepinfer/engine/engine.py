@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import itertools
 import logging
@@ -47,6 +48,8 @@ from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import tier_stats
 from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
+from deepinfer.multimodal.inputs import MultiModalInputs
+from deepinfer.multimodal.processor import ImageProcessor
 from deepinfer.recipe.tokenizer import bad_word_sequences, eos_token_ids, load_tokenizer, sampling_defaults
 
 logger = logging.getLogger(__name__)
@@ -113,6 +116,14 @@ class LLMEngine:
             return list(self.tokenizer.encode(prompt, add_special_tokens=True))
         return list(prompt)
 
+    @functools.cached_property
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's HF processor for prompts with images; None for a model that takes no images."""
+        model = self.core.runner.model
+        if not hasattr(model, "encode_tiles"):
+            return None
+        return ImageProcessor(self.core.files.directory, model.image_token_id, model.tokens_per_tile)
+
     def describe(self) -> dict:
         """Model and cache facts for start-up banners and cluster registration (plain values only)."""
         core = self.core
@@ -124,8 +135,11 @@ class LLMEngine:
                 "num_blocks": core.runner.num_blocks, "block_size": core.config.cache.block_size,
                 "host_tier_bytes": tiers.host.max_bytes if tiers is not None and tiers.host is not None else None,
                 "store_root": str(tiers.store.root) if tiers is not None and tiers.store is not None else None,
-                "architectures": list(getattr(core.hf_config, "architectures", None) or []),
+                "architectures": list(getattr(core.checkpoint_config, "architectures", None) or []),
                 "model_identity": core.model_identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
+                # a vision-language model: where its processor is and what its image tokens are (None: no images)
+                "multimodal": {"directory": str(core.files.directory), **core.runner.model.describe_multimodal()}
+                if hasattr(core.runner.model, "describe_multimodal") else None,
                 # None: a model with its own KV state (DeepSeek-V4), which KV export does not move yet
                 "kv_layout": None if core.runner.custom_kv
                 else list(dataclasses.astuple(layout_of(core.runner.tier_caches)))}
@@ -139,7 +153,8 @@ class LLMEngine:
                     cache_salt: str | None = None, prompt_token_ids: list[int] | None = None,
                     retention_class: str | None = None, output_prefix: list[int] | None = None,
                     prefix_logprobs: list[dict[int, Logprob]] | None = None, stream_kv: bool = False,
-                    cache_tenant: str | None = None, validated: bool = False, stream: bool = True) -> str:
+                    cache_tenant: str | None = None, validated: bool = False, stream: bool = True,
+                    multi_modal: MultiModalInputs | None = None) -> str:
         """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized. `retention_class`
         (default: the configured default class) says how long the KV store keeps its blocks.
         `output_prefix`: tokens already generated elsewhere (a prefill worker's first token, with their
@@ -150,7 +165,8 @@ class LLMEngine:
         `cache_tenant`: the authenticated tenant's cache namespace (set by the server from the API key, never
         by a client); its blocks are named apart from every other tenant's, whatever `cache_salt` says.
         `validated`: the caller already ran `self.validator.validate` (and resolved `retention_class`).
-        `stream`: False when only the final output is wanted (the offline `LLM`)."""
+        `stream`: False when only the final output is wanted (the offline `LLM`). `multi_modal`: the prompt's
+        images (a vision-language model; `multimodal/processor.py` makes them with the prompt's tokens)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs or (self.processor is not None and request_id in self.processor):
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -158,6 +174,7 @@ class LLMEngine:
         if not validated:
             retention_class = self.validator.validate(prompt_ids, params, retention_class, output_prefix,
                                                       prefix_logprobs, stream_kv)
+        self.check_images(prompt_ids, multi_modal, bool(output_prefix) or stream_kv)
         if params.bad_words and params.bad_words_token_ids is None:
             params = dataclasses.replace(params, bad_words_token_ids=bad_word_sequences(self.tokenizer,
                                                                                         params.bad_words))
@@ -175,7 +192,8 @@ class LLMEngine:
             if params.structured_output is not None:  # each sequence walks the grammar on its own
                 grammar = self.grammars.request_state(params.structured_output)
             req = Request(seq_id, prompt_ids, seq_params, self.eos_token_ids, cache_salt, wait_for=first,
-                          retention_class=retention_class, grammar=grammar, cache_tenant=cache_tenant)
+                          retention_class=retention_class, grammar=grammar, cache_tenant=cache_tenant,
+                          multi_modal=multi_modal)
             first = first or req
             if output_prefix:  # as if it had sampled them: token state (its text is the processor's)
                 req.token_ids.extend(output_prefix)
@@ -191,6 +209,21 @@ class LLMEngine:
         if stream_kv:
             self._kv_streams[request_id] = [seqs[0], 0]
         return request_id
+
+    def check_images(self, prompt_ids: list[int], multi_modal: MultiModalInputs | None, disaggregated: bool) -> None:
+        """Raise ValueError unless the prompt's image placeholders and `multi_modal` fit each other and the model."""
+        model = self.core.runner.model
+        if not hasattr(model, "encode_tiles"):
+            if multi_modal is not None:
+                raise ValueError(f"{type(model).__name__} takes no images")
+            return
+        if multi_modal is None:
+            if model.image_token_id in prompt_ids:
+                raise ValueError("the prompt has image tokens but no images")
+            return
+        if disaggregated:
+            raise ValueError("images are served in unified mode only (no prefill / decode disaggregation yet)")
+        multi_modal.check(prompt_ids, model.image_token_id, model.tokens_per_tile)
 
     @contextlib.contextmanager
     def closed_batch(self) -> Iterator[None]:

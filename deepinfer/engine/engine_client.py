@@ -14,17 +14,21 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections import defaultdict
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
 from deepinfer.engine.validation import RequestValidator
+from deepinfer.multimodal.inputs import MultiModalInputs
+from deepinfer.multimodal.processor import ImageProcessor
 
 # LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
 ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks"})
@@ -118,6 +122,14 @@ class EngineClient(ABC):
     def num_waiting(self) -> int:
         return int(self.stats().get("num_waiting", 0)) + self._num_pending_adds
 
+    @functools.cached_property
+    def image_processor(self) -> ImageProcessor | None:
+        """The model's processor for prompts with images, here in the caller's process; None: no images."""
+        mm = (getattr(self, "facts", None) or {}).get("multimodal")  # a cluster router has no model facts
+        if not mm:
+            return None
+        return ImageProcessor(Path(mm["directory"]), mm["image_token_id"], mm["tokens_per_tile"])
+
     @property
     def sampling_defaults(self) -> dict:
         """The model's sampling defaults for parameters a request leaves unset (`--generation-config`)."""
@@ -139,10 +151,12 @@ class EngineClient(ABC):
                        prompt: str | None = None, cache_salt: str | None = None,
                        retention_class: str | None = None, output_prefix: list[int] | None = None,
                        prefix_logprobs: list | None = None, stream_kv: bool = False,
-                       cache_tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_tenant: str | None = None,
+                       multi_modal: MultiModalInputs | None = None) -> AsyncIterator[RequestOutput]:
         """`output_prefix` / `prefix_logprobs`: tokens another worker already generated for this request;
         `stream_kv`: outputs carry the prompt's KV blocks as they are computed; `cache_tenant`: the
-        authenticated tenant's cache namespace (see `LLMEngine.add_request`)."""
+        authenticated tenant's cache namespace (see `LLMEngine.add_request`); `multi_modal`: the prompt's
+        images (`image_processor` made them with the prompt's ids)."""
         retention_class = self.validator.validate(prompt_token_ids, params, retention_class, output_prefix,
                                                   prefix_logprobs, stream_kv)
         self.check_admission()
@@ -153,7 +167,8 @@ class EngineClient(ABC):
         self._submit({"prompt": prompt if prompt is not None else list(prompt_token_ids), "params": params,
                       "validated": True, "request_id": request_id, "cache_salt": cache_salt, "prompt_token_ids": list(prompt_token_ids),
                       "retention_class": retention_class, "output_prefix": output_prefix,
-                      "prefix_logprobs": prefix_logprobs, "stream_kv": stream_kv, "cache_tenant": cache_tenant})
+                      "prefix_logprobs": prefix_logprobs, "stream_kv": stream_kv, "cache_tenant": cache_tenant,
+                      "multi_modal": multi_modal})
         finished = False
         try:
             while True:

@@ -12,7 +12,9 @@ from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.ep_engine import ExpertParallelEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
-from deepinfer.recipe.tokenizer import render_chat
+from deepinfer.multimodal.inputs import MultiModalInputs
+from deepinfer.multimodal.processor import ImageProcessor, split_images
+from deepinfer.recipe.tokenizer import render_chat, render_chat_text
 from deepinfer.vllm_cli import split_vllm_kwargs
 
 logger = logging.getLogger(__name__)
@@ -81,7 +83,9 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | None = None, retention_class: str | None = None, *, use_tqdm: bool = False,
                  lora_request: object = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Prompts are strings, token-id lists, or `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`.
+        """Prompts are strings, token-id lists, or `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`; a
+        vision-language model takes vLLM's `{"prompt": "... <image> ...", "multi_modal_data": {"image": img}}`
+        (a PIL image, a data: / http(s) URL, or a list of them: one per image marker, in order).
         `retention_class` names how long the KV store keeps the blocks (default: `default_retention_class`).
         vLLM's keywords: `use_tqdm` shows a progress bar of finished prompts; `lora_request` and a non-zero
         `priority` are refused (no adapters, first-come-first-served scheduling)."""
@@ -97,7 +101,9 @@ class LLM:
             return self._generate_on_ranks(prompts, params_list, cache_salt, retention_class)
         # validate everything before starting anything, so a bad prompt fails the call cleanly
         validator = self.engine.validator
-        tokenized = [self.engine.tokenize(self._prompt_of(p)) for p in prompts]
+        with_images = [self._with_images(p) for p in prompts]
+        tokenized = [t if t is not None else self.engine.tokenize(self._prompt_of(p))
+                     for p, (t, _) in zip(prompts, with_images, strict=True)]
         for t, sp in zip(tokenized, params_list, strict=True):
             validator.check_prompt(t)
             validator.check_params(sp)
@@ -108,9 +114,34 @@ class LLM:
         for future in compiling:
             future.result()
         ids = [self.engine.add_request(self._prompt_of(p), sp, cache_salt=cache_salt, prompt_token_ids=t,
-                                       retention_class=retention_class, validated=True, stream=False)
-               for p, t, sp in zip(prompts, tokenized, params_list, strict=True)]
+                                       retention_class=retention_class, validated=True, stream=False,
+                                       multi_modal=mm)
+               for p, t, sp, (_, mm) in zip(prompts, tokenized, params_list, with_images, strict=True)]
         return self._run(ids, use_tqdm)
+
+    def _with_images(self, p: PromptType) -> tuple[list[int] | None, MultiModalInputs | None]:
+        """(token ids, images) of a prompt dict with `multi_modal_data` (or made by `chat`); (None, None) else."""
+        if not isinstance(p, dict):
+            return None, None
+        if "multi_modal" in p:  # `chat`'s prompts: already through the processor
+            return list(p["prompt_token_ids"]), p["multi_modal"]
+        data = p.get("multi_modal_data")
+        if not data:
+            return None, None
+        if set(data) != {"image"}:
+            raise ValueError(f"multi_modal_data takes 'image' only, got {sorted(data)}")
+        if not isinstance(p.get("prompt"), str):
+            raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' (with an image marker "
+                             "per image)")
+        processor = self._image_processor()
+        images = data["image"] if isinstance(data["image"], list) else [data["image"]]
+        return processor(p["prompt"], images, add_special_tokens=True)
+
+    def _image_processor(self) -> ImageProcessor:
+        processor = self.engine.image_processor
+        if processor is None:
+            raise ValueError(f"{type(self.engine.core.runner.model).__name__} takes no images")
+        return processor
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
@@ -122,9 +153,18 @@ class LLM:
         message, e.g. an assistant prefill, as in vLLM. `use_tqdm`, `lora_request`: as in `generate`."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         tok = self.get_tokenizer()
-        prompts = [render_chat(tok, conv, add_generation_prompt, tools, chat_template,
-                               continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-                   for conv in conversations]
+        prompts: list[PromptType] = []
+        for conv in conversations:
+            conv, images = split_images(conv)
+            if not images:
+                prompts.append(render_chat(tok, conv, add_generation_prompt, tools, chat_template,
+                                           continue_final_message=continue_final_message,
+                                           **(chat_template_kwargs or {})))
+                continue
+            text = render_chat_text(tok, conv, add_generation_prompt, tools, chat_template,
+                                    continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
+            ids, mm = self._image_processor()(text, images)
+            prompts.append({"prompt_token_ids": ids, "multi_modal": mm})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 
     def _generate_on_ranks(self, prompts: list[PromptType], params_list: list[SamplingParams],

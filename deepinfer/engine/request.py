@@ -16,6 +16,7 @@ import torch
 
 from deepinfer.engine.grammar import RequestGrammar
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.multimodal.inputs import EncodedTiles, MultiModalInputs
 
 if TYPE_CHECKING:
     from deepinfer.engine.spec.policy import AcceptanceStats
@@ -52,7 +53,8 @@ class Request:
                  eos_token_ids: frozenset[int] = frozenset(), cache_salt: str | None = None,
                  max_tokens: int | None = None, arrival_time: float | None = None,
                  wait_for: Request | None = None, retention_class: str | None = None,
-                 grammar: RequestGrammar | None = None, cache_tenant: str | None = None) -> None:
+                 grammar: RequestGrammar | None = None, cache_tenant: str | None = None,
+                 multi_modal: MultiModalInputs | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -101,6 +103,11 @@ class Request:
         # speculative decoding: the distributions this step's drafts were sampled from ([k, vocab]; None:
         # point masses), set by the Speculator, read by verification (engine/spec/verify.py)
         self.draft_probs: torch.Tensor | None = None
+        # a vision-language prompt's images (multimodal/inputs.py): their tiles name the blocks their tokens
+        # start in (`mm_block_keys`, set by the KV manager), and the runner encodes them as chunks reach them
+        self.multi_modal = multi_modal
+        self.mm_block_keys: dict[int, bytes] | None = None
+        self.mm_encoded = EncodedTiles(multi_modal) if multi_modal is not None else None
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -143,6 +143,8 @@ class PreparedStep:
     num_steps: int = 1  # greedy decode steps of every row in one call (the scheduler's `num_steps`)
     # those steps speculate in C: per request (request, its block table, prompt lookup plan, most tokens appended)
     spec_call: list[tuple[Request, list[int], LookupPlan, int]] | None = None
+    # image placeholders in the step: (request, placeholder ordinals [a, b), their rows in input_ids)
+    image_rows: list[tuple[Request, int, int, list[int]]] = field(default_factory=list)
 
 
 class ModelRunner:
@@ -226,7 +228,7 @@ class ModelRunner:
         # no table names: the slots of replayed positions, whose KV the full group already holds
         self.replay_slot_base: list[int | None] = [None] * len(self.kv_groups)
         hybrid = any(isinstance(g.spec, SlidingWindow) for g in self.kv_groups)
-        self.kv_caches: list[Any] = [None] * hf_config.num_hidden_layers
+        self.kv_caches: list[Any] = [None] * self.model.config.num_hidden_layers
         for i, (group, n) in enumerate(zip(self.kv_groups, self.group_num_blocks, strict=True)):
             if hybrid and isinstance(group.spec, FullAttention):
                 self.replay_slot_base[i] = n * self.block_size
@@ -386,6 +388,7 @@ class ModelRunner:
         pending: list[tuple[int, str]] = []
         verify_rows: list[int] = []
         verify_items: list[tuple[Request, int, list[int]]] = []
+        image_rows: list[tuple[Request, int, int, list[int]]] = []
         num_decodes = 0
         num_steps = max((item.num_steps for item in step.scheduled), default=1)
         for item in step.scheduled:
@@ -399,6 +402,11 @@ class ModelRunner:
                 for pos in range(start, min(end, req.num_prompt_tokens - 1)):
                     prompt_logits_rows.append(len(tokens) + pos - start)
                     prompt_rows.append((req, pos + 1, req.prompt_token_ids[pos + 1]))
+            if req.multi_modal is not None and start < req.num_prompt_tokens:
+                a, b = req.multi_modal.span(start, end)
+                if a < b:
+                    row0 = len(tokens) - start
+                    image_rows.append((req, a, b, [row0 + p for p in req.multi_modal.positions[a:b]]))
             tokens.extend(known)
             if len(known) < n:  # the last token is still being sampled by the step before this one
                 pending.append((len(tokens), req.request_id))
@@ -452,7 +460,7 @@ class ModelRunner:
             verify_items=verify_items, num_verify_rows=len(verify_rows),
             row_requests=[(i.request.request_id, i.start, i.num_new_tokens) for i in step.scheduled],
             prepare_cpu_seconds=time.thread_time() - cpu_started,
-            num_steps=num_steps, spec_call=spec_call)
+            num_steps=num_steps, spec_call=spec_call, image_rows=image_rows)
 
     def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]],
                replay_base: int | None = None) -> tuple[list[list[int]], torch.Tensor]:
@@ -501,8 +509,9 @@ class ModelRunner:
         num_sampled = len(step.sample_reqs)
         num_scored = num_sampled + step.num_verify_rows
         hidden = None
+        images = {"input_embeds": self._image_embeds(step.image_rows)} if step.image_rows else {}
         final = self.model.hidden_states(step.input_ids, step.positions, self.kv_caches, step.metas,
-                                         step.logits_indices)
+                                         step.logits_indices, **images)
         # in the head's dtype: the sampler and verifier widen them to float32 where they need to (a
         # greedy-only step takes each row's argmax from them as they are: no 64 x vocab float32 copy)
         logits = self.model.compute_logits(final[:num_scored] if step.prompt_rows else final, float32=False)
@@ -536,6 +545,12 @@ class ModelRunner:
         self._last_sampled = sampled
         return StepResult(sampled, logprobs, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
                           accepted, accepted_logprobs, step.prepare_cpu_seconds + time.thread_time() - cpu_started)
+
+    def _image_embeds(self, image_rows: list[tuple[Request, int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows, embeddings) of the step's image placeholders, their tiles encoded as first reached."""
+        rows = torch.tensor([r for *_, req_rows in image_rows for r in req_rows], dtype=torch.long, device=self.device)
+        vectors = [req.mm_encoded.rows(a, b, self.model.encode_tiles) for req, a, b, _ in image_rows]
+        return rows, torch.cat(vectors) if len(vectors) > 1 else vectors[0]
 
     def _run_steps(self, step: PreparedStep, started: float, cpu_started: float) -> StepResult:
         """`step.num_steps` greedy steps of its decode rows in one C call (`FusedDecoder.decode_steps`): each

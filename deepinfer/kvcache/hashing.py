@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Mapping
 
 DIGEST_SIZE = 16
 
@@ -31,16 +32,22 @@ def root_hash(model_identity: str, kv_layout: str, cache_salt: str | None = None
     return hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE).digest()
 
 
-def hash_block(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
+def hash_block(parent: bytes, token_ids: list[int] | tuple[int, ...], extra: bytes | None = None) -> bytes:
+    """`extra`: what else the block's KV depends on (the digests of image tiles whose placeholder tokens
+    start in it); it follows the block's fixed-size token bytes, so no token sequence can spell it."""
     h = hashlib.blake2b(parent, digest_size=DIGEST_SIZE)
     h.update(array("q", token_ids).tobytes())
+    if extra:
+        h.update(extra)
     return h.digest()
 
 
-def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, root: bytes) -> None:
-    """Append the hashes of every full block of `token_ids` not yet in `hashes` (in place)."""
+def extend_block_hashes(hashes: list[bytes], token_ids: list[int], block_size: int, root: bytes,
+                        extra: Mapping[int, bytes] | None = None) -> None:
+    """Append the hashes of every full block of `token_ids` not yet in `hashes` (in place); `extra`: block
+    index -> that block's extra key (`hash_block`)."""
     num_full = len(token_ids) // block_size
     parent = hashes[-1] if hashes else root
     for i in range(len(hashes), num_full):
-        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size])
+        parent = hash_block(parent, token_ids[i * block_size:(i + 1) * block_size], extra.get(i) if extra else None)
         hashes.append(parent)

@@ -243,8 +243,13 @@ class KVCacheManager:
         return r
 
     def update_hashes(self, req: Request) -> None:
+        extra = None
+        if req.multi_modal is not None:  # the images' tiles name the blocks their tokens start in
+            if req.mm_block_keys is None:
+                req.mm_block_keys = req.multi_modal.block_keys(self.block_size)
+            extra = req.mm_block_keys
         extend_block_hashes(req.block_hashes, req.token_ids, self.block_size,
-                            self.root(req.cache_salt, req.cache_tenant))
+                            self.root(req.cache_salt, req.cache_tenant), extra)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -202,12 +202,17 @@ class LlamaForCausalLM(nn.Module):
         return logits.float() if float32 else logits
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
-                      logits_indices: torch.Tensor) -> torch.Tensor:
+                      logits_indices: torch.Tensor,
+                      input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """The forward up to the LM head: the final (normed) hidden states of the rows `logits_indices`
-        [len(logits_indices), hidden] (`compute_logits` turns them into logits, in row chunks if need be)."""
-        if self.fused is not None and self.fused.accepts(input_ids, metas[0]):
+        [len(logits_indices), hidden] (`compute_logits` turns them into logits, in row chunks if need be).
+        `input_embeds` (rows, vectors): those rows' input embeddings instead of their tokens' (an image's
+        encoded tiles in place of its placeholder tokens)."""
+        if input_embeds is None and self.fused is not None and self.fused.accepts(input_ids, metas[0]):
             return self.fused.final_hidden(input_ids, positions, caches, metas[0], logits_indices)
         x = self.embed_tokens(input_ids)
+        if input_embeds is not None:
+            x[input_embeds[0]] = input_embeds[1].to(x.dtype)
         cos, sin = self.rotary.lookup(positions)
         if self.batched is not None and self.batched.accepts(x, metas[0]):
             x, residual = self.batched.run(x, cos, sin, caches, metas[0])

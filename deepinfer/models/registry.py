@@ -7,6 +7,7 @@ import torch
 from deepinfer.layers.attention import AttentionBackend
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.gemma3 import Gemma3ForCausalLM
+from deepinfer.models.idefics3 import Idefics3ForConditionalGeneration
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.models.mixtral import MixtralForCausalLM
 from deepinfer.models.qwen2 import Qwen2ForCausalLM
@@ -16,13 +17,20 @@ from deepinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "Qwen2ForCausalLM": Qwen2ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "SmolVLMForConditionalGeneration": Idefics3ForConditionalGeneration,
 }
+
+
+def text_config(hf_config):
+    """The language model's config: a vision-language checkpoint's `text_config`, else the config itself."""
+    return hf_config.get_text_config()
 
 
 def supported_architectures() -> list[str]:

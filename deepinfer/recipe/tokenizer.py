@@ -104,14 +104,29 @@ def render_chat(tokenizer, messages: list[dict], add_generation_prompt: bool = T
     `NoChatTemplate` (a ValueError) when there is none. `continue_final_message`: the last message is
     left open (no end-of-turn after it), so generation continues it: an assistant prefill. It excludes
     `add_generation_prompt` (ValueError)."""
+    out = _apply_template(tokenizer, messages, add_generation_prompt, tools, chat_template, continue_final_message,
+                          True, template_kwargs)
+    if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return list(out)
+
+
+def render_chat_text(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                     tools: list[dict] | None = None, chat_template: str | None = None,
+                     continue_final_message: bool = False, **template_kwargs: Any) -> str:
+    """`render_chat`'s prompt as text (a vision-language model's processor tokenizes it with its images)."""
+    return _apply_template(tokenizer, messages, add_generation_prompt, tools, chat_template, continue_final_message,
+                           False, template_kwargs)
+
+
+def _apply_template(tokenizer, messages: list[dict], add_generation_prompt: bool, tools: list[dict] | None,
+                    chat_template: str | None, continue_final_message: bool, tokenize: bool,
+                    template_kwargs: dict[str, Any]) -> Any:
     template = chat_template or getattr(tokenizer, "chat_template", None)
     if not template:
         raise NoChatTemplate()
     if continue_final_message and add_generation_prompt:
         raise ValueError("continue_final_message and add_generation_prompt cannot both be true")
-    out = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
-                                        continue_final_message=continue_final_message, tokenize=True,
-                                        chat_template=template, **template_kwargs)
-    if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return list(out)
+    return tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=add_generation_prompt,
+                                         continue_final_message=continue_final_message, tokenize=tokenize,
+                                         chat_template=template, **template_kwargs)

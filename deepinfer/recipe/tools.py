@@ -182,16 +182,17 @@ def fallback_messages(messages: list[dict], specs: list[ToolSpec]) -> list[dict]
 
 
 def render_prompt(tokenizer, messages: list[dict], specs: list[ToolSpec] | None,
-                  add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
-    """Prompt token ids for a conversation with (optional) tools, through the model's chat template;
-    `template_kwargs` go to `render_chat` (`continue_final_message` among them)."""
-    from deepinfer.recipe.tokenizer import render_chat
+                  add_generation_prompt: bool = True, as_text: bool = False, **template_kwargs: Any) -> list[int] | str:
+    """Prompt token ids for a conversation with (optional) tools, through the model's chat template (`as_text`:
+    the prompt's text, for a processor that tokenizes it with images); `template_kwargs` go to `render_chat`
+    (`continue_final_message` among them)."""
+    from deepinfer.recipe.tokenizer import render_chat, render_chat_text
 
+    render = render_chat_text if as_text else render_chat
     if template_renders_tools(tokenizer):
         tools = [s.template_dict() for s in specs] if specs else None
-        return render_chat(tokenizer, messages, add_generation_prompt, tools=tools, **template_kwargs)
-    return render_chat(tokenizer, fallback_messages(messages, specs or []), add_generation_prompt,
-                       **template_kwargs)
+        return render(tokenizer, messages, add_generation_prompt, tools=tools, **template_kwargs)
+    return render(tokenizer, fallback_messages(messages, specs or []), add_generation_prompt, **template_kwargs)
 
 
 def arguments_object(arguments: Any) -> Any:

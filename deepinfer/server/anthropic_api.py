@@ -26,6 +26,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.recipe.output import Content, OutputParser, Reasoning
 from deepinfer.recipe.tool_parsers import ToolCallDelta
 from deepinfer.server.protocol import APIError
@@ -60,22 +61,23 @@ from deepinfer.server.tooling import (
     grammar_param,
     kept_calls,
     output_parser,
-    render,
+    render_with_images,
 )
 
 
-def _prompt(ctx: ServingContext, req: CountTokensRequest) -> tuple[list[int], ToolPlan]:
+def _prompt(ctx: ServingContext, req: CountTokensRequest) -> tuple[list[int], ToolPlan, MultiModalInputs | None]:
     plan = anthropic_plan(req.tools, req.tool_choice)
     kwargs = {}
     if isinstance(req.thinking, dict) and req.thinking.get("type") in ("enabled", "disabled"):
         kwargs["enable_thinking"] = req.thinking["type"] == "enabled"  # Qwen3-style templates read this
-    messages, prefill = split_prefill(chat_messages(req), req)
-    return render(ctx, messages, plan, "messages", add_generation_prompt=not prefill,
-                  continue_final_message=prefill, **kwargs), plan
+    messages, prefill = split_prefill(chat_messages(req, images=ctx.engine.image_processor is not None), req)
+    ids, images = render_with_images(ctx, messages, plan, "messages", add_generation_prompt=not prefill,
+                                     continue_final_message=prefill, **kwargs)
+    return ids, plan, images
 
 
 async def count_tokens(ctx: ServingContext, req: CountTokensRequest) -> dict:
-    ids, _ = _prompt(ctx, req)
+    ids, _, _ = _prompt(ctx, req)
     return {"input_tokens": len(ids)}
 
 
@@ -114,7 +116,7 @@ def _input(arguments: str) -> dict | None:
 async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request):
     engine = ctx.engine
     engine.check_admission()
-    prompt_ids, plan = _prompt(ctx, req)
+    prompt_ids, plan, images = _prompt(ctx, req)
     if req.max_tokens < 1:
         raise APIError(400, "max_tokens: must be at least 1", param="max_tokens")
     max_tokens = check_context(len(prompt_ids), req.max_tokens, engine.max_model_len, "messages")
@@ -129,7 +131,8 @@ async def create_message(ctx: ServingContext, req: MessagesRequest, raw: Request
     retention = resolve_retention_class(ctx, name, "cache_control", raw)
     mid = f"msg_{uuid.uuid4().hex}"
     gen = stream_with_metrics(ctx, prompt_ids, params, None, retention=retention, cache_tenant=tenant_of(raw),
-                              grammar_param=grammar_param(plan, "output_config.format" if fmt else None))
+                              grammar_param=grammar_param(plan, "output_config.format" if fmt else None),
+                              multi_modal=images)
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_stream(output_parser(ctx, prompt_ids, plan, fmt is not None), req, plan, mid,

@@ -47,7 +47,7 @@ from deepinfer.server.response_store import ResponseStore
 from deepinfer.server.responses_api import create_response, delete_response, stored_response
 from deepinfer.server.serving import tenant_of
 from deepinfer.server.tenants import Tenants
-from deepinfer.server.tooling import ToolPlan, render
+from deepinfer.server.tooling import ToolPlan, render_with_images
 
 logger = logging.getLogger(__name__)
 
@@ -229,8 +229,9 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
         tok = engine.tokenizer
         if req.messages is not None:
             check_prefill_flags(req)
-            ids = render(ctx, chat_messages(req), ToolPlan(), "messages", req.add_generation_prompt,
-                         continue_final_message=req.continue_final_message)
+            ids, _ = render_with_images(ctx, chat_messages(req, images=engine.image_processor is not None), ToolPlan(),
+                                        "messages", req.add_generation_prompt,
+                                        continue_final_message=req.continue_final_message)
         elif req.prompt is not None:
             ids = list(tok.encode(req.prompt, add_special_tokens=req.add_special_tokens))
         else:

@@ -15,6 +15,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
+from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.recipe.output import Content, OutputParser, Reasoning
 from deepinfer.recipe.tool_parsers import ToolCallDelta
 from deepinfer.recipe.tools import arguments_object
@@ -50,7 +51,7 @@ from deepinfer.server.tooling import (
     kept_calls,
     openai_plan,
     output_parser,
-    render,
+    render_with_images,
 )
 
 __all__ = ["ServingContext", "chat_completion", "chat_messages", "completion"]
@@ -59,26 +60,40 @@ __all__ = ["ServingContext", "chat_completion", "chat_messages", "completion"]
 # ---------------------------------------------------------------- request -> engine inputs
 
 
-def _text(content, where: str) -> str:
-    """Flatten string or list-of-parts content into text."""
+_TEXT_PARTS = ("text", "input_text", "output_text")
+
+
+def _content(content, where: str, images: bool) -> str | list[dict]:
+    """String or list-of-parts content as text; with `images` (a model that takes them) a list holding image
+    parts stays a list of `text` and `image_url` parts, for the chat template and the model's processor."""
     if not isinstance(content, list):
         return content or ""
-    texts = []
-    for part in content:
-        kind = part.get("type") if isinstance(part, dict) else None
-        if kind in ("text", "input_text", "output_text"):
-            texts.append(str(part.get("text", "")))
-        else:
+    kinds = [part.get("type") if isinstance(part, dict) else None for part in content]
+    for kind in kinds:
+        if kind not in _TEXT_PARTS and not (images and kind == "image_url"):
             raise APIError(400, f"content part type {kind!r} is not supported by this model", param=where)
-    return "".join(texts)
+    if "image_url" not in kinds:
+        return "".join(str(part.get("text", "")) for part in content)
+    parts: list[dict] = []
+    for j, (part, kind) in enumerate(zip(content, kinds, strict=True)):
+        if kind == "image_url":
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            if not isinstance(url, str):
+                raise APIError(400, "an image_url part needs image_url.url", param=f"{where}[{j}]")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+    return parts
 
 
-def chat_messages(req) -> list[dict]:
-    """OpenAI messages -> chat-template dicts (assistant tool calls with object arguments, tool results)."""
+def chat_messages(req, images: bool = False) -> list[dict]:
+    """OpenAI messages -> chat-template dicts (assistant tool calls with object arguments, tool results);
+    `images`: image parts are kept (`_content`)."""
     out = []
     for i, m in enumerate(req.messages):
         role = "system" if m.role == "developer" else m.role
-        msg: dict = {"role": role, "content": _text(m.content, f"messages[{i}].content")}
+        msg: dict = {"role": role, "content": _content(m.content, f"messages[{i}].content", images)}
         calls = getattr(m, "tool_calls", None)
         if role == "assistant" and calls:
             msg["tool_calls"] = []
@@ -105,11 +120,14 @@ def check_prefill_flags(req: ChatCompletionRequest | TokenizeRequest) -> None:
                        "add_generation_prompt to false to continue the final message", param="continue_final_message")
 
 
-def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan) -> list[int]:
+def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, plan: ToolPlan
+                       ) -> tuple[list[int], MultiModalInputs | None]:
+    """The request's prompt ids, and its images (None without)."""
     check_prefill_flags(req)
     kwargs = {**(req.chat_template_kwargs or {}), **({"documents": req.documents} if req.documents else {})}
-    return render(ctx, chat_messages(req), plan, "messages", req.add_generation_prompt,
-                  continue_final_message=req.continue_final_message, **kwargs)
+    messages = chat_messages(req, images=ctx.engine.image_processor is not None)
+    return render_with_images(ctx, messages, plan, "messages", req.add_generation_prompt,
+                              continue_final_message=req.continue_final_message, **kwargs)
 
 
 # ---------------------------------------------------------------- chat completions
@@ -145,7 +163,10 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
     check_unsupported(req)
     engine.check_admission()
     plan = chat_plan(req)
-    prompt_ids = truncated_prompt(render_chat_prompt(ctx, req, plan), req, engine.max_model_len)
+    prompt_ids, images = render_chat_prompt(ctx, req, plan)
+    if images is not None and req.truncate_prompt_tokens is not None:
+        raise APIError(400, "truncate_prompt_tokens cannot cut a prompt with images", param="truncate_prompt_tokens")
+    prompt_ids = truncated_prompt(prompt_ids, req, engine.max_model_len)
     max_tokens = check_context(len(prompt_ids), req.max_completion_tokens or req.max_tokens
                                or engine.sampling_defaults.get("max_tokens"), engine.max_model_len, "messages")
     top_n = req.top_logprobs or 0
@@ -155,7 +176,7 @@ async def chat_completion(ctx: ServingContext, req: ChatCompletionRequest, raw: 
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     gen = stream_with_metrics(ctx, prompt_ids, params, req.cache_salt, retention=retention,
-                              grammar_param=grammar, cache_tenant=tenant_of(raw))
+                              grammar_param=grammar, cache_tenant=tenant_of(raw), multi_modal=images)
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_chat_sse(ctx, req, plan, rid, created, first, gen, top_n),

@@ -65,8 +65,20 @@ def _blocks_text(content: Any, where: str) -> str:
     return "".join(_block_text(b, f"{where}.{j}") for j, b in enumerate(content))
 
 
-def chat_messages(req: CountTokensRequest) -> list[dict]:
-    """Anthropic system + messages -> chat-template messages (tool_use -> tool_calls, tool_result -> tool)."""
+def _image_url(block: dict, where: str) -> str:
+    """An image block's source as a URL: base64 data as a data: URL, a url source as it is."""
+    source = block.get("source")
+    if isinstance(source, dict) and source.get("type") == "base64" and isinstance(source.get("data"), str):
+        return f"data:{source.get('media_type') or 'image/png'};base64,{source['data']}"
+    if isinstance(source, dict) and source.get("type") == "url" and isinstance(source.get("url"), str):
+        return source["url"]
+    raise APIError(400, f"{where}: an image block needs a base64 or url source", param=where)
+
+
+def chat_messages(req: CountTokensRequest, images: bool = False) -> list[dict]:
+    """Anthropic system + messages -> chat-template messages (tool_use -> tool_calls, tool_result -> tool).
+    `images` (a model that takes them): a user message's image blocks become `image_url` parts, its content
+    then a list of `text` and `image_url` parts."""
     out: list[dict] = []
     if req.system:
         out.append({"role": "system", "content": _blocks_text(req.system, "system")})
@@ -77,11 +89,15 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
             continue
         texts: list[str] = []
         calls: list[dict] = []
+        parts: list[dict] = []  # with images: the text and image parts in order
         for j, block in enumerate(m.content):
             kind = block.get("type") if isinstance(block, dict) else None
             at = f"{where}.{j}"
             if kind == "text":
                 texts.append(str(block.get("text", "")))
+                parts.append({"type": "text", "text": texts[-1]})
+            elif kind == "image" and images and m.role == "user":
+                parts.append({"type": "image_url", "image_url": {"url": _image_url(block, at)}})
             elif kind == "tool_use" and m.role == "assistant":
                 if not isinstance(block.get("name"), str) or not isinstance(block.get("input", {}), dict):
                     raise APIError(400, f"{at}: a tool_use block needs a name and an object input", param=at)
@@ -96,7 +112,9 @@ def chat_messages(req: CountTokensRequest) -> list[dict]:
             else:
                 raise APIError(400, f"{at}: content block type {kind!r} is not supported in a {m.role} message",
                                param=at)
-        if texts or calls or not m.content:
+        if len(parts) > len(texts):
+            out.append({"role": m.role, "content": parts})
+        elif texts or calls or not m.content:
             msg: dict = {"role": m.role, "content": "".join(texts)}
             if calls:
                 msg["tool_calls"] = calls

@@ -37,23 +37,39 @@ class ResponsesRequest(Lenient):
     top_logprobs: int | None = None
 
 
-def _parts_text(content: Any, where: str) -> str:
+def _parts(content: Any, where: str, images: bool = False) -> str | list[dict]:
+    """Content parts as text; with `images` (a model that takes them) parts holding an `input_image` stay a
+    list of `text` and `image_url` parts."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
         raise APIError(400, "content must be a string or a list of parts", param=where)
-    texts = []
+    parts: list[dict] = []
     for j, part in enumerate(content):
         kind = part.get("type") if isinstance(part, dict) else None
-        if kind not in ("input_text", "output_text", "text"):
+        if kind in ("input_text", "output_text", "text"):
+            parts.append({"type": "text", "text": str(part.get("text", ""))})
+        elif kind == "input_image" and images:
+            url = part.get("image_url")
+            if not isinstance(url, str):
+                raise APIError(400, "an input_image part needs image_url (a data: or http(s) URL; file_id is not "
+                               "supported)", param=f"{where}[{j}]")
+            parts.append({"type": "image_url", "image_url": {"url": url}})
+        else:
             raise APIError(400, f"content part type {kind!r} is not supported by this model",
                            param=f"{where}[{j}]")
-        texts.append(str(part.get("text", "")))
-    return "".join(texts)
+    if any(p["type"] == "image_url" for p in parts):
+        return parts
+    return "".join(p["text"] for p in parts)
 
 
-def input_messages(inp: str | list[dict[str, Any]]) -> list[dict]:
-    """Responses `input` -> chat-template messages."""
+def _parts_text(content: Any, where: str) -> str:
+    """Content parts as text (no images: a tool's output)."""
+    return str(_parts(content, where))
+
+
+def input_messages(inp: str | list[dict[str, Any]], images: bool = False) -> list[dict]:
+    """Responses `input` -> chat-template messages (`images`: input_image parts kept, see `_parts`)."""
     if isinstance(inp, str):
         return [{"role": "user", "content": inp}]
     msgs: list[dict] = []
@@ -67,7 +83,7 @@ def input_messages(inp: str | list[dict[str, Any]]) -> list[dict]:
             if role not in ("user", "system", "developer", "assistant"):
                 raise APIError(400, f"unsupported role {role!r}", param=f"{where}.role")
             msgs.append({"role": "system" if role == "developer" else role,
-                         "content": _parts_text(item.get("content", ""), f"{where}.content")})
+                         "content": _parts(item.get("content", ""), f"{where}.content", images and role == "user")})
         elif kind == "function_call":
             if not isinstance(item.get("name"), str):
                 raise APIError(400, "a function_call item needs a name", param=f"{where}.name")

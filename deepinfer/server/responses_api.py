@@ -58,7 +58,7 @@ from deepinfer.server.tooling import (
     kept_calls,
     openai_plan,
     output_parser,
-    render,
+    render_with_images,
 )
 
 
@@ -83,12 +83,12 @@ class _Job:
                 raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
             history = prev.messages
-        self.conversation = history + input_messages(req.input)
+        self.conversation = history + input_messages(req.input, images=ctx.engine.image_processor is not None)
         if not self.conversation:
             raise APIError(400, "input must not be empty", param="input")
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + self.conversation
         self.plan: ToolPlan = openai_plan(req.tools, req.tool_choice, req.parallel_tool_calls)
-        self.prompt_ids = render(ctx, messages, self.plan, "input")
+        self.prompt_ids, self.images = render_with_images(ctx, messages, self.plan, "input")
         engine = ctx.engine
         max_tokens = check_context(len(self.prompt_ids), req.max_output_tokens or engine.sampling_defaults.get(
             "max_tokens"), engine.max_model_len, "input")
@@ -210,7 +210,7 @@ async def create_response(ctx: ServingContext, req: ResponsesRequest, store: Res
     ctx.engine.check_admission()
     job = _Job(ctx, req, store, raw)
     gen = stream_with_metrics(ctx, job.prompt_ids, job.params, None, retention=job.retention,
-                              grammar_param=job.grammar_param, cache_tenant=tenant_of(raw))
+                              grammar_param=job.grammar_param, cache_tenant=tenant_of(raw), multi_modal=job.images)
     if req.stream:
         first = await first_or_error(gen)
         return StreamingResponse(_stream(job, first, gen), media_type="text/event-stream")

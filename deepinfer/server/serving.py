@@ -21,6 +21,7 @@ from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
 from deepinfer.engine.validation import RequestError, context_max_tokens
+from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.recipe.output import RecipeOptions
 from deepinfer.server.metrics import ServerMetrics
 from deepinfer.server.protocol import APIError, SamplingFields, StreamOptions
@@ -185,16 +186,19 @@ def stream_usage(options: StreamOptions | None) -> tuple[bool, bool]:
 async def stream_with_metrics(ctx: ServingContext, prompt_ids: list[int], params: SamplingParams,
                               cache_salt: str | None, prompt: str | None = None,
                               retention: str | None = None, grammar_param: str | None = None,
-                              cache_tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                              cache_tenant: str | None = None,
+                              multi_modal: MultiModalInputs | None = None) -> AsyncIterator[RequestOutput]:
     """The engine's stream for one request, observed by the metrics. A grammar is compiled (or found
     cached) first, so an invalid one is a 400 naming `grammar_param` before anything is queued.
-    `cache_tenant`: `tenant_of(raw)`, the authenticated tenant's prefix cache namespace."""
+    `cache_tenant`: `tenant_of(raw)`, the authenticated tenant's prefix cache namespace; `multi_modal`: the
+    prompt's images (`tooling.render_with_images`)."""
     from deepinfer.server.structured_fields import precompile
 
     await precompile(ctx.engine, params, grammar_param)
     timer = ctx.metrics.timer()
+    images = {"multi_modal": multi_modal} if multi_modal is not None else {}
     async for out in ctx.engine.generate(prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
-                                         retention_class=retention, cache_tenant=cache_tenant):
+                                         retention_class=retention, cache_tenant=cache_tenant, **images):
         timer.observe(out)
         yield out
 

@@ -9,6 +9,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.multimodal.inputs import MultiModalInputs
+from deepinfer.multimodal.processor import ImageError, split_images
 from deepinfer.recipe.output import OutputParser
 from deepinfer.recipe.tokenizer import NoChatTemplate
 from deepinfer.recipe.tool_parsers import ToolCall
@@ -57,17 +59,36 @@ def anthropic_plan(tools: list[dict] | None, choice: dict | None) -> ToolPlan:
 
 
 def render(ctx: ServingContext, messages: list[dict], plan: ToolPlan, param: str = "messages",
-           add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
-    """Prompt ids through the chat template; a template that refuses the conversation is a 400."""
+           add_generation_prompt: bool = True, as_text: bool = False, **template_kwargs: Any) -> list[int]:
+    """Prompt ids through the chat template (`as_text`: its text); a template that refuses the conversation
+    is a 400."""
     try:
         return render_prompt(ctx.engine.tokenizer, messages, plan.specs if plan.active else None,
-                             add_generation_prompt, **template_kwargs)
+                             add_generation_prompt, as_text, **template_kwargs)
     except APIError:
         raise
     except NoChatTemplate as e:
         raise APIError(400, str(e), param=param) from e
     except Exception as e:  # template errors (e.g. unsupported role order) are the client's to fix
         raise APIError(400, f"cannot apply the chat template: {e}", param=param) from e
+
+
+def render_with_images(ctx: ServingContext, messages: list[dict], plan: ToolPlan, param: str = "messages",
+                       add_generation_prompt: bool = True, **template_kwargs: Any
+                       ) -> tuple[list[int], MultiModalInputs | None]:
+    """`render`, for messages whose content may hold image parts (`image_url`): their images read and
+    placed by the model's processor. An unreadable image is a 400 naming `param`."""
+    messages, images = split_images(messages)
+    if not images:
+        return render(ctx, messages, plan, param, add_generation_prompt, **template_kwargs), None
+    processor = ctx.engine.image_processor
+    if processor is None:
+        raise APIError(400, "this model takes no images", param=param)
+    text = render(ctx, messages, plan, param, add_generation_prompt, as_text=True, **template_kwargs)
+    try:
+        return processor(text, images)
+    except ImageError as e:
+        raise APIError(400, str(e), param=param) from e
 
 
 def constrain(params: SamplingParams, plan: ToolPlan) -> SamplingParams:

@@ -1,0 +1,121 @@
+"""A prompt's images as the engine carries them: pixel tiles, where their tokens sit, and their names.
+
+A vision-language model's processor expands each image of a prompt into tiles and each tile into
+`tokens_per_tile` placeholder tokens (`<image>`); `MultiModalInputs` holds the tiles' pixels in prompt
+order and the positions of every placeholder token. Position `positions[i]` takes row `i % tokens_per_tile`
+of tile `i // tokens_per_tile`'s encoding (`EncodedTiles` computes and keeps what a prefill chunk needs).
+
+Two prompts with the same tokens but different images have different KV, so the tiles' content enters the
+block names: a block's hash also covers the digest of every tile whose first placeholder lies in it
+(`block_keys`), and the chain carries it to every later block.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from bisect import bisect_left
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+DIGEST_SIZE = 16
+
+
+def tile_digest(pixels: torch.Tensor, mask: torch.Tensor | None) -> bytes:
+    """A tile's name: BLAKE2b of its float32 pixels (and its pixel mask, if it has padding)."""
+    h = hashlib.blake2b(digest_size=DIGEST_SIZE)
+    h.update(str(tuple(pixels.shape)).encode())
+    h.update(pixels.to(torch.float32).contiguous().numpy().tobytes())
+    if mask is not None and not bool(mask.all()):
+        h.update(mask.to(torch.uint8).contiguous().numpy().tobytes())
+    return h.digest()
+
+
+@dataclass(frozen=True)
+class MultiModalInputs:
+    """`pixel_values` [tiles, C, H, W] (float32, the processor's output) and `pixel_mask` [tiles, H, W]
+    (True where the image is; None: no padding); `positions`: the prompt positions of the placeholder tokens,
+    ascending, `tokens_per_tile` per tile; `num_images`: how many images the tiles came from."""
+
+    pixel_values: torch.Tensor
+    pixel_mask: torch.Tensor | None
+    positions: tuple[int, ...]
+    tokens_per_tile: int
+    num_images: int = 1
+    tile_hashes: tuple[bytes, ...] = field(default=())
+
+    def __post_init__(self) -> None:
+        if not self.tile_hashes:
+            masks = [None] * self.num_tiles if self.pixel_mask is None else list(self.pixel_mask)
+            object.__setattr__(self, "tile_hashes", tuple(tile_digest(p, m) for p, m in zip(
+                self.pixel_values, masks, strict=True)))
+
+    def __getstate__(self) -> dict:
+        # plain arrays across a process pipe: a tensor would go through torch's shared-memory reduction
+        state = dict(self.__dict__)
+        state["pixel_values"] = self.pixel_values.numpy()
+        state["pixel_mask"] = None if self.pixel_mask is None else self.pixel_mask.numpy()
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        state["pixel_values"] = torch.from_numpy(state["pixel_values"])
+        if state["pixel_mask"] is not None:
+            state["pixel_mask"] = torch.from_numpy(state["pixel_mask"])
+        for key, value in state.items():
+            object.__setattr__(self, key, value)
+
+    @property
+    def num_tiles(self) -> int:
+        return int(self.pixel_values.shape[0])
+
+    def check(self, prompt_token_ids: list[int], image_token_id: int, tokens_per_tile: int) -> None:
+        """Raise ValueError unless these inputs fit the prompt and the model."""
+        if tokens_per_tile != self.tokens_per_tile:
+            raise ValueError(f"the model encodes a tile as {tokens_per_tile} tokens, the inputs say "
+                             f"{self.tokens_per_tile}")
+        if len(self.positions) != self.num_tiles * tokens_per_tile:
+            raise ValueError(f"{self.num_tiles} image tiles need {self.num_tiles * tokens_per_tile} image tokens "
+                             f"in the prompt, it has {len(self.positions)}")
+        expected = [i for i, t in enumerate(prompt_token_ids) if t == image_token_id]
+        if list(self.positions) != expected:
+            raise ValueError("the image tokens' positions do not match the prompt's image tokens")
+
+    def block_keys(self, block_size: int) -> dict[int, bytes]:
+        """Block index -> the digests of the tiles whose first placeholder token is in that block."""
+        keys: dict[int, bytes] = {}
+        for t, digest in enumerate(self.tile_hashes):
+            block = self.positions[t * self.tokens_per_tile] // block_size
+            keys[block] = keys.get(block, b"") + digest
+        return keys
+
+    def span(self, start: int, end: int) -> tuple[int, int]:
+        """The placeholder ordinals [a, b) whose positions are in [start, end)."""
+        return bisect_left(self.positions, start), bisect_left(self.positions, end)
+
+
+class EncodedTiles:
+    """A request's encoded tiles while its prefill needs them: encoded when a chunk first covers one of a
+    tile's placeholders, dropped once a chunk has covered its last."""
+
+    def __init__(self, inputs: MultiModalInputs) -> None:
+        self.inputs = inputs
+        self.tiles: dict[int, torch.Tensor] = {}
+
+    def rows(self, a: int, b: int, encode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
+        """The embeddings of placeholder ordinals [a, b) ([b - a, hidden]), encoding the tiles not held
+        (in one call) and dropping those whose last placeholder is before b."""
+        mm, per = self.inputs, self.inputs.tokens_per_tile
+        first, last = a // per, (b - 1) // per
+        missing = [t for t in range(first, last + 1) if t not in self.tiles]
+        if missing:
+            idx = torch.tensor(missing)
+            mask = None if mm.pixel_mask is None else mm.pixel_mask[idx]
+            for t, emb in zip(missing, encode(mm.pixel_values[idx], mask), strict=True):
+                self.tiles[t] = emb
+        out = torch.cat([self.tiles[t] for t in range(first, last + 1)])[a - first * per:b - first * per]
+        for t in range(first, last + 1):
+            if (t + 1) * per <= b:
+                del self.tiles[t]
+        return out

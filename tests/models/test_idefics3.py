@@ -1,0 +1,166 @@
+"""Images in prompts: a tiny random Idefics3 (SmolVLM's architecture) token-identical to transformers' model for
+greedy decoding, through batching, chunked prefill across an image, preemption and the prefix cache (whose block
+names must tell two images apart); the vision tower alone on tiles with padding; bad image inputs refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.multimodal.processor import ImageError
+from tests.models.vlm_tiny import TOKENS_PER_TILE, build_vlm, png_data_url, random_image
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, tokenizer_dir):
+    return build_vlm(tmp_path_factory.mktemp("vlm") / "idefics3", tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(vlm):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compared with ignore_eos
+    return model, AutoProcessor.from_pretrained(str(vlm))
+
+
+def _chat_text(processor, images: int, question: str) -> str:
+    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def _hf(reference, text: str, images: list, max_new_tokens: int = 10) -> tuple[list[int], list[int]]:
+    """(prompt ids, greedy continuation) from transformers."""
+    model, processor = reference
+    enc = processor(text=text, images=[images] if images else None, return_tensors="pt")
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+    n = enc["input_ids"].shape[1]
+    return enc["input_ids"][0].tolist(), out[0, n:].tolist()
+
+
+def _cases(reference) -> list[tuple[str, list]]:
+    _, processor = reference
+    return [
+        (_chat_text(processor, 1, "What is in this picture?"), [random_image(0, 40, 70)]),
+        (_chat_text(processor, 1, "Describe it."), [random_image(1, 50, 30)]),
+        (_chat_text(processor, 2, "Compare the two."), [random_image(2, 20, 30), random_image(3, 64, 64)]),
+        (_chat_text(processor, 0, "No picture this time."), []),
+    ]
+
+
+def _prompt(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+
+
+def _assert_all_free(llm: LLM) -> None:
+    pool = llm.engine.core.kv.pool
+    assert pool.num_free == pool.num_blocks
+    assert not llm.engine.core.kv.block_tables
+
+
+def test_greedy_matches_transformers_in_one_batch(vlm, reference):
+    cases = _cases(reference)
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+    outs = llm.generate([_prompt(t, i) for t, i in cases], GREEDY)
+    for (text, images), out in zip(cases, outs, strict=True):
+        ids, expected = _hf(reference, text, images)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == expected
+    # each image is resized to 64 pixels on its longest side: 2 x 2 tiles and the whole image, 5 tiles an image
+    assert outs[2].prompt_token_ids.count(llm.engine.core.runner.model.image_token_id) == 10 * TOKENS_PER_TILE
+    _assert_all_free(llm)
+
+
+def test_chunked_prefill_and_preemption_across_images(vlm, reference):
+    cases = _cases(reference)
+    probe = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+    per_block = probe.engine.core.runner.kv_bytes_per_block
+    del probe
+    # chunks of 16 tokens end inside images' placeholder runs; 10 blocks cannot hold the four requests at once
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory=str(10 * per_block), max_model_len=160,
+              max_num_batched_tokens=16, enable_prefix_caching=False)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    outs = llm.generate([_prompt(t, i) for t, i in cases], params)
+    assert llm.engine.core.scheduler.num_preemptions > 0
+    for (text, images), out in zip(cases, outs, strict=True):
+        assert out.outputs[0].token_ids == _hf(reference, text, images, 20)[1]
+    _assert_all_free(llm)
+
+
+def test_prefix_cache_tells_images_apart(vlm, reference):
+    _, processor = reference
+    text = _chat_text(processor, 1, "What is in this picture?")
+    first, second = random_image(10, 40, 70), random_image(11, 40, 70)  # same size: the same prompt tokens
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+    a = llm.generate(_prompt(text, [first]), GREEDY)[0]
+    b = llm.generate(_prompt(text, [second]), GREEDY)[0]
+    assert a.prompt_token_ids == b.prompt_token_ids
+    assert a.outputs[0].token_ids == _hf(reference, text, [first])[1]
+    assert b.outputs[0].token_ids == _hf(reference, text, [second])[1]
+    assert a.outputs[0].token_ids != b.outputs[0].token_ids
+    # only the blocks before the first image token are shared
+    first_image_token = b.prompt_token_ids.index(llm.engine.core.runner.model.image_token_id)
+    assert b.num_cached_tokens == first_image_token // 16 * 16
+    again = llm.generate(_prompt(text, [first.copy()]), GREEDY)[0]  # the same pixels, another object
+    assert again.num_cached_tokens == (len(again.prompt_token_ids) - 1) // 16 * 16
+    assert again.outputs[0].token_ids == a.outputs[0].token_ids
+    _assert_all_free(llm)
+
+
+def test_chat_with_image_urls(vlm, reference):
+    _, processor = reference
+    image = random_image(4, 45, 45)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+    out = llm.chat(messages, GREEDY)[0]
+    text = _chat_text(processor, 1, "What is this?")
+    ids, expected = _hf(reference, text, [image])
+    # the chat template's text goes through the processor without special tokens added (it has its own)
+    assert out.prompt_token_ids == processor(text=text, images=[[image]], add_special_tokens=False)["input_ids"][0]
+    assert out.outputs[0].token_ids == expected
+
+
+def test_vision_tower_on_padded_tiles(vlm, reference):
+    """Tiles with padding (pixels outside the image): padded patches are no keys and the kept ones get their
+    positions over the kept region, as transformers' Idefics3 computes them."""
+    model, _ = reference
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+    ours = llm.engine.core.runner.model
+    torch.manual_seed(5)
+    pixels = torch.randn(3, 3, 32, 32)
+    mask = torch.ones(3, 32, 32, dtype=torch.bool)
+    mask[1, 20:, :] = False  # a wide tile: its bottom rows are padding
+    mask[2, :, 12:] = False  # a tall one
+    with torch.no_grad():
+        expected = model.model.get_image_features(pixels[None], mask[None].long()).pooler_output
+        got = ours.encode_tiles(pixels, mask)
+    assert torch.allclose(got.reshape(-1, got.shape[-1]), torch.cat(expected), atol=1e-5, rtol=1e-4)
+    unpadded = ours.encode_tiles(pixels, None)
+    assert not torch.allclose(unpadded[1], got[1], atol=1e-3)  # the mask changed what tile 1 encodes
+
+
+def test_bad_image_inputs_are_refused(vlm, reference, tiny_models):
+    _, processor = reference
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+    text = _chat_text(processor, 1, "What is this?")
+    image_token = llm.engine.core.runner.model.image_token_id
+    with pytest.raises(ValueError, match="image tokens but no images"):
+        llm.generate([[5, image_token, 6]], GREEDY)
+    with pytest.raises(ImageError, match="1 image markers .* for 2 images"):
+        llm.generate(_prompt(text, [random_image(0, 8, 8), random_image(1, 8, 8)]), GREEDY)
+    with pytest.raises(ImageError, match="not valid base64"):
+        llm.generate(_prompt(text, ["data:image/png;base64,@@@"]), GREEDY)
+    with pytest.raises(ImageError, match="cannot read the image"):
+        llm.generate(_prompt(text, ["data:image/png;base64,aGVsbG8="]), GREEDY)
+    with pytest.raises(ValueError, match="'image' only"):
+        llm.generate({"prompt": text, "multi_modal_data": {"audio": b"x"}}, GREEDY)
+    assert not llm.engine.core.scheduler.waiting and not llm.engine.core.kv.block_tables
+    text_only = LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="16MiB")
+    with pytest.raises(ValueError, match="takes no images"):
+        text_only.generate(_prompt("hi <image>", [random_image(0, 8, 8)]), GREEDY)
