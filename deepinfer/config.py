@@ -714,7 +714,7 @@ class ServerConfig:
         return self.cluster_token or os.environ.get(CLUSTER_TOKEN_ENV, "").strip() or None
 
 
-ROLES = ("unified", "prefill", "decode")
+ROLES = ("unified", "prefill", "decode", "encode")
 POLICIES = ("deepinfer", "round_robin", "least_requests")
 
 
@@ -726,11 +726,16 @@ class ClusterConfig:
         "unified",
         "unified = one process prefills and decodes; prefill = a worker that computes prompts to their first "
         "token and ships their KV blocks to a decode worker; decode = a worker that continues requests from "
-        "shipped KV. Workers expose /internal/* endpoints for `deepinfer router`.", choices=list(ROLES))
+        "shipped KV; encode = a worker that encodes prompts' images with a vision-language model's vision tower "
+        "for the prefill and decode workers. Workers expose /internal/* endpoints for `deepinfer router`.",
+        choices=list(ROLES))
     prefill_workers: int = _f(
         0, "With --decode-workers: start a local cluster instead (a router on --host/--port and this many "
         "prefill worker processes on free ports, each with this command's engine flags).")
     decode_workers: int = _f(0, "Decode worker processes of the local cluster (see --prefill-workers).")
+    encode_workers: int = _f(
+        0, "Encode worker processes of the local cluster (a vision-language model: they run the vision tower on "
+        "prompts' images, the prefill and decode workers take the embeddings; 0 = those workers encode).")
     pin_workers: bool = _f(
         False, "Local cluster: pin each worker process (and its engine) to CPUs of its own, dealt round-robin "
         "over the CPUs this command may use (prefill workers first), so workers on one machine interfere "
@@ -749,12 +754,16 @@ class ClusterConfig:
     def __post_init__(self) -> None:
         if self.role not in ROLES:
             raise ValueError(f"role must be one of {', '.join(ROLES)}, got {self.role!r}")
-        if self.prefill_workers < 0 or self.decode_workers < 0:
-            raise ValueError("prefill_workers and decode_workers must be >= 0")
+        if self.prefill_workers < 0 or self.decode_workers < 0 or self.encode_workers < 0:
+            raise ValueError("prefill_workers, decode_workers and encode_workers must be >= 0")
+        if self.encode_workers and not self.prefill_workers:
+            raise ValueError("--encode-workers joins a local cluster: give --prefill-workers and --decode-workers")
         if (self.prefill_workers > 0) != (self.decode_workers > 0):
             raise ValueError("a local cluster needs both --prefill-workers and --decode-workers (>= 1 each)")
         if self.prefill_workers and self.role != "unified":
             raise ValueError("--prefill-workers/--decode-workers start a router and workers; drop --role")
+        if self.ray is not None and self.encode_workers:
+            raise ValueError("--encode-workers starts local processes; it does not combine with --ray yet")
         if self.ray is not None and not self.prefill_workers:
             raise ValueError("--ray places --prefill-workers and --decode-workers; give both")
         if self.ray_cpus_per_worker < 0:
@@ -774,6 +783,8 @@ class RouterConfig:
     prefill: tuple[str, ...] = _f((), "Prefill worker URLs (http://host:port); more may register later.",
                                   nargs="*")
     decode: tuple[str, ...] = _f((), "Decode worker URLs (http://host:port); more may register later.", nargs="*")
+    encode: tuple[str, ...] = _f((), "Encode worker URLs (http://host:port; a vision-language model's image "
+                                 "encoders); more may register later.", nargs="*")
     routing_policy: str = _f(
         "deepinfer",
         "deepinfer = prefill to the earliest estimated finish (queued seconds + this prompt's uncached compute), "

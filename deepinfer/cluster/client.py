@@ -59,6 +59,8 @@ from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache import RetentionPolicy
 from deepinfer.kvcache.engine_tiers import resolve_retention
 from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
+from deepinfer.multimodal.inputs import MultiModalInputs
+from deepinfer.multimodal.processor import ImageProcessor
 from deepinfer.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -75,15 +77,16 @@ class _Retry(Exception):
 
 
 class ClusterEngineClient:
-    # prompts with images are served in unified mode only: the router has no processor, so the API layer refuses
-    # image parts as it does for a text-only model
-    image_processor = None
-
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, tokenizer, vocab_size: int,
                  retention: RetentionPolicy, config: RouterConfig, default_max_model_len: int,
                  store_path: Path | None = None, eos_token_ids: Any = frozenset(), token: str | None = None,
-                 sampling_defaults: dict | None = None) -> None:
+                 sampling_defaults: dict | None = None, image_processor: ImageProcessor | None = None) -> None:
+        """`image_processor`: a vision-language model's processor (the router tokenizes prompts with images; an
+        encode worker, if any, encodes their tiles, else the prefill and decode workers do)."""
         self.pool = pool
+        self.image_processor = image_processor
+        self.num_encode_retries = 0
+        self.num_encode_fallbacks = 0  # requests whose tiles no encode worker encoded (the workers did)
         self._sampling_defaults = dict(sampling_defaults or {})
         self.policy = policy
         self.tokenizer = tokenizer
@@ -172,33 +175,38 @@ class ClusterEngineClient:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        prompt: str | None = None, cache_salt: str | None = None,
-                       retention_class: str | None = None,
-                       cache_tenant: str | None = None) -> AsyncIterator[RequestOutput]:
+                       retention_class: str | None = None, cache_tenant: str | None = None,
+                       multi_modal: MultiModalInputs | None = None) -> AsyncIterator[RequestOutput]:
         retention_class = self.validator.validate(prompt_token_ids, params, retention_class)
+        if multi_modal is not None:
+            multi_modal = await self._encode(multi_modal)
         if params.n > 1:
             gen = self._generate_n(prompt_token_ids, params, request_id, prompt, cache_salt, retention_class,
-                                   cache_tenant)
+                                   cache_tenant, multi_modal)
         else:
-            gen = self._generate_one(prompt_token_ids, params, request_id, cache_salt, retention_class, cache_tenant)
+            gen = self._generate_one(prompt_token_ids, params, request_id, cache_salt, retention_class, cache_tenant,
+                                     multi_modal)
         async with contextlib.aclosing(gen):
             async for out in gen:
                 yield out
 
     async def _generate_one(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
-                            cache_salt: str | None, retention_class: str | None,
-                            cache_tenant: str | None) -> AsyncIterator[RequestOutput]:
+                            cache_salt: str | None, retention_class: str | None, cache_tenant: str | None,
+                            multi_modal: MultiModalInputs | None = None) -> AsyncIterator[RequestOutput]:
         """One sequence (validated): prefill on one worker, decode on another. The decode worker's lines add up
         to its whole output (which starts with the prefill's token); the deltas yielded here (`delta_text`,
         `delta_token_ids`) are taken against what this stream yielded before, as the prefill's first output
         held back the text a stop string could still claim."""
         sent = _Sent()
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
-        hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt, cache_tenant)
+        hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt, cache_tenant, multi_modal)
         route = RouteInfo(len(prompt_token_ids), await self._store_hits(hashes, block_size),
                           params.max_tokens if params.max_tokens is not None else self.max_model_len,
                           self._inflight_prefixes(hashes, block_size))
         base = {"request_id": rid, "prompt_token_ids": prompt_token_ids, "params": params_to_json(params),
                 "cache_salt": cache_salt, "cache_tenant": cache_tenant, "retention_class": retention_class}
+        if multi_modal is not None:
+            base["multi_modal"] = multi_modal.to_wire()
         shipment: _Shipment | None = None
         decoder: Worker | None = None
         try:
@@ -222,7 +230,7 @@ class ClusterEngineClient:
 
     async def _generate_n(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
                           prompt: str | None, cache_salt: str | None, retention_class: str | None,
-                          cache_tenant: str | None) -> AsyncIterator[RequestOutput]:
+                          cache_tenant: str | None, multi_modal: MultiModalInputs | None) -> AsyncIterator[RequestOutput]:
         """n > 1: n independent one-sequence requests (seeds seed, seed+1, ... as the engine gives its
         children), each routed on its own, merged into one output with n choices."""
         from deepinfer.server.serving import merge
@@ -230,7 +238,7 @@ class ClusterEngineClient:
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
         subs = [self._generate_one(prompt_token_ids, replace(params, n=1, seed=None if params.seed is None else
                                                              params.seed + i), f"{rid}-{i}", cache_salt,
-                                   retention_class, cache_tenant) for i in range(params.n)]
+                                   retention_class, cache_tenant, multi_modal) for i in range(params.n)]
         latest: list[RequestOutput | None] = [None] * params.n
         async for i, out in merge(subs):
             latest[i] = out
@@ -240,6 +248,40 @@ class ClusterEngineClient:
                           outputs=[replace(o.outputs[0], index=j) if j == i else
                                    replace(o.outputs[0], index=j, delta_text="", delta_token_ids=[])
                                    for j, o in enumerate(latest) if o is not None])
+
+    # ------------------------------------------------------------------ encode
+
+    async def _encode(self, multi_modal: MultiModalInputs) -> MultiModalInputs:
+        """The tiles encoded by an encode worker (the least busy live one; another if it fails); as they are
+        (pixels: the prefill and decode workers encode them) when the cluster has none or none answers."""
+        tried: set[str] = set()
+        while True:
+            workers = [w for w in self.pool.rotation("encode") if w.url not in tried]
+            if not workers:
+                if tried:
+                    self.num_encode_fallbacks += 1
+                    logger.warning("no encode worker answered; the prefill and decode workers encode the images")
+                return multi_modal
+            w = min(workers, key=lambda w: (len(w.inflight_encode), w.requests_routed))
+            tried.add(w.url)
+            key = uuid.uuid4().hex
+            w.inflight_encode[key] = multi_modal.num_tiles
+            w.requests_routed += 1
+            try:
+                r = await self._client.post(f"{w.url}/internal/encode", json={"multi_modal": multi_modal.to_wire()})
+                if r.status_code == 400:  # the images, not the worker: the same anywhere
+                    _json_or_error(r)
+                if r.status_code != 200:
+                    raise httpx.HTTPStatusError(f"HTTP {r.status_code}", request=r.request, response=r)
+                encoded = MultiModalInputs.from_wire(r.json()["multi_modal"])
+                if encoded.tile_hashes != multi_modal.tile_hashes or encoded.embeddings is None:
+                    raise ValueError("the encode worker answered for other tiles")
+                return encoded
+            except (httpx.HTTPError, ValueError, KeyError) as e:
+                self.num_encode_retries += 1
+                self.pool.mark_failed(w, f"encode failed: {e!r}")
+            finally:
+                w.inflight_encode.pop(key, None)
 
     # ------------------------------------------------------------------ prefill
 
@@ -387,8 +429,8 @@ class ClusterEngineClient:
 
     # ------------------------------------------------------------------ store lookup
 
-    def _block_hashes(self, prompt_ids: list[int], cache_salt: str | None,
-                      cache_tenant: str | None = None) -> tuple[list[bytes], int]:
+    def _block_hashes(self, prompt_ids: list[int], cache_salt: str | None, cache_tenant: str | None = None,
+                      multi_modal: MultiModalInputs | None = None) -> tuple[list[bytes], int]:
         """The hashes of the prompt's full blocks a worker could take from a cache (the last token is
         always computed), as the workers' engines hash them for this tenant, and the block size; ([], 1)
         before any worker has reported its KV layout."""
@@ -400,7 +442,8 @@ class ClusterEngineClient:
         layout = KVLayout(*load["kv_layout"])
         hashes: list[bytes] = []
         extend_block_hashes(hashes, prompt_ids, layout.block_size,
-                            root_hash(load["model_identity"], layout.key, cache_salt, cache_tenant))
+                            root_hash(load["model_identity"], layout.key, cache_salt, cache_tenant),
+                            multi_modal.block_keys(layout.block_size) if multi_modal is not None else None)
         return hashes[:(len(prompt_ids) - 1) // layout.block_size], layout.block_size
 
     def _inflight_prefixes(self, hashes: list[bytes], block_size: int) -> dict[str, int]:

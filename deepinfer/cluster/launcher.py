@@ -1,6 +1,6 @@
-"""One-command local cluster: `deepinfer serve --prefill-workers P --decode-workers D`.
+"""One-command local cluster: `deepinfer serve --prefill-workers P --decode-workers D [--encode-workers E]`.
 
-    this process: router on --host/--port ──polls──▶ P prefill + D decode worker processes
+    this process: router on --host/--port ──polls──▶ P prefill + D decode (+ E encode) worker processes
                                                     (`deepinfer serve --role ...` on free 127.0.0.1 ports,
                                                      each with this command's engine flags)
 
@@ -60,8 +60,9 @@ def config_flags(cfg: Any) -> list[str]:
 
 def engine_flags(engine: EngineConfig, role: str = "unified") -> list[str]:
     """The flags that rebuild `engine` in a worker of `role`. Speculative decoding goes to decode (and
-    unified) workers only: a prefill worker computes the prompt and the first token, never a draft."""
-    spec = config_flags(engine.speculative) if role != "prefill" else []
+    unified) workers only: a prefill worker computes the prompt and the first token, never a draft (an encode
+    worker, no token at all)."""
+    spec = config_flags(engine.speculative) if role in ("unified", "decode") else []
     return [*config_flags(engine.model), *config_flags(engine.cache), *config_flags(engine.scheduler),
             *config_flags(engine.kvstore), *spec]
 
@@ -129,17 +130,21 @@ def serve_local_cluster(engine: EngineConfig, server: ServerConfig, cluster: Clu
     server = dataclasses.replace(server, cluster_token=token)
     prefill = [f"http://127.0.0.1:{free_port()}" for _ in range(cluster.prefill_workers)]
     decode = [f"http://127.0.0.1:{free_port()}" for _ in range(cluster.decode_workers)]
-    roles = [(role, url) for role, urls in (("prefill", prefill), ("decode", decode)) for url in urls]
+    encode = [f"http://127.0.0.1:{free_port()}" for _ in range(cluster.encode_workers)]
+    roles = [(role, url) for role, urls in (("prefill", prefill), ("decode", decode), ("encode", encode))
+             for url in urls]
     cpu_sets = (worker_cpu_sets(len(roles), engine.model.num_threads or 1) if cluster.pin_workers
                 else [None] * len(roles))
     procs = [start_worker(role, engine, int(url.rsplit(":", 1)[1]), log_level, cpus=cpus, token=token)
              for (role, url), cpus in zip(roles, cpu_sets, strict=True)]
     try:
-        router = dataclasses.replace(router, prefill=(*router.prefill, *prefill), decode=(*router.decode, *decode))
+        router = dataclasses.replace(router, prefill=(*router.prefill, *prefill), decode=(*router.decode, *decode),
+                                     encode=(*router.encode, *encode))
         client = build_client(engine.model, engine.kvstore, router, token)
         name = model_name_of(engine.model)
+        encoders = f", encode workers {', '.join(encode)}" if encode else ""
         print(f"deepinfer: local cluster: router http://{server.host}:{server.port}/v1, prefill workers "
-              f"{', '.join(prefill)}, decode workers {', '.join(decode)} ({router.routing_policy} policy)",
+              f"{', '.join(prefill)}, decode workers {', '.join(decode)}{encoders} ({router.routing_policy} policy)",
               flush=True)
         asyncio.run(run_router(client, name, server))
     except KeyboardInterrupt:

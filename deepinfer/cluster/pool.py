@@ -34,6 +34,9 @@ from deepinfer.engine.cost_model import CostModel
 logger = logging.getLogger(__name__)
 
 
+WORKER_ROLES = ("prefill", "decode", "encode")
+
+
 @dataclass
 class Worker:
     url: str
@@ -46,6 +49,7 @@ class Worker:
     # requests this router has in flight on the worker; prefill: request id -> (sent at, estimated seconds)
     inflight_prefill: dict[str, tuple[float, float]] = field(default_factory=dict)
     inflight_decode_tokens: dict[str, int] = field(default_factory=dict)
+    inflight_encode: dict[str, int] = field(default_factory=dict)  # encode: call -> image tiles
     requests_routed: int = 0
     prefill_seconds_routed: float = 0.0  # estimated prefill compute of the requests sent to it
     decode_tokens_routed: int = 0  # prompt + max_tokens of the requests sent to it to decode
@@ -126,8 +130,8 @@ class WorkerPool:
 
     def add(self, url: str, role: str) -> Worker:
         url = url.rstrip("/")
-        if role not in ("prefill", "decode"):
-            raise ValueError(f"a worker's role must be prefill or decode, got {role!r}")
+        if role not in WORKER_ROLES:
+            raise ValueError(f"a worker's role must be prefill, decode or encode, got {role!r}")
         w = self.workers.get(url)
         if w is None or w.role != role:
             w = self.workers[url] = Worker(url, role)

@@ -2,7 +2,8 @@
 
 The app is the server's own (`server.app.build_app`) around a `ClusterEngineClient`, plus:
 - POST /internal/register {url, role}: a worker joins (or heartbeats) by URL;
-- GET /internal/workers: every known worker, its state and last load report;
+- GET /internal/workers: every known worker (prefill, decode, encode), its state and last load report, and the
+  router's retry counters;
 - /metrics: the server's metrics (engine stats summed over workers) and the scaling signals per
   worker and per pool: queued prefill seconds, running requests, KV tokens and usage, liveness.
 
@@ -28,7 +29,7 @@ from prometheus_client.core import GaugeMetricFamily
 from deepinfer.cluster.auth import require_token
 from deepinfer.cluster.client import ClusterEngineClient
 from deepinfer.cluster.policies import make_policy
-from deepinfer.cluster.pool import WorkerPool
+from deepinfer.cluster.pool import WORKER_ROLES, WorkerPool
 from deepinfer.config import KVStoreConfig, LimitsConfig, ModelConfig, RouterConfig, ServerConfig
 from deepinfer.server.protocol import APIError
 
@@ -55,7 +56,7 @@ class ClusterCollector:
         pool_running = family("pool_running_requests", "Running requests summed over the pool.", ["pool"])
         pool_usage = family("pool_kv_usage", "Mean KV usage over the pool's live workers.", ["pool"])
         pool_live = family("pool_workers_live", "Workers of the pool in rotation.", ["pool"])
-        for role in ("prefill", "decode"):
+        for role in WORKER_ROLES:
             members = [w for w in self.pool.workers.values() if w.role == role]
             live = self.pool.rotation(role)
             for w in members:
@@ -95,8 +96,8 @@ def build_router_app(client: ClusterEngineClient, model_name: str | Sequence[str
         url, role = body.get("url"), body.get("role")
         if not isinstance(url, str) or not url.startswith(("http://", "https://")):
             raise APIError(400, "url must be an http(s) URL", param="url")
-        if role not in ("prefill", "decode"):
-            raise APIError(400, "role must be prefill or decode", param="role")
+        if role not in WORKER_ROLES:
+            raise APIError(400, "role must be prefill, decode or encode", param="role")
         pool.heartbeat(url, role)
         return {"ok": True}
 
@@ -111,6 +112,7 @@ def build_router_app(client: ClusterEngineClient, model_name: str | Sequence[str
             "load": {k: v for k, v in w.load.items() if k != "stats"},
         } for w in pool.workers.values()],
             "prefill_retries": client.num_prefill_retries, "decode_retries": client.num_decode_retries,
+            "encode_retries": client.num_encode_retries, "encode_fallbacks": client.num_encode_fallbacks,
             "failed_requests": client.num_failed}
 
     @internal.get("/routes")
@@ -128,6 +130,8 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
     the cluster token its worker calls carry."""
     from transformers import AutoConfig
 
+    from deepinfer.models.registry import image_facts, text_config
+    from deepinfer.multimodal.processor import ImageProcessor
     from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
     from deepinfer.weights import resolve_model
 
@@ -139,14 +143,19 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
         pool.add(url, "prefill")
     for url in router.decode:
         pool.add(url, "decode")
+    for url in router.encode:
+        pool.add(url, "encode")
     policy = make_policy(router.routing_policy, router.decode_running_weight, router.decode_kv_weight,
                          router.decode_locality_margin)
     retention = kvstore.retention
-    default_len = model.max_model_len or getattr(hf_config, "max_position_embeddings", None) or 4096
+    default_len = model.max_model_len or getattr(text_config(hf_config), "max_position_embeddings", None) or 4096
     store: Path | None = kvstore.store_path()
+    images = image_facts(hf_config)  # a vision-language model: the router runs its processor
+    processor = ImageProcessor(files.directory, *images) if images is not None else None
+    hf_config = text_config(hf_config)
     return ClusterEngineClient(pool, policy, tokenizer, hf_config.vocab_size, retention, router, default_len, store,
                                eos_token_ids(tokenizer, hf_config, files.directory), token,
-                               sampling_defaults(model.generation_config, files.directory))
+                               sampling_defaults(model.generation_config, files.directory), processor)
 
 
 def model_name_of(model: ModelConfig) -> tuple[str, ...]:

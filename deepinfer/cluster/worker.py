@@ -11,6 +11,9 @@
     router ── POST /internal/decode  ──▶ decode worker: waits until the transfer has ended (most blocks are
                                          imported by then), continues the request after its first token,
                                          releases the hold once the request runs; NDJSON stream of outputs
+    router ── POST /internal/encode  ──▶ encode worker: a prompt's image tiles encoded by the model's vision
+                                         tower (`LLMEngine.encode_images`); the router sends the embeddings on
+                                         to the prefill and decode workers in place of the pixels
     router ── GET  /internal/load    ──▶ either: queued prefill seconds (cost model), running requests, KV
                                          tokens / usage / capacity, KV receiver address, what names blocks,
                                          transfer counters
@@ -21,7 +24,10 @@ tenant the router puts in a body (`cache_tenant`, the prefix cache namespace of 
 is taken as given, and a client cannot name another tenant's blocks by talking to a worker.
 
 The engine is reached only through the `EngineClient` surface (its engine may run in another process):
-`facts`, `stats()`, `generate(stream_kv=...)`, and `call("import_kv_blocks" | "release_kv_blocks", ...)`.
+`facts`, `stats()`, `generate(stream_kv=...)`, and `call("import_kv_blocks" | "release_kv_blocks" | "encode_images",
+...)`. A request with images carries them (`multi_modal`: pixels, or an encode worker's embeddings) to the prefill
+and the decode worker alike: the decode worker recomputes the prompt's last partial block, which may hold image
+placeholders.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ from deepinfer.cluster.wire import logprobs_from_json, output_delta_to_json, out
 from deepinfer.config import ClusterConfig, ServerConfig
 from deepinfer.engine.cost_model import TERMS, CostModel
 from deepinfer.engine.engine_client import EngineClient, EngineDeadError
+from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -144,6 +151,7 @@ class WorkerState:
             "cost_coefficients": cost_coefficients(s), "kv_transfer": kv_address, **self.counters,
             "transfers_refused": getattr(self.transfer, "refused", 0),  # peers without the cluster token
             "transfers_pending": sum(not a.done.is_set() for a in self.arrivals.values()), "kv_blocks_held": int(s.get("kv_blocks_held_for_imports", 0)),
+            "encoded_tiles": int(s.get("encoded_tiles", 0)),
             "stats": s,
         }
 
@@ -247,7 +255,17 @@ async def _read(raw: Request, *required: str) -> dict[str, Any]:
     for name in ("cache_salt", "cache_tenant"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise APIError(400, f"{name} must be a string", param=name)
+    if body.get("multi_modal") is not None:
+        try:
+            body["multi_modal"] = MultiModalInputs.from_wire(body["multi_modal"])
+        except ValueError as e:
+            raise APIError(400, str(e), param="multi_modal") from e
     return body
+
+
+def _images(body: dict[str, Any]) -> dict[str, Any]:
+    """`generate`'s keyword for the body's images, if it has any."""
+    return {"multi_modal": body["multi_modal"]} if body.get("multi_modal") is not None else {}
 
 
 def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
@@ -275,7 +293,7 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                                              cache_salt=body.get("cache_salt"),
                                              cache_tenant=body.get("cache_tenant"),
                                              retention_class=body.get("retention_class"),
-                                             stream_kv=stream is not None):
+                                             stream_kv=stream is not None, **_images(body)):
                 if out.kv_blocks and stream is not None:
                     stream.send(out.kv_blocks)  # a background task writes them while the next chunk computes
                 final = out
@@ -326,7 +344,7 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                                   cache_salt=body.get("cache_salt"), cache_tenant=body.get("cache_tenant"),
                                   retention_class=body.get("retention_class"),
                                   output_prefix=list(body["output_prefix"]),
-                                  prefix_logprobs=logprobs_from_json(body.get("prefix_logprobs")))
+                                  prefix_logprobs=logprobs_from_json(body.get("prefix_logprobs")), **_images(body))
             try:  # the first output before the 200, so engine-side rejections still get their status
                 first = await gen.__anext__()
             except StopAsyncIteration:
@@ -355,6 +373,15 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                 await gen.aclose()  # the router went away: abort the request, free its blocks
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
+
+    @internal.post("/encode")
+    async def encode(raw: Request):
+        body = await _read(raw, "multi_modal")
+        try:
+            encoded = await engine.call("encode_images", body["multi_modal"])
+        except ValueError as e:
+            raise APIError(400, str(e), param="multi_modal") from e
+        return {"multi_modal": encoded.to_wire()}
 
     app.include_router(internal)
 

@@ -91,6 +91,7 @@ class LLMEngine:
         self._seq_request: dict[str, str] = {}  # sequence id -> request id
         self._prompt_logprobs_due: set[str] = set()  # requests whose prompt logprobs are still to be sent
         self._ids = itertools.count()
+        self.num_encoded_tiles = 0  # image tiles `encode_images` encoded for others (an encode worker)
         mode = config.scheduler.overlap_host_work
         self.overlap = mode == "on" or (mode == "auto" and self.core.runner.device.type == "cuda")
         # the expert-parallel step protocol and EPLB's switches run between steps on this thread
@@ -174,7 +175,7 @@ class LLMEngine:
         if not validated:
             retention_class = self.validator.validate(prompt_ids, params, retention_class, output_prefix,
                                                       prefix_logprobs, stream_kv)
-        self.check_images(prompt_ids, multi_modal, bool(output_prefix) or stream_kv)
+        self.check_images(prompt_ids, multi_modal)
         if params.bad_words and params.bad_words_token_ids is None:
             params = dataclasses.replace(params, bad_words_token_ids=bad_word_sequences(self.tokenizer,
                                                                                         params.bad_words))
@@ -210,7 +211,7 @@ class LLMEngine:
             self._kv_streams[request_id] = [seqs[0], 0]
         return request_id
 
-    def check_images(self, prompt_ids: list[int], multi_modal: MultiModalInputs | None, disaggregated: bool) -> None:
+    def check_images(self, prompt_ids: list[int], multi_modal: MultiModalInputs | None) -> None:
         """Raise ValueError unless the prompt's image placeholders and `multi_modal` fit each other and the model."""
         model = self.core.runner.model
         if not hasattr(model, "encode_tiles"):
@@ -221,9 +222,24 @@ class LLMEngine:
             if model.image_token_id in prompt_ids:
                 raise ValueError("the prompt has image tokens but no images")
             return
-        if disaggregated:
-            raise ValueError("images are served in unified mode only (no prefill / decode disaggregation yet)")
         multi_modal.check(prompt_ids, model.image_token_id, model.tokens_per_tile)
+        if multi_modal.embeddings is not None and multi_modal.embeddings.shape[-1] != model.config.hidden_size:
+            raise ValueError(f"image embeddings of width {multi_modal.embeddings.shape[-1]} for a model of width "
+                             f"{model.config.hidden_size}")
+
+    @torch.inference_mode()
+    def encode_images(self, multi_modal: MultiModalInputs) -> MultiModalInputs:
+        """`multi_modal` with its tiles encoded by this model's vision tower (an encode worker's job)."""
+        model = self.core.runner.model
+        if not hasattr(model, "encode_tiles"):
+            raise ValueError(f"{type(model).__name__} takes no images")
+        if multi_modal.pixel_values is None:
+            return multi_modal
+        if multi_modal.tokens_per_tile != model.tokens_per_tile:
+            raise ValueError(f"the model encodes a tile as {model.tokens_per_tile} tokens, the inputs say "
+                             f"{multi_modal.tokens_per_tile}")
+        self.num_encoded_tiles += multi_modal.num_tiles
+        return multi_modal.encoded(model.encode_tiles(multi_modal.pixel_values, multi_modal.pixel_mask))
 
     @contextlib.contextmanager
     def closed_batch(self) -> Iterator[None]:
@@ -332,6 +348,7 @@ class LLMEngine:
             "prefill_queued_at": time.monotonic(),  # system-wide clock: a worker process ages the snapshot
             "kv_tokens": sum(r.num_tokens for r in sched.running),
             "kv_blocks_held_for_imports": sum(len(h) for h in self._kv_holds.values()),
+            "encoded_tiles": self.num_encoded_tiles,
             "step_idle_gap_seconds_total": self.core.idle_gap_seconds,
             "step_idle_gap_last_seconds": self.core.idle_gap_last,
             "step_idle_gaps": self.core.num_idle_gaps,

@@ -31,7 +31,8 @@ from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.multimodal.processor import ImageProcessor
 
 # LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
-ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks"})
+ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks",
+                          "encode_images"})
 
 
 class EngineDeadError(RuntimeError):

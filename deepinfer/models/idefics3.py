@@ -155,11 +155,16 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
             raise ValueError("Idefics3: image_size / patch_size must be a whole multiple of scale_factor")
         super().__init__(text, backend, max_positions, dtype)
         self.multimodal_config = cfg
-        self.image_token_id = int(cfg.image_token_id)
-        self.tokens_per_tile = (vcfg.image_size // vcfg.patch_size // cfg.scale_factor) ** 2
+        self.image_token_id, self.tokens_per_tile = self.image_facts(cfg)
         self.patch_size = vcfg.patch_size
         self.vision_model = VisionTransformer(vcfg)
         self.connector = Connector(cfg)
+
+    @staticmethod
+    def image_facts(cfg) -> tuple[int, int]:
+        """(image token id, placeholder tokens per tile) of a config: what a router needs, with no weights."""
+        vcfg = cfg.vision_config
+        return int(cfg.image_token_id), (vcfg.image_size // vcfg.patch_size // cfg.scale_factor) ** 2
 
     def encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
         """Tiles [T, C, H, W] (and their pixel mask [T, H, W], True where the image is) -> the text-model

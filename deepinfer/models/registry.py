@@ -28,6 +28,14 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
 }
 
 
+def image_facts(hf_config) -> tuple[int, int] | None:
+    """(image token id, placeholder tokens per image tile) of a vision-language checkpoint; None for a text model."""
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    cls = next((MODEL_REGISTRY[a] for a in archs if a in MODEL_REGISTRY), None)
+    facts = getattr(cls, "image_facts", None)
+    return facts(hf_config) if facts is not None else None
+
+
 def text_config(hf_config):
     """The language model's config: a vision-language checkpoint's `text_config`, else the config itself."""
     return hf_config.get_text_config()

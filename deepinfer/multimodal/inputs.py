@@ -12,14 +12,25 @@ block names: a block's hash also covers the digest of every tile whose first pla
 
 from __future__ import annotations
 
+import base64
+import binascii
+import dataclasses
 import hashlib
 from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 DIGEST_SIZE = 16
+
+
+def _plain(t: torch.Tensor) -> torch.Tensor:
+    """On the CPU, in a dtype numpy has (bfloat16 widens to float32, exactly)."""
+    t = t.detach().cpu()
+    return t.float() if t.dtype in (torch.bfloat16, torch.float16) else t
 
 
 def tile_digest(pixels: torch.Tensor, mask: torch.Tensor | None) -> bytes:
@@ -32,43 +43,89 @@ def tile_digest(pixels: torch.Tensor, mask: torch.Tensor | None) -> bytes:
     return h.digest()
 
 
+_TENSORS = ("pixel_values", "pixel_mask", "embeddings")
+
+
 @dataclass(frozen=True)
 class MultiModalInputs:
     """`pixel_values` [tiles, C, H, W] (float32, the processor's output) and `pixel_mask` [tiles, H, W]
-    (True where the image is; None: no padding); `positions`: the prompt positions of the placeholder tokens,
-    ascending, `tokens_per_tile` per tile; `num_images`: how many images the tiles came from."""
+    (True where the image is; None: no padding), or the tiles already encoded, `embeddings` [tiles,
+    tokens_per_tile, hidden] (an encode worker's output: the engine then runs no vision tower); `positions`: the
+    prompt positions of the placeholder tokens, ascending, `tokens_per_tile` per tile; `num_images`: how many
+    images the tiles came from; `tile_hashes`: each tile's digest (computed from the pixels when not given)."""
 
-    pixel_values: torch.Tensor
+    pixel_values: torch.Tensor | None
     pixel_mask: torch.Tensor | None
     positions: tuple[int, ...]
     tokens_per_tile: int
     num_images: int = 1
     tile_hashes: tuple[bytes, ...] = field(default=())
+    embeddings: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
+        if self.pixel_values is None and self.embeddings is None:
+            raise ValueError("image inputs need their pixels or their embeddings")
         if not self.tile_hashes:
+            if self.pixel_values is None:
+                raise ValueError("encoded image inputs need their tiles' digests")
             masks = [None] * self.num_tiles if self.pixel_mask is None else list(self.pixel_mask)
             object.__setattr__(self, "tile_hashes", tuple(tile_digest(p, m) for p, m in zip(
                 self.pixel_values, masks, strict=True)))
+        if len(self.tile_hashes) != self.num_tiles:
+            raise ValueError(f"{len(self.tile_hashes)} tile digests for {self.num_tiles} tiles")
 
     def __getstate__(self) -> dict:
         # plain arrays across a process pipe: a tensor would go through torch's shared-memory reduction
         state = dict(self.__dict__)
-        state["pixel_values"] = self.pixel_values.numpy()
-        state["pixel_mask"] = None if self.pixel_mask is None else self.pixel_mask.numpy()
+        for name in _TENSORS:
+            if state[name] is not None:
+                state[name] = _plain(state[name]).numpy()
         return state
 
     def __setstate__(self, state: dict) -> None:
-        state = dict(state)
-        state["pixel_values"] = torch.from_numpy(state["pixel_values"])
-        if state["pixel_mask"] is not None:
-            state["pixel_mask"] = torch.from_numpy(state["pixel_mask"])
         for key, value in state.items():
-            object.__setattr__(self, key, value)
+            object.__setattr__(self, key, torch.from_numpy(value) if key in _TENSORS and value is not None else value)
+
+    def encoded(self, embeddings: torch.Tensor) -> MultiModalInputs:
+        """These inputs with their tiles' embeddings instead of their pixels."""
+        if embeddings.shape[:2] != (self.num_tiles, self.tokens_per_tile):
+            raise ValueError(f"embeddings of shape {tuple(embeddings.shape)} for {self.num_tiles} tiles of "
+                             f"{self.tokens_per_tile} tokens")
+        return dataclasses.replace(self, pixel_values=None, pixel_mask=None, embeddings=embeddings)
+
+    def to_wire(self) -> dict[str, Any]:
+        """A JSON-able form (arrays as base64 of their bytes), for the cluster's HTTP calls."""
+        body: dict[str, Any] = {"positions": list(self.positions), "tokens_per_tile": self.tokens_per_tile,
+                                "num_images": self.num_images, "tile_hashes": [h.hex() for h in self.tile_hashes]}
+        for name in _TENSORS:
+            t = getattr(self, name)
+            if t is not None:
+                a = _plain(t).contiguous().numpy()
+                body[name] = {"dtype": str(a.dtype), "shape": list(a.shape),
+                              "data": base64.b64encode(a.tobytes()).decode()}
+        return body
+
+    @classmethod
+    def from_wire(cls, body: dict[str, Any]) -> MultiModalInputs:
+        """`to_wire`'s inverse; ValueError for a malformed body."""
+        try:
+            arrays = {}
+            for name in _TENSORS:
+                spec = body.get(name)
+                if spec is not None:
+                    if spec["dtype"] not in ("float32", "bool"):
+                        raise ValueError(f"{name}: dtype {spec['dtype']!r}")
+                    a = np.frombuffer(base64.b64decode(spec["data"], validate=True), dtype=spec["dtype"])
+                    arrays[name] = torch.from_numpy(a.reshape(spec["shape"]).copy())
+            return cls(arrays.get("pixel_values"), arrays.get("pixel_mask"), tuple(int(p) for p in body["positions"]),
+                       int(body["tokens_per_tile"]), int(body.get("num_images", 1)),
+                       tuple(bytes.fromhex(h) for h in body["tile_hashes"]), arrays.get("embeddings"))
+        except (KeyError, TypeError, ValueError, binascii.Error) as e:
+            raise ValueError(f"malformed image inputs: {e}") from e
 
     @property
     def num_tiles(self) -> int:
-        return int(self.pixel_values.shape[0])
+        return int((self.pixel_values if self.pixel_values is not None else self.embeddings).shape[0])
 
     def check(self, prompt_token_ids: list[int], image_token_id: int, tokens_per_tile: int) -> None:
         """Raise ValueError unless these inputs fit the prompt and the model."""
@@ -107,6 +164,8 @@ class EncodedTiles:
         """The embeddings of placeholder ordinals [a, b) ([b - a, hidden]), encoding the tiles not held
         (in one call) and dropping those whose last placeholder is before b."""
         mm, per = self.inputs, self.inputs.tokens_per_tile
+        if mm.embeddings is not None:  # encoded elsewhere (an encode worker)
+            return mm.embeddings.reshape(-1, mm.embeddings.shape[-1])[a:b]
         first, last = a // per, (b - 1) // per
         missing = [t for t in range(first, last + 1) if t not in self.tiles]
         if missing:

@@ -186,7 +186,8 @@ def test_reused_admission_stores_a_prefix_at_its_second_use(tiny_models, tmp_pat
     evicted, and from there a restarted engine loads them like any stored prefix."""
     model, prompt, again = tiny_models["llama"], _prompt(30, 70), _prompt(31, 70)
     full = (len(prompt) - 1) // BS  # blocks a lookup can use (the last token is always computed)
-    with _llm(model, tmp_path, kv_store_admit="reused") as llm:
+    # a small device cache (~170 blocks), which a few dozen other prompts evict
+    with _llm(model, tmp_path, kv_store_admit="reused", kv_cache_memory="2MiB") as llm:
         stats = llm.engine.stats
         ref = _run(llm, prompt)
         assert llm.engine.core.flush_kv_store()

@@ -1,0 +1,77 @@
+"""Images through a real local cluster (router, encode, prefill and decode worker processes) on a tiny random
+Idefics3: the router tokenizes with the model's processor, an encode worker runs the vision tower, the prefill and
+decode workers take its embeddings; replies equal transformers' greedy continuation. Without encode workers (or
+once the only one is dead) the prefill and decode workers encode the tiles themselves, with the same replies."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.models.vlm_tiny import build_vlm, png_data_url, random_image
+from tests.server_utils import INTERNAL, running_cluster
+from tests.server_utils import cluster_workers as _workers
+
+MAX_TOKENS = 8
+FLAGS = ("--served-model-name", "m", "--dtype", "float32", "--kv-cache-memory", "64MiB", "--no-profile-cost-model",
+         "--max-model-len", "512", "--health-interval", "1")
+
+
+@pytest.fixture(scope="module")
+def vlm(tmp_path_factory, tokenizer_dir):
+    return build_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3", tokenizer_dir)
+
+
+@pytest.fixture(scope="module")
+def reference(vlm):
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model, AutoProcessor.from_pretrained(str(vlm))
+
+
+def _expected(reference, question: str, image) -> str:
+    model, processor = reference
+    content = [{"type": "image"}, {"type": "text", "text": question}]
+    text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+    enc = processor(text=text, images=[[image]], return_tensors="pt", add_special_tokens=False)
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
+    return processor.tokenizer.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+
+
+def _ask(base: str, image, question: str, **kw) -> str:
+    client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+    r = client.chat.completions.create(
+        model="m", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True}, **kw,
+        messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                                               {"type": "text", "text": question}]}])
+    if kw.get("stream"):
+        return "".join(c.choices[0].delta.content or "" for c in r if c.choices)
+    return r.choices[0].message.content
+
+
+def _router_state(base: str) -> dict:
+    return httpx.get(f"{base}/internal/workers", headers=INTERNAL, timeout=10).json()
+
+
+def test_encode_prefill_and_decode_workers(vlm, reference, tmp_path):
+    with running_cluster("--model", str(vlm), *FLAGS, "--prefill-workers", "1", "--decode-workers", "1",
+                         "--encode-workers", "1", log=tmp_path / "cluster.log") as base:
+        images = [random_image(30, 40, 70), random_image(31, 50, 50)]
+        assert _ask(base, images[0], "What is this?") == _expected(reference, "What is this?", images[0])
+        assert _ask(base, images[1], "And this?", stream=True) == _expected(reference, "And this?", images[1])
+        encoder = next(w for w in _workers(base) if w["role"] == "encode")
+        load = httpx.get(f"{encoder['url']}/internal/load", headers=INTERNAL, timeout=10).json()
+        assert load["encoded_tiles"] == 10  # 5 tiles an image (2 x 2 and the whole image), both here
+        # the only encode worker dies: the prefill and decode workers encode, and the reply is the same
+        os.kill(load["pid"], signal.SIGKILL)
+        assert _ask(base, images[0], "What is this?") == _expected(reference, "What is this?", images[0])
+        state = _router_state(base)
+        assert state["encode_fallbacks"] >= 1 and state["failed_requests"] == 0
