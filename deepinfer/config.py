@@ -600,6 +600,9 @@ class LimitsConfig:
     max_tools: int = _f(128, "Most tools in one request.")
     max_messages: int = _f(2048, "Most messages in one request (Responses: input items).")
     max_logit_bias: int = _f(300, "Most logit_bias entries in one request.")
+    max_images_per_request: int = _f(
+        8, "Most images in one request (a vision-language model encodes every tile of each; vLLM's "
+        "--limit-mm-per-prompt '{\"image\": N}' sets it too).")
     max_waiting_requests: int | None = _f(
         None, "Bound on the waiting queue: the server admits at most --max-num-seqs (the router: summed over its "
         "decode workers) + this many sequences at a time (a request counts its n x prompts sequences); past it, "
@@ -615,7 +618,7 @@ class LimitsConfig:
         if self.max_request_body_size < 1024:
             raise ValueError(f"max_request_body_size must be at least 1KiB, got {self.max_request_body_size!r}")
         for name in ("max_json_depth", "max_n", "max_stop_sequences", "max_stop_length", "max_tools", "max_messages",
-                     "max_logit_bias", "retry_after"):
+                     "max_logit_bias", "max_images_per_request", "retry_after"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if not 0 <= self.max_logprobs <= 20:

@@ -13,6 +13,7 @@ served; flags not listed here are argparse's "unrecognized arguments" (offline: 
 from __future__ import annotations
 
 import argparse
+import json
 
 # vLLM's --tool-call-parser names -> deepinfer's --tool-parser names
 TOOL_PARSERS = {"hermes": "hermes", "llama3_json": "llama3_json", "llama4_json": "llama3_json"}
@@ -31,6 +32,8 @@ def add_vllm_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-cache-dtype", default=None, help="Only auto (the KV cache is in the model's dtype).")
     g.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="Accepted; the KV cache budget here is --kv-cache-memory.")
+    g.add_argument("--limit-mm-per-prompt", default=None, metavar="JSON",
+                   help='Images per request, as {"image": N}: sets --max-images-per-request.')
     g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=None,
                    help="Always on: the scheduler fits prefill chunks to a step budget.")
     for name, why in (("--enable-auto-tool-choice", "tool calls are always parsed when a request has tools"),
@@ -82,7 +85,21 @@ def apply_vllm_arguments(args: argparse.Namespace) -> list[str]:
         if args.tool_parser not in ("auto", name):
             raise ValueError(f"--tool-call-parser {args.tool_call_parser} contradicts --tool-parser {args.tool_parser}")
         args.tool_parser = name
+    if args.limit_mm_per_prompt is not None:
+        args.max_images_per_request = images_per_prompt(args.limit_mm_per_prompt)
     return check_vllm_settings(args.kv_cache_memory, **{name: getattr(args, name, None) for name in VLLM_SETTINGS})
+
+
+def images_per_prompt(spec: str) -> int:
+    """`--limit-mm-per-prompt`'s image count ({"image": N}; another modality is an error: only images are served)."""
+    try:
+        limits = json.loads(spec)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"--limit-mm-per-prompt takes JSON such as '{{\"image\": 4}}', got {spec!r}") from e
+    if not isinstance(limits, dict) or set(limits) - {"image"} or not isinstance(limits.get("image", 1), int) \
+            or isinstance(limits.get("image"), bool) or limits.get("image", 1) < 1:
+        raise ValueError(f"--limit-mm-per-prompt: only images are served, as {{\"image\": N >= 1}}; got {spec!r}")
+    return int(limits.get("image", 8))
 
 
 def split_vllm_kwargs(kwargs: dict[str, object]) -> tuple[dict[str, object], list[str]]:

@@ -130,9 +130,15 @@ def test_vllm_serve_command_lines(capsys):
                        (["--no-enable-chunked-prefill"], "enable_chunked_prefill"),
                        (["a.gguf", "--model", "b.gguf"], "given twice"),
                        (["--tool-call-parser", "hermes", "--tool-parser", "llama3_json"], "contradicts"),
-                       (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization")):
+                       (["--gpu-memory-utilization", "1.5"], "gpu_memory_utilization"),
+                       (["--limit-mm-per-prompt", '{"audio": 1}'], "only images"),
+                       (["--limit-mm-per-prompt", "image=2"], "takes JSON")):
         assert main(["serve", *argv]) == 2, argv  # refused before anything loads
         assert flag in capsys.readouterr().err, argv
+    images = parser.parse_args(["serve", "--limit-mm-per-prompt", '{"image": 3}'])
+    apply_vllm_arguments(images)
+    assert images.max_images_per_request == 3
+    assert parser.parse_args(["serve"]).max_images_per_request == 8
 
 
 def test_cors_origins_take_vllm_json_or_words():

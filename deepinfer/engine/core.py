@@ -115,6 +115,7 @@ class EngineCore:
         steps_rows = 0 if proposer_reads_hidden or sc.overlap_host_work == "on" else self.runner.decode_steps_rows()
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model, self.speculator,
                                    steps_rows)
+        self.scheduler.tile_seconds = lambda: self.runner.tile_seconds
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
                     bs, self.runner.kv_cache_bytes / 2**20)
         logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)

@@ -215,6 +215,7 @@ class ModelRunner:
         # speculative decoding with DeepSeek-V4's MTP layer: called after each forward with the step's
         # `row_requests` and the model's last residual streams of every row (engine/spec/mtp.py)
         self.stream_sink: Callable[[list[tuple[str, int, int]], torch.Tensor], None] | None = None
+        self.tile_seconds: float | None = None  # the vision tower's seconds per image tile (moving average)
 
     def _allocate_backend_caches(self, cache_config: CacheConfig, hf_config, max_num_seqs: int,
                                  max_num_batched_tokens: int) -> None:
@@ -549,8 +550,18 @@ class ModelRunner:
     def _image_embeds(self, image_rows: list[tuple[Request, int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, embeddings) of the step's image placeholders, their tiles encoded as first reached."""
         rows = torch.tensor([r for *_, req_rows in image_rows for r in req_rows], dtype=torch.long, device=self.device)
-        vectors = [req.mm_encoded.rows(a, b, self.model.encode_tiles) for req, a, b, _ in image_rows]
+        vectors = [req.mm_encoded.rows(a, b, self._encode_tiles) for req, a, b, _ in image_rows]
         return rows, torch.cat(vectors) if len(vectors) > 1 else vectors[0]
+
+    def _encode_tiles(self, pixels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The model's `encode_tiles`, timed per tile for the scheduler (`Scheduler.image_tiles_per_step`)."""
+        started = time.perf_counter()
+        out = self.model.encode_tiles(pixels, mask)
+        if out.device.type == "cuda":
+            torch.cuda.synchronize(out.device)
+        per_tile = (time.perf_counter() - started) / max(int(pixels.shape[0]), 1)
+        self.tile_seconds = per_tile if self.tile_seconds is None else 0.7 * self.tile_seconds + 0.3 * per_tile
+        return out
 
     def _run_steps(self, step: PreparedStep, started: float, cpu_started: float) -> StepResult:
         """`step.num_steps` greedy steps of its decode rows in one C call (`FusedDecoder.decode_steps`): each

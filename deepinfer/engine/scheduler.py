@@ -38,7 +38,9 @@ advances a request's grammar matcher once per appended token, and the grammar's 
 from __future__ import annotations
 
 import time
+from bisect import bisect_left
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -123,6 +125,10 @@ class Scheduler:
         self.failed: list[Request] = []  # ended by the engine with `Request.error`, not yet reported
         self.speculator = speculator
         self.decode_steps_rows = decode_steps_rows
+        # seconds the vision tower takes per image tile (the runner measures it; None: not yet): under the
+        # `compute` policy a step starts encoding only as many tiles as its time budget has room for
+        self.tile_seconds: Callable[[], float | None] = lambda: None
+        self._step_tiles = 0  # tiles the step being scheduled starts encoding
 
     # ------------------------------------------------------------------ queue
 
@@ -166,6 +172,7 @@ class Scheduler:
         out = SchedulerOutput()
         policy = self.policy
         policy.begin_step()
+        self._step_tiles = 0
         budget = self.config.max_num_batched_tokens
         scheduled_ids: set[str] = set()
         prefill_chunks: list[ScheduledRequest] = []
@@ -210,6 +217,9 @@ class Scheduler:
                 n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
                 if n <= 0:
                     break  # the step is full; what comes later in the order is worth less
+                n = self._tiles_fit(req, start, n)
+                if n <= 0:
+                    continue  # its next image tile waits for a step with encoding time left
                 if not self._allocate_running(req, n, out, scheduled_ids):
                     admitting = False
                     continue
@@ -234,6 +244,9 @@ class Scheduler:
                 n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
                 if n <= 0:
                     break
+                n = self._tiles_fit(req, start, n)
+                if n <= 0:
+                    continue
                 if not self.kv.allocate(req, n, hit):
                     admitting = False  # FIFO: the head waits for room rather than being overtaken
                     continue
@@ -252,6 +265,34 @@ class Scheduler:
         for item in out.scheduled if steps > 1 else ():
             item.num_steps = steps
         return out
+
+    def image_tiles_per_step(self) -> int | None:
+        """How many image tiles a step may start encoding: as many as the step time budget holds at the measured
+        seconds per tile, at least 1 (None: no bound; the `tokens` policy, whose token budget bounds the
+        placeholders, and so the tiles, a step takes). Before any tile was timed, 1."""
+        if self.config.scheduler != "compute":
+            return None
+        seconds = self.tile_seconds()
+        if seconds is None:
+            return 1
+        return max(1, int(self.step_time_budget / max(seconds, 1e-9)))
+
+    def _tiles_fit(self, req: Request, start: int, n: int) -> int:
+        """`n` tokens of `req` from `start`, cut before the first image tile whose encoding the step has no room
+        for (`image_tiles_per_step`; a tile starts encoding with the chunk holding its first placeholder). The
+        step's first tile always fits: a prompt's images never wait forever. Counts the tiles it lets in."""
+        mm = req.multi_modal
+        limit = self.image_tiles_per_step() if mm is not None else None
+        if limit is None or start >= req.num_prompt_tokens:
+            return n
+        per = mm.tokens_per_tile
+        first = -(-bisect_left(mm.positions, start) // per)  # the first tile starting at or after `start`
+        allowed = max(limit - self._step_tiles, 0 if self._step_tiles else 1)
+        last = min(first + allowed, mm.num_tiles)  # tiles first .. last - 1 may start here
+        if last < mm.num_tiles:
+            n = min(n, mm.positions[last * per] - start)
+        self._step_tiles += sum(1 for t in range(first, last) if mm.positions[t * per] < start + n)
+        return n
 
     def _speculative_call(self, decodes: list[Request]) -> list[ScheduledRequest]:
         """Plain greedy decodes with rows to spare on the whole-layer C path (at most half of `decode_steps_rows`),

@@ -214,6 +214,20 @@ def _count(body: dict, name: str, high: int, what: str) -> None:
         raise LimitError(400, f"{name}: at most {high} {what} are allowed, got {len(value)}", param=name)
 
 
+_IMAGE_PARTS = ("image_url", "input_image", "image")  # Chat, Responses, Anthropic
+
+
+def _images(body: dict, name: str, high: int) -> None:
+    """Image parts across the messages' content lists (every API's spelling)."""
+    messages = body.get(name)
+    if not isinstance(messages, list):
+        return
+    found = sum(1 for m in messages if isinstance(m, dict) and isinstance(m.get("content"), list)
+                for part in m["content"] if isinstance(part, dict) and part.get("type") in _IMAGE_PARTS)
+    if found > high:
+        raise LimitError(400, f"{name}: at most {high} images are allowed in one request, got {found}", param=name)
+
+
 def _stops(body: dict, name: str, limits: LimitsConfig, what: str = "stop sequence") -> None:
     """Stop strings (and bad words, held to the same bounds): how many, and how long each."""
     value = body.get(name)
@@ -254,6 +268,8 @@ def check_counts(api: str, body: dict, limits: LimitsConfig, max_model_len: int)
         _count(body, "messages", limits.max_messages, "messages")
     if api in ("chat", "responses", "messages", "count_tokens"):
         _count(body, "tools", limits.max_tools, "tools")
+    if api in ("chat", "responses", "messages", "count_tokens", "tokenize"):
+        _images(body, "input" if api == "responses" else "messages", limits.max_images_per_request)
     if api in ("chat", "responses"):
         _bounded(body, "top_logprobs", limits.max_logprobs)
     if api == "completions":

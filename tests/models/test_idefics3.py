@@ -164,3 +164,20 @@ def test_bad_image_inputs_are_refused(vlm, reference, tiny_models):
     text_only = LLM(str(tiny_models["llama"]), dtype="float32", kv_cache_memory="16MiB")
     with pytest.raises(ValueError, match="takes no images"):
         text_only.generate(_prompt("hi <image>", [random_image(0, 8, 8)]), GREEDY)
+
+
+@pytest.mark.parametrize("seconds_per_tile, calls", [(1e6, [1] * 10), (1e-9, [10])])
+def test_a_step_starts_as_many_tiles_as_its_time_budget_holds(vlm, reference, seconds_per_tile, calls):
+    """Under the `compute` scheduler the vision tower's time counts: with a tile longer than any step budget each
+    step starts one tile (the prompt's chunks end before the next one), with a free one a step starts them all;
+    the output is the same."""
+    _, processor = reference
+    text, images = _chat_text(processor, 2, "Compare the two."), [random_image(2, 20, 30), random_image(3, 64, 64)]
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB", scheduler="compute", enable_prefix_caching=False)
+    model = llm.engine.core.runner.model
+    encode, seen = model.encode_tiles, []
+    model.encode_tiles = lambda pixels, mask: (seen.append(pixels.shape[0]), encode(pixels, mask))[1]
+    llm.engine.core.scheduler.tile_seconds = lambda: seconds_per_tile
+    out = llm.generate(_prompt(text, images), GREEDY)[0]
+    assert out.outputs[0].token_ids == _hf(reference, text, images)[1]
+    assert seen == calls

@@ -154,6 +154,19 @@ def test_bad_images_are_400s(server, url, message):
     assert httpx.get(f"{server}/health", timeout=10).status_code == 200
 
 
+def test_more_images_than_the_limit_are_refused(server):
+    """--max-images-per-request (8 by default), checked on the raw body before any image is read."""
+    url = png_data_url(random_image(25, 8, 8))
+    content = [{"type": "image_url", "image_url": {"url": url}}] * 9 + [{"type": "text", "text": "Hi"}]
+    r = httpx.post(f"{server}/v1/chat/completions", timeout=60,
+                   json={"model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": content}]})
+    assert r.status_code == 400 and "at most 8 images" in r.text and r.json()["error"]["param"] == "messages"
+    blocks = [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": url.split(",")[1]}}]
+    r = httpx.post(f"{server}/v1/messages", timeout=60, json={
+        "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": blocks * 9}]})
+    assert r.status_code == 400 and "at most 8 images" in r.text
+
+
 def test_image_tokens_typed_as_text_are_refused(server):
     """A prompt that spells the image placeholder without an image: a 400, not a reply from its plain embedding."""
     r = httpx.post(f"{server}/v1/completions", timeout=60,
