@@ -60,7 +60,7 @@ from deepinfer.kvcache import RetentionPolicy
 from deepinfer.kvcache.engine_tiers import resolve_retention
 from deepinfer.kvcache.hashing import extend_block_hashes, root_hash
 from deepinfer.multimodal.inputs import MultiModalInputs
-from deepinfer.multimodal.processor import ImageProcessor
+from deepinfer.multimodal.processor import MultiModalProcessor
 from deepinfer.server.protocol import APIError
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,11 @@ class ClusterEngineClient:
     def __init__(self, pool: WorkerPool, policy: RoutingPolicy, tokenizer, vocab_size: int,
                  retention: RetentionPolicy, config: RouterConfig, default_max_model_len: int,
                  store_path: Path | None = None, eos_token_ids: Any = frozenset(), token: str | None = None,
-                 sampling_defaults: dict | None = None, image_processor: ImageProcessor | None = None) -> None:
-        """`image_processor`: a vision-language model's processor (the router tokenizes prompts with images; an
+                 sampling_defaults: dict | None = None, multimodal_processor: MultiModalProcessor | None = None) -> None:
+        """`multimodal_processor`: a vision-language model's processor (the router tokenizes prompts with images; an
         encode worker, if any, encodes their tiles, else the prefill and decode workers do)."""
         self.pool = pool
-        self.image_processor = image_processor
+        self.multimodal_processor = multimodal_processor
         self.num_encode_retries = 0
         self.num_encode_fallbacks = 0  # requests whose tiles no encode worker encoded (the workers did)
         self._sampling_defaults = dict(sampling_defaults or {})

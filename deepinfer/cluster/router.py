@@ -131,7 +131,7 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
     from transformers import AutoConfig
 
     from deepinfer.models.registry import image_facts, text_config
-    from deepinfer.multimodal.processor import ImageProcessor
+    from deepinfer.multimodal.processor import MultiModalProcessor
     from deepinfer.recipe.tokenizer import eos_token_ids, load_tokenizer, sampling_defaults
     from deepinfer.weights import resolve_model
 
@@ -151,7 +151,7 @@ def build_client(model: ModelConfig, kvstore: KVStoreConfig, router: RouterConfi
     default_len = model.max_model_len or getattr(text_config(hf_config), "max_position_embeddings", None) or 4096
     store: Path | None = kvstore.store_path()
     images = image_facts(hf_config)  # a vision-language model: the router runs its processor
-    processor = ImageProcessor(files.directory, *images) if images is not None else None
+    processor = MultiModalProcessor(files.directory, *images) if images is not None else None
     hf_config = text_config(hf_config)
     return ClusterEngineClient(pool, policy, tokenizer, hf_config.vocab_size, retention, router, default_len, store,
                                eos_token_ids(tokenizer, hf_config, files.directory), token,

@@ -49,7 +49,7 @@ from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import tier_stats
 from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
 from deepinfer.multimodal.inputs import MultiModalInputs
-from deepinfer.multimodal.processor import ImageProcessor
+from deepinfer.multimodal.processor import MultiModalProcessor
 from deepinfer.recipe.tokenizer import bad_word_sequences, eos_token_ids, load_tokenizer, sampling_defaults
 
 logger = logging.getLogger(__name__)
@@ -118,12 +118,12 @@ class LLMEngine:
         return list(prompt)
 
     @functools.cached_property
-    def image_processor(self) -> ImageProcessor | None:
+    def multimodal_processor(self) -> MultiModalProcessor | None:
         """The model's HF processor for prompts with images; None for a model that takes no images."""
         model = self.core.runner.model
         if not hasattr(model, "encode_tiles"):
             return None
-        return ImageProcessor(self.core.files.directory, model.image_token_id, model.tokens_per_tile)
+        return MultiModalProcessor(self.core.files.directory, model.image_token_id, model.tokens_per_tile)
 
     def describe(self) -> dict:
         """Model and cache facts for start-up banners and cluster registration (plain values only)."""

@@ -28,7 +28,7 @@ from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.engine.structured import StructuredOutputParams
 from deepinfer.engine.validation import RequestValidator
 from deepinfer.multimodal.inputs import MultiModalInputs
-from deepinfer.multimodal.processor import ImageProcessor
+from deepinfer.multimodal.processor import MultiModalProcessor
 
 # LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
 ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks",
@@ -124,12 +124,12 @@ class EngineClient(ABC):
         return int(self.stats().get("num_waiting", 0)) + self._num_pending_adds
 
     @functools.cached_property
-    def image_processor(self) -> ImageProcessor | None:
+    def multimodal_processor(self) -> MultiModalProcessor | None:
         """The model's processor for prompts with images, here in the caller's process; None: no images."""
         mm = (getattr(self, "facts", None) or {}).get("multimodal")  # a cluster router has no model facts
         if not mm:
             return None
-        return ImageProcessor(Path(mm["directory"]), mm["image_token_id"], mm["tokens_per_tile"])
+        return MultiModalProcessor(Path(mm["directory"]), mm["image_token_id"], mm["tokens_per_tile"])
 
     @property
     def sampling_defaults(self) -> dict:
@@ -157,7 +157,7 @@ class EngineClient(ABC):
         """`output_prefix` / `prefix_logprobs`: tokens another worker already generated for this request;
         `stream_kv`: outputs carry the prompt's KV blocks as they are computed; `cache_tenant`: the
         authenticated tenant's cache namespace (see `LLMEngine.add_request`); `multi_modal`: the prompt's
-        images (`image_processor` made them with the prompt's ids)."""
+        images (`multimodal_processor` made them with the prompt's ids)."""
         retention_class = self.validator.validate(prompt_token_ids, params, retention_class, output_prefix,
                                                   prefix_logprobs, stream_kv)
         self.check_admission()

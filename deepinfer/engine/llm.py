@@ -13,7 +13,7 @@ from deepinfer.engine.ep_engine import ExpertParallelEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
 from deepinfer.multimodal.inputs import MultiModalInputs
-from deepinfer.multimodal.processor import ImageProcessor, split_images
+from deepinfer.multimodal.processor import MultiModalProcessor, split_images
 from deepinfer.recipe.tokenizer import render_chat, render_chat_text
 from deepinfer.vllm_cli import split_vllm_kwargs
 
@@ -133,12 +133,12 @@ class LLM:
         if not isinstance(p.get("prompt"), str):
             raise ValueError("a prompt with multi_modal_data needs its text as 'prompt' (with an image marker "
                              "per image)")
-        processor = self._image_processor()
+        processor = self._multimodal_processor()
         images = data["image"] if isinstance(data["image"], list) else [data["image"]]
         return processor(p["prompt"], images, add_special_tokens=True)
 
-    def _image_processor(self) -> ImageProcessor:
-        processor = self.engine.image_processor
+    def _multimodal_processor(self) -> MultiModalProcessor:
+        processor = self.engine.multimodal_processor
         if processor is None:
             raise ValueError(f"{type(self.engine.core.runner.model).__name__} takes no images")
         return processor
@@ -163,7 +163,7 @@ class LLM:
                 continue
             text = render_chat_text(tok, conv, add_generation_prompt, tools, chat_template,
                                     continue_final_message=continue_final_message, **(chat_template_kwargs or {}))
-            ids, mm = self._image_processor()(text, images)
+            ids, mm = self._multimodal_processor()(text, images)
             prompts.append({"prompt_token_ids": ids, "multi_modal": mm})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm, lora_request=lora_request)
 

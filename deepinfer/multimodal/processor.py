@@ -119,7 +119,7 @@ def _image_source(part: Any) -> Any:
     return None
 
 
-class ImageProcessor:
+class MultiModalProcessor:
     """A vision-language model's HF processor: prompt text with one image marker per image, and the images
     -> (prompt token ids, MultiModalInputs)."""
 

@@ -70,7 +70,7 @@ def _prompt(ctx: ServingContext, req: CountTokensRequest) -> tuple[list[int], To
     kwargs = {}
     if isinstance(req.thinking, dict) and req.thinking.get("type") in ("enabled", "disabled"):
         kwargs["enable_thinking"] = req.thinking["type"] == "enabled"  # Qwen3-style templates read this
-    messages, prefill = split_prefill(chat_messages(req, images=ctx.engine.image_processor is not None), req)
+    messages, prefill = split_prefill(chat_messages(req, images=ctx.engine.multimodal_processor is not None), req)
     ids, images = render_with_images(ctx, messages, plan, "messages", add_generation_prompt=not prefill,
                                      continue_final_message=prefill, **kwargs)
     return ids, plan, images

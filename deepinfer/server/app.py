@@ -229,7 +229,7 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
         tok = engine.tokenizer
         if req.messages is not None:
             check_prefill_flags(req)
-            ids, _ = render_with_images(ctx, chat_messages(req, images=engine.image_processor is not None), ToolPlan(),
+            ids, _ = render_with_images(ctx, chat_messages(req, images=engine.multimodal_processor is not None), ToolPlan(),
                                         "messages", req.add_generation_prompt,
                                         continue_final_message=req.continue_final_message)
         elif req.prompt is not None:

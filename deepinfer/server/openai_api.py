@@ -125,7 +125,7 @@ def render_chat_prompt(ctx: ServingContext, req: ChatCompletionRequest, plan: To
     """The request's prompt ids, and its images (None without)."""
     check_prefill_flags(req)
     kwargs = {**(req.chat_template_kwargs or {}), **({"documents": req.documents} if req.documents else {})}
-    messages = chat_messages(req, images=ctx.engine.image_processor is not None)
+    messages = chat_messages(req, images=ctx.engine.multimodal_processor is not None)
     return render_with_images(ctx, messages, plan, "messages", req.add_generation_prompt,
                               continue_final_message=req.continue_final_message, **kwargs)
 

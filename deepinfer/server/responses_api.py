@@ -83,7 +83,7 @@ class _Job:
                 raise APIError(404, f"Previous response with id '{req.previous_response_id}' not found.",
                                param="previous_response_id", code="previous_response_not_found")
             history = prev.messages
-        self.conversation = history + input_messages(req.input, images=ctx.engine.image_processor is not None)
+        self.conversation = history + input_messages(req.input, images=ctx.engine.multimodal_processor is not None)
         if not self.conversation:
             raise APIError(400, "input must not be empty", param="input")
         messages = ([{"role": "system", "content": req.instructions}] if req.instructions else []) + self.conversation

@@ -81,7 +81,7 @@ def render_with_images(ctx: ServingContext, messages: list[dict], plan: ToolPlan
     messages, images = split_images(messages)
     if not images:
         return render(ctx, messages, plan, param, add_generation_prompt, **template_kwargs), None
-    processor = ctx.engine.image_processor
+    processor = ctx.engine.multimodal_processor
     if processor is None:
         raise APIError(400, "this model takes no images", param=param)
     text = render(ctx, messages, plan, param, add_generation_prompt, as_text=True, **template_kwargs)
