@@ -5,8 +5,8 @@ tower at 512 px, pixel shuffle by 4, 64 tokens a tile) around the default model'
 (SmolLM2-135M-Instruct, SmolVLM-256M's text model too, from its GGUF), with a random vision tower and connector.
 Both engines load the same directory. Each request is a chat turn with one random RGB image and a question; the
 processor's splitting is off (one 512 x 512 tile an image: 17 tiles an image would make the vision tower all of a
-CPU's time), greedy, `--max-tokens` tokens each (ignore_eos), prefix caching off in both (repeats send the same
-images). Reported per engine: the best of `--repeats` wall times, images/s, output tok/s and the ratio; and how many
+CPU's time), greedy, `--max-tokens` tokens each (ignore_eos), prefix caching off in both, new images every repeat
+(`requests`). Reported per engine: the best of `--repeats` wall times, images/s, output tok/s and the ratio; and how many
 requests' tokens equal transformers' greedy output (deepinfer, the first `--check` requests) and vLLM's.
 
     export VLLM_PYTHON=~/venvs/vllm/bin/python VLLM_CPU_OMP_THREADS_BIND=0-1 VLLM_CPU_NUM_OF_RESERVED_CPU=0
@@ -90,13 +90,15 @@ def build_checkpoint(path: Path) -> Path:
     return path
 
 
-def requests(n: int) -> list[tuple[str, int]]:
-    """(prompt text, image seed) of each request (the image is `image(seed)`)."""
+def requests(n: int, repeat: int) -> list[tuple[str, int]]:
+    """(prompt text, image seed) of each request of repeat `repeat` (the image is `image(seed)`). Every repeat
+    sends new images: vLLM keeps encoder outputs of images it has seen (its multimodal caches), which would
+    make a repeat of the same images skip the vision tower there."""
     prompts = []
     for i in range(n):
         text = (f"<|im_start|>user\n<image>Describe picture number {i} in detail.<end_of_utterance>\n"
                 "<|im_start|>assistant\n")
-        prompts.append((text, 1000 + i))
+        prompts.append((text, 1000 + repeat * n + i))
     return prompts
 
 
@@ -112,9 +114,9 @@ def run_deepinfer(model: Path, n: int, max_tokens: int, repeats: int, dtype: str
 
     llm = LLM(str(model), dtype=dtype, kv_cache_memory="1GiB", enable_prefix_caching=False, max_model_len=2048)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    prompts = [{"prompt": t, "multi_modal_data": {"image": image(s)}} for t, s in requests(n)]
     walls, tokens = [], []
-    for _ in range(repeats):
+    for r in range(repeats):
+        prompts = [{"prompt": t, "multi_modal_data": {"image": image(s)}} for t, s in requests(n, r)]
         start = time.perf_counter()
         outs = llm.generate(prompts, params)
         walls.append(time.perf_counter() - start)
@@ -128,9 +130,9 @@ def vllm_child(spec: dict) -> None:
     llm = LLM(spec["model"], dtype=spec["dtype"], max_model_len=2048, kv_cache_memory_bytes=2**30,
               enable_prefix_caching=False, limit_mm_per_prompt={"image": 1}, max_num_seqs=spec["requests"])
     params = SamplingParams(temperature=0, max_tokens=spec["max_tokens"], ignore_eos=True)
-    prompts = [{"prompt": t, "multi_modal_data": {"image": image(s)}} for t, s in requests(spec["requests"])]
     walls, tokens = [], []
-    for _ in range(spec["repeats"]):
+    for r in range(spec["repeats"]):
+        prompts = [{"prompt": t, "multi_modal_data": {"image": image(s)}} for t, s in requests(spec["requests"], r)]
         start = time.perf_counter()
         outs = llm.generate(prompts, params, use_tqdm=False)
         walls.append(time.perf_counter() - start)
@@ -152,8 +154,8 @@ def run_vllm(python: str, model: Path, n: int, max_tokens: int, repeats: int, dt
     return None
 
 
-def transformers_tokens(model: Path, n: int, max_tokens: int) -> list[list[int]]:
-    """transformers' greedy tokens of the first `n` requests (float32)."""
+def transformers_tokens(model: Path, n: int, total: int, max_tokens: int, repeat: int) -> list[list[int]]:
+    """transformers' greedy tokens of the first `n` of `total` requests of repeat `repeat` (float32)."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
@@ -161,7 +163,7 @@ def transformers_tokens(model: Path, n: int, max_tokens: int) -> list[list[int]]
     hf.generation_config.eos_token_id = None
     processor = AutoProcessor.from_pretrained(str(model))
     out = []
-    for text, seed in requests(n):
+    for text, seed in requests(total, repeat)[:n]:
         enc = processor(text=text, images=[[image(seed)]], return_tensors="pt")
         with torch.no_grad():
             ids = hf.generate(**enc, max_new_tokens=max_tokens, do_sample=False, pad_token_id=0)
@@ -188,7 +190,8 @@ def main() -> None:
     n, m = args.requests, args.max_tokens
     ours = run_deepinfer(model, n, m, args.repeats, args.dtype)
     theirs = run_vllm(args.vllm_python, model, n, m, args.repeats, args.dtype) if args.vllm_python else None
-    reference = transformers_tokens(model, min(args.check, n), m) if args.check else []
+    # the engines' tokens are their last repeat's
+    reference = transformers_tokens(model, min(args.check, n), n, m, args.repeats - 1) if args.check else []
     rows = [("deepinfer", ours)] + ([("vLLM CPU", theirs)] if theirs else [])
     print(f"\n{n} requests x 1 image (1 tile, 64 image tokens) x {m} output tokens, {args.dtype}, best of "
           f"{args.repeats} (all: seconds per repeat)")

@@ -206,6 +206,11 @@ class CacheConfig:
         parse=functools.partial(parse_size, auto=True),
     )  # None = auto
     enable_prefix_caching: bool = _f(True, "Reuse KV blocks of earlier requests that share a prefix.")
+    image_cache_memory: int = _f(
+        "256MiB", "A vision-language model: bytes of encoded image tiles kept for later requests that send the same "
+        "image (least recently used out first; 0 = off). Prefix caching already skips the tiles of a cached "
+        "prefix; this serves an image whose prompt differs, or whose blocks were evicted.",
+        parse=functools.partial(parse_size, fractions=False))
     swa_replay_tokens: int | None = _f(
         None,
         "SWA bounded replay (models with sliding-window and full-attention layers): on a prefix hit whose "
@@ -225,6 +230,8 @@ class CacheConfig:
             raise ValueError(f"block_size must be a positive power of two, got {self.block_size}")
         if self.swa_replay_tokens is not None and self.swa_replay_tokens < 0:
             raise ValueError(f"swa_replay_tokens must be >= 0, got {self.swa_replay_tokens}")
+        if self.image_cache_memory < 0:
+            raise ValueError(f"image_cache_memory must be >= 0, got {self.image_cache_memory}")
 
 
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft_model", "mtp")

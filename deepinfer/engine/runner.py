@@ -45,6 +45,7 @@ from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import RoutedExperts, SoftmaxTopKRouter
 from deepinfer.layers.torch_attention import TorchAttentionBackend
 from deepinfer.models import build_model
+from deepinfer.multimodal.inputs import TileCache
 from deepinfer.weights import ModelFiles
 
 logger = logging.getLogger(__name__)
@@ -216,6 +217,8 @@ class ModelRunner:
         # `row_requests` and the model's last residual streams of every row (engine/spec/mtp.py)
         self.stream_sink: Callable[[list[tuple[str, int, int]], torch.Tensor], None] | None = None
         self.tile_seconds: float | None = None  # the vision tower's seconds per image tile (moving average)
+        # encoded image tiles by digest, for later requests with the same image (a vision-language model)
+        self.tile_cache = TileCache(cache_config.image_cache_memory) if hasattr(self.model, "encode_tiles") else None
 
     def _allocate_backend_caches(self, cache_config: CacheConfig, hf_config, max_num_seqs: int,
                                  max_num_batched_tokens: int) -> None:
@@ -550,7 +553,7 @@ class ModelRunner:
     def _image_embeds(self, image_rows: list[tuple[Request, int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, embeddings) of the step's image placeholders, their tiles encoded as first reached."""
         rows = torch.tensor([r for *_, req_rows in image_rows for r in req_rows], dtype=torch.long, device=self.device)
-        vectors = [req.mm_encoded.rows(a, b, self._encode_tiles) for req, a, b, _ in image_rows]
+        vectors = [req.mm_encoded.rows(a, b, self._encode_tiles, self.tile_cache) for req, a, b, _ in image_rows]
         return rows, torch.cat(vectors) if len(vectors) > 1 else vectors[0]
 
     def _encode_tiles(self, pixels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

@@ -17,6 +17,7 @@ import binascii
 import dataclasses
 import hashlib
 from bisect import bisect_left
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -152,6 +153,39 @@ class MultiModalInputs:
         return bisect_left(self.positions, start), bisect_left(self.positions, end)
 
 
+class TileCache:
+    """Encoded tiles by digest across requests, least recently used out first past `max_bytes` (0: keeps none)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self.hits = 0
+        self.misses = 0
+        self._tiles: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+
+    def get(self, digest: bytes) -> torch.Tensor | None:
+        tile = self._tiles.get(digest)
+        if tile is None:
+            self.misses += 1
+            return None
+        self._tiles.move_to_end(digest)
+        self.hits += 1
+        return tile
+
+    def put(self, digest: bytes, tile: torch.Tensor) -> None:
+        size = tile.numel() * tile.element_size()
+        if size > self.max_bytes or digest in self._tiles:
+            return
+        self._tiles[digest] = tile
+        self.bytes += size
+        while self.bytes > self.max_bytes:
+            _, old = self._tiles.popitem(last=False)
+            self.bytes -= old.numel() * old.element_size()
+
+    def __len__(self) -> int:
+        return len(self._tiles)
+
+
 class EncodedTiles:
     """A request's encoded tiles while its prefill needs them: encoded when a chunk first covers one of a
     tile's placeholders, dropped once a chunk has covered its last."""
@@ -160,19 +194,29 @@ class EncodedTiles:
         self.inputs = inputs
         self.tiles: dict[int, torch.Tensor] = {}
 
-    def rows(self, a: int, b: int, encode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]) -> torch.Tensor:
-        """The embeddings of placeholder ordinals [a, b) ([b - a, hidden]), encoding the tiles not held
-        (in one call) and dropping those whose last placeholder is before b."""
+    def rows(self, a: int, b: int, encode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
+             cache: TileCache | None = None) -> torch.Tensor:
+        """The embeddings of placeholder ordinals [a, b) ([b - a, hidden]), encoding the tiles neither held
+        nor in `cache` (in one call; put there) and dropping those whose last placeholder is before b."""
         mm, per = self.inputs, self.inputs.tokens_per_tile
         if mm.embeddings is not None:  # encoded elsewhere (an encode worker)
             return mm.embeddings.reshape(-1, mm.embeddings.shape[-1])[a:b]
         first, last = a // per, (b - 1) // per
-        missing = [t for t in range(first, last + 1) if t not in self.tiles]
+        missing = []
+        for t in range(first, last + 1):
+            if t not in self.tiles:
+                cached = cache.get(mm.tile_hashes[t]) if cache is not None else None
+                if cached is None:
+                    missing.append(t)
+                else:
+                    self.tiles[t] = cached
         if missing:
             idx = torch.tensor(missing)
             mask = None if mm.pixel_mask is None else mm.pixel_mask[idx]
             for t, emb in zip(missing, encode(mm.pixel_values[idx], mask), strict=True):
                 self.tiles[t] = emb
+                if cache is not None:
+                    cache.put(mm.tile_hashes[t], emb)
         out = torch.cat([self.tiles[t] for t in range(first, last + 1)])[a - first * per:b - first * per]
         for t in range(first, last + 1):
             if (t + 1) * per <= b:

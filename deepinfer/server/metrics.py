@@ -58,6 +58,13 @@ class _EngineCollector:
         yield by_tier
         yield from _kv_tier_metrics(s, gauge, counter)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", s["num_preemptions"])
+        if "image_cache_hits" in s:  # a vision-language model
+            yield counter("image_cache_hits", "Image tiles served from encoded tiles kept for an earlier request.",
+                          s["image_cache_hits"])
+            yield counter("image_cache_misses", "Image tiles the vision tower encoded.", s["image_cache_misses"])
+        if s.get("encoded_tiles"):
+            yield counter("encode_worker_tiles", "Image tiles encoded for other workers (an encode worker).",
+                          s["encoded_tiles"])
         yield counter("cost_model_observations", "Engine steps the step-time cost model has been fitted on.",
                       s["cost_model_observations"])
         yield gauge("step_time_seconds", "Measured time of the last engine step.", s["step_time_seconds"])

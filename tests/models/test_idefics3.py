@@ -181,3 +181,27 @@ def test_a_step_starts_as_many_tiles_as_its_time_budget_holds(vlm, reference, se
     out = llm.generate(_prompt(text, images), GREEDY)[0]
     assert out.outputs[0].token_ids == _hf(reference, text, images)[1]
     assert seen == calls
+
+
+@pytest.mark.parametrize("cache", ["256MiB", "0"])
+def test_a_second_request_with_the_same_image_takes_its_encoded_tiles(vlm, reference, cache):
+    """--image-cache-memory: with prefix caching off (or the blocks evicted) the same image's tiles come from the
+    encoded-tile cache, not the vision tower; with 0 they are encoded again. The output is the same."""
+    _, processor = reference
+    image = random_image(6, 40, 70)
+    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False,
+              image_cache_memory=cache)
+    model = llm.engine.core.runner.model
+    encode, seen = model.encode_tiles, []
+    model.encode_tiles = lambda pixels, mask: (seen.append(pixels.shape[0]), encode(pixels, mask))[1]
+    first = llm.generate(_prompt(_chat_text(processor, 1, "What is this?"), [image.copy()]), GREEDY)[0]
+    assert sum(seen) == 5  # 2 x 2 tiles and the whole image
+    text = _chat_text(processor, 1, "And now?")  # another prompt: no KV to share, the same tiles
+    second = llm.generate(_prompt(text, [image]), GREEDY)[0]
+    assert second.outputs[0].token_ids == _hf(reference, text, [image])[1]
+    assert first.num_cached_tokens == second.num_cached_tokens == 0
+    stats = llm.engine.stats()
+    if cache == "0":
+        assert sum(seen) == 10 and stats["image_cache_hits"] == 0
+    else:
+        assert sum(seen) == 5 and stats["image_cache_hits"] == 5 and stats["image_cache_bytes"] > 0

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from deepinfer.multimodal import processor as images
-from deepinfer.multimodal.inputs import EncodedTiles, MultiModalInputs
+from deepinfer.multimodal.inputs import EncodedTiles, MultiModalInputs, TileCache
 from deepinfer.multimodal.processor import ImageError, load_image, split_images
 
 
@@ -121,3 +121,17 @@ def test_split_images_keeps_text_messages_and_orders_images():
     assert found == ["data:a", "data:b"]
     assert out[0] is messages[0]
     assert out[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
+
+
+def test_tile_cache_keeps_the_most_recent_within_its_bytes():
+    cache = TileCache(3 * 4 * 5 * 4)  # three float32 tiles of 4 x 5
+    tiles = {bytes([i]): torch.full((4, 5), float(i)) for i in range(4)}
+    for d in list(tiles)[:3]:
+        cache.put(d, tiles[d])
+    assert cache.get(b"\x00") is tiles[b"\x00"]  # now the most recent
+    cache.put(b"\x03", tiles[b"\x03"])  # evicts the least recent: 1
+    assert cache.get(b"\x01") is None and len(cache) == 3 and cache.bytes == 240
+    assert (cache.hits, cache.misses) == (1, 1)
+    off = TileCache(0)
+    off.put(b"\x00", tiles[b"\x00"])
+    assert len(off) == 0
