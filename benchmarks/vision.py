@@ -90,15 +90,18 @@ def build_checkpoint(path: Path) -> Path:
     return path
 
 
+SAME_IMAGES = os.environ.get("VISION_BENCH_SAME_IMAGES") == "1"
+
+
 def requests(n: int, repeat: int) -> list[tuple[str, int]]:
     """(prompt text, image seed) of each request of repeat `repeat` (the image is `image(seed)`). Every repeat
-    sends new images: vLLM keeps encoder outputs of images it has seen (its multimodal caches), which would
-    make a repeat of the same images skip the vision tower there."""
+    sends new images, unless `--same-images`: both engines keep encoded images for later requests (deepinfer's
+    --image-cache-memory, vLLM's multimodal caches), so repeats of the same images skip the vision tower."""
     prompts = []
     for i in range(n):
         text = (f"<|im_start|>user\n<image>Describe picture number {i} in detail.<end_of_utterance>\n"
                 "<|im_start|>assistant\n")
-        prompts.append((text, 1000 + repeat * n + i))
+        prompts.append((text, 1000 + (0 if SAME_IMAGES else repeat * n) + i))
     return prompts
 
 
@@ -180,12 +183,17 @@ def main() -> None:
     ap.add_argument("--check", type=int, default=2, help="requests compared with transformers")
     ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "deepinfer" / "bench-smolvlm-256m-shape"))
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
+    ap.add_argument("--same-images", action="store_true", help="every repeat sends the first repeat's images")
     ap.add_argument("--json-out", default=None)
     ap.add_argument("--child", nargs=2, metavar=("ENGINE", "SPEC"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         vllm_child(json.loads(args.child[1]))
         return
+    if args.same_images:  # the vLLM child reads it from its environment
+        global SAME_IMAGES
+        SAME_IMAGES = True
+        os.environ["VISION_BENCH_SAME_IMAGES"] = "1"
     model = build_checkpoint(Path(args.model_dir))
     n, m = args.requests, args.max_tokens
     ours = run_deepinfer(model, n, m, args.repeats, args.dtype)
@@ -194,9 +202,9 @@ def main() -> None:
     reference = transformers_tokens(model, min(args.check, n), n, m, args.repeats - 1) if args.check else []
     rows = [("deepinfer", ours)] + ([("vLLM CPU", theirs)] if theirs else [])
     print(f"\n{n} requests x 1 image (1 tile, 64 image tokens) x {m} output tokens, {args.dtype}, best of "
-          f"{args.repeats} (all: seconds per repeat)")
+          f"{args.repeats} (all: seconds per repeat); {'the same' if args.same_images else 'new'} images each repeat")
     print(f"{'engine':<10} {'wall s':>8} {'images/s':>9} {'out tok/s':>10}   repeats")
-    result: dict = {"requests": n, "max_tokens": m, "dtype": args.dtype, "engines": {}}
+    result: dict = {"requests": n, "max_tokens": m, "dtype": args.dtype, "same_images": args.same_images, "engines": {}}
     for name, r in rows:
         best = min(r["walls"])
         print(f"{name:<10} {best:>8.2f} {n / best:>9.2f} {n * m / best:>10.1f}   "
