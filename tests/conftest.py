@@ -123,6 +123,24 @@ def hf_models(tiny_models):
     return models
 
 
+@pytest.fixture(scope="session")
+def tiny_vlm(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny random Idefics3 (SmolVLM's architecture) with its processor (`tests/models/vlm_tiny.py`)."""
+    from tests.models.vlm_tiny import build_vlm
+
+    return build_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3", tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def vlm_reference(tiny_vlm):
+    """transformers' model of `tiny_vlm` (float32, never stopping at EOS) and its processor."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # compared with ignore_eos
+    return model, AutoProcessor.from_pretrained(str(tiny_vlm))
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

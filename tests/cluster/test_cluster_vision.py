@@ -11,10 +11,9 @@ import time
 
 import httpx
 import openai
-import pytest
 import torch
 
-from tests.models.vlm_tiny import build_vlm, png_data_url, random_image
+from tests.models.vlm_tiny import png_data_url, random_image
 from tests.server_utils import INTERNAL, running_cluster
 from tests.server_utils import cluster_workers as _workers
 
@@ -23,22 +22,8 @@ FLAGS = ("--served-model-name", "m", "--dtype", "float32", "--kv-cache-memory", 
          "--max-model-len", "512", "--health-interval", "1")
 
 
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory, tokenizer_dir):
-    return build_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3", tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(vlm):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model, AutoProcessor.from_pretrained(str(vlm))
-
-
-def _expected(reference, question: str, image) -> str:
-    model, processor = reference
+def _expected(vlm_reference, question: str, image) -> str:
+    model, processor = vlm_reference
     content = [{"type": "image"}, {"type": "text", "text": question}]
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     enc = processor(text=text, images=[[image]], return_tensors="pt", add_special_tokens=False)
@@ -62,12 +47,12 @@ def _router_state(base: str) -> dict:
     return httpx.get(f"{base}/internal/workers", headers=INTERNAL, timeout=10).json()
 
 
-def test_encode_prefill_and_decode_workers(vlm, reference, tmp_path):
-    with running_cluster("--model", str(vlm), *FLAGS, "--prefill-workers", "1", "--decode-workers", "1",
+def test_encode_prefill_and_decode_workers(tiny_vlm, vlm_reference, tmp_path):
+    with running_cluster("--model", str(tiny_vlm), *FLAGS, "--prefill-workers", "1", "--decode-workers", "1",
                          "--encode-workers", "1", log=tmp_path / "cluster.log") as base:
         images = [random_image(30, 40, 70), random_image(31, 50, 50)]
-        assert _ask(base, images[0], "What is this?") == _expected(reference, "What is this?", images[0])
-        assert _ask(base, images[1], "And this?", stream=True) == _expected(reference, "And this?", images[1])
+        assert _ask(base, images[0], "What is this?") == _expected(vlm_reference, "What is this?", images[0])
+        assert _ask(base, images[1], "And this?", stream=True) == _expected(vlm_reference, "And this?", images[1])
         encoder = next(w for w in _workers(base) if w["role"] == "encode")
         deadline = time.monotonic() + 30  # the worker's stats snapshot follows its engine's loop
         while (load := httpx.get(f"{encoder['url']}/internal/load", headers=INTERNAL, timeout=10).json())[
@@ -77,7 +62,7 @@ def test_encode_prefill_and_decode_workers(vlm, reference, tmp_path):
         # the only encode worker dies: the prefill and decode workers encode, and the reply is the same (the
         # router learns of the death from the failed call, a fallback, or from its poll first: no encoder left)
         os.kill(load["pid"], signal.SIGKILL)
-        assert _ask(base, images[0], "What is this?") == _expected(reference, "What is this?", images[0])
+        assert _ask(base, images[0], "What is this?") == _expected(vlm_reference, "What is this?", images[0])
         state = _router_state(base)
         assert state["failed_requests"] == 0
         assert not next(w for w in state["workers"] if w["role"] == "encode")["alive"]

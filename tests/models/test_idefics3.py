@@ -9,23 +9,9 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.multimodal.processor import ImageError
-from tests.models.vlm_tiny import TOKENS_PER_TILE, build_vlm, png_data_url, random_image
+from tests.models.vlm_tiny import TOKENS_PER_TILE, png_data_url, random_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
-
-
-@pytest.fixture(scope="module")
-def vlm(tmp_path_factory, tokenizer_dir):
-    return build_vlm(tmp_path_factory.mktemp("vlm") / "idefics3", tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(vlm):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None  # compared with ignore_eos
-    return model, AutoProcessor.from_pretrained(str(vlm))
 
 
 def _chat_text(processor, images: int, question: str) -> str:
@@ -33,9 +19,9 @@ def _chat_text(processor, images: int, question: str) -> str:
     return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
 
 
-def _hf(reference, text: str, images: list, max_new_tokens: int = 10) -> tuple[list[int], list[int]]:
+def _hf(vlm_reference, text: str, images: list, max_new_tokens: int = 10) -> tuple[list[int], list[int]]:
     """(prompt ids, greedy continuation) from transformers."""
-    model, processor = reference
+    model, processor = vlm_reference
     enc = processor(text=text, images=[images] if images else None, return_tensors="pt")
     with torch.no_grad():
         out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
@@ -43,8 +29,8 @@ def _hf(reference, text: str, images: list, max_new_tokens: int = 10) -> tuple[l
     return enc["input_ids"][0].tolist(), out[0, n:].tolist()
 
 
-def _cases(reference) -> list[tuple[str, list]]:
-    _, processor = reference
+def _cases(vlm_reference) -> list[tuple[str, list]]:
+    _, processor = vlm_reference
     return [
         (_chat_text(processor, 1, "What is in this picture?"), [random_image(0, 40, 70)]),
         (_chat_text(processor, 1, "Describe it."), [random_image(1, 50, 30)]),
@@ -63,12 +49,12 @@ def _assert_all_free(llm: LLM) -> None:
     assert not llm.engine.core.kv.block_tables
 
 
-def test_greedy_matches_transformers_in_one_batch(vlm, reference):
-    cases = _cases(reference)
-    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+def test_greedy_matches_transformers_in_one_batch(tiny_vlm, vlm_reference):
+    cases = _cases(vlm_reference)
+    llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB")
     outs = llm.generate([_prompt(t, i) for t, i in cases], GREEDY)
     for (text, images), out in zip(cases, outs, strict=True):
-        ids, expected = _hf(reference, text, images)
+        ids, expected = _hf(vlm_reference, text, images)
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == expected
     # each image is resized to 64 pixels on its longest side: 2 x 2 tiles and the whole image, 5 tiles an image
@@ -76,32 +62,32 @@ def test_greedy_matches_transformers_in_one_batch(vlm, reference):
     _assert_all_free(llm)
 
 
-def test_chunked_prefill_and_preemption_across_images(vlm, reference):
-    cases = _cases(reference)
-    probe = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+def test_chunked_prefill_and_preemption_across_images(tiny_vlm, vlm_reference):
+    cases = _cases(vlm_reference)
+    probe = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB")
     per_block = probe.engine.core.runner.kv_bytes_per_block
     del probe
     # chunks of 16 tokens end inside images' placeholder runs; 10 blocks cannot hold the four requests at once
-    llm = LLM(str(vlm), dtype="float32", kv_cache_memory=str(10 * per_block), max_model_len=160,
+    llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory=str(10 * per_block), max_model_len=160,
               max_num_batched_tokens=16, enable_prefix_caching=False)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     outs = llm.generate([_prompt(t, i) for t, i in cases], params)
     assert llm.engine.core.scheduler.num_preemptions > 0
     for (text, images), out in zip(cases, outs, strict=True):
-        assert out.outputs[0].token_ids == _hf(reference, text, images, 20)[1]
+        assert out.outputs[0].token_ids == _hf(vlm_reference, text, images, 20)[1]
     _assert_all_free(llm)
 
 
-def test_prefix_cache_tells_images_apart(vlm, reference):
-    _, processor = reference
+def test_prefix_cache_tells_images_apart(tiny_vlm, vlm_reference):
+    _, processor = vlm_reference
     text = _chat_text(processor, 1, "What is in this picture?")
     first, second = random_image(10, 40, 70), random_image(11, 40, 70)  # same size: the same prompt tokens
-    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+    llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB")
     a = llm.generate(_prompt(text, [first]), GREEDY)[0]
     b = llm.generate(_prompt(text, [second]), GREEDY)[0]
     assert a.prompt_token_ids == b.prompt_token_ids
-    assert a.outputs[0].token_ids == _hf(reference, text, [first])[1]
-    assert b.outputs[0].token_ids == _hf(reference, text, [second])[1]
+    assert a.outputs[0].token_ids == _hf(vlm_reference, text, [first])[1]
+    assert b.outputs[0].token_ids == _hf(vlm_reference, text, [second])[1]
     assert a.outputs[0].token_ids != b.outputs[0].token_ids
     # only the blocks before the first image token are shared
     first_image_token = b.prompt_token_ids.index(llm.engine.core.runner.model.image_token_id)
@@ -112,25 +98,25 @@ def test_prefix_cache_tells_images_apart(vlm, reference):
     _assert_all_free(llm)
 
 
-def test_chat_with_image_urls(vlm, reference):
-    _, processor = reference
+def test_chat_with_image_urls(tiny_vlm, vlm_reference):
+    _, processor = vlm_reference
     image = random_image(4, 45, 45)
     messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
                                              {"type": "text", "text": "What is this?"}]}]
-    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+    llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB")
     out = llm.chat(messages, GREEDY)[0]
     text = _chat_text(processor, 1, "What is this?")
-    ids, expected = _hf(reference, text, [image])
+    ids, expected = _hf(vlm_reference, text, [image])
     # the chat template's text goes through the processor without special tokens added (it has its own)
     assert out.prompt_token_ids == processor(text=text, images=[[image]], add_special_tokens=False)["input_ids"][0]
     assert out.outputs[0].token_ids == expected
 
 
-def test_vision_tower_on_padded_tiles(vlm, reference):
+def test_vision_tower_on_padded_tiles(tiny_vlm, vlm_reference):
     """Tiles with padding (pixels outside the image): padded patches are no keys and the kept ones get their
     positions over the kept region, as transformers' Idefics3 computes them."""
-    model, _ = reference
-    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+    model, _ = vlm_reference
+    llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB")
     ours = llm.engine.core.runner.model
     torch.manual_seed(5)
     pixels = torch.randn(3, 3, 32, 32)
@@ -145,9 +131,9 @@ def test_vision_tower_on_padded_tiles(vlm, reference):
     assert not torch.allclose(unpadded[1], got[1], atol=1e-3)  # the mask changed what tile 1 encodes
 
 
-def test_bad_image_inputs_are_refused(vlm, reference, tiny_models):
-    _, processor = reference
-    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB")
+def test_bad_image_inputs_are_refused(tiny_vlm, vlm_reference, tiny_models):
+    _, processor = vlm_reference
+    llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB")
     text = _chat_text(processor, 1, "What is this?")
     image_token = llm.engine.core.runner.model.image_token_id
     with pytest.raises(ValueError, match="image tokens but no images"):
@@ -167,29 +153,29 @@ def test_bad_image_inputs_are_refused(vlm, reference, tiny_models):
 
 
 @pytest.mark.parametrize("seconds_per_tile, calls", [(1e6, [1] * 10), (1e-9, [10])])
-def test_a_step_starts_as_many_tiles_as_its_time_budget_holds(vlm, reference, seconds_per_tile, calls):
+def test_a_step_starts_as_many_tiles_as_its_time_budget_holds(tiny_vlm, vlm_reference, seconds_per_tile, calls):
     """Under the `compute` scheduler the vision tower's time counts: with a tile longer than any step budget each
     step starts one tile (the prompt's chunks end before the next one), with a free one a step starts them all;
     the output is the same."""
-    _, processor = reference
+    _, processor = vlm_reference
     text, images = _chat_text(processor, 2, "Compare the two."), [random_image(2, 20, 30), random_image(3, 64, 64)]
-    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB", scheduler="compute", enable_prefix_caching=False)
+    llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB", scheduler="compute", enable_prefix_caching=False)
     model = llm.engine.core.runner.model
     encode, seen = model.encode_tiles, []
     model.encode_tiles = lambda pixels, mask: (seen.append(pixels.shape[0]), encode(pixels, mask))[1]
     llm.engine.core.scheduler.tile_seconds = lambda: seconds_per_tile
     out = llm.generate(_prompt(text, images), GREEDY)[0]
-    assert out.outputs[0].token_ids == _hf(reference, text, images)[1]
+    assert out.outputs[0].token_ids == _hf(vlm_reference, text, images)[1]
     assert seen == calls
 
 
 @pytest.mark.parametrize("cache", ["256MiB", "0"])
-def test_a_second_request_with_the_same_image_takes_its_encoded_tiles(vlm, reference, cache):
+def test_a_second_request_with_the_same_image_takes_its_encoded_tiles(tiny_vlm, vlm_reference, cache):
     """--image-cache-memory: with prefix caching off (or the blocks evicted) the same image's tiles come from the
     encoded-tile cache, not the vision tower; with 0 they are encoded again. The output is the same."""
-    _, processor = reference
+    _, processor = vlm_reference
     image = random_image(6, 40, 70)
-    llm = LLM(str(vlm), dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False,
+    llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False,
               image_cache_memory=cache)
     model = llm.engine.core.runner.model
     encode, seen = model.encode_tiles, []
@@ -198,7 +184,7 @@ def test_a_second_request_with_the_same_image_takes_its_encoded_tiles(vlm, refer
     assert sum(seen) == 5  # 2 x 2 tiles and the whole image
     text = _chat_text(processor, 1, "And now?")  # another prompt: no KV to share, the same tiles
     second = llm.generate(_prompt(text, [image]), GREEDY)[0]
-    assert second.outputs[0].token_ids == _hf(reference, text, [image])[1]
+    assert second.outputs[0].token_ids == _hf(vlm_reference, text, [image])[1]
     assert first.num_cached_tokens == second.num_cached_tokens == 0
     stats = llm.engine.stats()
     if cache == "0":

@@ -16,37 +16,23 @@ import openai
 import pytest
 import torch
 
-from tests.models.vlm_tiny import build_vlm, png_data_url, random_image
+from tests.models.vlm_tiny import png_data_url, random_image
 from tests.server_utils import running_server
 
 MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def vlm(tmp_path_factory, tokenizer_dir):
-    return build_vlm(tmp_path_factory.mktemp("vlm") / "tiny-idefics3", tokenizer_dir)
-
-
-@pytest.fixture(scope="module")
-def reference(vlm):
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(str(vlm), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model, AutoProcessor.from_pretrained(str(vlm))
-
-
-@pytest.fixture(scope="module")
-def server(vlm, tmp_path_factory):
+def server(tiny_vlm, tmp_path_factory):
     log = tmp_path_factory.mktemp("srv") / "server.log"
-    with running_server("--model", str(vlm), "--served-model-name", "m", "--dtype", "float32", "--kv-cache-memory", "64MiB",
+    with running_server("--model", str(tiny_vlm), "--served-model-name", "m", "--dtype", "float32", "--kv-cache-memory", "64MiB",
                         "--max-model-len", "512", log=log) as base:
         yield base
 
 
-def _expected(reference, question: str, images: list) -> tuple[int, str]:
+def _expected(vlm_reference, question: str, images: list) -> tuple[int, str]:
     """(prompt tokens, reply text) of transformers' greedy continuation of the chat prompt with `images`."""
-    model, processor = reference
+    model, processor = vlm_reference
     content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
     text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
     enc = processor(text=text, images=[images], return_tensors="pt", add_special_tokens=False)
@@ -67,10 +53,10 @@ def _chat(client: openai.OpenAI, url: str, question: str, **kw):
                                                {"type": "text", "text": question}]}])
 
 
-def test_chat_completions_with_images(server, reference):
+def test_chat_completions_with_images(server, vlm_reference):
     client = _openai(server)
     first, second = random_image(20, 40, 70), random_image(21, 40, 70)
-    n, text = _expected(reference, "What is this?", [first])
+    n, text = _expected(vlm_reference, "What is this?", [first])
     done = _chat(client, png_data_url(first), "What is this?")
     assert done.choices[0].message.content == text
     assert done.usage.prompt_tokens == n and done.usage.completion_tokens == MAX_TOKENS
@@ -82,11 +68,11 @@ def test_chat_completions_with_images(server, reference):
     # before the image tokens
     assert chunks[-1].usage.prompt_tokens_details.cached_tokens == (n - 1) // 16 * 16
     other = _chat(client, png_data_url(second), "What is this?")
-    assert other.choices[0].message.content == _expected(reference, "What is this?", [second])[1]
+    assert other.choices[0].message.content == _expected(vlm_reference, "What is this?", [second])[1]
     assert other.usage.prompt_tokens_details.cached_tokens < 16
 
 
-def test_two_images_and_an_http_url(server, reference):
+def test_two_images_and_an_http_url(server, vlm_reference):
     images = [random_image(22, 30, 20), random_image(23, 64, 48)]
     payload = io.BytesIO()
     images[1].save(payload, format="PNG")
@@ -113,13 +99,13 @@ def test_two_images_and_an_http_url(server, reference):
                 {"type": "text", "text": "Compare them."}]}])
     finally:
         httpd.shutdown()
-    n, text = _expected(reference, "Compare them.", images)
+    n, text = _expected(vlm_reference, "Compare them.", images)
     assert done.choices[0].message.content == text and done.usage.prompt_tokens == n
 
 
-def test_responses_and_anthropic_messages_with_images(server, reference):
+def test_responses_and_anthropic_messages_with_images(server, vlm_reference):
     image = random_image(24, 50, 50)
-    n, text = _expected(reference, "Describe it.", [image])
+    n, text = _expected(vlm_reference, "Describe it.", [image])
     url = png_data_url(image)
     resp = _openai(server).responses.create(
         model="m", max_output_tokens=MAX_TOKENS, temperature=0,
