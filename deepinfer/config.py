@@ -607,6 +607,11 @@ class LimitsConfig:
     max_tools: int = _f(128, "Most tools in one request.")
     max_messages: int = _f(2048, "Most messages in one request (Responses: input items).")
     max_logit_bias: int = _f(300, "Most logit_bias entries in one request.")
+    allowed_media_domains: tuple[str, ...] = _f(
+        "", "Hosts whose http(s) image URLs the server fetches (a host and its subdomains; a JSON list, as vLLM "
+        "takes it, or comma-separated). Empty (the default, as vLLM's) = any host: a server whose clients must not "
+        "make it fetch from its own network should list the hosts images may come from. data: URLs are always "
+        "taken.", parse=parse_str_list)
     max_images_per_request: int = _f(
         8, "Most images in one request (a vision-language model encodes every tile of each; vLLM's "
         "--limit-mm-per-prompt '{\"image\": N}' sets it too).")

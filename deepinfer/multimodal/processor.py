@@ -14,8 +14,10 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from deepinfer.multimodal.inputs import MultiModalInputs
 
@@ -28,8 +30,9 @@ class ImageError(ValueError):
     """An image that cannot be read (bad URL, bad encoding, not an image, too large)."""
 
 
-def load_image(source: Any):
-    """A PIL image (RGB) from a PIL image, raw bytes, a `data:` URL or an http(s) URL."""
+def load_image(source: Any, allowed_domains: Sequence[str] = ()):
+    """A PIL image (RGB) from a PIL image, raw bytes, a `data:` URL or an http(s) URL (of a host in
+    `allowed_domains` or a subdomain of one, when that is not empty)."""
     from PIL import Image
 
     if isinstance(source, Image.Image):
@@ -39,6 +42,7 @@ def load_image(source: Any):
     elif isinstance(source, str) and source.startswith("data:"):
         data = _data_url_bytes(source)
     elif isinstance(source, str) and source.startswith(("http://", "https://")):
+        _check_host(source, allowed_domains)
         data = _fetch(source)
     else:
         raise ImageError("an image must be a data: URL (base64) or an http(s) URL")
@@ -53,6 +57,14 @@ def load_image(source: Any):
         raise
     except Exception as e:  # PIL's UnidentifiedImageError, truncated files, decompression bombs
         raise ImageError(f"cannot read the image: {e}") from e
+
+
+def _check_host(url: str, allowed_domains: Sequence[str]) -> None:
+    if not allowed_domains:
+        return
+    host = (urlsplit(url).hostname or "").lower().rstrip(".")
+    if not any(host == d or host.endswith("." + d) for d in (d.lower().strip(".") for d in allowed_domains)):
+        raise ImageError(f"image URLs from {host or 'this URL'} are not fetched (--allowed-media-domains)")
 
 
 def _data_url_bytes(url: str) -> bytes:
@@ -131,9 +143,10 @@ class MultiModalProcessor:
         self.tokens_per_tile = tokens_per_tile
         self.marker: str = getattr(self.hf, "image_token", "<image>")
 
-    def __call__(self, text: str, images: list[Any], add_special_tokens: bool = False
-                 ) -> tuple[list[int], MultiModalInputs | None]:
-        loaded = [load_image(i) for i in images]
+    def __call__(self, text: str, images: list[Any], add_special_tokens: bool = False,
+                 allowed_domains: Sequence[str] = ()) -> tuple[list[int], MultiModalInputs | None]:
+        """`allowed_domains`: the hosts http(s) image URLs may name (`load_image`; empty: any)."""
+        loaded = [load_image(i, allowed_domains) for i in images]
         markers = text.count(self.marker)
         if markers != len(loaded):
             raise ImageError(f"the prompt has {markers} image markers ({self.marker}) for {len(loaded)} images")

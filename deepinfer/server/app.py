@@ -98,7 +98,7 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
     app.state.admission = admission
     if recipe is None:
         recipe = recipe_options(engine.tokenizer, None)
-    ctx = ServingContext(engine, model_name, metrics, recipe)
+    ctx = ServingContext(engine, model_name, metrics, recipe, limits.allowed_media_domains)
     responses = responses if responses is not None else ResponseStore()
     app.state.ctx = ctx
     created = int(time.time())

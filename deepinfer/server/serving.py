@@ -33,6 +33,7 @@ class ServingContext:
     model_name: str
     metrics: ServerMetrics
     recipe: RecipeOptions = field(default_factory=RecipeOptions)  # the model's tool / reasoning parsers
+    media_domains: tuple[str, ...] = ()  # hosts image URLs may name (`--allowed-media-domains`; empty: any)
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> int:

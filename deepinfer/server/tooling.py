@@ -86,7 +86,7 @@ def render_with_images(ctx: ServingContext, messages: list[dict], plan: ToolPlan
         raise APIError(400, "this model takes no images", param=param)
     text = render(ctx, messages, plan, param, add_generation_prompt, as_text=True, **template_kwargs)
     try:
-        return processor(text, images)
+        return processor(text, images, allowed_domains=ctx.media_domains)
     except ImageError as e:
         raise APIError(400, str(e), param=param) from e
 

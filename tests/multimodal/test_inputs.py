@@ -135,3 +135,41 @@ def test_tile_cache_keeps_the_most_recent_within_its_bytes():
     off = TileCache(0)
     off.put(b"\x00", tiles[b"\x00"])
     assert len(off) == 0
+
+
+def test_allowed_media_domains_bound_what_is_fetched():
+    """--allowed-media-domains: a URL of another host is refused before any connection; the listed hosts and their
+    subdomains are fetched (here a local server); data: URLs are always taken."""
+    import http.server
+    import threading
+
+    from deepinfer.config import LimitsConfig
+
+    payload = _png(12, 10)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802 - the stdlib's name
+            self.send_response(200)
+            self.end_headers()
+            self.wfile.write(payload)
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{httpd.server_address[1]}/x.png"
+    try:
+        assert load_image(url, ("127.0.0.1",)).size == (12, 10)
+        assert load_image(url).size == (12, 10)  # no list: any host
+        with pytest.raises(ImageError, match="127.0.0.1 are not fetched"):
+            load_image(url, ("example.com",))
+        with pytest.raises(ImageError, match="evil-example.com"):
+            load_image("http://evil-example.com/a.png", ("example.com",))  # a suffix is not a subdomain
+        data = "data:image/png;base64," + base64.b64encode(payload).decode()
+        assert load_image(data, ("example.com",)).size == (12, 10)
+    finally:
+        httpd.shutdown()
+    assert LimitsConfig(allowed_media_domains='["example.com", "cdn.example.org"]').allowed_media_domains == (
+        "example.com", "cdn.example.org")
+    assert LimitsConfig().allowed_media_domains == ()
