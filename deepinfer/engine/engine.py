@@ -349,7 +349,7 @@ class LLMEngine:
             "kv_tokens": sum(r.num_tokens for r in sched.running),
             "kv_blocks_held_for_imports": sum(len(h) for h in self._kv_holds.values()),
             "encoded_tiles": self.num_encoded_tiles,
-            **({"image_cache_hits": cache.hits, "image_cache_misses": cache.misses, "image_cache_bytes": cache.bytes}
+            **({"image_cache_hits": cache.hits, "image_cache_misses": cache.misses, "image_cache_bytes": cache.nbytes}
                if (cache := self.core.runner.tile_cache) is not None else {}),
             "step_idle_gap_seconds_total": self.core.idle_gap_seconds,
             "step_idle_gap_last_seconds": self.core.idle_gap_last,

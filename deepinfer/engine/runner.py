@@ -37,6 +37,7 @@ from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.spec.ngram import LookupPlan
 from deepinfer.engine.spec.verify import verify
 from deepinfer.kvcache.blocks import TierBlocks, layout_of
+from deepinfer.kvcache.host import ByteLRU
 from deepinfer.kvcache.manager import whole_sequence
 from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
 from deepinfer.layers.attention import AttentionBatch
@@ -45,7 +46,6 @@ from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import RoutedExperts, SoftmaxTopKRouter
 from deepinfer.layers.torch_attention import TorchAttentionBackend
 from deepinfer.models import build_model
-from deepinfer.multimodal.inputs import TileCache
 from deepinfer.weights import ModelFiles
 
 logger = logging.getLogger(__name__)
@@ -218,7 +218,7 @@ class ModelRunner:
         self.stream_sink: Callable[[list[tuple[str, int, int]], torch.Tensor], None] | None = None
         self.tile_seconds: float | None = None  # the vision tower's seconds per image tile (moving average)
         # encoded image tiles by digest, for later requests with the same image (a vision-language model)
-        self.tile_cache = TileCache(cache_config.image_cache_memory) if hasattr(self.model, "encode_tiles") else None
+        self.tile_cache = ByteLRU(cache_config.image_cache_memory) if hasattr(self.model, "encode_tiles") else None
 
     def _allocate_backend_caches(self, cache_config: CacheConfig, hf_config, max_num_seqs: int,
                                  max_num_batched_tokens: int) -> None:

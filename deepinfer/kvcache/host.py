@@ -1,4 +1,5 @@
-"""The host-memory KV tier: a byte-bounded LRU map from block hash to block payload.
+"""The host-memory KV tier: a byte-bounded LRU map from block hash to block payload (`ByteLRU`, the map
+itself, which the runner's cache of encoded image tiles uses too; `HostKVCache`, the tier on it).
 
 Owns nothing but memory accounting and recency: a payload is whatever the caller
 hands in (bytes, a memoryview, a uint8 tensor -- on CUDA, pinned host memory)
@@ -21,8 +22,9 @@ def payload_nbytes(payload: Any) -> int:
     return int(n) if n is not None else len(payload)
 
 
-class HostKVCache(KVTier):
-    """Bounded (bytes) LRU cache of KV block payloads keyed by chained block hash."""
+class ByteLRU:
+    """A byte-bounded LRU map from a digest to a payload (anything with `nbytes`, or bytes): the host tier's
+    mechanism, also the runner's encoded image tiles by tile digest (`multimodal/inputs.py`)."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:
@@ -55,37 +57,6 @@ class HostKVCache(KVTier):
     def touch(self, block_hash: bytes) -> None:
         if block_hash in self._entries:
             self._entries.move_to_end(block_hash)
-
-    def lookup(self, hashes: Sequence[bytes], start: int = 0) -> int:
-        """How many consecutive hashes from `start` are held (recency unchanged: a lookup is not a use)."""
-        n = start
-        while n < len(hashes) and hashes[n] in self._entries:
-            n += 1
-        return n - start
-
-    def load(self, hashes: Sequence[bytes], start: int = 0, count: int | None = None) -> list[Any]:
-        limit = len(hashes) if count is None else min(len(hashes), start + count)
-        out = []
-        for h in hashes[start:limit]:
-            payload = self.get(h)
-            if payload is None:
-                break
-            out.append(payload)
-        return out
-
-    def put(self, hashes: Sequence[bytes], payloads: Sequence[Any], retention_class: str | None = None,
-            start: int = 0) -> int:
-        """Insert a run, its tail first, so its head ends most recently used (heads are what other prefixes
-        share). Whatever this evicts is dropped; the tier facade uses `insert` to spill evictions."""
-        if start + len(payloads) > len(hashes):
-            raise ValueError(f"{len(payloads)} payloads from position {start} need {start + len(payloads)} hashes")
-        kept = 0
-        for i in reversed(range(len(payloads))):
-            h = hashes[start + i]
-            held = h in self._entries
-            evicted = self.insert(h, payloads[i])
-            kept += not held and not any(e == h for e, _ in evicted)
-        return kept
 
     def insert(self, block_hash: bytes, payload: Any) -> list[tuple[bytes, Any]]:
         """Insert (or refresh) a block as most recently used; returns the (hash, payload) pairs evicted to
@@ -126,3 +97,38 @@ class HostKVCache(KVTier):
     def stats(self) -> dict[str, int]:
         return {"entries": len(self._entries), "bytes": self.nbytes, "max_bytes": self.max_bytes,
                 "hits": self.hits, "misses": self.misses, "inserts": self.inserts, "evictions": self.evictions}
+
+
+class HostKVCache(ByteLRU, KVTier):
+    """Bounded (bytes) LRU cache of KV block payloads keyed by chained block hash."""
+
+    def lookup(self, hashes: Sequence[bytes], start: int = 0) -> int:
+        """How many consecutive hashes from `start` are held (recency unchanged: a lookup is not a use)."""
+        n = start
+        while n < len(hashes) and hashes[n] in self._entries:
+            n += 1
+        return n - start
+
+    def load(self, hashes: Sequence[bytes], start: int = 0, count: int | None = None) -> list[Any]:
+        limit = len(hashes) if count is None else min(len(hashes), start + count)
+        out = []
+        for h in hashes[start:limit]:
+            payload = self.get(h)
+            if payload is None:
+                break
+            out.append(payload)
+        return out
+
+    def put(self, hashes: Sequence[bytes], payloads: Sequence[Any], retention_class: str | None = None,
+            start: int = 0) -> int:
+        """Insert a run, its tail first, so its head ends most recently used (heads are what other prefixes
+        share). Whatever this evicts is dropped; the tier facade uses `insert` to spill evictions."""
+        if start + len(payloads) > len(hashes):
+            raise ValueError(f"{len(payloads)} payloads from position {start} need {start + len(payloads)} hashes")
+        kept = 0
+        for i in reversed(range(len(payloads))):
+            h = hashes[start + i]
+            held = h in self._entries
+            evicted = self.insert(h, payloads[i])
+            kept += not held and not any(e == h for e, _ in evicted)
+        return kept

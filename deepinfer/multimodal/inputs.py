@@ -17,13 +17,14 @@ import binascii
 import dataclasses
 import hashlib
 from bisect import bisect_left
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
+
+from deepinfer.kvcache.host import ByteLRU
 
 DIGEST_SIZE = 16
 
@@ -153,39 +154,6 @@ class MultiModalInputs:
         return bisect_left(self.positions, start), bisect_left(self.positions, end)
 
 
-class TileCache:
-    """Encoded tiles by digest across requests, least recently used out first past `max_bytes` (0: keeps none)."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self.bytes = 0
-        self.hits = 0
-        self.misses = 0
-        self._tiles: OrderedDict[bytes, torch.Tensor] = OrderedDict()
-
-    def get(self, digest: bytes) -> torch.Tensor | None:
-        tile = self._tiles.get(digest)
-        if tile is None:
-            self.misses += 1
-            return None
-        self._tiles.move_to_end(digest)
-        self.hits += 1
-        return tile
-
-    def put(self, digest: bytes, tile: torch.Tensor) -> None:
-        size = tile.numel() * tile.element_size()
-        if size > self.max_bytes or digest in self._tiles:
-            return
-        self._tiles[digest] = tile
-        self.bytes += size
-        while self.bytes > self.max_bytes:
-            _, old = self._tiles.popitem(last=False)
-            self.bytes -= old.numel() * old.element_size()
-
-    def __len__(self) -> int:
-        return len(self._tiles)
-
-
 class EncodedTiles:
     """A request's encoded tiles while its prefill needs them: encoded when a chunk first covers one of a
     tile's placeholders, dropped once a chunk has covered its last."""
@@ -195,7 +163,7 @@ class EncodedTiles:
         self.tiles: dict[int, torch.Tensor] = {}
 
     def rows(self, a: int, b: int, encode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
-             cache: TileCache | None = None) -> torch.Tensor:
+             cache: ByteLRU | None = None) -> torch.Tensor:
         """The embeddings of placeholder ordinals [a, b) ([b - a, hidden]), encoding the tiles neither held
         nor in `cache` (in one call; put there) and dropping those whose last placeholder is before b."""
         mm, per = self.inputs, self.inputs.tokens_per_tile
@@ -216,7 +184,7 @@ class EncodedTiles:
             for t, emb in zip(missing, encode(mm.pixel_values[idx], mask), strict=True):
                 self.tiles[t] = emb
                 if cache is not None:
-                    cache.put(mm.tile_hashes[t], emb)
+                    cache.insert(mm.tile_hashes[t], emb)
         out = torch.cat([self.tiles[t] for t in range(first, last + 1)])[a - first * per:b - first * per]
         for t in range(first, last + 1):
             if (t + 1) * per <= b:

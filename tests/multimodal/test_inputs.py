@@ -10,8 +10,9 @@ import pickle
 import pytest
 import torch
 
+from deepinfer.kvcache.host import ByteLRU
 from deepinfer.multimodal import processor as images
-from deepinfer.multimodal.inputs import EncodedTiles, MultiModalInputs, TileCache
+from deepinfer.multimodal.inputs import EncodedTiles, MultiModalInputs
 from deepinfer.multimodal.processor import ImageError, load_image, split_images
 
 
@@ -123,18 +124,22 @@ def test_split_images_keeps_text_messages_and_orders_images():
     assert out[1]["content"] == [{"type": "image"}, {"type": "text", "text": "and"}, {"type": "image"}]
 
 
-def test_tile_cache_keeps_the_most_recent_within_its_bytes():
-    cache = TileCache(3 * 4 * 5 * 4)  # three float32 tiles of 4 x 5
-    tiles = {bytes([i]): torch.full((4, 5), float(i)) for i in range(4)}
-    for d in list(tiles)[:3]:
-        cache.put(d, tiles[d])
-    assert cache.get(b"\x00") is tiles[b"\x00"]  # now the most recent
-    cache.put(b"\x03", tiles[b"\x03"])  # evicts the least recent: 1
-    assert cache.get(b"\x01") is None and len(cache) == 3 and cache.bytes == 240
-    assert (cache.hits, cache.misses) == (1, 1)
-    off = TileCache(0)
-    off.put(b"\x00", tiles[b"\x00"])
-    assert len(off) == 0
+def test_encoded_tiles_go_through_a_shared_cache():
+    """A second request with the same pixels takes the first's encodings from the cache (the host tier's LRU map,
+    keyed by tile digest); a cache too small for a tile keeps none."""
+    mm, calls = _inputs(), []
+
+    def encode(pixels, mask):
+        calls.append(pixels.shape[0])
+        return pixels.reshape(pixels.shape[0], -1)[:, :20].reshape(pixels.shape[0], 4, 5)
+
+    cache = ByteLRU(3 * 4 * 5 * 4)  # three float32 tiles of 4 x 5
+    first = EncodedTiles(mm).rows(0, 12, encode, cache)
+    again = EncodedTiles(MultiModalInputs(mm.pixel_values.clone(), None, mm.positions, 4)).rows(0, 12, encode, cache)
+    assert calls == [3] and torch.equal(first, again) and (cache.hits, cache.nbytes) == (3, 240)
+    too_small = ByteLRU(0)
+    EncodedTiles(mm).rows(0, 12, encode, too_small)
+    assert calls == [3, 3] and len(too_small) == 0
 
 
 def test_allowed_media_domains_bound_what_is_fetched():
