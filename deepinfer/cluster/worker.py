@@ -263,11 +263,6 @@ async def _read(raw: Request, *required: str) -> dict[str, Any]:
     return body
 
 
-def _images(body: dict[str, Any]) -> dict[str, Any]:
-    """`generate`'s keyword for the body's images, if it has any."""
-    return {"multi_modal": body["multi_modal"]} if body.get("multi_modal") is not None else {}
-
-
 def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
     engine = state.engine
     internal = APIRouter(prefix="/internal", dependencies=[Depends(require_token(state.token))])
@@ -293,7 +288,7 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                                              cache_salt=body.get("cache_salt"),
                                              cache_tenant=body.get("cache_tenant"),
                                              retention_class=body.get("retention_class"),
-                                             stream_kv=stream is not None, **_images(body)):
+                                             stream_kv=stream is not None, multi_modal=body.get("multi_modal")):
                 if out.kv_blocks and stream is not None:
                     stream.send(out.kv_blocks)  # a background task writes them while the next chunk computes
                 final = out
@@ -344,7 +339,8 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                                   cache_salt=body.get("cache_salt"), cache_tenant=body.get("cache_tenant"),
                                   retention_class=body.get("retention_class"),
                                   output_prefix=list(body["output_prefix"]),
-                                  prefix_logprobs=logprobs_from_json(body.get("prefix_logprobs")), **_images(body))
+                                  prefix_logprobs=logprobs_from_json(body.get("prefix_logprobs")),
+                                  multi_modal=body.get("multi_modal"))
             try:  # the first output before the 200, so engine-side rejections still get their status
                 first = await gen.__anext__()
             except StopAsyncIteration:

@@ -197,9 +197,8 @@ async def stream_with_metrics(ctx: ServingContext, prompt_ids: list[int], params
 
     await precompile(ctx.engine, params, grammar_param)
     timer = ctx.metrics.timer()
-    images = {"multi_modal": multi_modal} if multi_modal is not None else {}
     async for out in ctx.engine.generate(prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
-                                         retention_class=retention, cache_tenant=cache_tenant, **images):
+                                         retention_class=retention, cache_tenant=cache_tenant, multi_modal=multi_modal):
         timer.observe(out)
         yield out
 
