@@ -48,6 +48,7 @@ from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import tier_stats
 from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
+from deepinfer.models.registry import image_facts
 from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.multimodal.processor import MultiModalProcessor
 from deepinfer.recipe.tokenizer import bad_word_sequences, eos_token_ids, load_tokenizer, sampling_defaults
@@ -120,10 +121,8 @@ class LLMEngine:
     @functools.cached_property
     def multimodal_processor(self) -> MultiModalProcessor | None:
         """The model's HF processor for prompts with images; None for a model that takes no images."""
-        model = self.core.runner.model
-        if not hasattr(model, "encode_tiles"):
-            return None
-        return MultiModalProcessor(self.core.files.directory, model.image_token_id, model.tokens_per_tile)
+        facts = image_facts(self.core.checkpoint_config)
+        return MultiModalProcessor(self.core.files.directory, *facts) if facts is not None else None
 
     def describe(self) -> dict:
         """Model and cache facts for start-up banners and cluster registration (plain values only)."""
@@ -139,8 +138,8 @@ class LLMEngine:
                 "architectures": list(getattr(core.checkpoint_config, "architectures", None) or []),
                 "model_identity": core.model_identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
                 # a vision-language model: where its processor is and what its image tokens are (None: no images)
-                "multimodal": {"directory": str(core.files.directory), **core.runner.model.describe_multimodal()}
-                if hasattr(core.runner.model, "describe_multimodal") else None,
+                "multimodal": None if (images := image_facts(core.checkpoint_config)) is None else {
+                    "directory": str(core.files.directory), "image_token_id": images[0], "tokens_per_tile": images[1]},
                 # None: a model with its own KV state (DeepSeek-V4), which KV export does not move yet
                 "kv_layout": None if core.runner.custom_kv
                 else list(dataclasses.astuple(layout_of(core.runner.tier_caches)))}

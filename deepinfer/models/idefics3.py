@@ -16,7 +16,6 @@ encodes like the same tile alone.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -206,6 +205,3 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
     def _params_loaded_elsewhere(self) -> set[str]:
         return {n for n, _ in self.named_parameters() if n.startswith(("vision_model.", "connector."))}
-
-    def describe_multimodal(self) -> dict[str, Any]:
-        return {"image_token_id": self.image_token_id, "tokens_per_tile": self.tokens_per_tile}
