@@ -47,7 +47,7 @@ from deepinfer.cluster.policies import (
     leading_run,
     prefill_finish,
 )
-from deepinfer.cluster.pool import Worker, WorkerPool
+from deepinfer.cluster.pool import Worker, WorkerPool, peer_tile_seconds
 from deepinfer.cluster.wire import logprobs_to_json, output_delta_from_json, output_from_json, params_to_json
 from deepinfer.config import RouterConfig
 from deepinfer.engine.engine_client import EngineDeadError, GrammarChecker
@@ -202,7 +202,7 @@ class ClusterEngineClient:
         hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt, cache_tenant, multi_modal)
         route = RouteInfo(len(prompt_token_ids), await self._store_hits(hashes, block_size),
                           params.max_tokens if params.max_tokens is not None else self.max_model_len,
-                          self._inflight_prefixes(hashes, block_size))
+                          self._inflight_prefixes(hashes, block_size), _tiles_to_prefill(multi_modal))
         base = {"request_id": rid, "prompt_token_ids": prompt_token_ids, "params": params_to_json(params),
                 "cache_salt": cache_salt, "cache_tenant": cache_tenant, "retention_class": retention_class}
         if multi_modal is not None:
@@ -252,8 +252,8 @@ class ClusterEngineClient:
     # ------------------------------------------------------------------ encode
 
     async def _encode(self, multi_modal: MultiModalInputs) -> MultiModalInputs:
-        """The tiles encoded by an encode worker (the least busy live one; another if it fails); as they are
-        (pixels: the prefill and decode workers encode them) when the cluster has none or none answers."""
+        """The tiles encoded by an encode worker (the one that would finish them first; another if it fails); as
+        they are (pixels: the prefill and decode workers encode them) when the cluster has none or none answers."""
         tried: set[str] = set()
         while True:
             workers = [w for w in self.pool.rotation("encode") if w.url not in tried]
@@ -262,7 +262,11 @@ class ClusterEngineClient:
                     self.num_encode_fallbacks += 1
                     logger.warning("no encode worker answered; the prefill and decode workers encode the images")
                 return multi_modal
-            w = min(workers, key=lambda w: (len(w.inflight_encode), w.requests_routed))
+            # when each would be done with these: the tiles it has in hand and these, at its measured speed
+            # (one not measured yet counts a second a tile)
+            tile_seconds = peer_tile_seconds(workers)
+            w = min(workers, key=lambda w: ((sum(w.inflight_encode.values()) + multi_modal.num_tiles)
+                                            * (tile_seconds[w.url] or 1.0), w.requests_routed))
             tried.add(w.url)
             key = uuid.uuid4().hex
             w.inflight_encode[key] = multi_modal.num_tiles
@@ -310,7 +314,7 @@ class ClusterEngineClient:
                 "prompt_tokens": route.num_prompt_tokens, "cached_tokens": route.num_cached_tokens,
                 "inflight_prefix_tokens": dict(route.inflight_prefix_tokens),
                 "prefill": pw.url, "prefill_queued_seconds": pview.queued_prefill_seconds,
-                "prefill_estimate_seconds": estimate, "decode": dw.url,
+                "prefill_estimate_seconds": estimate, "prefill_tiles": route.tiles_on(pview), "decode": dw.url,
                 # every candidate as the policy saw it: queued seconds + this prompt's estimate there
                 "prefill_finishes": {v.url: prefill_finish(v, route) for v in views},
                 "decode_loads": {v.url: _decode_load(v, self.policy) for v in dviews}})
@@ -481,6 +485,15 @@ def _decode_load(view: WorkerView, policy: RoutingPolicy) -> dict[str, float]:
     if isinstance(policy, DeepInferPolicy):
         load["score"] = policy.decode_score(view)
     return load
+
+
+def _tiles_to_prefill(multi_modal: MultiModalInputs | None) -> tuple[int, ...]:
+    """The last placeholder position of each tile the prefill worker will encode itself (none when an encode
+    worker sent embeddings)."""
+    if multi_modal is None or multi_modal.embeddings is not None:
+        return ()
+    per = multi_modal.tokens_per_tile
+    return tuple(multi_modal.positions[(t + 1) * per - 1] for t in range(multi_modal.num_tiles))
 
 
 def _by_url(workers: list[Worker], url: str) -> Worker:

@@ -7,7 +7,8 @@ has sent it since) and the request's `RouteInfo`, and picks one worker per pool:
 - `least_requests`: fewest requests in flight (prefill: queued + running; decode: running).
 - `deepinfer`: prefill = earliest estimated finish, i.e. the worker's queued prefill seconds plus
   this prompt's uncached compute under that worker's cost model (fitted online to observed step
-  times; the router gives peers on the same hardware one model, `pool.peer_cost_models`) plus the
+  times; the router gives peers on the same hardware one model, `pool.peer_cost_models`) plus its
+  image tiles at the worker's measured seconds per tile (a vision-language model) plus the
   time to load its cached part from the shared store (prefixes live there, so no cache affinity; a
   store hit is cheaper than compute, not free), where a prefix still being prefilled on a worker
   (not in the store yet) counts as cached on that worker; decode = lowest
@@ -44,6 +45,7 @@ class WorkerView:
     routed_prefill_seconds: float = 0.0  # estimated prefill compute sent to it so far
     host: str = ""  # the machine it runs on ("": unknown)
     cpus: tuple[int, ...] = ()  # the CPUs it may run on ((): unknown)
+    tile_seconds: float = 0.0  # its vision tower's seconds per image tile (0: not measured, or a text model)
 
 
 def leading_run(hashes: Sequence[Hashable], blocks: Container[Hashable]) -> int:
@@ -73,10 +75,19 @@ class RouteInfo:
     # worker url -> leading prompt tokens that a prompt in prefill there now shares with this one: they
     # will be in that worker's cache by the time this prompt's turn comes (not yet in the store)
     inflight_prefix_tokens: Mapping[str, int] = field(default_factory=dict)
+    # per image tile the prefill worker encodes (sent as pixels, not as an encode worker's embeddings), the
+    # prompt position of its last placeholder token
+    tile_last_positions: tuple[int, ...] = ()
 
     def cached_on(self, worker: WorkerView) -> int:
         """Prompt tokens `worker` will not have to compute."""
         return max(self.num_cached_tokens, self.inflight_prefix_tokens.get(worker.url, 0))
+
+    def tiles_on(self, worker: WorkerView) -> int:
+        """Image tiles `worker` has to run through its vision tower: those not wholly inside the prefix it
+        will find cached (a tile reaching past it is needed in full)."""
+        cached = self.cached_on(worker)
+        return sum(1 for last in self.tile_last_positions if last >= cached)
 
 
 class RoutingPolicy(ABC):
@@ -136,10 +147,13 @@ STORE_LOAD_SECONDS_PER_TOKEN = 1e-5
 
 def estimated_prefill_seconds(worker: WorkerView, req: RouteInfo) -> float:
     """This request's prefill on `worker`: its uncached compute (the worker's own cost model, else the
-    default one) plus loading its store hits. A prefix that a prompt in prefill on `worker` shares with
-    it counts as cached there (the request queues behind that prompt and finds its blocks)."""
+    default one), its image tiles through the vision tower (at the worker's measured seconds per tile: a
+    tile can cost as much as thousands of text tokens), plus loading its store hits. A prefix that a prompt
+    in prefill on `worker` shares with it counts as cached there (the request queues behind that prompt
+    and finds its blocks)."""
     model = worker.cost_model or CostModel()
     return (model.prefill_seconds(req.num_prompt_tokens, req.cached_on(worker))
+            + req.tiles_on(worker) * worker.tile_seconds
             + STORE_LOAD_SECONDS_PER_TOKEN * req.num_cached_tokens)
 
 

@@ -6,7 +6,7 @@
     rotation(role): live workers, each as a `WorkerView` = its last report merged with the requests this
     router sent it since (a report lags; without the merge a burst would all go to one worker); queued
     prefill seconds also count down from the report at one second per second; `views` gives workers on the
-    same hardware one cost model (`peer_cost_models`)
+    same hardware one cost model and one vision-tower speed (`peer_cost_models`, `peer_tile_seconds`)
 
 A worker leaves rotation when a poll fails, when a request to it fails at the connection
 level (`mark_failed`), or when it has not been heard from for `worker_timeout` seconds;
@@ -80,9 +80,9 @@ class Worker:
         return queued_since(float(self.load.get("queued_prefill_seconds", 0.0)), self.report_at, self.inflight_prefill,
                             now, acknowledged)
 
-    def view(self, cost_model: CostModel | None = None) -> WorkerView:
-        """What a policy sees of this worker; `cost_model`: the one to estimate its prefills with (default:
-        the worker's own, from its last report)."""
+    def view(self, cost_model: CostModel | None = None, tile_seconds: float | None = None) -> WorkerView:
+        """What a policy sees of this worker; `cost_model` and `tile_seconds`: what to estimate its prefills
+        with (default: the worker's own, from its last report)."""
         load = self.load
         queued = self.queued_prefill_seconds()
         running = max(int(load.get("num_running", 0)), len(self.inflight_decode_tokens))
@@ -91,7 +91,16 @@ class Worker:
         return WorkerView(self.url, queued, waiting, running, kv_tokens, int(load.get("max_num_seqs", 1)),
                           int(load.get("kv_capacity_tokens", 1)), cost_model or self.cost_model(),
                           self.prefill_seconds_routed,
-                          str(load.get("host", "")), tuple(load.get("cpus", ())))
+                          str(load.get("host", "")), tuple(load.get("cpus", ())),
+                          self.tile_seconds() if tile_seconds is None else tile_seconds)
+
+    def tile_seconds(self) -> float:
+        """Its vision tower's seconds per image tile, as last reported (0: none measured)."""
+        return float(self.load.get("tile_seconds") or 0.0)
+
+    def hardware(self) -> str:
+        """What makes workers peers: the same hardware, dtype and CPU count (its URL if it reports none)."""
+        return str(self.load.get("hardware") or self.url)
 
 
 def peer_cost_models(workers: Sequence[Worker]) -> dict[str, CostModel | None]:
@@ -107,7 +116,7 @@ def peer_cost_models(workers: Sequence[Worker]) -> dict[str, CostModel | None]:
     groups: dict[str, list[Worker]] = defaultdict(list)
     for w in workers:
         if w.cost_model() is not None:
-            groups[str(w.load.get("hardware") or w.url)].append(w)
+            groups[w.hardware()].append(w)
     out: dict[str, CostModel | None] = {w.url: None for w in workers}
     for peers in groups.values():
         if len(peers) == 1:
@@ -116,6 +125,16 @@ def peer_cost_models(workers: Sequence[Worker]) -> dict[str, CostModel | None]:
         mean = CostModel(tuple(float(c) for c in np.mean([p.cost_model().coef for p in peers], axis=0)))
         out.update({p.url: mean for p in peers})
     return out
+
+
+def peer_tile_seconds(workers: Sequence[Worker]) -> dict[str, float]:
+    """The seconds per image tile to price each worker's tiles with: the mean of its peers' measurements, for the
+    reason peers share a cost model (`peer_cost_models`); 0 where no peer has measured one."""
+    groups: dict[str, list[float]] = defaultdict(list)
+    for w in workers:
+        if w.tile_seconds() > 0:
+            groups[w.hardware()].append(w.tile_seconds())
+    return {w.url: float(np.mean(groups[w.hardware()])) if groups.get(w.hardware()) else 0.0 for w in workers}
 
 
 class WorkerPool:
@@ -146,9 +165,9 @@ class WorkerPool:
 
     @staticmethod
     def views(workers: Sequence[Worker]) -> list[WorkerView]:
-        """The policy's views of `workers` (one pool), each with its peers' pooled cost model."""
-        models = peer_cost_models(workers)
-        return [w.view(models[w.url]) for w in workers]
+        """The policy's views of `workers` (one pool), each with its peers' pooled cost model and tile seconds."""
+        models, tiles = peer_cost_models(workers), peer_tile_seconds(workers)
+        return [w.view(models[w.url], tiles[w.url]) for w in workers]
 
     def rotation(self, role: str) -> list[Worker]:
         now = time.monotonic()

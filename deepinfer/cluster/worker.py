@@ -151,7 +151,7 @@ class WorkerState:
             "cost_coefficients": cost_coefficients(s), "kv_transfer": kv_address, **self.counters,
             "transfers_refused": getattr(self.transfer, "refused", 0),  # peers without the cluster token
             "transfers_pending": sum(not a.done.is_set() for a in self.arrivals.values()), "kv_blocks_held": int(s.get("kv_blocks_held_for_imports", 0)),
-            "encoded_tiles": int(s.get("encoded_tiles", 0)),
+            "encoded_tiles": int(s.get("encoded_tiles", 0)), "tile_seconds": float(s.get("tile_seconds", 0.0)),
             "stats": s,
         }
 

@@ -93,6 +93,7 @@ class EngineCore:
                                                     sc.max_num_batched_tokens))
             if expert_parallel is not None:
                 expert_parallel.reset()
+            self.runner.profile_tile()
         ks = config.kvstore
         self.retention = ks.retention
         # attached after the profile: its synthetic steps must not reach the tiers. The tiers extend the
@@ -271,7 +272,8 @@ class EngineCore:
             # a call of several decode steps: each step is one of the plan's shape
             steps = 1 + max((len(v) for v in result.accepted.values()), default=0) \
                 if plan.scheduled[0].num_steps > 1 else 1
-            self.cost_model.observe(StepWork.from_output(plan), result.seconds / steps)
+            # the tower's time is priced per tile (`runner.tile_seconds`), not by the text terms
+            self.cost_model.observe(StepWork.from_output(plan), (result.seconds - result.encode_seconds) / steps)
             # a decode-phase step (every item a decode or a verification; a pending token makes num_tokens
             # run ahead of the plan, so the plan's own shape decides) prices verification
             if self.speculator is not None and all(item.num_new_tokens == 1 or item.draft_token_ids

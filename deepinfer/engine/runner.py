@@ -112,6 +112,8 @@ class StepResult:
     # in, (match length, drafts, drafts kept)
     spec_steps: list[tuple[int, float]] | None = None
     spec_verdicts: dict[str, list[tuple[int, int, int]]] = field(default_factory=dict)
+    # of `seconds`, the vision tower's (image tiles encoded in this step): the cost model prices text work only
+    encode_seconds: float = 0.0
 
 
 @dataclass
@@ -513,7 +515,10 @@ class ModelRunner:
         num_sampled = len(step.sample_reqs)
         num_scored = num_sampled + step.num_verify_rows
         hidden = None
-        images = {"input_embeds": self._image_embeds(step.image_rows)} if step.image_rows else {}
+        images, encode_started = {}, time.perf_counter()
+        if step.image_rows:
+            images["input_embeds"] = self._image_embeds(step.image_rows)
+        encode_seconds = time.perf_counter() - encode_started
         final = self.model.hidden_states(step.input_ids, step.positions, self.kv_caches, step.metas,
                                          step.logits_indices, **images)
         # in the head's dtype: the sampler and verifier widen them to float32 where they need to (a
@@ -548,16 +553,26 @@ class ModelRunner:
         ended = time.perf_counter()
         self._last_sampled = sampled
         return StepResult(sampled, logprobs, step.num_tokens, step.prepare_seconds + ended - started, started, ended,
-                          accepted, accepted_logprobs, step.prepare_cpu_seconds + time.thread_time() - cpu_started)
+                          accepted, accepted_logprobs, step.prepare_cpu_seconds + time.thread_time() - cpu_started,
+                          encode_seconds=encode_seconds)
+
+    @torch.inference_mode()
+    def profile_tile(self) -> None:
+        """Encode one blank tile, so `tile_seconds` is measured before the first image arrives (the scheduler's
+        tiles per step and the queued prefill seconds a router reads both need it). No-op for a text model."""
+        if self.tile_cache is None:
+            return
+        self.encode_tiles(torch.zeros(1, *self.model.tile_shape()), None)
 
     def _image_embeds(self, image_rows: list[tuple[Request, int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, embeddings) of the step's image placeholders, their tiles encoded as first reached."""
         rows = torch.tensor([r for *_, req_rows in image_rows for r in req_rows], dtype=torch.long, device=self.device)
-        vectors = [req.mm_encoded.rows(a, b, self._encode_tiles, self.tile_cache) for req, a, b, _ in image_rows]
+        vectors = [req.mm_encoded.rows(a, b, self.encode_tiles, self.tile_cache) for req, a, b, _ in image_rows]
         return rows, torch.cat(vectors) if len(vectors) > 1 else vectors[0]
 
-    def _encode_tiles(self, pixels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """The model's `encode_tiles`, timed per tile for the scheduler (`Scheduler.image_tiles_per_step`)."""
+    def encode_tiles(self, pixels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """The model's `encode_tiles`, timed per tile (`tile_seconds`: the scheduler's tiles per step, the queued
+        prefill seconds a router reads)."""
         started = time.perf_counter()
         out = self.model.encode_tiles(pixels, mask)
         if out.device.type == "cuda":

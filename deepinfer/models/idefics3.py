@@ -165,6 +165,11 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         vcfg = cfg.vision_config
         return int(cfg.image_token_id), (vcfg.image_size // vcfg.patch_size // cfg.scale_factor) ** 2
 
+    def tile_shape(self) -> tuple[int, int, int]:
+        """(channels, height, width) of the tiles `encode_tiles` takes."""
+        vcfg = self.multimodal_config.vision_config
+        return int(vcfg.num_channels), int(vcfg.image_size), int(vcfg.image_size)
+
     def encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
         """Tiles [T, C, H, W] (and their pixel mask [T, H, W], True where the image is) -> the text-model
         embeddings of their image tokens [T, tokens_per_tile, hidden]."""

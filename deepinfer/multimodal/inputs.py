@@ -17,7 +17,7 @@ import binascii
 import dataclasses
 import hashlib
 from bisect import bisect_left
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -148,6 +148,18 @@ class MultiModalInputs:
             block = self.positions[t * self.tokens_per_tile] // block_size
             keys[block] = keys.get(block, b"") + digest
         return keys
+
+    def tiles_to_encode(self, start: int, *cached: Container[bytes]) -> int:
+        """How many tiles a prefill from prompt position `start` still has to run through the vision tower: those
+        whose last placeholder is at or after `start` (the ones before lie in KV already computed or found),
+        less those encoded elsewhere (`embeddings`) or named in any of `cached` (the runner's tile cache, a
+        request's tiles held encoded). A
+        tile whose placeholders straddle `start` counts: a chunk that starts inside it needs all of it."""
+        if self.embeddings is not None:
+            return 0
+        per = self.tokens_per_tile
+        return sum(1 for t, digest in enumerate(self.tile_hashes)
+                   if self.positions[(t + 1) * per - 1] >= start and not any(digest in c for c in cached))
 
     def span(self, start: int, end: int) -> tuple[int, int]:
         """The placeholder ordinals [a, b) whose positions are in [start, end)."""

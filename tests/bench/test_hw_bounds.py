@@ -30,6 +30,7 @@ def test_best_of_nothing_is_an_error():
         best_of()
 
 
+@pytest.mark.slow  # two processes that each load the default model's cost (~20 s); the functions are tested above
 def test_the_command_line_divides_by_the_best_of_the_files_measurements(tmp_path):
     """What serve_compare.sh runs: `measure` lines in a file, `fraction` against the best of them, for the
     default model (its FLOPs per token from the HF copy, its GGUF's bytes for the memory bound)."""

@@ -17,7 +17,7 @@ from deepinfer.cluster.policies import (
     leading_run,
     make_policy,
 )
-from deepinfer.cluster.pool import Worker, WorkerPool, peer_cost_models
+from deepinfer.cluster.pool import Worker, WorkerPool, peer_cost_models, peer_tile_seconds
 from deepinfer.cluster.worker import queued_prefill_seconds
 from deepinfer.config import RouterConfig
 from deepinfer.engine.cost_model import CostModel
@@ -326,3 +326,43 @@ def test_a_huge_prompt_is_shared_by_peers_whose_own_fits_differ():
     assert DeepInferPolicy().pick_prefill(WorkerPool.views([a, b]), huge).url == "http://b"
     b.load["queued_prefill_seconds"] = 3.0  # really busy: the earliest finish still wins
     assert DeepInferPolicy().pick_prefill(WorkerPool.views([a, b]), huge).url == "http://a"
+
+
+def test_image_tiles_count_at_the_workers_seconds_per_tile_outside_its_cached_prefix():
+    """Tiles a prefill worker encodes cost its measured tower time each; a tile wholly inside the prefix the
+    worker will find cached costs nothing, one reaching past it counts in full (its last rows need it)."""
+    cost = CostModel()
+    # 3 tiles of 4 placeholders each: their last placeholders at positions 13, 17 and 41
+    req = RouteInfo(64, num_cached_tokens=16, tile_last_positions=(13, 17, 41))
+    w = WorkerView("w0", cost_model=cost, tile_seconds=2.0)
+    text = estimated_prefill_seconds(WorkerView("w0", cost_model=cost), req)
+    assert req.tiles_on(w) == 2
+    assert estimated_prefill_seconds(w, req) == pytest.approx(text + 4.0)
+    in_prefill = RouteInfo(64, tile_last_positions=(13, 17, 41), inflight_prefix_tokens={"w0": 48})
+    assert in_prefill.tiles_on(w) == 0 and in_prefill.tiles_on(WorkerView("w1", tile_seconds=2.0)) == 3
+
+
+def test_short_prompts_go_around_a_worker_busy_with_image_tiles():
+    """Worker a reports a prompt with 5 tiles queued (the engine prices them at its tower's speed), b a little
+    text: a short prompt goes to b. An image prompt itself goes where its tiles finish first. Without the
+    tiles in the reports the two look alike and the short prompt would wait behind seconds of tower time."""
+    base = CostModel().coef
+    a = _reporting("http://a", base, "cpu x1", queued=5 * 2.4 + 0.05, routed=12.0)
+    b = _reporting("http://b", base, "cpu x1", queued=0.2, routed=1.0)
+    for w in (a, b):
+        w.load["tile_seconds"] = 2.4
+    short = RouteInfo(40)
+    assert DeepInferPolicy().pick_prefill(WorkerPool.views([a, b]), short).url == "http://b"
+    image = RouteInfo(400, tile_last_positions=tuple(range(63, 320, 64)))
+    views = WorkerPool.views([a, b])
+    assert [estimated_prefill_seconds(v, image) > 12.0 for v in views] == [True, True]
+    assert DeepInferPolicy().pick_prefill(views, image).url == "http://b"
+
+
+def test_peers_share_one_tower_speed_and_an_unmeasured_peer_takes_it():
+    a, b, c = (_reporting(u, CostModel().coef, "cpu x1") for u in ("http://a", "http://b", "http://c"))
+    d = _reporting("http://d", CostModel().coef, "gpu")
+    a.load["tile_seconds"], b.load["tile_seconds"], d.load["tile_seconds"] = 2.0, 3.0, 0.05
+    speeds = peer_tile_seconds([a, b, c, d, Worker("http://e", "prefill")])
+    assert speeds == {"http://a": 2.5, "http://b": 2.5, "http://c": 2.5, "http://d": 0.05, "http://e": 0.0}
+    assert [v.tile_seconds for v in WorkerPool.views([a, c])] == [2.0, 2.0]

@@ -59,6 +59,7 @@ def test_encode_prefill_and_decode_workers(tiny_vlm, vlm_reference, tmp_path):
                 "encoded_tiles"] < 10 and time.monotonic() < deadline:
             time.sleep(0.2)
         assert load["encoded_tiles"] == 10  # 5 tiles an image (2 x 2 and the whole image), both here
+        assert load["tile_seconds"] > 0  # timed as it encoded (this cluster skips the start-up profile)
         # the only encode worker dies: the prefill and decode workers encode, and the reply is the same (the
         # router learns of the death from the failed call, a fallback, or from its poll first: no encoder left)
         os.kill(load["pid"], signal.SIGKILL)
@@ -66,3 +67,6 @@ def test_encode_prefill_and_decode_workers(tiny_vlm, vlm_reference, tmp_path):
         state = _router_state(base)
         assert state["failed_requests"] == 0
         assert not next(w for w in state["workers"] if w["role"] == "encode")["alive"]
+        # the prefill worker's share of the tower counts in the routing estimate only once it does the encoding
+        routes = httpx.get(f"{base}/internal/routes", headers=INTERNAL, timeout=10).json()["routes"]
+        assert [r["prefill_tiles"] for r in routes] == [0, 0, 5]

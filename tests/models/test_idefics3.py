@@ -4,6 +4,8 @@ names must tell two images apart); the vision tower alone on tiles with padding;
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -191,3 +193,38 @@ def test_a_second_request_with_the_same_image_takes_its_encoded_tiles(tiny_vlm, 
         assert sum(seen) == 10 and stats["image_cache_hits"] == 0
     else:
         assert sum(seen) == 5 and stats["image_cache_hits"] == 5 and stats["image_cache_bytes"] > 0
+
+
+def test_the_vision_tower_is_timed_at_start_up_and_its_tiles_priced_apart(tiny_vlm, vlm_reference):
+    """A router balances prefill workers by their queued prefill seconds, and an image tile can cost as much as
+    thousands of text tokens: the tiles still to encode count at the tower's measured seconds per tile (timed on a
+    blank tile at start-up, before any image came), tiles in the encoded-tile cache do not, and the step times
+    the text cost model learns from leave the tower's time out."""
+    _, processor = vlm_reference
+    llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False)
+    eng, runner = llm.engine, llm.engine.core.runner
+    assert runner.tile_seconds is not None and runner.tile_seconds > 0
+    assert eng.stats()["tile_seconds"] == runner.tile_seconds
+    text, images = _chat_text(processor, 2, "Compare the two."), [random_image(2, 20, 30), random_image(3, 64, 64)]
+    ids, mm = llm._with_images(_prompt(text, images))
+    assert mm.num_tiles == 10
+    observed = []
+    observe = eng.core.cost_model.observe
+    eng.core.cost_model.observe = lambda work, seconds: (observed.append(seconds), observe(work, seconds))
+    model = runner.model
+    encode = model.encode_tiles
+    model.encode_tiles = lambda pixels, mask: (time.sleep(0.3), encode(pixels, mask))[1]
+
+    runner.tile_seconds = 100.0
+    eng.add_request(text, GREEDY, prompt_token_ids=ids, multi_modal=mm)
+    assert 1000 <= eng.stats()["prefill_queued_seconds"] < 1001  # 10 tiles, and a short prompt's text
+    while eng.has_unfinished():
+        eng.step()
+    assert eng.stats()["prefill_queued_seconds"] == 0
+    assert observed and max(observed) < 0.3  # every step encoded its tiles in >= 0.3 s: not in what was learnt
+
+    runner.tile_seconds = 100.0
+    eng.add_request(text, GREEDY, prompt_token_ids=ids, multi_modal=mm)
+    assert eng.stats()["prefill_queued_seconds"] < 1  # its tiles are in the encoded-tile cache now
+    while eng.has_unfinished():
+        eng.step()

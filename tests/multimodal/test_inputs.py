@@ -36,6 +36,13 @@ def test_block_keys_name_the_block_each_tile_starts_in():
     assert mm.span(0, 12) == (0, 2) and mm.span(12, 17) == (2, 5) and mm.span(40, 50) == (12, 12)
 
 
+def test_tiles_to_encode_from_a_prompt_position():
+    mm = _inputs()  # tiles at 10-13, 16-19, 22-25
+    assert [mm.tiles_to_encode(p) for p in (0, 13, 14, 20, 26)] == [3, 3, 2, 1, 0]  # 13: tile 0 is still needed
+    assert mm.tiles_to_encode(0, {mm.tile_hashes[1]}, [mm.tile_hashes[2]]) == 1  # found elsewhere
+    assert mm.encoded(torch.zeros(3, 4, 2)).tiles_to_encode(0) == 0  # an encode worker did them
+
+
 def test_wire_and_pipe_forms_keep_everything():
     mm = _inputs()
     mask = torch.ones(3, 8, 8, dtype=torch.bool)
