@@ -65,6 +65,7 @@ class Result:
     ttft: float | None = None
     gaps: list[float] = field(default_factory=list)
     error: str | None = None
+    sent_at: float = 0.0  # wall clock (the router's routes carry the same clock)
 
 
 def workload(kind: str, n: int, rate: float, seed: int, vocab: int, huge: int, small: int,
@@ -106,15 +107,19 @@ def workload(kind: str, n: int, rate: float, seed: int, vocab: int, huge: int, s
     return out
 
 
-def _match_routes(reqs: list[Req], routes: list[dict]) -> list[dict | None]:
+def _match_routes(reqs: list[Req], routes: list[dict], results: list[Result]) -> list[dict | None]:
     """The router's first routing decision for each request: the router logs them in the order it routes,
     which is arrival order except for near-simultaneous arrivals, so each request takes the first
-    unclaimed decision for a prompt of its length (a swap among equal lengths changes nothing read here)."""
+    unclaimed decision for a prompt of its length (a swap among equal lengths changes nothing read here);
+    a chat request (its length is the router's to know) the first unclaimed one routed after it was sent."""
     firsts = [r for r in routes if r["attempt"] == 0]
     taken = [False] * len(firsts)
     out: list[dict | None] = []
-    for q in reqs:  # in arrival order
-        j = next((j for j, r in enumerate(firsts) if not taken[j] and r["prompt_tokens"] == len(q.prompt)), None)
+    for q, res in zip(reqs, results, strict=True):  # in arrival order
+        def fits(r: dict, q: Req = q, res: Result = res) -> bool:
+            return r["at"] >= res.sent_at - 0.01 if q.text else r["prompt_tokens"] == len(q.prompt)
+
+        j = next((j for j, r in enumerate(firsts) if not taken[j] and fits(r)), None)
         if j is not None:
             taken[j] = True
         out.append(None if j is None else firsts[j])
@@ -164,7 +169,7 @@ def _has_token(event: dict) -> bool:
 
 async def one(client: httpx.AsyncClient, base: str, at: float, path: str, body: dict, t0: float) -> Result:
     await asyncio.sleep(max(0.0, t0 + at - time.monotonic()))
-    res = Result()
+    res = Result(sent_at=time.time())
     start = time.monotonic()
     last = None
     try:
@@ -242,7 +247,7 @@ def run_policy(policy: str, args, prefill: list[str], decode: list[str], store: 
 
         results = asyncio.run(drive())
         state = httpx.get(f"{base}/internal/workers", timeout=10).json()
-        routes = _match_routes(reqs, httpx.get(f"{base}/internal/routes", timeout=10).json()["routes"])
+        routes = _match_routes(reqs, httpx.get(f"{base}/internal/routes", timeout=10).json()["routes"], results)
     finally:
         router.terminate()
         router.wait(timeout=30)
@@ -264,9 +269,10 @@ def run_policy(policy: str, args, prefill: list[str], decode: list[str], store: 
         "decode_imbalance": imbalance([float(w["decode_tokens_routed"]) for w in ws if w["role"] == "decode"]),
         # every request: (arrival s, prompt tokens, TTFT s or None, prefill worker, its queued seconds as the
         # router saw them, decode worker, every prefill candidate's estimated finish, every decode candidate's
-        # score (deepinfer)), for reading what the tail is made of
-        "requests": [(round(q.at, 3), len(q.prompt), None if r.ttft is None else round(r.ttft, 3),
-                      *_placement(route)) for q, r, route in zip(reqs, results, routes, strict=True)],
+        # score (deepinfer), images), for reading what the tail is made of
+        "requests": [(round(q.at, 3), route["prompt_tokens"] if q.text and route else len(q.prompt),
+                      None if r.ttft is None else round(r.ttft, 3), *_placement(route), len(q.images))
+                     for q, r, route in zip(reqs, results, routes, strict=True)],
     }
 
 

@@ -90,6 +90,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from deepinfer.cluster.launcher import serve_local_cluster
 
         serve_local_cluster(engine, server, cluster, router, log_level=args.log_level)
+    elif cluster.role == "encode":  # the vision tower alone: no engine
+        from deepinfer.cluster.encoder import serve_encode_worker
+
+        serve_encode_worker(engine, server, cluster)
     elif cluster.role != "unified":
         from deepinfer.cluster.worker import worker_customizer
 

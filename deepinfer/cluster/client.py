@@ -122,7 +122,8 @@ class ClusterEngineClient:
 
     @property
     def max_model_len(self) -> int:
-        lens = [int(w.load["max_model_len"]) for w in self.pool.workers.values() if w.alive and w.load]
+        lens = [int(w.load["max_model_len"]) for w in self.pool.workers.values()
+                if w.alive and w.load and w.role != "encode"]
         return min(lens) if lens else self._default_max_model_len
 
     def num_waiting(self) -> int:
@@ -168,7 +169,7 @@ class ClusterEngineClient:
         if spec:
             out["spec"] = spec
         for k in list(out):
-            if k == "kv_usage" or k.startswith(("cost_", "step_time")):
+            if k in ("kv_usage", "tile_seconds") or k.startswith(("cost_", "step_time")):
                 out[k] /= max(len(live), 1)
         out["num_waiting"] = float(out["num_waiting"])
         return out

@@ -223,9 +223,10 @@ class WorkerPool:
         return False
 
     def any_load(self) -> dict[str, Any]:
-        """The load report of some live worker (model facts: max_model_len, block size, layout)."""
+        """The load report of some live prefill or decode worker (model facts: max_model_len, block size, layout;
+        an encode worker has no text model to report them of)."""
         for w in self.workers.values():
-            if w.alive and w.load:
+            if w.alive and w.load and w.role != "encode":
                 return w.load
         return {}
 

@@ -11,9 +11,6 @@
     router ── POST /internal/decode  ──▶ decode worker: waits until the transfer has ended (most blocks are
                                          imported by then), continues the request after its first token,
                                          releases the hold once the request runs; NDJSON stream of outputs
-    router ── POST /internal/encode  ──▶ encode worker: a prompt's image tiles encoded by the model's vision
-                                         tower (`LLMEngine.encode_images`); the router sends the embeddings on
-                                         to the prefill and decode workers in place of the pixels
     router ── GET  /internal/load    ──▶ either: queued prefill seconds (cost model), running requests, KV
                                          tokens / usage / capacity, KV receiver address, what names blocks,
                                          transfer counters
@@ -24,10 +21,10 @@ tenant the router puts in a body (`cache_tenant`, the prefix cache namespace of 
 is taken as given, and a client cannot name another tenant's blocks by talking to a worker.
 
 The engine is reached only through the `EngineClient` surface (its engine may run in another process):
-`facts`, `stats()`, `generate(stream_kv=...)`, and `call("import_kv_blocks" | "release_kv_blocks" | "encode_images",
-...)`. A request with images carries them (`multi_modal`: pixels, or an encode worker's embeddings) to the prefill
-and the decode worker alike: the decode worker recomputes the prompt's last partial block, which may hold image
-placeholders.
+`facts`, `stats()`, `generate(stream_kv=...)`, and `call("import_kv_blocks" | "release_kv_blocks", ...)`. A request
+with images carries them (`multi_modal`: pixels, or an encode worker's embeddings, `cluster/encoder.py`) to the
+prefill and the decode worker alike: the decode worker recomputes the prompt's last partial block, which may hold
+image placeholders.
 """
 
 from __future__ import annotations
@@ -81,6 +78,16 @@ class Arrival:
     claimed: bool = False
     short: bool = False  # an import came back short: later blocks would leave a gap in the chain
     done: asyncio.Event = dataclasses.field(default_factory=asyncio.Event)
+
+
+def prefill_estimate(stats: dict[str, float], num_prompt_tokens: int,
+                     multi_modal: MultiModalInputs | None = None) -> float:
+    """A prompt's prefill seconds as this worker's engine prices them (`stats`: its snapshot): the text under its
+    cost model, and the image tiles it will encode at its tower's seconds per tile (a tile can outweigh the
+    text many times over: left out, a worker busy with an image reported itself nearly idle)."""
+    tiles = multi_modal.tiles_to_encode(0) if multi_modal is not None else 0
+    return (CostModel(cost_coefficients(stats)).prefill_seconds(num_prompt_tokens)
+            + tiles * float(stats.get("tile_seconds", 0.0)))
 
 
 def queued_prefill_seconds(stats: dict[str, float], pending: dict[str, tuple[float, float]], now: float) -> float:
@@ -151,7 +158,7 @@ class WorkerState:
             "cost_coefficients": cost_coefficients(s), "kv_transfer": kv_address, **self.counters,
             "transfers_refused": getattr(self.transfer, "refused", 0),  # peers without the cluster token
             "transfers_pending": sum(not a.done.is_set() for a in self.arrivals.values()), "kv_blocks_held": int(s.get("kv_blocks_held_for_imports", 0)),
-            "encoded_tiles": int(s.get("encoded_tiles", 0)), "tile_seconds": float(s.get("tile_seconds", 0.0)),
+            "tile_seconds": float(s.get("tile_seconds", 0.0)),  # a vision-language model's tower, per tile
             "stats": s,
         }
 
@@ -280,7 +287,7 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
         first_params = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
         one_token = params.max_tokens is not None and params.max_tokens <= 1
         state.pending_prefill[rid] = (time.monotonic(),
-                                      CostModel(cost_coefficients(engine.stats())).prefill_seconds(len(prompt_ids)))
+                                      prefill_estimate(engine.stats(), len(prompt_ids), body.get("multi_modal")))
         stream = None if one_token else await state.open_stream(body.get("kv_target"), body.get("transfer_id"))
         final = None
         try:
@@ -369,15 +376,6 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                 await gen.aclose()  # the router went away: abort the request, free its blocks
 
         return StreamingResponse(lines(), media_type="application/x-ndjson")
-
-    @internal.post("/encode")
-    async def encode(raw: Request):
-        body = await _read(raw, "multi_modal")
-        try:
-            encoded = await engine.call("encode_images", body["multi_modal"])
-        except ValueError as e:
-            raise APIError(400, str(e), param="multi_modal") from e
-        return {"multi_modal": encoded.to_wire()}
 
     app.include_router(internal)
 

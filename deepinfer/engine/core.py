@@ -93,7 +93,8 @@ class EngineCore:
                                                     sc.max_num_batched_tokens))
             if expert_parallel is not None:
                 expert_parallel.reset()
-            self.runner.profile_tile()
+            if self.runner.tiles is not None:  # the tower's seconds per tile, before the first image comes
+                self.runner.tiles.profile()
         ks = config.kvstore
         self.retention = ks.retention
         # attached after the profile: its synthetic steps must not reach the tiers. The tiers extend the
@@ -116,7 +117,7 @@ class EngineCore:
         steps_rows = 0 if proposer_reads_hidden or sc.overlap_host_work == "on" else self.runner.decode_steps_rows()
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model, self.speculator,
                                    steps_rows)
-        self.scheduler.tile_seconds = lambda: self.runner.tile_seconds
+        self.scheduler.tile_seconds = lambda: self.runner.tiles.seconds if self.runner.tiles is not None else None
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
                     bs, self.runner.kv_cache_bytes / 2**20)
         logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)
@@ -272,7 +273,7 @@ class EngineCore:
             # a call of several decode steps: each step is one of the plan's shape
             steps = 1 + max((len(v) for v in result.accepted.values()), default=0) \
                 if plan.scheduled[0].num_steps > 1 else 1
-            # the tower's time is priced per tile (`runner.tile_seconds`), not by the text terms
+            # the tower's time is priced per tile (`TileEncoder.seconds`), not by the text terms
             self.cost_model.observe(StepWork.from_output(plan), (result.seconds - result.encode_seconds) / steps)
             # a decode-phase step (every item a decode or a verification; a pending token makes num_tokens
             # run ahead of the plan, so the plan's own shape decides) prices verification

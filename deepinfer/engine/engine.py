@@ -49,7 +49,8 @@ from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import tier_stats
 from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
 from deepinfer.models.registry import image_facts
-from deepinfer.multimodal.inputs import EncodedTiles, MultiModalInputs
+from deepinfer.multimodal.encoder import tile_stats
+from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.multimodal.processor import MultiModalProcessor
 from deepinfer.recipe.tokenizer import bad_word_sequences, eos_token_ids, load_tokenizer, sampling_defaults
 
@@ -92,7 +93,6 @@ class LLMEngine:
         self._seq_request: dict[str, str] = {}  # sequence id -> request id
         self._prompt_logprobs_due: set[str] = set()  # requests whose prompt logprobs are still to be sent
         self._ids = itertools.count()
-        self.num_encoded_tiles = 0  # image tiles `encode_images` encoded for others (an encode worker)
         mode = config.scheduler.overlap_host_work
         self.overlap = mode == "on" or (mode == "auto" and self.core.runner.device.type == "cuda")
         # the expert-parallel step protocol and EPLB's switches run between steps on this thread
@@ -226,22 +226,6 @@ class LLMEngine:
             raise ValueError(f"image embeddings of width {multi_modal.embeddings.shape[-1]} for a model of width "
                              f"{model.config.hidden_size}")
 
-    @torch.inference_mode()
-    def encode_images(self, multi_modal: MultiModalInputs) -> MultiModalInputs:
-        """`multi_modal` with its tiles encoded by this model's vision tower (an encode worker's job)."""
-        model = self.core.runner.model
-        if not hasattr(model, "encode_tiles"):
-            raise ValueError(f"{type(model).__name__} takes no images")
-        if multi_modal.pixel_values is None:
-            return multi_modal
-        if multi_modal.tokens_per_tile != model.tokens_per_tile:
-            raise ValueError(f"the model encodes a tile as {model.tokens_per_tile} tokens, the inputs say "
-                             f"{multi_modal.tokens_per_tile}")
-        self.num_encoded_tiles += multi_modal.num_tiles
-        runner = self.core.runner  # timed, and through the tile cache: the same image again costs nothing
-        rows = EncodedTiles(multi_modal).rows(0, len(multi_modal.positions), runner.encode_tiles, runner.tile_cache)
-        return multi_modal.encoded(rows.reshape(multi_modal.num_tiles, multi_modal.tokens_per_tile, -1))
-
     @contextlib.contextmanager
     def closed_batch(self) -> Iterator[None]:
         """Within it, the caller adds no request until every one in the engine has finished (`LLM.generate`):
@@ -349,10 +333,7 @@ class LLMEngine:
             "prefill_queued_at": time.monotonic(),  # system-wide clock: a worker process ages the snapshot
             "kv_tokens": sum(r.num_tokens for r in sched.running),
             "kv_blocks_held_for_imports": sum(len(h) for h in self._kv_holds.values()),
-            "encoded_tiles": self.num_encoded_tiles,
-            "tile_seconds": self.core.runner.tile_seconds or 0.0,  # the vision tower's, per tile (0: not measured)
-            **({"image_cache_hits": cache.hits, "image_cache_misses": cache.misses, "image_cache_bytes": cache.nbytes}
-               if (cache := self.core.runner.tile_cache) is not None else {}),
+            **(tile_stats(tiles) if (tiles := self.core.runner.tiles) is not None else {}),
             "step_idle_gap_seconds_total": self.core.idle_gap_seconds,
             "step_idle_gap_last_seconds": self.core.idle_gap_last,
             "step_idle_gaps": self.core.num_idle_gaps,
@@ -372,24 +353,24 @@ class LLMEngine:
         in one long step would be reported as done for the whole step)."""
         from deepinfer.engine.cost_model import step_features
 
-        sched, cost, runner = self.core.scheduler, self.core.cost_model, self.core.runner
+        sched, cost, tiles = self.core.scheduler, self.core.cost_model, self.core.runner.tiles
         running_from = {} if self._inflight is None else {
             item.request.request_id: item.start for item in self._inflight.plan.scheduled if item.num_new_tokens > 1}
         chunks = []
-        tiles = 0  # image tiles still to run through the vision tower, priced at its measured seconds per tile
+        num_tiles = 0  # image tiles still to run through the vision tower, priced at its measured seconds per tile
         for r in (*sched.waiting, *sched.running):
             done = running_from.get(r.request_id, r.num_computed_tokens)
             total = r.num_tokens - r.num_pending_tokens  # a pending token is the next decode, not prompt
             if done < total - 1:
                 chunks.append((total - done, done))
-                if r.multi_modal is not None:
+                if r.multi_modal is not None and tiles is not None:
                     held = {r.multi_modal.tile_hashes[t] for t in r.mm_encoded.tiles}
-                    tiles += r.multi_modal.tiles_to_encode(done, held, runner.tile_cache)
+                    num_tiles += r.multi_modal.tiles_to_encode(done, held, tiles.cache)
         if not chunks:
             return 0.0
         overhead = cost.coefficients["overhead"]
-        return (cost.predict_features(step_features(chunks)) + (len(chunks) - 1) * overhead
-                + tiles * (runner.tile_seconds or 0.0))
+        tile_seconds = (tiles.seconds or 0.0) if num_tiles else 0.0
+        return cost.predict_features(step_features(chunks)) + (len(chunks) - 1) * overhead + num_tiles * tile_seconds
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step (`step_tokens`); return the output of every request that advanced (with

@@ -31,8 +31,7 @@ from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.multimodal.processor import MultiModalProcessor
 
 # LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
-ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks",
-                          "encode_images"})
+ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks"})
 
 
 class EngineDeadError(RuntimeError):

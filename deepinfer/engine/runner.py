@@ -37,7 +37,6 @@ from deepinfer.engine.scheduler import SchedulerOutput
 from deepinfer.engine.spec.ngram import LookupPlan
 from deepinfer.engine.spec.verify import verify
 from deepinfer.kvcache.blocks import TierBlocks, layout_of
-from deepinfer.kvcache.host import ByteLRU
 from deepinfer.kvcache.manager import whole_sequence
 from deepinfer.kvcache.spec import FullAttention, KVSpec, SlidingWindow
 from deepinfer.layers.attention import AttentionBatch
@@ -46,6 +45,7 @@ from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import RoutedExperts, SoftmaxTopKRouter
 from deepinfer.layers.torch_attention import TorchAttentionBackend
 from deepinfer.models import build_model
+from deepinfer.multimodal.encoder import TileEncoder
 from deepinfer.weights import ModelFiles
 
 logger = logging.getLogger(__name__)
@@ -218,9 +218,9 @@ class ModelRunner:
         # speculative decoding with DeepSeek-V4's MTP layer: called after each forward with the step's
         # `row_requests` and the model's last residual streams of every row (engine/spec/mtp.py)
         self.stream_sink: Callable[[list[tuple[str, int, int]], torch.Tensor], None] | None = None
-        self.tile_seconds: float | None = None  # the vision tower's seconds per image tile (moving average)
-        # encoded image tiles by digest, for later requests with the same image (a vision-language model)
-        self.tile_cache = ByteLRU(cache_config.image_cache_memory) if hasattr(self.model, "encode_tiles") else None
+        # a vision-language model's tower: timed per tile, through the encoded-tile cache
+        self.tiles = TileEncoder(self.model, cache_config.image_cache_memory) \
+            if hasattr(self.model, "encode_tiles") else None
 
     def _allocate_backend_caches(self, cache_config: CacheConfig, hf_config, max_num_seqs: int,
                                  max_num_batched_tokens: int) -> None:
@@ -556,30 +556,11 @@ class ModelRunner:
                           accepted, accepted_logprobs, step.prepare_cpu_seconds + time.thread_time() - cpu_started,
                           encode_seconds=encode_seconds)
 
-    @torch.inference_mode()
-    def profile_tile(self) -> None:
-        """Encode one blank tile, so `tile_seconds` is measured before the first image arrives (the scheduler's
-        tiles per step and the queued prefill seconds a router reads both need it). No-op for a text model."""
-        if self.tile_cache is None:
-            return
-        self.encode_tiles(torch.zeros(1, *self.model.tile_shape()), None)
-
     def _image_embeds(self, image_rows: list[tuple[Request, int, int, list[int]]]) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, embeddings) of the step's image placeholders, their tiles encoded as first reached."""
         rows = torch.tensor([r for *_, req_rows in image_rows for r in req_rows], dtype=torch.long, device=self.device)
-        vectors = [req.mm_encoded.rows(a, b, self.encode_tiles, self.tile_cache) for req, a, b, _ in image_rows]
+        vectors = [req.mm_encoded.rows(a, b, self.tiles, self.tiles.cache) for req, a, b, _ in image_rows]
         return rows, torch.cat(vectors) if len(vectors) > 1 else vectors[0]
-
-    def encode_tiles(self, pixels: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-        """The model's `encode_tiles`, timed per tile (`tile_seconds`: the scheduler's tiles per step, the queued
-        prefill seconds a router reads)."""
-        started = time.perf_counter()
-        out = self.model.encode_tiles(pixels, mask)
-        if out.device.type == "cuda":
-            torch.cuda.synchronize(out.device)
-        per_tile = (time.perf_counter() - started) / max(int(pixels.shape[0]), 1)
-        self.tile_seconds = per_tile if self.tile_seconds is None else 0.7 * self.tile_seconds + 0.3 * per_tile
-        return out
 
     def _run_steps(self, step: PreparedStep, started: float, cpu_started: float) -> StepResult:
         """`step.num_steps` greedy steps of its decode rows in one C call (`FusedDecoder.decode_steps`): each

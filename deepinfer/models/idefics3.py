@@ -15,7 +15,7 @@ encodes like the same tile alone.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -142,18 +142,19 @@ class Connector(nn.Module):
         return self.modality_projection.proj(x.reshape(tiles, n // (s * s), d * s * s))
 
 
-class Idefics3ForConditionalGeneration(LlamaForCausalLM):
-    """Idefics3 and SmolVLM checkpoints (`model.vision_model`, `model.connector`, `model.text_model`, `lm_head`)."""
+class Idefics3ImageEncoder(nn.Module):
+    """The vision half of an Idefics3 checkpoint: tower and connector, `encode_tiles`. The full model holds one
+    (`image_encoder`); an encode worker builds it alone (`models.registry.build_image_encoder`) and reads none of the
+    text model's weights."""
 
-    def __init__(self, cfg, backend: AttentionBackend, max_positions: int, dtype: torch.dtype) -> None:
-        text = cfg.get_text_config()
-        # transformers ties the LM head to the embedding by the top-level flag, whatever text_config says
-        text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+    WEIGHT_PREFIXES = ("model.vision_model.", "model.connector.")
+
+    def __init__(self, cfg) -> None:
+        super().__init__()
         vcfg = cfg.vision_config
         if vcfg.image_size % vcfg.patch_size or (vcfg.image_size // vcfg.patch_size) % cfg.scale_factor:
             raise ValueError("Idefics3: image_size / patch_size must be a whole multiple of scale_factor")
-        super().__init__(text, backend, max_positions, dtype)
-        self.multimodal_config = cfg
+        self.config = cfg
         self.image_token_id, self.tokens_per_tile = self.image_facts(cfg)
         self.patch_size = vcfg.patch_size
         self.vision_model = VisionTransformer(vcfg)
@@ -167,7 +168,7 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
 
     def tile_shape(self) -> tuple[int, int, int]:
         """(channels, height, width) of the tiles `encode_tiles` takes."""
-        vcfg = self.multimodal_config.vision_config
+        vcfg = self.config.vision_config
         return int(vcfg.num_channels), int(vcfg.image_size), int(vcfg.image_size)
 
     def encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
@@ -182,31 +183,55 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
             patch_mask = pixel_mask.to(dev).unfold(1, p, p).unfold(2, p, p).sum(dim=(-1, -2)) > 0
         return self.connector(self.vision_model(pixels, patch_mask))
 
-    _PREFIXES = (("model.vision_model.", "vision_model."), ("model.connector.", "connector."))
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        own = dict(self.vision_model.named_parameters(prefix="vision_model"))
-        own.update(self.connector.named_parameters(prefix="connector"))
+    def take_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Copy the checkpoint's vision and connector tensors in; yield every other one (the text model's). Once
+        `weights` is exhausted, ValueError if a vision tensor was missing (one that does not fit: at once)."""
+        own = dict(self.named_parameters())
         loaded: set[str] = set()
-
-        def text_weights() -> Iterable[tuple[str, torch.Tensor]]:
-            for name, tensor in weights:
-                for theirs, ours in self._PREFIXES:
-                    if name.startswith(theirs):
-                        key = ours + name[len(theirs):]
-                        if key not in own or own[key].shape != tensor.shape:
-                            raise ValueError(f"checkpoint tensor {name!r} does not match the vision model")
-                        with torch.no_grad():
-                            own[key].copy_(tensor)
-                        loaded.add(key)
-                        break
-                else:
-                    yield name.replace("model.text_model.", "model.", 1), tensor
-
-        super().load_weights(text_weights())
+        for name, tensor in weights:
+            if not name.startswith(self.WEIGHT_PREFIXES):
+                yield name, tensor
+                continue
+            key = name.removeprefix("model.")
+            if key not in own or own[key].shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} does not match the vision model")
+            with torch.no_grad():
+                own[key].copy_(tensor)
+            loaded.add(key)
         missing = set(own) - loaded
         if missing:
             raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {sorted(missing)[:3]}")
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Its own tensors of a whole checkpoint (the others are passed over)."""
+        for _ in self.take_weights(weights):
+            pass
+
+
+class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+    """Idefics3 and SmolVLM checkpoints (`model.vision_model`, `model.connector`, `model.text_model`, `lm_head`)."""
+
+    image_encoder_class = Idefics3ImageEncoder
+    image_facts = staticmethod(Idefics3ImageEncoder.image_facts)
+
+    def __init__(self, cfg, backend: AttentionBackend, max_positions: int, dtype: torch.dtype) -> None:
+        text = cfg.get_text_config()
+        # transformers ties the LM head to the embedding by the top-level flag, whatever text_config says
+        text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        image_encoder = Idefics3ImageEncoder(cfg)  # (checks the config before the text model is built)
+        super().__init__(text, backend, max_positions, dtype)
+        self.image_encoder = image_encoder
+        self.image_token_id, self.tokens_per_tile = image_encoder.image_token_id, image_encoder.tokens_per_tile
+
+    def tile_shape(self) -> tuple[int, int, int]:
+        return self.image_encoder.tile_shape()
+
+    def encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.image_encoder.encode_tiles(pixels, pixel_mask)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights((name.replace("model.text_model.", "model.", 1), tensor)
+                             for name, tensor in self.image_encoder.take_weights(weights))
+
     def _params_loaded_elsewhere(self) -> set[str]:
-        return {n for n, _ in self.named_parameters() if n.startswith(("vision_model.", "connector."))}
+        return {n for n, _ in self.named_parameters() if n.startswith("image_encoder.")}

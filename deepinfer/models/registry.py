@@ -28,12 +28,32 @@ MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
 }
 
 
+def _model_class(hf_config) -> type[torch.nn.Module] | None:
+    archs = list(getattr(hf_config, "architectures", None) or [])
+    return next((MODEL_REGISTRY[a] for a in archs if a in MODEL_REGISTRY), None)
+
+
 def image_facts(hf_config) -> tuple[int, int] | None:
     """(image token id, placeholder tokens per image tile) of a vision-language checkpoint; None for a text model."""
-    archs = list(getattr(hf_config, "architectures", None) or [])
-    cls = next((MODEL_REGISTRY[a] for a in archs if a in MODEL_REGISTRY), None)
-    facts = getattr(cls, "image_facts", None)
+    facts = getattr(_model_class(hf_config), "image_facts", None)
     return facts(hf_config) if facts is not None else None
+
+
+def image_encoder_class(hf_config) -> type[torch.nn.Module]:
+    """The vision half of a vision-language checkpoint's model, which builds and loads without the text model (an
+    encode worker's); ValueError for a text model."""
+    cls = getattr(_model_class(hf_config), "image_encoder_class", None)
+    if cls is None:
+        raise ValueError(f"{getattr(hf_config, 'architectures', None)} is not a vision-language model: it has no "
+                         "vision tower to encode images with")
+    return cls
+
+
+def build_image_encoder(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
+    """`image_encoder_class(hf_config)`, built (its weights still to load: `load_weights`)."""
+    cls = image_encoder_class(hf_config)
+    with torch.device(device):
+        return cls(hf_config).to(dtype=dtype).eval()
 
 
 def text_config(hf_config):

@@ -21,6 +21,29 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0, 160.0)
 
 
+def _one(family: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str, doc: str, model_name: str,
+         value: float):
+    """A `deepinfer:` metric family with one sample, labelled by the model's name."""
+    f = family(f"deepinfer:{name}", doc, labels=["model_name"])
+    f.add_metric([model_name], value)
+    return f
+
+
+def image_metrics(s: dict[str, Any], model_name: str) -> Iterator:
+    """A vision tower's metrics, from an engine's or an encode worker's stats (nothing for a text model)."""
+    if "image_cache_hits" not in s:
+        return
+    yield _one(CounterMetricFamily, "image_cache_hits", "Image tiles served from encoded tiles kept for an earlier "
+               "request.", model_name, s["image_cache_hits"])
+    yield _one(CounterMetricFamily, "image_cache_misses", "Image tiles the vision tower encoded.", model_name,
+               s["image_cache_misses"])
+    yield _one(GaugeMetricFamily, "image_tile_seconds", "The vision tower's measured seconds per image tile (moving "
+               "average; what routing and the scheduler price a tile at).", model_name, s["tile_seconds"])
+    if "encoded_tiles" in s:
+        yield _one(CounterMetricFamily, "encode_worker_tiles", "Image tiles encoded for other workers (an encode "
+                   "worker).", model_name, s["encoded_tiles"])
+
+
 class _EngineCollector:
     def __init__(self, stats_fn, model_name: str) -> None:
         self.stats_fn = stats_fn
@@ -28,17 +51,12 @@ class _EngineCollector:
 
     def collect(self):
         s = self.stats_fn()
-        label = ["model_name"]
 
         def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(f"deepinfer:{name}", doc, labels=label)
-            g.add_metric([self.model_name], value)
-            return g
+            return _one(GaugeMetricFamily, name, doc, self.model_name, value)
 
         def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            c = CounterMetricFamily(f"deepinfer:{name}", doc, labels=label)
-            c.add_metric([self.model_name], value)
-            return c
+            return _one(CounterMetricFamily, name, doc, self.model_name, value)
 
         yield gauge("num_requests_running", "Requests in the running batch.", s["num_running"])
         yield gauge("num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"])
@@ -52,19 +70,13 @@ class _EngineCollector:
         by_tier = CounterMetricFamily("deepinfer:prefix_cache_hits_by_tier",
                                       "Prompt tokens served from cache, by where they were found (device cache, "
                                       "host-memory tier, persistent store); sums to prefix_cache_hits.",
-                                      labels=label + ["tier"])
+                                      labels=["model_name", "tier"])
         for tier in ("device", "host", "store"):
             by_tier.add_metric([self.model_name, tier], s[f"prefix_hits_{tier}"])
         yield by_tier
         yield from _kv_tier_metrics(s, gauge, counter)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", s["num_preemptions"])
-        if "image_cache_hits" in s:  # a vision-language model
-            yield counter("image_cache_hits", "Image tiles served from encoded tiles kept for an earlier request.",
-                          s["image_cache_hits"])
-            yield counter("image_cache_misses", "Image tiles the vision tower encoded.", s["image_cache_misses"])
-        if s.get("encoded_tiles"):
-            yield counter("encode_worker_tiles", "Image tiles encoded for other workers (an encode worker).",
-                          s["encoded_tiles"])
+        yield from image_metrics(s, self.model_name)
         yield counter("cost_model_observations", "Engine steps the step-time cost model has been fitted on.",
                       s["cost_model_observations"])
         yield gauge("step_time_seconds", "Measured time of the last engine step.", s["step_time_seconds"])
@@ -94,7 +106,7 @@ class _EngineCollector:
         coef = GaugeMetricFamily("deepinfer:cost_model_coefficient",
                                  "Step-time cost model: seconds per unit of each term (overhead: per step; token: "
                                  "per token; seq: per request; attn_pair: per prefill attention pair; decode_ctx: "
-                                 "per KV token a decode reads).", labels=label + ["term"])
+                                 "per KV token a decode reads).", labels=["model_name", "term"])
         for term in TERMS:
             coef.add_metric([self.model_name, term], s[f"cost_coef_{term}"])
         yield coef

@@ -92,15 +92,18 @@ class ModelFiles:
             )
         return files
 
-    def iter_weights(self, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-        """Yield (HF parameter name, tensor) for every tensor in the checkpoint: floating-point ones in
-        `dtype`, integer ones (e.g. a routing table) as stored."""
+    def iter_weights(self, dtype: torch.dtype, prefixes: tuple[str, ...] | None = None
+                     ) -> Iterator[tuple[str, torch.Tensor]]:
+        """Yield (HF parameter name, tensor) for every tensor in the checkpoint (with `prefixes`: those whose names
+        start with one of them; the others are not read): floating-point ones in `dtype`, integer ones (e.g. a
+        routing table) as stored."""
         from safetensors import safe_open
         from tqdm import tqdm
 
         files = self.safetensors_files()
         handles = [safe_open(str(path), framework="pt") for path in files]
-        keys = [(h, k) for h in handles for k in h.keys()]  # noqa: SIM118 - safe_open has no __iter__
+        keys = [(h, k) for h in handles for k in h.keys()  # noqa: SIM118 - safe_open has no __iter__
+                if prefixes is None or k.startswith(prefixes)]
         for handle, key in tqdm(keys, desc="loading weights", unit="tensor", leave=False, disable=None):
             tensor = handle.get_tensor(key)
             yield key, tensor.to(dtype) if tensor.is_floating_point() else tensor

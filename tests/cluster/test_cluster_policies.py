@@ -225,6 +225,24 @@ def test_a_worker_counts_its_queue_down_from_the_engine_snapshot():
     assert queued_prefill_seconds({"prefill_queued_seconds": 0.0, "prefill_queued_at": t}, {}, t + 9.0) == 0.0
 
 
+def test_a_worker_prices_a_received_prompts_image_tiles():
+    """Until its engine's next snapshot, a worker counts a prompt it received at its own estimate: the image tiles
+    it will encode are in it, at its tower's measured seconds per tile (without them a worker two seconds into
+    a tile reported a few tenths queued, and the router sent it the next short prompt)."""
+    import torch
+
+    from deepinfer.cluster.worker import prefill_estimate
+    from deepinfer.engine.cost_model import TERMS
+    from deepinfer.multimodal.inputs import MultiModalInputs
+
+    stats = {f"cost_coef_{t}": c for t, c in zip(TERMS, CostModel().coef, strict=True)}
+    stats["tile_seconds"] = 2.5
+    text = prefill_estimate(stats, 100)
+    images = MultiModalInputs(torch.zeros(2, 3, 4, 4), None, tuple(range(10, 18)), 4)
+    assert prefill_estimate(stats, 100, images) == pytest.approx(text + 5.0)
+    assert prefill_estimate(stats, 100, images.encoded(torch.zeros(2, 4, 8))) == pytest.approx(text)  # encoded
+
+
 def test_a_worker_past_its_estimate_is_still_busy():
     """A's 4 s prompt has run 6 s (it shares its core): its report is spent, but until a new one comes it
     is still computing. A short prompt goes to the idle B, not to A on a tie (or on A's faster model)."""

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import httpx
@@ -43,6 +45,10 @@ def _ask(base: str, image, question: str, **kw) -> str:
     return r.choices[0].message.content
 
 
+def _parameters(module) -> int:
+    return sum(p.numel() for p in module.parameters())
+
+
 def _router_state(base: str) -> dict:
     return httpx.get(f"{base}/internal/workers", headers=INTERNAL, timeout=10).json()
 
@@ -60,6 +66,16 @@ def test_encode_prefill_and_decode_workers(tiny_vlm, vlm_reference, tmp_path):
             time.sleep(0.2)
         assert load["encoded_tiles"] == 10  # 5 tiles an image (2 x 2 and the whole image), both here
         assert load["tile_seconds"] > 0  # timed as it encoded (this cluster skips the start-up profile)
+        # the tower and connector alone, none of the text model
+        hf = vlm_reference[0].model
+        assert load["parameters"] == _parameters(hf.vision_model) + _parameters(hf.connector)
+        url = encoder["url"]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+        assert 'deepinfer:encode_worker_tiles_total{model_name="m"} 10.0' in metrics
+        for body in ({}, {"multi_modal": {"positions": [1]}}, {"multi_modal": "x"}):
+            r = httpx.post(f"{url}/internal/encode", json=body, headers=INTERNAL, timeout=10)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "multi_modal"
+        assert httpx.post(f"{url}/internal/encode", json={}, timeout=10).status_code == 401  # no cluster token
         # the only encode worker dies: the prefill and decode workers encode, and the reply is the same (the
         # router learns of the death from the failed call, a fallback, or from its poll first: no encoder left)
         os.kill(load["pid"], signal.SIGKILL)
@@ -70,3 +86,9 @@ def test_encode_prefill_and_decode_workers(tiny_vlm, vlm_reference, tmp_path):
         # the prefill worker's share of the tower counts in the routing estimate only once it does the encoding
         routes = httpx.get(f"{base}/internal/routes", headers=INTERNAL, timeout=10).json()["routes"]
         assert [r["prefill_tiles"] for r in routes] == [0, 0, 5]
+
+
+def test_an_encode_worker_refuses_a_text_model(tiny_models):
+    done = subprocess.run([sys.executable, "-m", "deepinfer.cli", "serve", "--role", "encode", "--model",
+                           str(tiny_models["llama"]), "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "not a vision-language model" in done.stderr

@@ -202,20 +202,20 @@ def test_the_vision_tower_is_timed_at_start_up_and_its_tiles_priced_apart(tiny_v
     the text cost model learns from leave the tower's time out."""
     _, processor = vlm_reference
     llm = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="64MiB", enable_prefix_caching=False)
-    eng, runner = llm.engine, llm.engine.core.runner
-    assert runner.tile_seconds is not None and runner.tile_seconds > 0
-    assert eng.stats()["tile_seconds"] == runner.tile_seconds
+    eng, tiles = llm.engine, llm.engine.core.runner.tiles
+    assert tiles.seconds is not None and tiles.seconds > 0
+    assert eng.stats()["tile_seconds"] == tiles.seconds
     text, images = _chat_text(processor, 2, "Compare the two."), [random_image(2, 20, 30), random_image(3, 64, 64)]
     ids, mm = llm._with_images(_prompt(text, images))
     assert mm.num_tiles == 10
     observed = []
     observe = eng.core.cost_model.observe
     eng.core.cost_model.observe = lambda work, seconds: (observed.append(seconds), observe(work, seconds))
-    model = runner.model
+    model = llm.engine.core.runner.model
     encode = model.encode_tiles
     model.encode_tiles = lambda pixels, mask: (time.sleep(0.3), encode(pixels, mask))[1]
 
-    runner.tile_seconds = 100.0
+    tiles.seconds = 100.0
     eng.add_request(text, GREEDY, prompt_token_ids=ids, multi_modal=mm)
     assert 1000 <= eng.stats()["prefill_queued_seconds"] < 1001  # 10 tiles, and a short prompt's text
     while eng.has_unfinished():
@@ -223,8 +223,39 @@ def test_the_vision_tower_is_timed_at_start_up_and_its_tiles_priced_apart(tiny_v
     assert eng.stats()["prefill_queued_seconds"] == 0
     assert observed and max(observed) < 0.3  # every step encoded its tiles in >= 0.3 s: not in what was learnt
 
-    runner.tile_seconds = 100.0
+    tiles.seconds = 100.0
     eng.add_request(text, GREEDY, prompt_token_ids=ids, multi_modal=mm)
     assert eng.stats()["prefill_queued_seconds"] < 1  # its tiles are in the encoded-tile cache now
     while eng.has_unfinished():
         eng.step()
+
+
+def test_the_vision_half_alone_reads_no_text_weights_and_encodes_alike(tiny_vlm, tiny_models):
+    """An encode worker builds the tower and connector only (`build_image_encoder`) and reads only their tensors; it
+    encodes tiles to the same bits as the whole model. A text model has no vision half to build."""
+    from transformers import AutoConfig
+
+    from deepinfer.models.registry import build_image_encoder
+    from deepinfer.weights import resolve_model
+
+    files = resolve_model(str(tiny_vlm))
+    encoder = build_image_encoder(AutoConfig.from_pretrained(str(tiny_vlm)), torch.float32, torch.device("cpu"))
+    read = []
+
+    def recorded():
+        for name, tensor in files.iter_weights(torch.float32, prefixes=encoder.WEIGHT_PREFIXES):
+            read.append(name)
+            yield name, tensor
+
+    encoder.load_weights(recorded())
+    assert read and all(n.startswith(("model.vision_model.", "model.connector.")) for n in read)
+    whole = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="16MiB").engine.core.runner.model
+    assert sum(p.numel() for p in encoder.parameters()) < sum(p.numel() for p in whole.parameters())
+    torch.manual_seed(7)
+    pixels = torch.randn(2, *encoder.tile_shape())
+    with torch.no_grad():
+        assert torch.equal(encoder.encode_tiles(pixels, None), whole.encode_tiles(pixels, None))
+    with pytest.raises(ValueError, match="missing"):  # a checkpoint without its vision tensors
+        encoder.load_weights(iter(()))
+    with pytest.raises(ValueError, match="not a vision-language model"):
+        build_image_encoder(AutoConfig.from_pretrained(str(tiny_models["llama"])), torch.float32, torch.device("cpu"))
