@@ -40,7 +40,9 @@ def numeric_leaves(obj: Any, prefix: str = "") -> dict[str, float]:
 def run_once(checkout: Path, script: list[str], out: Path) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(checkout.resolve())}
     cmd = [sys.executable, *[a.replace("{json}", str(out)) for a in script]]
-    subprocess.run(cmd, env=env, check=True)
+    # from a directory holding no `deepinfer`: a process the script starts with `python -m deepinfer.cli` (workers,
+    # routers) puts its working directory before PYTHONPATH, so from a checkout both sides ran that checkout's code
+    subprocess.run(cmd, env=env, check=True, cwd=out.parent)
     return numeric_leaves(json.loads(out.read_text()))
 
 

@@ -3,7 +3,8 @@
 Starts `deepinfer serve --role encode` on a vision-language checkpoint (default: `benchmarks/vision.py`'s
 SmolVLM-256M-shaped one), waits for its /internal/load, then posts `--calls` encode calls of one new random image
 each (one 512 x 512 tile) and reports: seconds from launch to the first answered load poll, the resident memory
-(RSS, summed over the worker's process tree) once ready and after the calls, and the median seconds of a call.
+(RSS, summed over the worker's process tree) once ready, after the calls and after `--settle` idle seconds, and the
+median seconds of a call.
 Run from two checkouts with `benchmarks/ab.py` to compare them:
 
     python benchmarks/ab.py --a /tmp/before --b . --rounds 3 -- benchmarks/encode_worker.py --json-out {json}
@@ -49,6 +50,7 @@ def main() -> None:
     ap.add_argument("--model", default=None, help="A vision-language checkpoint (default: vision.py's).")
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--port", type=int, default=8791)
+    ap.add_argument("--settle", type=float, default=20.0, help="Seconds idle after the calls, then RSS again.")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     if args.model is None:
@@ -79,10 +81,13 @@ def main() -> None:
             httpx.post(f"{base}/internal/encode", json=body, timeout=120).raise_for_status()
             seconds.append(time.monotonic() - t)
         rss_after = tree_rss(worker.pid)
+        time.sleep(args.settle)  # an engine keeps touching memory for a while after it answers
+        rss_settled = tree_rss(worker.pid)
     finally:
         worker.terminate()
         worker.wait(timeout=30)
     out = {"ready_seconds": ready, "rss_ready_mib": rss_ready / 2**20, "rss_after_mib": rss_after / 2**20,
+           "rss_settled_mib": rss_settled / 2**20,
            "call_seconds_median": statistics.median(seconds)}
     print(json.dumps(out))
     if args.json_out:
