@@ -742,7 +742,8 @@ class ClusterConfig:
         "unified = one process prefills and decodes; prefill = a worker that computes prompts to their first "
         "token and ships their KV blocks to a decode worker; decode = a worker that continues requests from "
         "shipped KV; encode = a worker that encodes prompts' images for the prefill and decode workers, with a "
-        "vision-language model's vision tower alone (no text model, no KV cache). Workers expose /internal/* endpoints for `deepinfer router`.",
+        "vision-language model's vision tower alone (no text model, no KV cache). Workers expose /internal/* "
+        "endpoints for `deepinfer router`.",
         choices=list(ROLES))
     prefill_workers: int = _f(
         0, "With --decode-workers: start a local cluster instead (a router on --host/--port and this many "

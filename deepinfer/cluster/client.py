@@ -493,8 +493,7 @@ def _tiles_to_prefill(multi_modal: MultiModalInputs | None) -> tuple[int, ...]:
     worker sent embeddings)."""
     if multi_modal is None or multi_modal.embeddings is not None:
         return ()
-    per = multi_modal.tokens_per_tile
-    return tuple(multi_modal.positions[(t + 1) * per - 1] for t in range(multi_modal.num_tiles))
+    return multi_modal.tile_last_positions()
 
 
 def _by_url(workers: list[Worker], url: str) -> Worker:

@@ -15,10 +15,9 @@ It builds and loads the tower and connector only (`models.registry.build_image_e
 from __future__ import annotations
 
 import asyncio
-import logging
+import itertools
 import os
 import socket
-import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -28,13 +27,12 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CollectorRegistry, generate_latest
 
 from deepinfer.cluster.auth import require_token
+from deepinfer.cluster.worker import advertised_url, peer_hardware, process_cpus, start_heartbeat
 from deepinfer.config import ClusterConfig, EngineConfig, ServerConfig
 from deepinfer.multimodal.encoder import TileEncoder, tile_stats
 from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.server.metrics import image_metrics
 from deepinfer.server.protocol import APIError
-
-logger = logging.getLogger(__name__)
 
 
 class EncodeWorker:
@@ -62,20 +60,16 @@ class EncodeWorker:
         self.tiles = TileEncoder(model, config.cache.image_cache_memory)
         if config.scheduler.profile_cost_model:
             self.tiles.profile()
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-        self.cpus = cpus
-        # peers: the same hardware, dtype and CPU count (the router pools their seconds per tile)
-        self.hardware = f"{hardware_name(device)} / {dtype} / {len(cpus)} cpus"
+        self.cpus = process_cpus()
+        self.hardware = peer_hardware(hardware_name(device), str(dtype), self.cpus)
         self.num_encoded = 0  # tiles asked for (cache hits included)
         self.in_hand: dict[int, int] = {}  # call -> tiles, queued or encoding
-        self._calls = 0
+        self._calls = itertools.count()
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="deepinfer-encode")
-        self._lock = threading.Lock()
 
     async def encode(self, inputs: MultiModalInputs) -> MultiModalInputs:
         """`inputs` encoded, on the tower's thread (the event loop keeps answering polls meanwhile)."""
-        self._calls += 1
-        call = self._calls
+        call = next(self._calls)
         self.in_hand[call] = inputs.num_tiles
         try:
             encoded = await asyncio.get_running_loop().run_in_executor(self._thread, self.tiles.encode, inputs)
@@ -111,6 +105,7 @@ def build_encoder_app(worker: EncodeWorker, token: str | None = None) -> FastAPI
     @app.exception_handler(APIError)
     async def api_error(request: Request, e: APIError) -> JSONResponse:
         return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
     registry = CollectorRegistry()
     registry.register(_TowerCollector(worker))
 
@@ -150,8 +145,6 @@ def serve_encode_worker(engine: EngineConfig, server: ServerConfig, cluster: Clu
     """Load the tower, then serve until interrupted (`deepinfer serve --role encode`)."""
     import uvicorn
 
-    from deepinfer.cluster.worker import start_heartbeat
-
     print("deepinfer: loading the vision tower (an encode worker: no text model, no KV cache) ...", flush=True)
     worker = EncodeWorker(engine)
     print(f"deepinfer: encode worker for {worker.model_name} ({worker.dtype}, {worker.device}); "
@@ -160,8 +153,7 @@ def serve_encode_worker(engine: EngineConfig, server: ServerConfig, cluster: Clu
     token = server.resolved_cluster_token()
     app = build_encoder_app(worker, token)
     if cluster.router_url:
-        host = cluster.advertise_host or (server.host if server.host not in ("0.0.0.0", "::") else "127.0.0.1")
-        start_heartbeat(cluster.router_url, f"http://{host}:{server.port}", "encode", token=token)
+        start_heartbeat(cluster.router_url, advertised_url(cluster, server), "encode", token=token)
     print(f"deepinfer: encode worker at http://{server.host}:{server.port}", flush=True)
     uvicorn.run(app, host=server.host, port=server.port, log_level=server.uvicorn_log_level,
                 timeout_graceful_shutdown=5, lifespan="off")

@@ -106,9 +106,22 @@ def queued_prefill_seconds(stats: dict[str, float], pending: dict[str, tuple[flo
     return max(engine_view, own_view)
 
 
-def _cpus() -> list[int]:
+def process_cpus() -> list[int]:
     """The CPUs this process may run on ([]: the platform does not say)."""
     return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+
+
+def peer_hardware(hardware: str, dtype: str, cpus: list[int]) -> str:
+    """What a worker reports as `hardware`: workers reporting the same are peers, whose cost models and seconds
+    per image tile the router pools (the same hardware, dtype and CPU count)."""
+    return f"{hardware} / {dtype} / {len(cpus)} cpus"
+
+
+def advertised_url(cluster: ClusterConfig, server: ServerConfig) -> str:
+    """The URL a worker registers with the router: --advertise-host, else its listening host (127.0.0.1 for a
+    wildcard address)."""
+    host = cluster.advertise_host or (server.host if server.host not in ("0.0.0.0", "::") else "127.0.0.1")
+    return f"http://{host}:{server.port}"
 
 
 class WorkerState:
@@ -143,11 +156,10 @@ class WorkerState:
         s = eng.stats()
         block_size = facts["block_size"]
         queued = queued_prefill_seconds(s, self.pending_prefill, time.monotonic())
-        cpus = _cpus()
+        cpus = process_cpus()
         return {
             "role": self.role, "pid": os.getpid(), "host": socket.gethostname(), "cpus": cpus,
-            # peers: the same hardware, dtype and CPU count (the router pools their cost models)
-            "hardware": f"{facts.get('hardware', '')} / {facts.get('dtype', '')} / {len(cpus)} cpus",
+            "hardware": peer_hardware(facts.get("hardware", ""), facts.get("dtype", ""), cpus),
             "healthy": eng.healthy, "queued_prefill_seconds": queued,
             "prefill_request_ids": list(self.pending_prefill),  # what `queued_prefill_seconds` covers
             "num_running": int(s["num_running"]), "num_waiting": eng.num_waiting(),
@@ -411,7 +423,6 @@ def worker_customizer(cluster: ClusterConfig, server: ServerConfig):
         app.state.worker = state
         add_worker_routes(app, state)
         if cluster.router_url:
-            host = cluster.advertise_host or (server.host if server.host not in ("0.0.0.0", "::") else "127.0.0.1")
-            start_heartbeat(cluster.router_url, f"http://{host}:{server.port}", cluster.role, token=state.token)
+            start_heartbeat(cluster.router_url, advertised_url(cluster, server), cluster.role, token=state.token)
 
     return customize

@@ -364,8 +364,7 @@ class LLMEngine:
             if done < total - 1:
                 chunks.append((total - done, done))
                 if r.multi_modal is not None and tiles is not None:
-                    held = {r.multi_modal.tile_hashes[t] for t in r.mm_encoded.tiles}
-                    num_tiles += r.multi_modal.tiles_to_encode(done, held, tiles.cache)
+                    num_tiles += r.multi_modal.tiles_to_encode(done, r.mm_encoded.held_digests(), tiles.cache)
         if not chunks:
             return 0.0
         overhead = cost.coefficients["overhead"]

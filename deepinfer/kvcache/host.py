@@ -24,7 +24,7 @@ def payload_nbytes(payload: Any) -> int:
 
 class ByteLRU:
     """A byte-bounded LRU map from a digest to a payload (anything with `nbytes`, or bytes): the host tier's
-    mechanism, also the runner's encoded image tiles by tile digest (`multimodal/inputs.py`)."""
+    mechanism, also the encoded image tiles by tile digest (`multimodal/encoder.py`'s `TileEncoder.cache`)."""
 
     def __init__(self, max_bytes: int) -> None:
         if max_bytes < 0:

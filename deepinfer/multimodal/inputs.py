@@ -149,17 +149,21 @@ class MultiModalInputs:
             keys[block] = keys.get(block, b"") + digest
         return keys
 
+    def tile_last_positions(self) -> tuple[int, ...]:
+        """Each tile's last placeholder position, in tile order."""
+        per = self.tokens_per_tile
+        return self.positions[per - 1::per]
+
     def tiles_to_encode(self, start: int, *cached: Container[bytes]) -> int:
         """How many tiles a prefill from prompt position `start` still has to run through the vision tower: those
         whose last placeholder is at or after `start` (the ones before lie in KV already computed or found),
         less those encoded elsewhere (`embeddings`) or named in any of `cached` (the runner's tile cache, a
-        request's tiles held encoded). A
-        tile whose placeholders straddle `start` counts: a chunk that starts inside it needs all of it."""
+        request's tiles held encoded). A tile whose placeholders straddle `start` counts: a chunk that starts
+        inside it needs all of it."""
         if self.embeddings is not None:
             return 0
-        per = self.tokens_per_tile
-        return sum(1 for t, digest in enumerate(self.tile_hashes)
-                   if self.positions[(t + 1) * per - 1] >= start and not any(digest in c for c in cached))
+        return sum(1 for last, digest in zip(self.tile_last_positions(), self.tile_hashes, strict=True)
+                   if last >= start and not any(digest in c for c in cached))
 
     def span(self, start: int, end: int) -> tuple[int, int]:
         """The placeholder ordinals [a, b) whose positions are in [start, end)."""
@@ -173,6 +177,10 @@ class EncodedTiles:
     def __init__(self, inputs: MultiModalInputs) -> None:
         self.inputs = inputs
         self.tiles: dict[int, torch.Tensor] = {}
+
+    def held_digests(self) -> set[bytes]:
+        """The digests of the tiles held encoded (a chunk has reached them and not yet passed them)."""
+        return {self.inputs.tile_hashes[t] for t in self.tiles}
 
     def rows(self, a: int, b: int, encode: Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor],
              cache: ByteLRU | None = None) -> torch.Tensor:
