@@ -141,6 +141,24 @@ def vlm_reference(tiny_vlm):
     return model, AutoProcessor.from_pretrained(str(tiny_vlm))
 
 
+@pytest.fixture(scope="session")
+def tiny_gemma3_vlm(tmp_path_factory, tokenizer_dir) -> Path:
+    """A tiny random Gemma 3 with its vision tower and processor (`tests/models/vlm_tiny.py`)."""
+    from tests.models.vlm_tiny import build_gemma3_vlm
+
+    return build_gemma3_vlm(tmp_path_factory.mktemp("vlm") / "tiny-gemma3-vlm", tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def gemma3_vlm_reference(tiny_gemma3_vlm):
+    """transformers' model of `tiny_gemma3_vlm` (float32, never stopping at EOS) and its processor."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    model = AutoModelForImageTextToText.from_pretrained(str(tiny_gemma3_vlm), dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    return model, AutoProcessor.from_pretrained(str(tiny_gemma3_vlm))
+
+
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),

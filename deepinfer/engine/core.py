@@ -118,6 +118,7 @@ class EngineCore:
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model, self.speculator,
                                    steps_rows)
         self.scheduler.tile_seconds = lambda: self.runner.tiles.seconds if self.runner.tiles is not None else None
+        self.scheduler.whole_image_runs = self.runner.bidirectional_images
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
                     bs, self.runner.kv_cache_bytes / 2**20)
         logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)

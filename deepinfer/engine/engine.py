@@ -222,6 +222,7 @@ class LLMEngine:
                 raise ValueError("the prompt has image tokens but no images")
             return
         multi_modal.check(prompt_ids, model.image_token_id, model.tokens_per_tile)
+        self.core.scheduler.check_image_runs(multi_modal)
         if multi_modal.embeddings is not None and multi_modal.embeddings.shape[-1] != model.config.hidden_size:
             raise ValueError(f"image embeddings of width {multi_modal.embeddings.shape[-1]} for a model of width "
                              f"{model.config.hidden_size}")

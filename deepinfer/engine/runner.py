@@ -46,6 +46,7 @@ from deepinfer.layers.moe import RoutedExperts, SoftmaxTopKRouter
 from deepinfer.layers.torch_attention import TorchAttentionBackend
 from deepinfer.models import build_model
 from deepinfer.multimodal.encoder import TileEncoder
+from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.weights import ModelFiles
 
 logger = logging.getLogger(__name__)
@@ -54,6 +55,16 @@ logger = logging.getLogger(__name__)
 def _attention_rows(item) -> int:
     """Attention sequences a scheduled item is: one, or one per token when it verifies drafts."""
     return item.num_new_tokens if item.draft_token_ids else 1
+
+
+def _run_horizons(mm: MultiModalInputs, start: int, end: int, row0: int) -> list[tuple[int, int, int]]:
+    """(first row, end row, run's last position) of each placeholder run a chunk of positions [start, end)
+    covers (rows: row0 + position); RuntimeError if the chunk ends inside one (the scheduler keeps them whole:
+    the run's later keys would not be there to attend to)."""
+    if mm.run_cut(start, end) is not None:
+        raise RuntimeError(f"a prefill chunk [{start}, {end}) ends inside a run of image placeholders")
+    return [(row0 + max(first, start), row0 + last + 1, last) for first, last in mm.runs
+            if first < end and last >= start]
 
 
 def _window(spec: KVSpec) -> int | None:
@@ -221,6 +232,8 @@ class ModelRunner:
         # a vision-language model's tower: timed per tile, through the encoded-tile cache
         self.tiles = TileEncoder(self.model, cache_config.image_cache_memory) \
             if hasattr(self.model, "encode_tiles") else None
+        # Gemma 3: a run of image placeholders attends to itself both ways (AttentionBatch.horizons)
+        self.bidirectional_images = bool(getattr(self.model, "bidirectional_image_tokens", False))
 
     def _allocate_backend_caches(self, cache_config: CacheConfig, hf_config, max_num_seqs: int,
                                  max_num_batched_tokens: int) -> None:
@@ -395,6 +408,7 @@ class ModelRunner:
         verify_rows: list[int] = []
         verify_items: list[tuple[Request, int, list[int]]] = []
         image_rows: list[tuple[Request, int, int, list[int]]] = []
+        horizon_runs: list[tuple[int, int, int]] = []  # (first row, end row, last key position) of a run
         num_decodes = 0
         num_steps = max((item.num_steps for item in step.scheduled), default=1)
         for item in step.scheduled:
@@ -413,6 +427,8 @@ class ModelRunner:
                 if a < b:
                     row0 = len(tokens) - start
                     image_rows.append((req, a, b, [row0 + p for p in req.multi_modal.positions[a:b]]))
+                    if self.bidirectional_images:
+                        horizon_runs.extend(_run_horizons(req.multi_modal, start, end, row0))
             tokens.extend(known)
             if len(known) < n:  # the last token is still being sampled by the step before this one
                 pending.append((len(tokens), req.request_id))
@@ -432,6 +448,11 @@ class ModelRunner:
             elif end == req.num_tokens:
                 logits_rows.append(len(tokens) - 1)
                 sample_reqs.append(req)
+        horizons = None
+        if horizon_runs:
+            horizons = list(positions)
+            for lo, hi, last in horizon_runs:
+                horizons[lo:hi] = [last] * (hi - lo)
         metas = []
         if self.custom_kv:  # the model computes its own slots from each group's tables
             no_slots = torch.zeros(0, dtype=torch.long)
@@ -452,7 +473,7 @@ class ModelRunner:
                           for _ in range(_attention_rows(item))] if window is not None else None
                 metas.append(self.backend.prepare(AttentionBatch(query_lens, context_lens, tables, num_decodes,
                                                                  slot_mapping, bs, window, floors,
-                                                                 lookahead=num_steps - 1)))
+                                                                 lookahead=num_steps - 1, horizons=horizons)))
         dev = self.device
         first = step.scheduled[0]
         spec_call = None

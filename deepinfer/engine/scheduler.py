@@ -60,6 +60,7 @@ from deepinfer.kvcache.manager import KVCacheManager, PrefixHit
 if TYPE_CHECKING:
     from deepinfer.engine.spec.ngram import LookupPlan
     from deepinfer.engine.spec.speculator import Speculator
+    from deepinfer.multimodal.inputs import MultiModalInputs
 
 __all__ = ["ComputeBudgetPolicy", "PrefillPolicy", "ScheduledRequest", "Scheduler", "SchedulerOutput",
            "TokenBudgetPolicy"]
@@ -129,6 +130,8 @@ class Scheduler:
         # `compute` policy a step starts encoding only as many tiles as its time budget has room for
         self.tile_seconds: Callable[[], float | None] = lambda: None
         self._step_tiles = 0  # tiles the step being scheduled starts encoding
+        # a model whose image placeholders attend to their whole run (Gemma 3): no prefill chunk ends inside one
+        self.whole_image_runs = False
 
     # ------------------------------------------------------------------ queue
 
@@ -217,9 +220,9 @@ class Scheduler:
                 n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
                 if n <= 0:
                     break  # the step is full; what comes later in the order is worth less
-                n = self._tiles_fit(req, start, n)
+                n = self._whole_runs(req, start, self._tiles_fit(req, start, n), budget)
                 if n <= 0:
-                    continue  # its next image tile waits for a step with encoding time left
+                    continue  # its next image tile waits for a step with encoding time (or tokens) left
                 if not self._allocate_running(req, n, out, scheduled_ids):
                     admitting = False
                     continue
@@ -244,7 +247,7 @@ class Scheduler:
                 n = min(policy.chunk_size(req, start, remaining, budget), budget, remaining)
                 if n <= 0:
                     break
-                n = self._tiles_fit(req, start, n)
+                n = self._whole_runs(req, start, self._tiles_fit(req, start, n), budget)
                 if n <= 0:
                     continue
                 if not self.kv.allocate(req, n, hit):
@@ -293,6 +296,32 @@ class Scheduler:
             n = min(n, mm.positions[last * per] - start)
         self._step_tiles += sum(1 for t in range(first, last) if mm.positions[t * per] < start + n)
         return n
+
+    def _whole_runs(self, req: Request, start: int, n: int, budget: int) -> int:
+        """Under `whole_image_runs`: `n` tokens of `req` from `start` cut back to the first placeholder of a run
+        they would end inside; when the chunk starts at or inside that run (nothing before it to take instead),
+        stretched to the run's end if the step's token budget holds it, else 0 (it waits for a step with room:
+        `check_image_runs` made sure an empty enough step has it)."""
+        mm = req.multi_modal
+        if not self.whole_image_runs or mm is None or n <= 0:
+            return n
+        cut = mm.run_cut(start, start + n)
+        if cut is None:
+            return n
+        first, last = cut
+        if first > start:
+            return first - start
+        return last + 1 - start if last + 1 - start <= budget else 0
+
+    def check_image_runs(self, mm: MultiModalInputs) -> None:
+        """ValueError unless every run of `mm`'s placeholders fits one step beside a full batch of decodes
+        (under `whole_image_runs` a run is never split across steps)."""
+        room = self.config.max_num_batched_tokens - self.config.max_num_seqs
+        longest = max((last + 1 - first for first, last in mm.runs), default=0)
+        if self.whole_image_runs and longest > room:
+            raise ValueError(f"an image's {longest} placeholder tokens must be prefilled in one step, and a step "
+                             f"has room for {room} beside its decodes (max_num_batched_tokens "
+                             f"{self.config.max_num_batched_tokens} - max_num_seqs {self.config.max_num_seqs})")
 
     def _speculative_call(self, decodes: list[Request]) -> list[ScheduledRequest]:
         """Plain greedy decodes with rows to spare on the whole-layer C path (at most half of `decode_steps_rows`),

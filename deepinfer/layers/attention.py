@@ -43,6 +43,10 @@ class AttentionBatch:
     # positions past its context that each sequence's block table must still cover: the runner decodes
     # `lookahead` more tokens per row in the same call (`num_scheduler_steps`; the C rows path only)
     lookahead: int = 0
+    # per new token, flattened in batch order: the last key position it attends to (its own position, or
+    # later for a token of a run that attends to itself both ways: Gemma 3's image placeholders, whose run
+    # the step holds to its end); None: every token its own position
+    horizons: list[int] | None = None
 
 
 class AttentionBackend(ABC):
@@ -57,7 +61,8 @@ class AttentionBackend(ABC):
       returns attention output for q: token t of sequence i attends to context positions
       0..(its own position), exactly like dense causal attention over that sequence; with a
       `window`, only to the last `window` of them (its own included), never reading a block
-      wholly before that.
+      wholly before that. With `horizons`, to positions up to its horizon instead of its own
+      (the window still counted back from its own position).
     """
 
     @abstractmethod

@@ -51,6 +51,14 @@ def _kernel_supports(dtype: torch.dtype, block_size: int, head_dim: int) -> bool
     return cpu_kernels.dtype_code(dtype) is not None and block_size <= 64 and head_dim % 8 == 0 and head_dim <= 256
 
 
+def _last_keys(batch: AttentionBatch, row: int, first_pos: int, q: int) -> torch.Tensor:
+    """The last key position each of the `q` queries of a sequence (flattened rows row.., positions
+    first_pos..) attends to: its own, or its horizon (`AttentionBatch.horizons`)."""
+    if batch.horizons is None:
+        return torch.arange(first_pos, first_pos + q)
+    return torch.tensor(batch.horizons[row:row + q])
+
+
 class TorchAttentionBackend(AttentionBackend):
     def __init__(self, device: torch.device, use_cpu_kernel: bool = True, row_invariant: bool = False) -> None:
         """`use_cpu_kernel=False` keeps decodes on the gather + SDPA path (tests compare the two);
@@ -97,9 +105,8 @@ class TorchAttentionBackend(AttentionBackend):
             n = (ctx + bs - 1) // bs
             table = torch.tensor(batch.block_tables[i][:n], dtype=torch.long, device=dev)
             mask = None
-            if ctx != q:  # chunk after cached/computed context: query j sees keys <= offset + j
-                offset = ctx - q
-                mask = (torch.arange(ctx)[None, :] <= (offset + torch.arange(q))[:, None]).to(dev)
+            if ctx != q or batch.horizons is not None:  # query j sees keys <= its horizon (offset + j: causal)
+                mask = (torch.arange(ctx)[None, :] <= _last_keys(batch, start, ctx - q, q)[:, None]).to(dev)
             prefills.append(_PrefillChunk(start, start + q, table, ctx, mask))
             start += q
         return TorchAttentionMetadata(batch.slot_mapping, nd, decode_tables, decode_mask, None, prefills)
@@ -117,7 +124,8 @@ class TorchAttentionBackend(AttentionBackend):
             n = (ctx + bs - 1) // bs
             keys = torch.arange(lo * bs, ctx)
             qpos = torch.arange(first_pos, ctx)[:, None]
-            mask = ((keys[None, :] <= qpos) & (keys[None, :] > qpos - w) & (keys[None, :] >= floor)).to(dev)
+            last = _last_keys(batch, start, first_pos, q)[:, None]
+            mask = ((keys[None, :] <= last) & (keys[None, :] > qpos - w) & (keys[None, :] >= floor)).to(dev)
             chunks.append(_PrefillChunk(start, start + q, torch.tensor(table[lo:n], dtype=torch.long, device=dev),
                                         ctx - lo * bs, mask))
             start += q
@@ -134,6 +142,8 @@ class TorchAttentionBackend(AttentionBackend):
         for q, ctx, table in zip(batch.query_lens, batch.context_lens, batch.block_tables, strict=True):
             tables.append(table[:max_blocks] + [0] * (max_blocks - len(table[:max_blocks])))  # padding never read
             lens.extend(range(ctx - q + 1, ctx + 1))
+        if batch.horizons is not None:
+            lens = [h + 1 for h in batch.horizons]
         decode_tables = torch.tensor(tables, dtype=torch.long)
         if len(lens) != len(tables):  # a sequence with several rows (drafts, prefill tokens): its table per row
             decode_tables = decode_tables.repeat_interleave(torch.tensor(batch.query_lens), dim=0)

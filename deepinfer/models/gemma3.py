@@ -141,8 +141,12 @@ class Gemma3ForCausalLM(LlamaForCausalLM):
         return logits.float() if float32 else logits
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
-                      logits_indices: torch.Tensor) -> torch.Tensor:
+                      logits_indices: torch.Tensor,
+                      input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """As Llama's; `input_embeds` rows (an image's vectors) replace the scaled token embeddings unscaled."""
         x = self.embed_tokens(input_ids) * self.embed_scale
+        if input_embeds is not None:
+            x[input_embeds[0]] = input_embeds[1].to(x.dtype)
         rope = {t: r.lookup(positions) for t, r in self.rotary.items()}
         for layer, kind, cache, gi in zip(self.layers, self.layer_types, caches, self.layer_group, strict=True):
             cos, sin = rope[kind]

@@ -7,6 +7,7 @@ import torch
 from deepinfer.layers.attention import AttentionBackend
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.models.gemma3 import Gemma3ForCausalLM
+from deepinfer.models.gemma3_vlm import Gemma3ForConditionalGeneration
 from deepinfer.models.idefics3 import Idefics3ForConditionalGeneration
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.models.mixtral import MixtralForCausalLM
@@ -17,6 +18,7 @@ from deepinfer.models.qwen3_moe import Qwen3MoeForCausalLM
 MODEL_REGISTRY: dict[str, type[torch.nn.Module]] = {
     "DeepseekV4ForCausalLM": DeepseekV4ForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Gemma3ForConditionalGeneration": Gemma3ForConditionalGeneration,
     "Idefics3ForConditionalGeneration": Idefics3ForConditionalGeneration,
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -73,9 +75,6 @@ def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype:
             cls = MODEL_REGISTRY[arch]
             break
     else:
-        if "Gemma3ForConditionalGeneration" in archs:
-            raise ValueError("Gemma3ForConditionalGeneration (Gemma 3 with its vision tower) is not supported; "
-                             "serve a text-only Gemma3ForCausalLM checkpoint or a Gemma 3 GGUF file")
         raise ValueError(
             f"unsupported model architecture {archs or '(none in config.json)'}; "
             f"supported: {', '.join(supported_architectures())}"

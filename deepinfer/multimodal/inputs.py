@@ -15,6 +15,7 @@ from __future__ import annotations
 import base64
 import binascii
 import dataclasses
+import functools
 import hashlib
 from bisect import bisect_left
 from collections.abc import Callable, Container
@@ -164,6 +165,28 @@ class MultiModalInputs:
             return 0
         return sum(1 for last, digest in zip(self.tile_last_positions(), self.tile_hashes, strict=True)
                    if last >= start and not any(digest in c for c in cached))
+
+    @functools.cached_property
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """The placeholders' maximal runs of consecutive positions, as (first, last) positions in prompt order
+        (what Gemma 3 lets attend to itself both ways)."""
+        runs: list[tuple[int, int]] = []
+        for p in self.positions:
+            if runs and runs[-1][1] == p - 1:
+                runs[-1] = (runs[-1][0], p)
+            else:
+                runs.append((p, p))
+        return tuple(runs)
+
+    def run_cut(self, start: int, end: int) -> tuple[int, int] | None:
+        """The run that a chunk of positions [start, end) ends inside of (it holds end - 1 and goes on past it),
+        None if the chunk ends at a run's end or outside every run."""
+        for first, last in self.runs:
+            if first < end <= last:
+                return first, last
+            if first >= end:
+                break
+        return None
 
     def span(self, start: int, end: int) -> tuple[int, int]:
         """The placeholder ordinals [a, b) whose positions are in [start, end)."""

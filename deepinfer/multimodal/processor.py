@@ -154,8 +154,10 @@ class MultiModalProcessor:
             return list(self.hf.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"]), None
         enc = self.hf(text=text, images=[loaded], return_tensors="pt", add_special_tokens=add_special_tokens)
         ids = enc["input_ids"][0].tolist()
-        pixels = enc["pixel_values"][0].float()
+        # one prompt's tiles: Idefics3 batches them per prompt [1, tiles, C, H, W], Gemma 3 flat [tiles, C, H, W]
+        pixels = enc["pixel_values"]
+        pixels = (pixels[0] if pixels.dim() == 5 else pixels).float()
         mask = enc.get("pixel_attention_mask")
-        mask = None if mask is None or bool(mask.all()) else mask[0].bool()
+        mask = None if mask is None or bool(mask.all()) else (mask[0] if mask.dim() == 4 else mask).bool()
         positions = tuple(i for i, t in enumerate(ids) if t == self.image_token_id)
         return ids, MultiModalInputs(pixels, mask, positions, self.tokens_per_tile, len(loaded))

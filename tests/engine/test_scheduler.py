@@ -74,6 +74,56 @@ def test_random_workload_preempts_and_finishes_everything_without_leaks(schedule
     _assert_no_leak(s)
 
 
+@pytest.mark.parametrize("scheduler", ["tokens", "compute"])
+def test_image_runs_that_attend_both_ways_are_never_split_across_chunks(scheduler):
+    """Under `whole_image_runs` (Gemma 3) no prefill chunk ends inside a run of image placeholders, whatever
+    the decodes beside it leave of the step's tokens and however chunks would have fallen; everything finishes,
+    with preemptions, and no block leaks. A run the step could not hold beside a full batch is refused."""
+    import torch
+
+    from deepinfer.multimodal.inputs import MultiModalInputs
+
+    rng = random.Random(3)
+    s = _make(num_blocks=24, budget=16, max_len=64, max_seqs=4, scheduler=scheduler)
+    s.whole_image_runs = True
+    reqs = []
+    for i in range(16):
+        before, after, per = rng.randrange(0, 12), rng.randrange(1, 10), rng.choice([4, 8, 12])
+        tiles = rng.randrange(1, 3)
+        positions, prompt = [], [rng.randrange(5, 100) for _ in range(before)]
+        for _ in range(tiles):
+            positions += range(len(prompt), len(prompt) + per)
+            prompt += [1] * per + [rng.randrange(5, 100)]
+        prompt += [rng.randrange(5, 100) for _ in range(after)]
+        mm = MultiModalInputs(torch.zeros(tiles, 3, 4, 4), None, tuple(positions), per)
+        s.check_image_runs(mm)
+        r = Request(f"r{i}", prompt, SamplingParams(max_tokens=rng.randrange(1, 10), ignore_eos=True), multi_modal=mm)
+        reqs.append(r)
+        s.add(r)
+    chunks = []
+    schedule = s.schedule
+
+    def recorded():
+        out = schedule()
+        chunks.extend((x.request.multi_modal, x.start, x.start + x.num_new_tokens) for x in out.scheduled
+                      if x.start < x.request.num_prompt_tokens)
+        return out
+
+    s.schedule = recorded
+    steps = 0
+    while s.has_unfinished():
+        _run_step(s, rng)
+        steps += 1
+        assert steps < 2000, "no progress"
+    assert all(r.finished for r in reqs)
+    assert all(mm.run_cut(start, end) is None for mm, start, end in chunks)
+    assert any(end == first for mm, _, end in chunks for first, _ in mm.runs)  # some were cut back to a run
+    assert s.num_preemptions > 0
+    _assert_no_leak(s)
+    with pytest.raises(ValueError, match="13 placeholder tokens must be prefilled in one step"):
+        s.check_image_runs(MultiModalInputs(torch.zeros(1, 3, 4, 4), None, tuple(range(2, 15)), 13))
+
+
 def test_fifo_admission_and_max_num_seqs():
     s = _make(max_seqs=2, budget=100)
     for i in range(4):

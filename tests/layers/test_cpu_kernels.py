@@ -268,3 +268,62 @@ def test_prefill_chunks_as_kernel_rows_match_sdpa(dtype):
         caches.append(cache)
     torch.testing.assert_close(outs[0], outs[1], atol=TOL[dtype], rtol=TOL[dtype])
     assert torch.equal(caches[0][0], caches[1][0]) and torch.equal(caches[0][1], caches[1][1])
+
+
+@pytest.mark.parametrize("window", [None, 6])
+def test_horizons_let_a_run_attend_both_ways(window):
+    """`AttentionBatch.horizons` (Gemma 3's image placeholders): a token of a run attends to keys up to the
+    run's end, the others stay causal, a window still counts back from the token's own position. The kernel rows,
+    the gather + SDPA path and the window path all equal attention computed densely with that mask."""
+    gen = torch.Generator().manual_seed(11)
+    heads, kv_heads, head_dim, bs = 4, 2, 32, 8
+    query_lens = [1, 30, 14]
+    context_lens = [20, 30, 2 * bs + 14]  # the last chunk starts inside a run, after 16 cached tokens
+    runs = [[], [(5, 20)], [(12, 25)]]
+    tables, nxt = [], 0
+    for n in context_lens:
+        nb = (n + bs - 1) // bs
+        tables.append(list(range(nxt + nb - 1, nxt - 1, -1)))
+        nxt += nb
+    positions = [p for q, n in zip(query_lens, context_lens, strict=True) for p in range(n - q, n)]
+    horizons = list(positions)
+    row = 0
+    for q, n, seq_runs in zip(query_lens, context_lens, runs, strict=True):
+        for first, last in seq_runs:
+            for p in range(max(first, n - q), last + 1):
+                horizons[row + p - (n - q)] = last
+        row += q
+    slots = torch.tensor([t[p // bs] * bs + p % bs for q, n, t in zip(query_lens, context_lens, tables, strict=True)
+                          for p in range(n - q, n)])
+    batch = AttentionBatch(query_lens, context_lens, tables, 1, slots, bs, window=window, horizons=horizons)
+    rows = sum(query_lens)
+    q = torch.randn(rows, heads, head_dim, generator=gen)
+    k = torch.randn(rows, kv_heads, head_dim, generator=gen)
+    v = torch.randn(rows, kv_heads, head_dim, generator=gen)
+    base = [torch.randn(nxt, bs, kv_heads, head_dim, generator=gen) for _ in range(2)]
+    outs = []
+    for use_kernel in (True, False):
+        backend = TorchAttentionBackend(CPU, use_cpu_kernel=use_kernel)
+        cache = backend.allocate_cache(1, nxt, bs, kv_heads, head_dim, torch.float32, CPU)[0]
+        cache[0].copy_(base[0])
+        cache[1].copy_(base[1])
+        outs.append(backend.forward(q, k, v, cache, backend.prepare(batch)))
+    row = 0
+    expected = torch.empty_like(q)
+    for n, table, ql in zip(context_lens, tables, query_lens, strict=True):
+        keys = cache[0][table].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        values = cache[1][table].reshape(-1, kv_heads, head_dim)[:n].repeat_interleave(heads // kv_heads, dim=1)
+        for j in range(ql):
+            pos, last = positions[row + j], horizons[row + j]
+            seen = torch.arange(n) <= last
+            if window is not None:
+                seen &= torch.arange(n) > pos - window
+            scores = torch.einsum("hd,khd->hk", q[row + j], keys) * head_dim ** -0.5
+            probs = scores.masked_fill(~seen, float("-inf")).softmax(-1)
+            expected[row + j] = torch.einsum("hk,khd->hd", probs, values)
+        row += ql
+    for out in outs:
+        torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+    causal = TorchAttentionBackend(CPU).forward(q, k, v, cache, TorchAttentionBackend(CPU).prepare(
+        AttentionBatch(query_lens, context_lens, tables, 1, slots, bs, window=window)))
+    assert not torch.allclose(causal, expected, atol=1e-3)  # the horizons changed the run's rows

@@ -158,3 +158,25 @@ def test_image_tokens_typed_as_text_are_refused(server):
     r = httpx.post(f"{server}/v1/completions", timeout=60,
                    json={"model": "m", "prompt": "look: <image>", "max_tokens": 2})
     assert r.status_code == 400 and "image tokens but no images" in r.text
+
+
+def test_gemma3_with_its_vision_tower_through_the_sdks(tiny_gemma3_vlm, gemma3_vlm_reference, tmp_path):
+    """Gemma 3's image placeholders attend to each other both ways: a chat with an image, streamed and not, and an
+    Anthropic `image` block, served, equal transformers' greedy continuation."""
+    image = random_image(30, 50, 40)
+    n, text = _expected(gemma3_vlm_reference, "What is this?", [image])
+    with running_server("--model", str(tiny_gemma3_vlm), "--served-model-name", "m", "--dtype", "float32",
+                        "--kv-cache-memory", "32MiB", "--max-model-len", "256", log=tmp_path / "server.log") as base:
+        client = _openai(base)
+        done = _chat(client, png_data_url(image), "What is this?")
+        assert done.choices[0].message.content == text
+        assert done.usage.prompt_tokens == n
+        streamed = list(_chat(client, png_data_url(image), "What is this?", stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == text
+        data = png_data_url(image).split(",", 1)[1]
+        reply = anthropic.Anthropic(base_url=base, api_key="x", max_retries=0, timeout=120).messages.create(
+            model="m", max_tokens=MAX_TOKENS, extra_body={"temperature": 0}, messages=[{"role": "user", "content": [
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}},
+                {"type": "text", "text": "What is this?"}]}])
+        assert reply.content[0].text == text
+        assert reply.usage.input_tokens + reply.usage.cache_read_input_tokens == n

@@ -1,0 +1,55 @@
+"""The vision half of a vision-language checkpoint (tower and projector), as one module that builds and loads
+without the text model: the whole model holds one (`image_encoder`), an encode worker builds it alone
+(`models.registry.build_image_encoder`) and reads only its tensors (`WEIGHT_PREFIXES`)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+
+class ImageEncoder(nn.Module):
+    """Contract for a model's vision half: `image_token_id` and `tokens_per_tile` (the placeholder token and how
+    many of them one tile becomes), `tile_shape()`, `encode_tiles(pixels, pixel_mask)` -> [tiles,
+    tokens_per_tile, text hidden], and `own_key(checkpoint name)`: the parameter a checkpoint tensor fills, None
+    for the text model's. `WEIGHT_PREFIXES`: the checkpoint names the vision half's tensors start with (all
+    the spellings its checkpoints use), so an encode worker reads no others."""
+
+    WEIGHT_PREFIXES: tuple[str, ...] = ()
+    image_token_id: int
+    tokens_per_tile: int
+
+    def own_key(self, name: str) -> str | None:
+        raise NotImplementedError
+
+    def tile_shape(self) -> tuple[int, int, int]:
+        raise NotImplementedError
+
+    def encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
+        raise NotImplementedError
+
+    def take_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """Copy the checkpoint's vision and projector tensors in; yield every other one (the text model's). Once
+        `weights` is exhausted, ValueError if a vision tensor was missing (one that does not fit: at once)."""
+        own = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            key = self.own_key(name)
+            if key is None:
+                yield name, tensor
+                continue
+            if key not in own or own[key].shape != tensor.shape:
+                raise ValueError(f"checkpoint tensor {name!r} does not match the vision model")
+            with torch.no_grad():
+                own[key].copy_(tensor)
+            loaded.add(key)
+        missing = set(own) - loaded
+        if missing:
+            raise ValueError(f"checkpoint is missing {len(missing)} vision tensors, e.g. {sorted(missing)[:3]}")
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Its own tensors of a whole checkpoint (the others are passed over)."""
+        for _ in self.take_weights(weights):
+            pass

@@ -1,0 +1,213 @@
+"""Gemma 3 with its vision tower: a tiny random `Gemma3ForConditionalGeneration` (`tests/models/vlm_tiny.py`)
+against transformers' model, float32. Its image placeholders attend to each other both ways, so the tests check
+first-token log-probabilities as well as greedy tokens (the tokens of a random model move little), through
+chunked prefill that must never end a chunk inside an image, prefix hits that start one inside an image, both
+checkpoint spellings of the weights, and the vision half built alone."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from tests.models.vlm_tiny import GEMMA3_TOKENS, png_data_url, random_image
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
+
+
+def _chat_text(processor, images: int, question: str) -> str:
+    content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
+    return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+
+def _cases(processor) -> list[tuple[str, list]]:
+    return [
+        (_chat_text(processor, 1, "What is in this picture?"), [random_image(0, 40, 70)]),
+        (_chat_text(processor, 2, "Compare the two."), [random_image(1, 30, 30), random_image(2, 64, 50)]),
+        (_chat_text(processor, 0, "No picture this time."), []),
+    ]
+
+
+def _prompt(text: str, images: list) -> dict:
+    return {"prompt": text, "multi_modal_data": {"image": images}} if images else {"prompt": text}
+
+
+def _hf(reference, text: str, images: list, max_new_tokens: int = 10) -> tuple[list[int], list[int], torch.Tensor]:
+    """(prompt ids, greedy continuation, log-probabilities of the first new token) from transformers; the
+    processor's token_type_ids give it the two-way mask over each image."""
+    model, processor = reference
+    enc = processor(text=text, images=[images] if images else None, return_tensors="pt")
+    assert "token_type_ids" in enc
+    with torch.no_grad():
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=0)
+        first = model(**enc).logits[0, -1].log_softmax(-1)
+    n = enc["input_ids"].shape[1]
+    return enc["input_ids"][0].tolist(), out[0, n:].tolist(), first
+
+
+def _max_logprob_gap(out, first: torch.Tensor) -> float:
+    top = out.outputs[0].logprobs[0]
+    return max(abs(lp.logprob - float(first[t])) for t, lp in top.items())
+
+
+def _assert_matches(out, reference, text: str, images: list) -> None:
+    ids, tokens, first = _hf(reference, text, images)
+    assert out.prompt_token_ids == ids
+    assert out.outputs[0].token_ids == tokens
+    assert _max_logprob_gap(out, first) < 1e-4
+
+
+def _assert_all_free(llm: LLM) -> None:
+    pool = llm.engine.core.kv.pool
+    assert pool.num_free == pool.num_blocks
+    assert not llm.engine.core.kv.block_tables
+
+
+def test_greedy_and_first_logprobs_match_transformers(tiny_gemma3_vlm, gemma3_vlm_reference, monkeypatch):
+    _, processor = gemma3_vlm_reference
+    cases = _cases(processor)
+    llm = LLM(str(tiny_gemma3_vlm), dtype="float32", kv_cache_memory="64MiB")
+    outs = llm.generate([_prompt(t, i) for t, i in cases], GREEDY)
+    for (text, images), out in zip(cases, outs, strict=True):
+        _assert_matches(out, gemma3_vlm_reference, text, images)
+    image_token = llm.engine.core.runner.model.image_token_id
+    assert outs[1].prompt_token_ids.count(image_token) == 2 * GEMMA3_TOKENS
+    _assert_all_free(llm)
+
+    # the same engine with the images' tokens causal (as text): what the comparison above would miss
+    from deepinfer.models.gemma3_vlm import Gemma3ForConditionalGeneration
+
+    monkeypatch.setattr(Gemma3ForConditionalGeneration, "bidirectional_image_tokens", False)
+    causal = LLM(str(tiny_gemma3_vlm), dtype="float32", kv_cache_memory="64MiB")
+    gaps = [_max_logprob_gap(o, _hf(gemma3_vlm_reference, t, i)[2])
+            for (t, i), o in zip(cases, causal.generate([_prompt(t, i) for t, i in cases], GREEDY), strict=True)]
+    assert gaps[0] > 1e-3 and gaps[1] > 1e-3
+    assert gaps[2] < 1e-4  # no image: nothing changes
+
+
+@pytest.mark.parametrize("scheduler", ["compute", "tokens"])
+def test_chunks_never_end_inside_an_image(tiny_gemma3_vlm, gemma3_vlm_reference, scheduler):
+    """Steps of 24 tokens would end chunks inside the 16-token runs: they end before them instead. Then the same
+    image with another question hits the one block of 16 the two prompts share, which ends inside the image:
+    that chunk starts there, its placeholders attending to the cached ones before and their own after."""
+    _, processor = gemma3_vlm_reference
+    cases = _cases(processor)
+    llm = LLM(str(tiny_gemma3_vlm), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=24,
+              max_num_seqs=4, block_size=16, scheduler=scheduler)
+    sched = llm.engine.core.scheduler
+    chunks: list[tuple[tuple[tuple[int, int], ...], int, int]] = []
+    schedule = sched.schedule
+
+    def recorded():
+        out = schedule()
+        for item in out.scheduled:
+            mm = item.request.multi_modal
+            if mm is not None and item.start < item.request.num_prompt_tokens:
+                chunks.append((mm.runs, item.start, item.start + item.num_new_tokens))
+        return out
+
+    sched.schedule = recorded
+    outs = llm.generate([_prompt(t, i) for t, i in cases], GREEDY)
+    for (text, images), out in zip(cases, outs, strict=True):
+        _assert_matches(out, gemma3_vlm_reference, text, images)
+    assert any(end == first for runs, _, end in chunks for first, _ in runs)  # cut back to an image's start
+    text, images = _chat_text(processor, 1, "And its colours?"), cases[0][1]
+    before = len(chunks)
+    again = llm.generate(_prompt(text, images), GREEDY)[0]
+    assert again.num_cached_tokens == 16
+    runs, start, _ = chunks[before]
+    assert start == 16 and runs[0][0] < start <= runs[0][1]
+    _assert_matches(again, gemma3_vlm_reference, text, images)
+    assert all(not (first < end <= last) for runs, _, end in chunks for first, last in runs)
+    _assert_all_free(llm)
+
+
+def test_an_image_a_step_cannot_hold_is_refused(tiny_gemma3_vlm, gemma3_vlm_reference):
+    _, processor = gemma3_vlm_reference
+    text, images = _cases(processor)[0]
+    llm = LLM(str(tiny_gemma3_vlm), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=19,
+              max_num_seqs=4)
+    with pytest.raises(ValueError, match="16 placeholder tokens must be prefilled in one step"):
+        llm.generate(_prompt(text, images), GREEDY)
+    text_only = _cases(processor)[2][0]
+    assert llm.generate(_prompt(text_only, []), GREEDY)[0].outputs[0].token_ids == \
+        _hf(gemma3_vlm_reference, text_only, [])[1]
+    _assert_all_free(llm)
+
+
+def _respelled(src: Path, dst: Path, rename) -> Path:
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    tensors = load_file(str(src / "model.safetensors"))
+    save_file({rename(k): v for k, v in tensors.items()}, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _published(name: str) -> str:
+    """The names of the published checkpoints (google/gemma-3-4b-it): the tower under `vision_model`."""
+    return name.replace("vision_tower.", "vision_tower.vision_model.", 1) if name.startswith("vision_tower.") \
+        and not name.startswith("vision_tower.vision_model.") else name
+
+
+def _transformers5(name: str) -> str:
+    """transformers 5's module names: everything under `model.`, the LM head apart."""
+    for old, new in (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model.language_model."),
+                     ("vision_tower.vision_model.", "model.vision_tower."), ("vision_tower.", "model.vision_tower."),
+                     ("multi_modal_projector.", "model.multi_modal_projector.")):
+        if name.startswith(old):
+            return new + name[len(old):]
+    return name
+
+
+def test_both_weight_spellings_load_and_chat_takes_image_urls(tiny_gemma3_vlm, gemma3_vlm_reference, tmp_path):
+    _, processor = gemma3_vlm_reference
+    image = random_image(4, 45, 60)
+    text = _chat_text(processor, 1, "What is this?")
+    ids, tokens, _ = _hf(gemma3_vlm_reference, text, [image])
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                                             {"type": "text", "text": "What is this?"}]}]
+    for name, rename in (("published", _published), ("transformers5", _transformers5)):
+        path = _respelled(tiny_gemma3_vlm, tmp_path / name, rename)
+        with open(path / "config.json") as f:
+            assert json.load(f)["architectures"] == ["Gemma3ForConditionalGeneration"]
+        llm = LLM(str(path), dtype="float32", kv_cache_memory="16MiB")
+        out = llm.chat(messages, GREEDY)[0]
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens
+
+
+def test_the_vision_half_alone_matches_transformers(tiny_gemma3_vlm, gemma3_vlm_reference):
+    """What an encode worker builds: the tower and projector only, reading only their tensors, equal to
+    transformers' image features and to the whole model's encoding."""
+    from transformers import AutoConfig
+
+    from deepinfer.models.registry import build_image_encoder
+    from deepinfer.weights import resolve_model
+
+    model, _ = gemma3_vlm_reference
+    files = resolve_model(str(tiny_gemma3_vlm))
+    encoder = build_image_encoder(AutoConfig.from_pretrained(str(tiny_gemma3_vlm)), torch.float32,
+                                  torch.device("cpu"))
+    read = []
+
+    def recorded():
+        for name, tensor in files.iter_weights(torch.float32, prefixes=encoder.WEIGHT_PREFIXES):
+            read.append(name)
+            yield name, tensor
+
+    encoder.load_weights(recorded())
+    assert read and all(n.startswith(("vision_tower.", "multi_modal_projector.")) for n in read)
+    torch.manual_seed(3)
+    pixels = torch.randn(2, *encoder.tile_shape())
+    whole = LLM(str(tiny_gemma3_vlm), dtype="float32", kv_cache_memory="16MiB").engine.core.runner.model
+    with torch.no_grad():
+        got = encoder.encode_tiles(pixels, None)
+        expected = model.model.get_image_features(pixels).pooler_output
+        assert torch.equal(got, whole.encode_tiles(pixels, None))
+    assert got.shape == (2, GEMMA3_TOKENS, model.config.text_config.hidden_size)
+    assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4)
