@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from deepinfer.layers.attention import AttentionBackend
@@ -54,13 +57,38 @@ def image_encoder_class(hf_config) -> type[torch.nn.Module]:
 def build_image_encoder(hf_config, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
     """`image_encoder_class(hf_config)`, built (its weights still to load: `load_weights`)."""
     cls = image_encoder_class(hf_config)
-    with torch.device(device):
+    with torch.device(device), no_random_init():
         return cls(hf_config).to(dtype=dtype).eval()
 
 
 def text_config(hf_config):
     """The language model's config: a vision-language checkpoint's `text_config`, else the config itself."""
     return hf_config.get_text_config()
+
+
+# the torch.nn.init functions modules' constructors draw random initial weights with
+_RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "kaiming_uniform_", "kaiming_normal_", "xavier_uniform_",
+                 "xavier_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def no_random_init() -> Iterator[None]:
+    """Modules built inside keep their parameters as allocated, not drawn at random: a checkpoint overwrites every
+    one (`load_weights` refuses one left out), and the draws cost 0.9-1.7 s of the default model's start-up. The
+    idea of transformers' `no_init_weights`, written here because importing that one loads
+    `transformers.modeling_utils`, torch._dynamo and triton into every engine process (~3.7 s here)."""
+    saved = {name: getattr(torch.nn.init, name) for name in _RANDOM_INITS}
+    try:
+        for name in _RANDOM_INITS:
+            setattr(torch.nn.init, name, _keep)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch.nn.init, name, fn)
+
+
+def _keep(tensor: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return tensor
 
 
 def supported_architectures() -> list[str]:
@@ -79,6 +107,6 @@ def build_model(hf_config, backend: AttentionBackend, max_positions: int, dtype:
             f"unsupported model architecture {archs or '(none in config.json)'}; "
             f"supported: {', '.join(supported_architectures())}"
         )
-    with torch.device(device):
+    with torch.device(device), no_random_init():
         model = cls(hf_config, backend, max_positions, dtype)
     return model.to(dtype=dtype)
