@@ -750,8 +750,8 @@ class ClusterConfig:
         "prefill worker processes on free ports, each with this command's engine flags).")
     decode_workers: int = _f(0, "Decode worker processes of the local cluster (see --prefill-workers).")
     encode_workers: int = _f(
-        0, "Encode worker processes of the local cluster (a vision-language model: they run the vision tower on "
-        "prompts' images, the prefill and decode workers take the embeddings; 0 = those workers encode).")
+        0, "Encode worker processes of the local (or --ray) cluster (a vision-language model: they run the vision "
+        "tower on prompts' images, the prefill and decode workers take the embeddings; 0 = those workers encode).")
     pin_workers: bool = _f(
         False, "Local cluster: pin each worker process (and its engine) to CPUs of its own, dealt round-robin "
         "over the CPUs this command may use (prefill workers first), so workers on one machine interfere "
@@ -763,8 +763,9 @@ class ClusterConfig:
         None, "prefill/decode role: register with this router (http://host:port) and heartbeat to it, so a "
         "worker on any machine joins by URL.")
     ray: str | None = _f(
-        None, "With --prefill-workers/--decode-workers: place the workers on this Ray cluster (an address, or "
-        "auto) instead of local processes; the router runs here. Needs `pip install 'deepinfer[ray]'`.")
+        None, "With --prefill-workers/--decode-workers (and --encode-workers): place the workers on this Ray "
+        "cluster (an address, or auto) instead of local processes; the router runs here. Needs `pip install "
+        "'deepinfer[ray]'`.")
     ray_cpus_per_worker: float = _f(1.0, "--ray: CPUs each worker actor reserves on its node.")
 
     def __post_init__(self) -> None:
@@ -778,8 +779,6 @@ class ClusterConfig:
             raise ValueError("a local cluster needs both --prefill-workers and --decode-workers (>= 1 each)")
         if self.prefill_workers and self.role != "unified":
             raise ValueError("--prefill-workers/--decode-workers start a router and workers; drop --role")
-        if self.ray is not None and self.encode_workers:
-            raise ValueError("--encode-workers starts local processes; it does not combine with --ray yet")
         if self.ray is not None and not self.prefill_workers:
             raise ValueError("--ray places --prefill-workers and --decode-workers; give both")
         if self.ray_cpus_per_worker < 0:

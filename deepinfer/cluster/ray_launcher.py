@@ -1,9 +1,11 @@
-"""`deepinfer serve --ray ADDRESS --prefill-workers P --decode-workers D`: workers on an existing Ray cluster.
+"""`deepinfer serve --ray ADDRESS --prefill-workers P --decode-workers D [--encode-workers E]`: workers on an
+existing Ray cluster.
 
     this process (Ray driver): router on --host/--port
         │ ray.init(ADDRESS)
         ├─ WorkerActor (prefill) x P ─▶ on its node: `deepinfer serve --role prefill --host 0.0.0.0
-        └─ WorkerActor (decode)  x D      --advertise-host <node ip> --port <free>` (a child process)
+        ├─ WorkerActor (decode)  x D      --advertise-host <node ip> --port <free>` (a child process)
+        └─ WorkerActor (encode)  x E    (a vision-language model's vision tower alone, `cluster/encoder.py`)
     the router reaches each worker at http://<node ip>:<port>, like any worker that joined by URL
 
 Ray only places and keeps the processes: requests and KV never pass through it. Each
@@ -65,8 +67,8 @@ class WorkerActor:
 
 
 def start_ray_workers(address: str, engine: EngineConfig, cluster: ClusterConfig,
-                      log_level: str, token: str | None = None) -> tuple[list[Any], list[str], list[str]]:
-    """Connect to the Ray cluster and place the worker actors; returns (actors, prefill URLs, decode URLs)."""
+                      log_level: str, token: str | None = None) -> tuple[list[Any], dict[str, list[str]]]:
+    """Connect to the Ray cluster and place the worker actors; returns (actors, each role's worker URLs)."""
     try:
         import ray
     except ImportError as e:
@@ -76,7 +78,8 @@ def start_ray_workers(address: str, engine: EngineConfig, cluster: ClusterConfig
     ray.init(address=None if address == "auto" else address, logging_level=logging.WARNING,
              log_to_driver=False)
     actor_cls = ray.remote(num_cpus=cluster.ray_cpus_per_worker, scheduling_strategy="SPREAD")(WorkerActor)
-    roles = ["prefill"] * cluster.prefill_workers + ["decode"] * cluster.decode_workers
+    roles = (["prefill"] * cluster.prefill_workers + ["decode"] * cluster.decode_workers
+             + ["encode"] * cluster.encode_workers)
     from pathlib import Path
 
     import deepinfer
@@ -84,9 +87,10 @@ def start_ray_workers(address: str, engine: EngineConfig, cluster: ClusterConfig
     root = str(Path(deepinfer.__file__).resolve().parent.parent)
     actors = [actor_cls.remote(role, engine_flags(engine, role), log_level, root, token) for role in roles]
     infos = ray.get([a.info.remote() for a in actors], timeout=300)
-    prefill = [i["url"] for i, r in zip(infos, roles, strict=True) if r == "prefill"]
-    decode = [i["url"] for i, r in zip(infos, roles, strict=True) if r == "decode"]
-    return actors, prefill, decode
+    urls: dict[str, list[str]] = {"prefill": [], "decode": [], "encode": []}
+    for info, role in zip(infos, roles, strict=True):
+        urls[role].append(info["url"])
+    return actors, urls
 
 
 def stop_ray_workers(actors: list[Any]) -> None:
@@ -117,14 +121,16 @@ def serve_ray_cluster(engine: EngineConfig, server: ServerConfig, cluster: Clust
     started = time.monotonic()
     token = server.resolved_cluster_token() or new_token()
     server = dataclasses.replace(server, cluster_token=token)
-    actors, prefill, decode = start_ray_workers(cluster.ray, engine, cluster, log_level, token)
+    actors, urls = start_ray_workers(cluster.ray, engine, cluster, log_level, token)
     try:
-        router = dataclasses.replace(router, prefill=(*router.prefill, *prefill), decode=(*router.decode, *decode))
+        router = dataclasses.replace(router, prefill=(*router.prefill, *urls["prefill"]),
+                                     decode=(*router.decode, *urls["decode"]), encode=(*router.encode, *urls["encode"]))
         client = build_client(engine.model, engine.kvstore, router, token)
         name = model_name_of(engine.model)
+        encoders = f", encode workers {', '.join(urls['encode'])}" if urls["encode"] else ""
         print(f"deepinfer: Ray cluster {cluster.ray}: router http://{server.host}:{server.port}/v1, prefill "
-              f"workers {', '.join(prefill)}, decode workers {', '.join(decode)} (placed in "
-              f"{time.monotonic() - started:.0f} s)", flush=True)
+              f"workers {', '.join(urls['prefill'])}, decode workers {', '.join(urls['decode'])}{encoders} (placed "
+              f"in {time.monotonic() - started:.0f} s)", flush=True)
         asyncio.run(run_router(client, name, server))
     except KeyboardInterrupt:
         pass
