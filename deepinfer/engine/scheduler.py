@@ -314,14 +314,18 @@ class Scheduler:
         return last + 1 - start if last + 1 - start <= budget else 0
 
     def check_image_runs(self, mm: MultiModalInputs) -> None:
-        """ValueError unless every run of `mm`'s placeholders fits one step beside a full batch of decodes
-        (under `whole_image_runs` a run is never split across steps)."""
-        room = self.config.max_num_batched_tokens - self.config.max_num_seqs
+        """ValueError unless every run of `mm`'s placeholders fits one step beside the most decodes (with their
+        drafts) that can run with it (under `whole_image_runs` a run is never split across steps, so a step
+        must have room for it whatever else runs)."""
+        per_decode = 1 + (self.speculator.k_max if self.speculator is not None else 0)
+        decodes = (self.config.max_num_seqs - 1) * per_decode
+        room = self.config.max_num_batched_tokens - decodes
         longest = max((last + 1 - first for first, last in mm.runs), default=0)
         if self.whole_image_runs and longest > room:
             raise ValueError(f"an image's {longest} placeholder tokens must be prefilled in one step, and a step "
-                             f"has room for {room} beside its decodes (max_num_batched_tokens "
-                             f"{self.config.max_num_batched_tokens} - max_num_seqs {self.config.max_num_seqs})")
+                             f"of max_num_batched_tokens={self.config.max_num_batched_tokens} has room for {room} "
+                             f"beside up to {decodes} decode tokens (max_num_seqs - 1 = "
+                             f"{self.config.max_num_seqs - 1} requests x {per_decode})")
 
     def _speculative_call(self, decodes: list[Request]) -> list[ScheduledRequest]:
         """Plain greedy decodes with rows to spare on the whole-layer C path (at most half of `decode_steps_rows`),

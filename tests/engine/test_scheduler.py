@@ -120,8 +120,8 @@ def test_image_runs_that_attend_both_ways_are_never_split_across_chunks(schedule
     assert any(end == first for mm, _, end in chunks for first, _ in mm.runs)  # some were cut back to a run
     assert s.num_preemptions > 0
     _assert_no_leak(s)
-    with pytest.raises(ValueError, match="13 placeholder tokens must be prefilled in one step"):
-        s.check_image_runs(MultiModalInputs(torch.zeros(1, 3, 4, 4), None, tuple(range(2, 15)), 13))
+    with pytest.raises(ValueError, match="14 placeholder tokens must be prefilled in one step"):
+        s.check_image_runs(MultiModalInputs(torch.zeros(1, 3, 4, 4), None, tuple(range(2, 16)), 14))
 
 
 def test_fifo_admission_and_max_num_seqs():
