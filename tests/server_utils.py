@@ -20,8 +20,9 @@ CLUSTER_TOKEN = "deepinfer-test-cluster-token"
 INTERNAL = {CLUSTER_TOKEN_HEADER: CLUSTER_TOKEN}
 KEY = "test-key"  # the API key of tests/server/conftest.py's shared server
 # the flags of tests/server/conftest.py's shared server (a module that needs one more starts its own with these)
+# no start-up cost-model profile (~2.5 s a server): the API tests do not look at step sizes
 SHARED_SERVER_FLAGS = ("--api-key", KEY, "--kv-cache-memory", "256MiB", "--max-model-len", "2048",
-                       "--dtype", "float32")
+                       "--dtype", "float32", "--no-profile-cost-model")
 
 
 def free_port() -> int:

@@ -26,6 +26,7 @@ def _case(name: str, model: Path, tmp_path: Path):
     return res
 
 
+@pytest.mark.slow  # ~15 s; test_server_faults.py kills the engine mid-stream in the default suite
 def test_engine_killed_under_load(tiny_models, tmp_path):
     res = _case("engine_kill", tiny_models["llama"], tmp_path)
     assert res.outcomes["error"] + res.outcomes["error_stream"] > 0

@@ -13,6 +13,7 @@ import time
 
 import httpx
 import openai
+import pytest
 import torch
 
 from tests.models.vlm_tiny import png_data_url, random_image
@@ -88,6 +89,8 @@ def test_encode_prefill_and_decode_workers(tiny_vlm, vlm_reference, tmp_path):
         assert [r["prefill_tiles"] for r in routes] == [0, 0, 5]
 
 
+# ~9 s, a process that exits; the registry's refusal is tested in the default suite (test_idefics3.py)
+@pytest.mark.slow
 def test_an_encode_worker_refuses_a_text_model(tiny_models):
     done = subprocess.run([sys.executable, "-m", "deepinfer.cli", "serve", "--role", "encode", "--model",
                            str(tiny_models["llama"]), "--port", "1"], capture_output=True, text=True, timeout=120)

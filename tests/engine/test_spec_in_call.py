@@ -143,6 +143,7 @@ def test_a_batch_of_code_edits_is_token_identical_and_shares_the_calls_rows(dtyp
     assert_all_free(spec)
 
 
+@pytest.mark.slow  # ~18 s, as above
 @needs_kernels
 def test_a_speculating_call_keeps_two_steps_whatever_the_time_budget(float32_engines, monkeypatch):
     """`--multi-step-budget-ms` cuts a pass to the steps its price allows, down to one; a speculating call keeps
@@ -164,6 +165,7 @@ def test_a_speculating_call_keeps_two_steps_whatever_the_time_budget(float32_eng
     assert_all_free(spec)
 
 
+@pytest.mark.slow  # ~19 s, as above
 @needs_kernels
 def test_a_request_that_joins_midway_shares_the_calls_and_both_stay_identical(monkeypatch):
     """The first request decodes in speculating calls, the second arrives while it does: once its prompt is
@@ -233,6 +235,8 @@ def test_a_short_lookback_searches_only_the_last_tokens_and_slides_over_what_the
     assert_all_free(spec)
 
 
+# ~23 s: two deterministic engines of the default model; the default suite keeps the single-stream and batch tests
+@pytest.mark.slow
 @needs_kernels
 def test_calls_whose_blocks_do_not_fit_are_not_made_and_lose_nothing(float32_engines, monkeypatch):
     """Four code edits in a cache of 38 blocks (they need ~43 by their end): a call takes blocks for every

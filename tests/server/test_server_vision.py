@@ -160,6 +160,8 @@ def test_image_tokens_typed_as_text_are_refused(server):
     assert r.status_code == 400 and "image tokens but no images" in r.text
 
 
+# ~25 s, a server of its own; Gemma 3's image path is tested offline (test_gemma3_vlm.py), the API layer above on Idefics3
+@pytest.mark.slow
 def test_gemma3_with_its_vision_tower_through_the_sdks(tiny_gemma3_vlm, gemma3_vlm_reference, tmp_path):
     """Gemma 3's image placeholders attend to each other both ways: a chat with an image, streamed and not, and an
     Anthropic `image` block, served, equal transformers' greedy continuation."""
