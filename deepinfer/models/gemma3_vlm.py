@@ -20,7 +20,6 @@ The rest is `Gemma3ForCausalLM`. Checkpoints spell the halves two ways (`languag
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -30,7 +29,7 @@ from torch import nn
 from deepinfer.layers.attention import AttentionBackend
 from deepinfer.layers.norm import GemmaRMSNorm
 from deepinfer.models.gemma3 import Gemma3ForCausalLM
-from deepinfer.models.image_encoder import ImageEncoder
+from deepinfer.models.image_encoder import ImageEncoder, WithImageEncoder
 from deepinfer.models.siglip import VisionTransformer
 
 
@@ -95,16 +94,7 @@ class Gemma3ImageEncoder(ImageEncoder):
         return self.projector(self.vision_model(pixels.to(self.projector.mm_input_projection_weight.device)))
 
 
-def text_weight_name(name: str) -> str:
-    """A checkpoint's text-model tensor name as `Gemma3ForCausalLM` loads it."""
-    for prefix, target in (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model."),
-                           ("model.language_model.", "model."), ("language_model.", "model.")):
-        if name.startswith(prefix):
-            return target + name[len(prefix):]
-    return name
-
-
-class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
+class Gemma3ForConditionalGeneration(WithImageEncoder, Gemma3ForCausalLM):
     """Gemma 3 image-text checkpoints: the text model of `Gemma3ForCausalLM` with `image_encoder`."""
 
     image_encoder_class = Gemma3ImageEncoder
@@ -119,14 +109,15 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             text.tie_word_embeddings = bool(top_tie)
         image_encoder = Gemma3ImageEncoder(cfg)  # (checks the config before the text model is built)
         super().__init__(text, backend, max_positions, dtype)
-        self.image_encoder = image_encoder
-        self.image_token_id, self.tokens_per_tile = image_encoder.image_token_id, image_encoder.tokens_per_tile
+        self._attach_image_encoder(image_encoder)
 
-    def tile_shape(self) -> tuple[int, int, int]:
-        return self.image_encoder.tile_shape()
-
-    def encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
-        return self.image_encoder.encode_tiles(pixels, pixel_mask)
+    @staticmethod
+    def text_weight_name(name: str) -> str:
+        for prefix, target in (("language_model.lm_head.", "lm_head."), ("language_model.model.", "model."),
+                               ("model.language_model.", "model."), ("language_model.", "model.")):
+            if name.startswith(prefix):
+                return target + name[len(prefix):]
+        return name
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
                       logits_indices: torch.Tensor,
@@ -135,10 +126,3 @@ class Gemma3ForConditionalGeneration(Gemma3ForCausalLM):
             input_ids = input_ids.clone()  # a placeholder id past the text vocabulary: its row is replaced anyway
             input_ids[input_embeds[0]] = 0
         return super().hidden_states(input_ids, positions, caches, metas, logits_indices, input_embeds)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights((text_weight_name(name), tensor)
-                             for name, tensor in self.image_encoder.take_weights(weights))
-
-    def _params_loaded_elsewhere(self) -> set[str]:
-        return {n for n, _ in self.named_parameters() if n.startswith("image_encoder.")}

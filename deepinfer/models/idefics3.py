@@ -14,13 +14,11 @@ bucketed over the kept region's fraction of the tile (`models/siglip.py`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from deepinfer.layers.attention import AttentionBackend
-from deepinfer.models.image_encoder import ImageEncoder
+from deepinfer.models.image_encoder import ImageEncoder, WithImageEncoder
 from deepinfer.models.llama import LlamaForCausalLM
 from deepinfer.models.siglip import VisionTransformer
 
@@ -93,7 +91,7 @@ class Idefics3ImageEncoder(ImageEncoder):
         return name.removeprefix("model.") if name.startswith(self.WEIGHT_PREFIXES) else None
 
 
-class Idefics3ForConditionalGeneration(LlamaForCausalLM):
+class Idefics3ForConditionalGeneration(WithImageEncoder, LlamaForCausalLM):
     """Idefics3 and SmolVLM checkpoints (`model.vision_model`, `model.connector`, `model.text_model`, `lm_head`)."""
 
     image_encoder_class = Idefics3ImageEncoder
@@ -105,18 +103,8 @@ class Idefics3ForConditionalGeneration(LlamaForCausalLM):
         text.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         image_encoder = Idefics3ImageEncoder(cfg)  # (checks the config before the text model is built)
         super().__init__(text, backend, max_positions, dtype)
-        self.image_encoder = image_encoder
-        self.image_token_id, self.tokens_per_tile = image_encoder.image_token_id, image_encoder.tokens_per_tile
+        self._attach_image_encoder(image_encoder)
 
-    def tile_shape(self) -> tuple[int, int, int]:
-        return self.image_encoder.tile_shape()
-
-    def encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
-        return self.image_encoder.encode_tiles(pixels, pixel_mask)
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        super().load_weights((name.replace("model.text_model.", "model.", 1), tensor)
-                             for name, tensor in self.image_encoder.take_weights(weights))
-
-    def _params_loaded_elsewhere(self) -> set[str]:
-        return {n for n, _ in self.named_parameters() if n.startswith("image_encoder.")}
+    @staticmethod
+    def text_weight_name(name: str) -> str:
+        return name.replace("model.text_model.", "model.", 1)

@@ -53,3 +53,34 @@ class ImageEncoder(nn.Module):
         """Its own tensors of a whole checkpoint (the others are passed over)."""
         for _ in self.take_weights(weights):
             pass
+
+
+class WithImageEncoder:
+    """For a text model class whose checkpoint also holds a vision half (`class X(WithImageEncoder, TextModel)`):
+    the vision half as `image_encoder`, its tiles' encoding (`tile_shape`, `encode_tiles`: what the runner's
+    `TileEncoder` calls), and loading that takes the vision tensors out of the checkpoint stream before the text
+    model sees the rest, renamed by `text_weight_name`."""
+
+    image_encoder: ImageEncoder
+
+    def _attach_image_encoder(self, encoder: ImageEncoder) -> None:
+        self.image_encoder = encoder
+        self.image_token_id, self.tokens_per_tile = encoder.image_token_id, encoder.tokens_per_tile
+
+    @staticmethod
+    def text_weight_name(name: str) -> str:
+        """A checkpoint's text-model tensor name as the text model's `load_weights` reads it."""
+        return name
+
+    def tile_shape(self) -> tuple[int, int, int]:
+        return self.image_encoder.tile_shape()
+
+    def encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
+        return self.image_encoder.encode_tiles(pixels, pixel_mask)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        super().load_weights((self.text_weight_name(name), tensor)  # type: ignore[misc]
+                             for name, tensor in self.image_encoder.take_weights(weights))
+
+    def _params_loaded_elsewhere(self) -> set[str]:
+        return {n for n, _ in self.named_parameters() if n.startswith("image_encoder.")}  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from tests.models.vlm_tiny import GEMMA3_TOKENS, png_data_url, random_image
+from tests.models.vlm_tiny import GEMMA3_TOKENS, load_vision_half, png_data_url, random_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=5)
 
@@ -184,23 +184,8 @@ def test_both_weight_spellings_load_and_chat_takes_image_urls(tiny_gemma3_vlm, g
 def test_the_vision_half_alone_matches_transformers(tiny_gemma3_vlm, gemma3_vlm_reference):
     """What an encode worker builds: the tower and projector only, reading only their tensors, equal to
     transformers' image features and to the whole model's encoding."""
-    from transformers import AutoConfig
-
-    from deepinfer.models.registry import build_image_encoder
-    from deepinfer.weights import resolve_model
-
     model, _ = gemma3_vlm_reference
-    files = resolve_model(str(tiny_gemma3_vlm))
-    encoder = build_image_encoder(AutoConfig.from_pretrained(str(tiny_gemma3_vlm)), torch.float32,
-                                  torch.device("cpu"))
-    read = []
-
-    def recorded():
-        for name, tensor in files.iter_weights(torch.float32, prefixes=encoder.WEIGHT_PREFIXES):
-            read.append(name)
-            yield name, tensor
-
-    encoder.load_weights(recorded())
+    encoder, read = load_vision_half(tiny_gemma3_vlm)
     assert read and all(n.startswith(("vision_tower.", "multi_modal_projector.")) for n in read)
     torch.manual_seed(3)
     pixels = torch.randn(2, *encoder.tile_shape())

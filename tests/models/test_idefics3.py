@@ -11,7 +11,7 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.multimodal.processor import ImageError
-from tests.models.vlm_tiny import TOKENS_PER_TILE, png_data_url, random_image
+from tests.models.vlm_tiny import TOKENS_PER_TILE, load_vision_half, png_data_url, random_image
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
@@ -236,18 +236,8 @@ def test_the_vision_half_alone_reads_no_text_weights_and_encodes_alike(tiny_vlm,
     from transformers import AutoConfig
 
     from deepinfer.models.registry import build_image_encoder
-    from deepinfer.weights import resolve_model
 
-    files = resolve_model(str(tiny_vlm))
-    encoder = build_image_encoder(AutoConfig.from_pretrained(str(tiny_vlm)), torch.float32, torch.device("cpu"))
-    read = []
-
-    def recorded():
-        for name, tensor in files.iter_weights(torch.float32, prefixes=encoder.WEIGHT_PREFIXES):
-            read.append(name)
-            yield name, tensor
-
-    encoder.load_weights(recorded())
+    encoder, read = load_vision_half(tiny_vlm)
     assert read and all(n.startswith(("model.vision_model.", "model.connector.")) for n in read)
     whole = LLM(str(tiny_vlm), dtype="float32", kv_cache_memory="16MiB").engine.core.runner.model
     assert sum(p.numel() for p in encoder.parameters()) < sum(p.numel() for p in whole.parameters())

@@ -108,6 +108,27 @@ def build_gemma3_vlm(path: Path, tokenizer_dir: Path, seed: int = 0) -> Path:
     return path
 
 
+def load_vision_half(path: Path) -> tuple[torch.nn.Module, list[str]]:
+    """What an encode worker builds for the checkpoint at `path`: its vision half alone (`build_image_encoder`),
+    loaded from the tensors its `WEIGHT_PREFIXES` select; and the names of the tensors read."""
+    from transformers import AutoConfig
+
+    from deepinfer.models.registry import build_image_encoder
+    from deepinfer.weights import resolve_model
+
+    files = resolve_model(str(path))
+    encoder = build_image_encoder(AutoConfig.from_pretrained(str(path)), torch.float32, torch.device("cpu"))
+    read: list[str] = []
+
+    def recorded():
+        for name, tensor in files.iter_weights(torch.float32, prefixes=encoder.WEIGHT_PREFIXES):
+            read.append(name)
+            yield name, tensor
+
+    encoder.load_weights(recorded())
+    return encoder, read
+
+
 def random_image(seed: int, height: int, width: int):
     from PIL import Image
 
