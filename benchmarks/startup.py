@@ -32,7 +32,7 @@ def tree_rss(pid: int) -> int:
     return sum(p.memory_info().rss for p in [root, *root.children(recursive=True)])
 
 
-def command(engine: str, model_dir: str, port: int, dtype: str) -> tuple[list[str], dict]:
+def command(engine: str, model_dir: str, port: int, dtype: str, vllm_eager: bool = False) -> tuple[list[str], dict]:
     env = dict(os.environ)
     if engine == "deepinfer":
         return [sys.executable, "-m", "deepinfer.cli", "serve", "--port", str(port), "--served-model-name", "m",
@@ -43,11 +43,12 @@ def command(engine: str, model_dir: str, port: int, dtype: str) -> tuple[list[st
     env.update(VLLM_CPU_OMP_THREADS_BIND=env.get("VLLM_CPU_OMP_THREADS_BIND", "0-1"), VLLM_CPU_NUM_OF_RESERVED_CPU="0",
                VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="2", HF_HUB_OFFLINE="1")
     return [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--port", str(port),
-            "--served-model-name", "m", "--dtype", dtype], env
+            "--served-model-name", "m", "--dtype", dtype, *(["--enforce-eager"] if vllm_eager else [])], env
 
 
-def one_start(engine: str, model_dir: str, port: int, dtype: str, log: Path, timeout: float) -> dict:
-    cmd, env = command(engine, model_dir, port, dtype)
+def one_start(engine: str, model_dir: str, port: int, dtype: str, log: Path, timeout: float,
+              vllm_eager: bool = False) -> dict:
+    cmd, env = command(engine, model_dir, port, dtype, vllm_eager)
     started = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, cwd="/tmp")
@@ -86,6 +87,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--port", type=int, default=8795)
     ap.add_argument("--timeout", type=float, default=600.0)
+    ap.add_argument("--vllm-eager", action="store_true", help="vLLM with --enforce-eager (no torch.compile at start).")
     ap.add_argument("--json-out", default=None)
     args = ap.parse_args()
     from deepinfer.weights import resolve_model
@@ -97,7 +99,8 @@ def main() -> None:
     logs.mkdir(exist_ok=True)
     for i in range(args.repeats):
         for engine in engines if i % 2 == 0 else engines[::-1]:
-            run = one_start(engine, model_dir, args.port, args.dtype, logs / f"{engine}-{i}.log", args.timeout)
+            run = one_start(engine, model_dir, args.port, args.dtype, logs / f"{engine}-{i}.log", args.timeout,
+                            args.vllm_eager)
             runs.append(run)
             print(f"repeat {i + 1} {engine}: ready {run['ready_s']:.2f} s, first token {run['first_token_s']:.2f} s,"
                   f" RSS {run['rss_mib']:.0f} MiB", flush=True)
@@ -114,7 +117,8 @@ def main() -> None:
         print(f"\ndeepinfer / vLLM: ready {d['ready_s'] / v['ready_s']:.2f}x the time, first token "
               f"{d['first_token_s'] / v['first_token_s']:.2f}x, RSS {d['rss_mib'] / v['rss_mib']:.2f}x")
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"runs": runs, "summary": summary, "dtype": args.dtype}, indent=1))
+        Path(args.json_out).write_text(json.dumps({"runs": runs, "summary": summary, "dtype": args.dtype,
+                                                   "vllm_eager": args.vllm_eager}, indent=1))
 
 
 if __name__ == "__main__":
