@@ -196,3 +196,26 @@ def test_the_vision_half_alone_matches_transformers(tiny_gemma3_vlm, gemma3_vlm_
         assert torch.equal(got, whole.encode_tiles(pixels, None))
     assert got.shape == (2, GEMMA3_TOKENS, model.config.text_config.hidden_size)
     assert torch.allclose(got, expected, atol=1e-5, rtol=1e-4)
+
+
+def test_bfloat16_greedy_matches_transformers_in_bfloat16(tiny_gemma3_vlm, gemma3_vlm_reference):
+    """The same cases in bfloat16 (the default dtype on CPUs with AVX-512 BF16 / AMX; emulated, and still quick,
+    elsewhere) against transformers' model in bfloat16: the same 9 greedy tokens. Not 10: the two-image case's
+    10th token is an exact bfloat16 tie. transformers' uncached forward over the prompt and the first 9 tokens
+    gives 33735 and 36530 the same logit (2.9531) and its argmax takes 33735, as deepinfer does; its cached
+    `generate` takes 36530. In float32 the two part (2.9669 for 36530, 2.9505), and there deepinfer matches
+    (`test_greedy_and_first_logprobs_match_transformers`, 10 tokens)."""
+    from transformers import AutoModelForImageTextToText
+
+    _, processor = gemma3_vlm_reference
+    hf = AutoModelForImageTextToText.from_pretrained(str(tiny_gemma3_vlm), dtype=torch.bfloat16).eval()
+    hf.generation_config.eos_token_id = None
+    cases = _cases(processor)
+    llm = LLM(str(tiny_gemma3_vlm), dtype="bfloat16", kv_cache_memory="32MiB")
+    outs = llm.generate([_prompt(t, i) for t, i in cases], SamplingParams(temperature=0.0, max_tokens=9,
+                                                                          ignore_eos=True))
+    for (text, images), out in zip(cases, outs, strict=True):
+        ids, tokens, _ = _hf((hf, processor), text, images, max_new_tokens=9)
+        assert out.prompt_token_ids == ids
+        assert out.outputs[0].token_ids == tokens
+    _assert_all_free(llm)
