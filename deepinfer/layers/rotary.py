@@ -30,8 +30,11 @@ def rope_inv_freq(hf_config, layer_type: str | None = None) -> tuple[torch.Tenso
     if rope_type not in ROPE_INIT_FUNCTIONS:
         raise ValueError(f"unsupported rope_type {rope_type!r}")
     kwargs = {} if layer_type is None else {"layer_type": layer_type}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
-    return inv_freq.float(), float(scaling)
+    # on the CPU whatever device a model is built under (`torch.device(...)` as a context): transformers' functions
+    # make some tensors on the default device and move them to `device`, which fails from the meta device
+    with torch.device("cpu"):
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf_config, torch.device("cpu"), **kwargs)
+    return inv_freq.float().to(torch.empty(0).device), float(scaling)
 
 
 class RotaryEmbedding(nn.Module):

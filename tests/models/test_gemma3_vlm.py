@@ -219,3 +219,44 @@ def test_bfloat16_greedy_matches_transformers_in_bfloat16(tiny_gemma3_vlm, gemma
         assert out.prompt_token_ids == ids
         assert out.outputs[0].token_ids == tokens
     _assert_all_free(llm)
+
+
+# google/gemma-3-4b-it's published config.json (transformers 4.50), the fields it sets
+GEMMA3_4B_CONFIG = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999, "eoi_token_index": 256000,
+    "eos_token_id": [1, 106], "image_token_index": 262144, "initializer_range": 0.02, "mm_tokens_per_image": 256,
+    "model_type": "gemma3",
+    "text_config": {"head_dim": 256, "hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_attention_heads": 8, "num_hidden_layers": 34, "num_key_value_heads": 4,
+                    "query_pre_attn_scalar": 256, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+    "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                      "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27,
+                      "patch_size": 14, "vision_use_head": False},
+}
+
+
+def test_the_published_4b_config_builds_and_takes_every_tensor_of_its_shape(tmp_path):
+    """No weights are reachable here, so the real size is checked on the meta device: gemma-3-4b-it's config
+    builds, and every tensor transformers' model of it has (its names, at their shapes) loads into a parameter,
+    none left out; an image is 256 tokens pooled 4 x 4 from 64 x 64 patches."""
+    from transformers import AutoConfig
+    from transformers import Gemma3ForConditionalGeneration as HFGemma3
+
+    from deepinfer.layers.torch_attention import TorchAttentionBackend
+    from deepinfer.models.registry import build_model
+
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA3_4B_CONFIG))
+    cfg = AutoConfig.from_pretrained(str(tmp_path))
+    meta = torch.device("meta")
+    with meta:
+        reference = HFGemma3(cfg)
+    ours = build_model(cfg, TorchAttentionBackend(torch.device("cpu")), 8192, torch.bfloat16, meta)
+    assert (ours.image_token_id, ours.tokens_per_tile, ours.image_encoder.projector.kernel) == (262144, 256, 4)
+    assert ours.tile_shape() == (3, 896, 896)
+    tensors = reference.state_dict()
+    assert len(tensors) > 800
+    ours.load_weights(tensors.items())  # raises on a name or shape that does not fit, or a parameter left out
+    with pytest.raises(ValueError, match="missing"):
+        ours.load_weights((n, t) for n, t in tensors.items() if "mm_input_projection" not in n)
