@@ -1,8 +1,8 @@
 """Gemma 3 with its vision tower (`Gemma3ForConditionalGeneration`: the 4B, 12B and 27B checkpoints).
 
-- **An image is one tile** of `image_size` pixels a side (896: the processor resizes it; pan & scan crops, where
-  a processor config asks for them, are more tiles, each between its own begin / end markers). The SigLIP tower
-  (`models/siglip.py`) encodes it, every patch kept.
+- **An image is one tile** of `image_size` pixels a side (896: the processor resizes it). The SigLIP tower
+  (`models/siglip.py`) encodes it, every patch kept. (Pan & scan crops, a processor option off by default, would
+  be more tiles, each between its own markers; not tested.)
 - **The projector** average-pools the tower's patch grid (64 x 64) down to `mm_tokens_per_image` vectors
   (16 x 16), RMS-norms them (Gemma's 1 + w, in float32) and multiplies by a [vision hidden, text hidden] matrix.
 - **The vectors replace the embeddings** of the image's `<image_soft_token>` placeholders after the text
@@ -19,8 +19,6 @@ The rest is `Gemma3ForCausalLM`. Checkpoints spell the halves two ways (`languag
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -118,11 +116,3 @@ class Gemma3ForConditionalGeneration(WithImageEncoder, Gemma3ForCausalLM):
             if name.startswith(prefix):
                 return target + name[len(prefix):]
         return name
-
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[Any], metas: list[Any],
-                      logits_indices: torch.Tensor,
-                      input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        if input_embeds is not None and self.image_token_id >= self.embed_tokens.num_embeddings:
-            input_ids = input_ids.clone()  # a placeholder id past the text vocabulary: its row is replaced anyway
-            input_ids[input_embeds[0]] = 0
-        return super().hidden_states(input_ids, positions, caches, metas, logits_indices, input_embeds)
