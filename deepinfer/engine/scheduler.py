@@ -317,15 +317,20 @@ class Scheduler:
         """ValueError unless every run of `mm`'s placeholders fits one step beside the most decodes (with their
         drafts) that can run with it (under `whole_image_runs` a run is never split across steps, so a step
         must have room for it whatever else runs)."""
-        per_decode = 1 + (self.speculator.k_max if self.speculator is not None else 0)
-        decodes = (self.config.max_num_seqs - 1) * per_decode
-        room = self.config.max_num_batched_tokens - decodes
         longest = max((last + 1 - first for first, last in mm.runs), default=0)
+        room = self.image_run_room()
         if self.whole_image_runs and longest > room:
+            per_decode = 1 + (self.speculator.k_max if self.speculator is not None else 0)
             raise ValueError(f"an image's {longest} placeholder tokens must be prefilled in one step, and a step "
                              f"of max_num_batched_tokens={self.config.max_num_batched_tokens} has room for {room} "
-                             f"beside up to {decodes} decode tokens (max_num_seqs - 1 = "
-                             f"{self.config.max_num_seqs - 1} requests x {per_decode})")
+                             f"beside up to {self.config.max_num_batched_tokens - room} decode tokens (max_num_seqs "
+                             f"- 1 = {self.config.max_num_seqs - 1} requests x {per_decode})")
+
+    def image_run_room(self) -> int:
+        """The tokens a step always has for a run of image placeholders: the token budget less the most decode
+        tokens (drafts included) that can share the step."""
+        per_decode = 1 + (self.speculator.k_max if self.speculator is not None else 0)
+        return self.config.max_num_batched_tokens - (self.config.max_num_seqs - 1) * per_decode
 
     def _speculative_call(self, decodes: list[Request]) -> list[ScheduledRequest]:
         """Plain greedy decodes with rows to spare on the whole-layer C path (at most half of `decode_steps_rows`),

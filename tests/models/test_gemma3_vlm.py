@@ -126,11 +126,13 @@ def test_chunks_never_end_inside_an_image(tiny_gemma3_vlm, gemma3_vlm_reference,
     _assert_all_free(llm)
 
 
-def test_an_image_a_step_cannot_hold_is_refused(tiny_gemma3_vlm, gemma3_vlm_reference):
+def test_an_image_a_step_cannot_hold_is_refused(tiny_gemma3_vlm, gemma3_vlm_reference, caplog):
     _, processor = gemma3_vlm_reference
     text, images = _cases(processor)[0]
-    llm = LLM(str(tiny_gemma3_vlm), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=18,
-              max_num_seqs=4)
+    with caplog.at_level("WARNING", logger="deepinfer.engine.core"):
+        llm = LLM(str(tiny_gemma3_vlm), dtype="float32", kv_cache_memory="64MiB", max_num_batched_tokens=18,
+                  max_num_seqs=4)
+    assert "every prompt with an image will be refused" in caplog.text  # said at start-up, not first at a request
     with pytest.raises(ValueError, match="16 placeholder tokens must be prefilled in one step"):
         llm.generate(_prompt(text, images), GREEDY)
     text_only = _cases(processor)[2][0]
