@@ -95,3 +95,30 @@ def test_an_encode_worker_refuses_a_text_model(tiny_models):
     done = subprocess.run([sys.executable, "-m", "deepinfer.cli", "serve", "--role", "encode", "--model",
                            str(tiny_models["llama"]), "--port", "1"], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and "not a vision-language model" in done.stderr
+
+
+def test_gemma3_images_through_prefill_and_decode_workers(tiny_gemma3_vlm, gemma3_vlm_reference, tmp_path):
+    """Gemma 3, whose image tokens attend to each other both ways, through a router and a prefill and a decode
+    worker (the prefill worker encodes): replies equal transformers'. The second request repeats the first's image
+    with another question: the prefill worker's cached prefix ends inside the image, so its chunk starts there."""
+    with running_cluster("--model", str(tiny_gemma3_vlm), *FLAGS, "--prefill-workers", "1",
+                         "--decode-workers", "1", log=tmp_path / "cluster.log") as base:
+        image = random_image(32, 40, 60)
+        assert _ask(base, image, "What is this?", stream=True) == \
+            _expected(gemma3_vlm_reference, "What is this?", image)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="x", max_retries=0, timeout=120)
+        again = client.chat.completions.create(
+            model="m", max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True},
+            messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": png_data_url(image)}},
+                                                   {"type": "text", "text": "And its colours?"}]}])
+        assert again.choices[0].message.content == _expected(gemma3_vlm_reference, "And its colours?", image)
+        # the prompts part just after the image, in the block that holds the image's end: the hit is the
+        # blocks before it, and ends inside the image
+        model, processor = gemma3_vlm_reference
+        content = [{"type": "image"}, {"type": "text", "text": "And its colours?"}]
+        text = processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+        ids = processor(text=text, images=[[image]], add_special_tokens=False)["input_ids"][0]
+        placeholders = [i for i, t in enumerate(ids) if t == model.config.image_token_id]
+        cached = again.usage.prompt_tokens_details.cached_tokens
+        assert placeholders[0] < cached <= placeholders[-1], (cached, placeholders)
+        assert _router_state(base)["failed_requests"] == 0
