@@ -134,11 +134,15 @@ def tiny_vlm(tmp_path_factory, tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def vlm_reference(tiny_vlm):
     """transformers' model of `tiny_vlm` (float32, never stopping at EOS) and its processor."""
+    return _vlm_reference(tiny_vlm)
+
+
+def _vlm_reference(path: Path):
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
-    model = AutoModelForImageTextToText.from_pretrained(str(tiny_vlm), dtype=torch.float32).eval()
+    model = AutoModelForImageTextToText.from_pretrained(str(path), dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # compared with ignore_eos
-    return model, AutoProcessor.from_pretrained(str(tiny_vlm))
+    return model, AutoProcessor.from_pretrained(str(path))
 
 
 @pytest.fixture(scope="session")
@@ -152,11 +156,7 @@ def tiny_gemma3_vlm(tmp_path_factory, tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def gemma3_vlm_reference(tiny_gemma3_vlm):
     """transformers' model of `tiny_gemma3_vlm` (float32, never stopping at EOS) and its processor."""
-    from transformers import AutoModelForImageTextToText, AutoProcessor
-
-    model = AutoModelForImageTextToText.from_pretrained(str(tiny_gemma3_vlm), dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    return model, AutoProcessor.from_pretrained(str(tiny_gemma3_vlm))
+    return _vlm_reference(tiny_gemma3_vlm)
 
 
 def hf_greedy(model, prompt: list[int], max_new_tokens: int) -> list[int]:

@@ -119,10 +119,11 @@ class EngineCore:
                                    steps_rows)
         self.scheduler.tile_seconds = lambda: self.runner.tiles.seconds if self.runner.tiles is not None else None
         self.scheduler.whole_image_runs = self.runner.bidirectional_images
-        if self.runner.bidirectional_images and self.scheduler.image_run_room() < self.runner.model.tokens_per_tile:
+        room = self.scheduler.image_run_room()
+        if self.runner.bidirectional_images and room < self.runner.model.tokens_per_tile:
             logger.warning("every prompt with an image will be refused: an image's %d tokens must be prefilled in "
                            "one step, which has room for %d beside its decodes (raise --max-num-batched-tokens or "
-                           "lower --max-num-seqs)", self.runner.model.tokens_per_tile, self.scheduler.image_run_room())
+                           "lower --max-num-seqs)", self.runner.model.tokens_per_tile, room)
         logger.info("KV cache: %s blocks x %d tokens (%.1f MiB)", "/".join(map(str, self.runner.group_num_blocks)),
                     bs, self.runner.kv_cache_bytes / 2**20)
         logger.info("scheduler: %s, step time budget %.0f ms", sc.scheduler, 1000 * self.scheduler.step_time_budget)

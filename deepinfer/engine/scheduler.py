@@ -320,11 +320,10 @@ class Scheduler:
         longest = max((last + 1 - first for first, last in mm.runs), default=0)
         room = self.image_run_room()
         if self.whole_image_runs and longest > room:
-            per_decode = 1 + (self.speculator.k_max if self.speculator is not None else 0)
             raise ValueError(f"an image's {longest} placeholder tokens must be prefilled in one step, and a step "
                              f"of max_num_batched_tokens={self.config.max_num_batched_tokens} has room for {room} "
                              f"beside up to {self.config.max_num_batched_tokens - room} decode tokens (max_num_seqs "
-                             f"- 1 = {self.config.max_num_seqs - 1} requests x {per_decode})")
+                             f"- 1 = {self.config.max_num_seqs - 1} requests, with their drafts)")
 
     def image_run_room(self) -> int:
         """The tokens a step always has for a run of image placeholders: the token budget less the most decode

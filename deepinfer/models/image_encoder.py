@@ -11,23 +11,15 @@ from torch import nn
 
 
 class ImageEncoder(nn.Module):
-    """Contract for a model's vision half: `image_token_id` and `tokens_per_tile` (the placeholder token and how
-    many of them one tile becomes), `tile_shape()`, `encode_tiles(pixels, pixel_mask)` -> [tiles,
-    tokens_per_tile, text hidden], and `own_key(checkpoint name)`: the parameter a checkpoint tensor fills, None
-    for the text model's. `WEIGHT_PREFIXES`: the checkpoint names the vision half's tensors start with (all
-    the spellings its checkpoints use), so an encode worker reads no others."""
+    """Contract for a model's vision half: an `ImageTower` (`multimodal/encoder.py`: `image_token_id`,
+    `tokens_per_tile`, `tile_shape()`, `encode_tiles(pixels, pixel_mask)`), and `own_key(checkpoint name)`: the
+    parameter a checkpoint tensor fills, None for the text model's. `WEIGHT_PREFIXES`: the checkpoint names the
+    vision half's tensors start with (all the spellings its checkpoints use), so an encode worker reads no
+    others."""
 
     WEIGHT_PREFIXES: tuple[str, ...] = ()
-    image_token_id: int
-    tokens_per_tile: int
 
     def own_key(self, name: str) -> str | None:
-        raise NotImplementedError
-
-    def tile_shape(self) -> tuple[int, int, int]:
-        raise NotImplementedError
-
-    def encode_tiles(self, pixels: torch.Tensor, pixel_mask: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
     def take_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
