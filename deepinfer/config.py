@@ -550,6 +550,74 @@ class ParallelConfig:
         return self.expert_parallel_size > 1 or self.enable_eplb
 
 
+def parse_lora_modules(spec: Sequence[str] | Sequence[tuple[str, str]] | dict[str, str] | None
+                       ) -> tuple[tuple[str, str], ...]:
+    """`--lora-modules` entries -> ((name, path), ...): each `name=path` or vLLM's JSON form
+    `{"name": ..., "path": ...}` (its `base_model_name` is accepted and must not name another model: checked
+    by the server); a dict name -> path from keyword arguments. Parsed values come back unchanged."""
+    if spec is None:
+        return ()
+    if isinstance(spec, dict):
+        spec = tuple(spec.items())
+    if isinstance(spec, str):
+        spec = (spec,)
+    pairs: list[tuple[str, str]] = []
+    for entry in spec:
+        if isinstance(entry, tuple | list) and len(entry) == 2:
+            name, path = entry
+        elif isinstance(entry, str) and entry.strip().startswith("{"):
+            try:
+                obj = json.loads(entry)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules entry {entry!r} is not valid JSON ({e})") from None
+            if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("path"), str):
+                raise ValueError(f"--lora-modules JSON entry {entry!r} needs string \"name\" and \"path\"")
+            name, path = obj["name"], obj["path"]
+        elif isinstance(entry, str) and "=" in entry:
+            name, _, path = entry.partition("=")
+        else:
+            raise ValueError(f"--lora-modules entry {entry!r}: expected name=path or {{\"name\": ..., \"path\": ...}}")
+        name, path = str(name).strip(), str(path).strip()
+        if not name or not path:
+            raise ValueError(f"--lora-modules entry {entry!r} has an empty name or path")
+        if any(name == n for n, _ in pairs):
+            raise ValueError(f"--lora-modules names {name!r} twice")
+        pairs.append((name, path))
+    return tuple(pairs)
+
+
+@dataclass(frozen=True)
+class LoRAConfig:
+    """LoRA adapters served beside the base model (deepinfer/lora/); a request picks one by `model` name."""
+
+    enable_lora: bool = _f(False, "Serve LoRA adapters (PEFT adapter directories): the API's `model` names one, "
+                           "`/v1/models` lists them, and POST /v1/load_lora_adapter / /v1/unload_lora_adapter add and "
+                           "remove them while serving.")
+    lora_modules: tuple[tuple[str, str], ...] = _f(
+        (), "Adapters to serve from the start, one or more after the flag as vLLM takes them: name=path, or JSON "
+        "{\"name\": ..., \"path\": ...}. Each is read and checked at start-up.", nargs="+",
+        parse=parse_lora_modules)
+    max_loras: int = _f(1, "Most distinct adapters the running requests use at once (requests with another "
+                        "adapter wait for a place); requests without an adapter are not counted.")
+    max_lora_rank: int = _f(16, "Highest adapter rank accepted (an adapter above it is refused when loaded).")
+    max_cpu_loras: int | None = _f(None, "Adapters kept loaded (least recently used ones not in use are unloaded "
+                                   "for new ones); default: max(max_loras, the number of --lora-modules).")
+
+    def __post_init__(self) -> None:
+        _parse_fields(self)
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+
+    @property
+    def slots(self) -> int:
+        """Adapters kept loaded at once."""
+        return self.max_cpu_loras or max(self.max_loras, len(self.lora_modules))
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs; built from keyword arguments or from CLI flags."""
@@ -560,6 +628,7 @@ class EngineConfig:
     kvstore: KVStoreConfig = field(default_factory=KVStoreConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    lora: LoRAConfig = field(default_factory=LoRAConfig)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineConfig:
@@ -577,9 +646,15 @@ class EngineConfig:
             kvstore=KVStoreConfig(**parts["kvstore"]),
             parallel=ParallelConfig(**parts["parallel"]),
             speculative=SpeculativeConfig(**parts["speculative"]),
+            lora=LoRAConfig(**parts["lora"]),
         )
 
     def __post_init__(self) -> None:
+        if self.lora.enable_lora and self.parallel.expert_parallel_size > 1:
+            raise ValueError("LoRA adapters do not combine with expert_parallel_size > 1 yet")
+        if self.lora.enable_lora and self.model.deterministic:
+            # the adapters' products are torch matmuls, whose rows depend on the batch's size
+            raise ValueError("deterministic mode does not serve LoRA adapters yet")
         if self.speculative.speculative_config is not None and self.parallel.expert_parallel_size > 1:
             # each rank would speculate on its own, but the step protocol's forwards are not built for
             # verification batches yet, and nothing tests the combination
@@ -833,7 +908,7 @@ class RouterConfig:
 
 _SECTIONS: dict[str, type] = {"model": ModelConfig, "cache": CacheConfig, "scheduler": SchedulerConfig,
                               "kvstore": KVStoreConfig, "parallel": ParallelConfig,
-                              "speculative": SpeculativeConfig}
+                              "speculative": SpeculativeConfig, "lora": LoRAConfig}
 
 
 # ---------------------------------------------------------------- CLI generation
@@ -894,4 +969,5 @@ def engine_config_from_args(args: argparse.Namespace) -> EngineConfig:
         kvstore=config_from_args(KVStoreConfig, args),
         parallel=config_from_args(ParallelConfig, args),
         speculative=config_from_args(SpeculativeConfig, args),
+        lora=config_from_args(LoRAConfig, args),
     )

@@ -16,7 +16,11 @@ Run it with the *vLLM venv's* python (it must not import deepinfer)::
      "enforce_eager": false, "repeats": 3, "warmup": true,
      "max_num_seqs": 256, "max_num_batched_tokens": null,
      "enable_prefix_caching": true, "max_model_len": 2048,
-     "kv_cache_gib": 4, "return_token_ids": false, "contention": 0}
+     "kv_cache_gib": 4, "return_token_ids": false, "contention": 0,
+     "lora": {"adapters": [{"name": "a", "path": "..."}], "max_loras": 4, "max_lora_rank": 8}}
+
+With ``lora``, a workload may give ``adapters``: per prompt the index of the adapter it runs with (null: the base
+model), the same for the warm-up and every repeat.
 
 ``contention`` N > 0: every second timed run (the 2nd, 4th, ...) has N processes spinning beside
 it (``benchmarks/spinners.py``); the caller splits the walls into quiet and contended.
@@ -69,6 +73,14 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         kwargs["max_num_batched_tokens"] = int(spec["max_num_batched_tokens"])
     if spec.get("skip_tokenizer_init"):
         kwargs["skip_tokenizer_init"] = True
+    lora = spec.get("lora")
+    lora_requests: list[Any] = []
+    if lora:
+        from vllm.lora.request import LoRARequest
+
+        kwargs.update(enable_lora=True, max_loras=int(lora.get("max_loras", 1)),
+                      max_lora_rank=int(lora.get("max_lora_rank", 16)))
+        lora_requests = [LoRARequest(a["name"], i + 1, a["path"]) for i, a in enumerate(lora["adapters"])]
 
     t0 = time.perf_counter()
     llm = LLM(**kwargs)
@@ -89,8 +101,10 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
         else:
             warm = [{"prompt_token_ids": list(p)} for p in wl["prompts"]]
             timed = [warm] * repeats
+        chosen = wl.get("adapters")
+        adapters = None if chosen is None else [None if i is None else lora_requests[i] for i in chosen]
         if spec.get("warmup", True):
-            llm.generate(warm, params, use_tqdm=False)
+            llm.generate(warm, params, use_tqdm=False, lora_request=adapters)
         walls: list[float] = []
         ntok = 0
         outs: list[Any] = []
@@ -100,7 +114,7 @@ def _run(spec: dict[str, Any]) -> dict[str, Any]:
                 llm.reset_prefix_cache()
             with spinning(contention if i % 2 else 0):
                 t = time.perf_counter()
-                outs = llm.generate(prompts, params, use_tqdm=False)
+                outs = llm.generate(prompts, params, use_tqdm=False, lora_request=adapters)
                 walls.append(time.perf_counter() - t)
             ntok = sum(len(o.outputs[0].token_ids) for o in outs)
         wall = statistics.median(walls)

@@ -177,7 +177,10 @@ class ClusterEngineClient:
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None = None,
                        prompt: str | None = None, cache_salt: str | None = None,
                        retention_class: str | None = None, cache_tenant: str | None = None,
-                       multi_modal: MultiModalInputs | None = None) -> AsyncIterator[RequestOutput]:
+                       multi_modal: MultiModalInputs | None = None, lora: str | None = None
+                       ) -> AsyncIterator[RequestOutput]:
+        if lora is not None:
+            raise ValueError("LoRA adapters are not served by a prefill/decode cluster yet")
         retention_class = self.validator.validate(prompt_token_ids, params, retention_class)
         if multi_modal is not None:
             multi_modal = await self._encode(multi_modal)

@@ -30,6 +30,7 @@ from deepinfer.engine.scheduler import PrefillPolicy, Scheduler, SchedulerOutput
 from deepinfer.engine.spec import Speculator
 from deepinfer.kvcache.engine_tiers import KVTiers, resolve_retention
 from deepinfer.kvcache.manager import KVCacheManager
+from deepinfer.lora import LoRAManager
 from deepinfer.models.registry import text_config
 from deepinfer.weights import resolve_model
 
@@ -116,7 +117,12 @@ class EngineCore:
         proposer_reads_hidden = self.speculator is not None and self.config.speculative.speculative_config.method == "mtp"
         steps_rows = 0 if proposer_reads_hidden or sc.overlap_host_work == "on" else self.runner.decode_steps_rows()
         self.scheduler = Scheduler(sc, self.kv, self.max_model_len, policy, self.cost_model, self.speculator,
-                                   steps_rows)
+                                   steps_rows, config.lora.max_loras)
+        # LoRA adapters: loaded after the profile (its steps run the base model) and after the weights are final
+        self.lora: LoRAManager | None = None
+        if config.lora.enable_lora:
+            self.lora = LoRAManager(self.runner.model, self.runner.dtype, config.lora.slots, config.lora.max_lora_rank,
+                                    dict(config.lora.lora_modules), self.scheduler.in_use_adapters)
         self.scheduler.tile_seconds = lambda: self.runner.tiles.seconds if self.runner.tiles is not None else None
         self.scheduler.whole_image_runs = self.runner.bidirectional_images
         room = self.scheduler.image_run_room()

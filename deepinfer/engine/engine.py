@@ -48,6 +48,7 @@ from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import tier_stats
 from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
+from deepinfer.lora import LoadedAdapter, LoRARequest
 from deepinfer.models.registry import image_facts
 from deepinfer.multimodal.encoder import tile_stats
 from deepinfer.multimodal.inputs import MultiModalInputs
@@ -137,6 +138,8 @@ class LLMEngine:
                 "store_root": str(tiers.store.root) if tiers is not None and tiers.store is not None else None,
                 "architectures": list(getattr(core.checkpoint_config, "architectures", None) or []),
                 "model_identity": core.model_identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
+                # LoRA adapters requests may name -> their directories (None: the engine serves none)
+                "lora_adapters": None if core.lora is None else dict(core.lora.paths),
                 # a vision-language model: where its processor is and what its image tokens are (None: no images)
                 "multimodal": None if (images := image_facts(core.checkpoint_config)) is None else {
                     "directory": str(core.files.directory), "image_token_id": images[0], "tokens_per_tile": images[1]},
@@ -154,7 +157,8 @@ class LLMEngine:
                     retention_class: str | None = None, output_prefix: list[int] | None = None,
                     prefix_logprobs: list[dict[int, Logprob]] | None = None, stream_kv: bool = False,
                     cache_tenant: str | None = None, validated: bool = False, stream: bool = True,
-                    multi_modal: MultiModalInputs | None = None) -> str:
+                    multi_modal: MultiModalInputs | None = None, lora_request: LoRARequest | str | None = None
+                    ) -> str:
         """Queue a request; `prompt_token_ids`, if given, is `prompt` already tokenized. `retention_class`
         (default: the configured default class) says how long the KV store keeps its blocks.
         `output_prefix`: tokens already generated elsewhere (a prefill worker's first token, with their
@@ -166,7 +170,9 @@ class LLMEngine:
         by a client); its blocks are named apart from every other tenant's, whatever `cache_salt` says.
         `validated`: the caller already ran `self.validator.validate` (and resolved `retention_class`).
         `stream`: False when only the final output is wanted (the offline `LLM`). `multi_modal`: the prompt's
-        images (a vision-language model; `multimodal/processor.py` makes them with the prompt's tokens)."""
+        images (a vision-language model; `multimodal/processor.py` makes them with the prompt's tokens).
+        `lora_request`: the LoRA adapter it runs with, a `LoRARequest` or a loaded adapter's name (the engine
+        must serve adapters: `enable_lora`)."""
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._seqs or (self.processor is not None and request_id in self.processor):
             raise ValueError(f"duplicate request id {request_id!r}")
@@ -175,6 +181,7 @@ class LLMEngine:
             retention_class = self.validator.validate(prompt_ids, params, retention_class, output_prefix,
                                                       prefix_logprobs, stream_kv)
         self.check_images(prompt_ids, multi_modal)
+        lora = self.resolve_adapter(lora_request)
         if params.bad_words and params.bad_words_token_ids is None:
             params = dataclasses.replace(params, bad_words_token_ids=bad_word_sequences(self.tokenizer,
                                                                                         params.bad_words))
@@ -193,7 +200,7 @@ class LLMEngine:
                 grammar = self.grammars.request_state(params.structured_output)
             req = Request(seq_id, prompt_ids, seq_params, self.eos_token_ids, cache_salt, wait_for=first,
                           retention_class=retention_class, grammar=grammar, cache_tenant=cache_tenant,
-                          multi_modal=multi_modal)
+                          multi_modal=multi_modal, lora=lora)
             first = first or req
             if output_prefix:  # as if it had sampled them: token state (its text is the processor's)
                 req.token_ids.extend(output_prefix)
@@ -209,6 +216,34 @@ class LLMEngine:
         if stream_kv:
             self._kv_streams[request_id] = [seqs[0], 0]
         return request_id
+
+    def resolve_adapter(self, lora_request: LoRARequest | str | None) -> LoadedAdapter | None:
+        """The loaded adapter `lora_request` names (loading it if need be); None for none; ValueError where the
+        engine serves no adapters or cannot serve this one."""
+        if lora_request is None:
+            return None
+        if self.core.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora / --enable-lora)")
+        if not isinstance(lora_request, str):  # vLLM's LoRARequest, or any object of its shape
+            lora_request = LoRARequest(lora_request.lora_name, getattr(lora_request, "lora_int_id", 0),
+                                       getattr(lora_request, "lora_path", "") or "")
+        return self.core.lora.acquire(lora_request)
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        """Serve the adapter in directory `path` as `name` (ValueError if it cannot be served)."""
+        if self.core.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.core.lora.register(name, path)
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Stop serving `name` (requests already running with it finish with it)."""
+        if self.core.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
+        self.core.lora.unregister(name)
+
+    def lora_adapters(self) -> list[str]:
+        """The names of the adapters requests may use."""
+        return self.core.lora.names() if self.core.lora is not None else []
 
     def check_images(self, prompt_ids: list[int], multi_modal: MultiModalInputs | None) -> None:
         """Raise ValueError unless the prompt's image placeholders and `multi_modal` fit each other and the model."""

@@ -31,7 +31,8 @@ from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.multimodal.processor import MultiModalProcessor
 
 # LLMEngine methods an EngineClient may run on the engine's side (`EngineClient.call`)
-ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks"})
+ENGINE_CALLS = frozenset({"flush_kv_store", "stats", "export_kv_blocks", "import_kv_blocks", "release_kv_blocks",
+                          "load_lora_adapter", "unload_lora_adapter"})
 
 
 class EngineDeadError(RuntimeError):
@@ -151,12 +152,13 @@ class EngineClient(ABC):
                        prompt: str | None = None, cache_salt: str | None = None,
                        retention_class: str | None = None, output_prefix: list[int] | None = None,
                        prefix_logprobs: list | None = None, stream_kv: bool = False,
-                       cache_tenant: str | None = None,
-                       multi_modal: MultiModalInputs | None = None) -> AsyncIterator[RequestOutput]:
+                       cache_tenant: str | None = None, multi_modal: MultiModalInputs | None = None,
+                       lora: str | None = None) -> AsyncIterator[RequestOutput]:
         """`output_prefix` / `prefix_logprobs`: tokens another worker already generated for this request;
         `stream_kv`: outputs carry the prompt's KV blocks as they are computed; `cache_tenant`: the
         authenticated tenant's cache namespace (see `LLMEngine.add_request`); `multi_modal`: the prompt's
-        images (`multimodal_processor` made them with the prompt's ids)."""
+        images (`multimodal_processor` made them with the prompt's ids); `lora`: the name of the LoRA adapter it
+        runs with (None: the base model)."""
         retention_class = self.validator.validate(prompt_token_ids, params, retention_class, output_prefix,
                                                   prefix_logprobs, stream_kv)
         self.check_admission()
@@ -168,7 +170,7 @@ class EngineClient(ABC):
                       "validated": True, "request_id": request_id, "cache_salt": cache_salt, "prompt_token_ids": list(prompt_token_ids),
                       "retention_class": retention_class, "output_prefix": output_prefix,
                       "prefix_logprobs": prefix_logprobs, "stream_kv": stream_kv, "cache_tenant": cache_tenant,
-                      "multi_modal": multi_modal})
+                      "multi_modal": multi_modal, "lora_request": lora})
         finished = False
         try:
             while True:

@@ -12,6 +12,7 @@ from deepinfer.engine.engine import LLMEngine
 from deepinfer.engine.ep_engine import ExpertParallelEngine
 from deepinfer.engine.outputs import RequestOutput
 from deepinfer.engine.sampling_params import SamplingParams
+from deepinfer.lora import LoRARequest
 from deepinfer.multimodal.inputs import MultiModalInputs
 from deepinfer.multimodal.processor import MultiModalProcessor, split_images
 from deepinfer.recipe.tokenizer import render_chat, render_chat_text
@@ -82,14 +83,16 @@ class LLM:
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  cache_salt: str | None = None, retention_class: str | None = None, *, use_tqdm: bool = False,
-                 lora_request: object = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
+                 lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Prompts are strings, token-id lists, or `{"prompt_token_ids": [...]}` / `{"prompt": "..."}`; a
         vision-language model takes vLLM's `{"prompt": "... <image> ...", "multi_modal_data": {"image": img}}`
         (a PIL image, a data: / http(s) URL, or a list of them: one per image marker, in order).
         `retention_class` names how long the KV store keeps the blocks (default: `default_retention_class`).
-        vLLM's keywords: `use_tqdm` shows a progress bar of finished prompts; `lora_request` and a non-zero
-        `priority` are refused (no adapters, first-come-first-served scheduling)."""
-        _refuse_unsupported(lora_request, priority)
+        vLLM's keywords: `use_tqdm` shows a progress bar of finished prompts; `lora_request` (one for every
+        prompt, or one per prompt, None for the base model; `LLM(enable_lora=True)`) runs them with a LoRA adapter;
+        a non-zero `priority` is refused (first-come-first-served scheduling)."""
+        _refuse_unsupported(priority)
         if isinstance(prompts, str | dict) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         prompts = list(prompts)
@@ -97,7 +100,13 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} sampling params for {len(prompts)} prompts")
+        loras = list(lora_request) if isinstance(lora_request, Sequence) and not isinstance(lora_request, str) \
+            else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} LoRA requests for {len(prompts)} prompts")
         if self.ranks is not None:
+            if any(lr is not None for lr in loras):
+                raise ValueError("lora_request: LoRA adapters do not combine with expert parallelism yet")
             return self._generate_on_ranks(prompts, params_list, cache_salt, retention_class)
         # validate everything before starting anything, so a bad prompt fails the call cleanly
         validator = self.engine.validator
@@ -113,10 +122,12 @@ class LLM:
                      if sp.structured_output is not None]
         for future in compiling:
             future.result()
+        for lr in {id(lr): lr for lr in loras if lr is not None}.values():  # an unknown adapter fails here too
+            self.engine.resolve_adapter(lr)
         ids = [self.engine.add_request(self._prompt_of(p), sp, cache_salt=cache_salt, prompt_token_ids=t,
                                        retention_class=retention_class, validated=True, stream=False,
-                                       multi_modal=mm)
-               for p, t, sp, (_, mm) in zip(prompts, tokenized, params_list, with_images, strict=True)]
+                                       multi_modal=mm, lora_request=lr)
+               for p, t, sp, (_, mm), lr in zip(prompts, tokenized, params_list, with_images, loras, strict=True)]
         return self._run(ids, use_tqdm)
 
     def _with_images(self, p: PromptType) -> tuple[list[int] | None, MultiModalInputs | None]:
@@ -147,7 +158,7 @@ class LLM:
              sampling_params: SamplingParams | None = None, add_generation_prompt: bool = True,
              chat_template_kwargs: dict | None = None, tools: list[dict] | None = None,
              chat_template: str | None = None, continue_final_message: bool = False, *, use_tqdm: bool = False,
-             lora_request: object = None) -> list[RequestOutput]:
+             lora_request: LoRARequest | None = None) -> list[RequestOutput]:
         """`chat_template`: Jinja text used instead of the model's (needed for models without one).
         `continue_final_message` (with `add_generation_prompt=False`): the output continues the last
         message, e.g. an assistant prefill, as in vLLM. `use_tqdm`, `lora_request`: as in `generate`."""
@@ -235,9 +246,7 @@ class LLM:
         return p
 
 
-def _refuse_unsupported(lora_request: object, priority: Sequence[int] | None) -> None:
+def _refuse_unsupported(priority: Sequence[int] | None) -> None:
     """vLLM's `generate` keywords that would change the result and that deepinfer does not implement."""
-    if lora_request is not None:
-        raise ValueError("lora_request: LoRA adapters are not supported")
     if priority is not None and any(p != 0 for p in priority):
         raise ValueError("priority: requests are scheduled first come, first served; only 0 is accepted")

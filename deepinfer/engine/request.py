@@ -20,6 +20,7 @@ from deepinfer.multimodal.inputs import EncodedTiles, MultiModalInputs
 
 if TYPE_CHECKING:
     from deepinfer.engine.spec.policy import AcceptanceStats
+    from deepinfer.lora import LoadedAdapter
 
 
 class PendingLoad(NamedTuple):
@@ -54,7 +55,7 @@ class Request:
                  max_tokens: int | None = None, arrival_time: float | None = None,
                  wait_for: Request | None = None, retention_class: str | None = None,
                  grammar: RequestGrammar | None = None, cache_tenant: str | None = None,
-                 multi_modal: MultiModalInputs | None = None) -> None:
+                 multi_modal: MultiModalInputs | None = None, lora: LoadedAdapter | None = None) -> None:
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.token_ids = list(prompt_token_ids)
@@ -108,6 +109,7 @@ class Request:
         self.multi_modal = multi_modal
         self.mm_block_keys: dict[int, bytes] | None = None
         self.mm_encoded = EncodedTiles(multi_modal) if multi_modal is not None else None
+        self.lora = lora  # the LoRA adapter it runs with (its slot, and its digest in the block hashes)
         self.generator: torch.Generator | None = None
         if params.seed is not None:
             self.generator = torch.Generator().manual_seed(params.seed)

@@ -19,6 +19,7 @@ request which drafts the target keeps and which token follows them (`StepResult.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -159,6 +160,8 @@ class PreparedStep:
     spec_call: list[tuple[Request, list[int], LookupPlan, int]] | None = None
     # image placeholders in the step: (request, placeholder ordinals [a, b), their rows in input_ids)
     image_rows: list[tuple[Request, int, int, list[int]]] = field(default_factory=list)
+    # LoRA: each row's adapter slot (-1: none; lora.layers); None: no row has one
+    lora_rows: list[int] | None = None
 
 
 class ModelRunner:
@@ -409,6 +412,7 @@ class ModelRunner:
         verify_items: list[tuple[Request, int, list[int]]] = []
         image_rows: list[tuple[Request, int, int, list[int]]] = []
         horizon_runs: list[tuple[int, int, int]] = []  # (first row, end row, last key position) of a run
+        lora_spans: list[tuple[int, int, int]] = []  # (adapter slot, first row, end row)
         num_decodes = 0
         num_steps = max((item.num_steps for item in step.scheduled), default=1)
         for item in step.scheduled:
@@ -429,10 +433,13 @@ class ModelRunner:
                     image_rows.append((req, a, b, [row0 + p for p in req.multi_modal.positions[a:b]]))
                     if self.bidirectional_images:
                         horizon_runs.extend(_run_horizons(req.multi_modal, start, end, row0))
+            first_row = len(tokens)
             tokens.extend(known)
             if len(known) < n:  # the last token is still being sampled by the step before this one
                 pending.append((len(tokens), req.request_id))
                 tokens.append(0)
+            if req.lora is not None:
+                lora_spans.append((req.lora.slot, first_row, len(tokens)))
             positions.extend(range(start, end))
             if item.draft_token_ids and not self.custom_kv:  # one decode row per token (module docstring)
                 num_decodes += n
@@ -487,7 +494,8 @@ class ModelRunner:
             verify_items=verify_items, num_verify_rows=len(verify_rows),
             row_requests=[(i.request.request_id, i.start, i.num_new_tokens) for i in step.scheduled],
             prepare_cpu_seconds=time.thread_time() - cpu_started,
-            num_steps=num_steps, spec_call=spec_call, image_rows=image_rows)
+            num_steps=num_steps, spec_call=spec_call, image_rows=image_rows,
+            lora_rows=_row_slots(lora_spans, len(tokens)) if lora_spans else None)
 
     def _slots(self, step: SchedulerOutput, by_request: dict[str, list[int]],
                replay_base: int | None = None) -> tuple[list[list[int]], torch.Tensor]:
@@ -540,8 +548,10 @@ class ModelRunner:
         if step.image_rows:
             images["input_embeds"] = self._image_embeds(step.image_rows)
         encode_seconds = time.perf_counter() - encode_started
-        final = self.model.hidden_states(step.input_ids, step.positions, self.kv_caches, step.metas,
-                                         step.logits_indices, **images)
+        with self.model.lora.step(step.lora_rows, self.dtype, self.device) if step.lora_rows \
+                else contextlib.nullcontext():
+            final = self.model.hidden_states(step.input_ids, step.positions, self.kv_caches, step.metas,
+                                             step.logits_indices, **images)
         # in the head's dtype: the sampler and verifier widen them to float32 where they need to (a
         # greedy-only step takes each row's argmax from them as they are: no 64 x vocab float32 copy)
         logits = self.model.compute_logits(final[:num_scored] if step.prompt_rows else final, float32=False)
@@ -640,6 +650,14 @@ class ModelRunner:
                                   [r.params.prompt_logprobs for r, _, _ in chunk])
             for (req, index, _), lp in zip(chunk, lps, strict=True):
                 req.prompt_logprobs[index] = lp
+
+
+def _row_slots(spans: list[tuple[int, int, int]], rows: int) -> list[int]:
+    """Each row's LoRA slot from the (slot, first row, end row) of the requests with one; -1 elsewhere."""
+    out = [-1] * rows
+    for slot, lo, hi in spans:
+        out[lo:hi] = [slot] * (hi - lo)
+    return out
 
 
 def _stop_ids(reqs: list[Request]) -> list[int]:

@@ -108,10 +108,11 @@ class Scheduler:
 
     def __init__(self, config: SchedulerConfig, kv: KVCacheManager, max_model_len: int,
                  policy: PrefillPolicy | None = None, cost_model: CostModel | None = None,
-                 speculator: Speculator | None = None, decode_steps_rows: int = 0) -> None:
+                 speculator: Speculator | None = None, decode_steps_rows: int = 0, max_loras: int = 1) -> None:
         """`policy` defaults to the one `config.scheduler` names, built on `cost_model` (default: an
         uncalibrated CostModel); `speculator`: speculative decoding (None: off); `decode_steps_rows`: the most
-        decodes the runner can take several steps of in one call (0: none, `num_scheduler_steps` is moot)."""
+        decodes the runner can take several steps of in one call (0: none, `num_scheduler_steps` is moot);
+        `max_loras`: the most distinct LoRA adapters the running requests use at once."""
         self.config = config
         self.kv = kv
         self.max_model_len = max_model_len
@@ -126,6 +127,7 @@ class Scheduler:
         self.failed: list[Request] = []  # ended by the engine with `Request.error`, not yet reported
         self.speculator = speculator
         self.decode_steps_rows = decode_steps_rows
+        self.max_loras = max_loras
         # seconds the vision tower takes per image tile (the runner measures it; None: not yet): under the
         # `compute` policy a step starts encoding only as many tiles as its time budget has room for
         self.tile_seconds: Callable[[], float | None] = lambda: None
@@ -233,7 +235,7 @@ class Scheduler:
                 if not admitting or len(self.running) >= self.config.max_num_seqs:
                     admitting = False
                     continue
-                if not req.ready_to_schedule():
+                if not req.ready_to_schedule() or not self._adapter_fits(req):
                     continue
                 # device blocks, then host / store hits: those get fresh blocks, loaded before the step runs
                 hit = self.kv.lookup_prefix(req)
@@ -331,6 +333,17 @@ class Scheduler:
         per_decode = 1 + (self.speculator.k_max if self.speculator is not None else 0)
         return self.config.max_num_batched_tokens - (self.config.max_num_seqs - 1) * per_decode
 
+    def _adapter_fits(self, req: Request) -> bool:
+        """Whether `req`'s LoRA adapter (if any) keeps the running requests within `max_loras` adapters."""
+        if req.lora is None:
+            return True
+        running = {r.lora.slot for r in self.running if r.lora is not None}
+        return req.lora.slot in running or len(running) < self.max_loras
+
+    def in_use_adapters(self) -> set[int]:
+        """The LoRA slots of every unfinished request (their adapters must stay loaded)."""
+        return {r.lora.slot for r in self.requests.values() if r.lora is not None and not r.finished}
+
     def _speculative_call(self, decodes: list[Request]) -> list[ScheduledRequest]:
         """Plain greedy decodes with rows to spare on the whole-layer C path (at most half of `decode_steps_rows`),
         nothing else running or waiting: their next `num_scheduler_steps` steps as one C call that also
@@ -354,7 +367,9 @@ class Scheduler:
         per_step = 1 + rows - len(decodes)  # the most tokens a step appends to one request
         budgets = []
         for req in decodes:
-            if req.status is not RequestStatus.RUNNING or req.num_pending_tokens or not plain_greedy(req):
+            # a LoRA request's rows take the layer loop (the C call reads the base weights alone)
+            if req.status is not RequestStatus.RUNNING or req.num_pending_tokens or not plain_greedy(req) \
+                    or req.lora is not None:
                 return []
             max_new = min(steps * per_step, self.max_model_len - req.num_tokens)
             if req.max_tokens is not None:
@@ -393,7 +408,7 @@ class Scheduler:
         for item in items:
             req = item.request
             if item.num_new_tokens != 1 or item.draft_token_ids or req.num_tokens != item.start + 1 \
-                    or not plain_greedy(req):
+                    or not plain_greedy(req) or req.lora is not None:
                 return 1
             if req.max_tokens is not None:
                 steps = min(steps, req.max_tokens - req.num_output_tokens)

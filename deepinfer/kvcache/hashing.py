@@ -2,8 +2,8 @@
 
 `extra` covers what makes two identical token prefixes produce different KV, or must
 keep them apart: the model's identity, the KV layout (dtype, block size), the tenant
-(the server derives it from the API key; a client cannot choose it) and the request's
-`cache_salt` (chosen by the client, within its tenant). BLAKE2b over bytes: the same prefix has the same name in every
+(the server derives it from the API key; a client cannot choose it), the request's
+`cache_salt` (chosen by the client, within its tenant) and its LoRA adapter's content. BLAKE2b over bytes: the same prefix has the same name in every
 process and after a restart (never Python's randomized `hash()`). The device
 prefix cache, the persistent store, the router and KV transfer share this name.
 """
@@ -18,17 +18,20 @@ DIGEST_SIZE = 16
 
 
 def root_hash(model_identity: str, kv_layout: str, cache_salt: str | None = None,
-              tenant: str | None = None) -> bytes:
-    """The chain's seed for one (model, KV layout, tenant, cache salt).
+              tenant: str | None = None, adapter: str | None = None) -> bytes:
+    """The chain's seed for one (model, KV layout, tenant, cache salt, LoRA adapter).
 
     Tenant and salt are separate length-prefixed fields, so no salt a client sends can name another
     tenant's blocks (nor the tenant-less namespace's). Without a tenant the seed is the one this
-    function always gave, so stores written before tenants existed stay valid."""
+    function always gave, so stores written before tenants existed stay valid. `adapter`: the content digest
+    of the LoRA adapter the KV was computed with (`lora.AdapterWeights.digest`; None: the base model)."""
     salt = "" if cache_salt is None else cache_salt
     text = f"deepinfer-kv-v1|{model_identity}|{kv_layout}|{len(salt)}:{salt}"
     if tenant is not None:
         # the salt's length prefix ends it exactly, so this suffix cannot be spelled by a salt
         text += f"|tenant|{len(tenant)}:{tenant}"
+    if adapter is not None:
+        text += f"|lora|{len(adapter)}:{adapter}"
     return hashlib.blake2b(text.encode(), digest_size=DIGEST_SIZE).digest()
 
 

@@ -230,12 +230,12 @@ class KVCacheManager:
             positions[block] = pos
         return True
 
-    def root(self, salt: str | None, tenant: str | None = None) -> bytes:
-        """The hash chain's seed for this model, KV layout, tenant and cache salt."""
-        key = (tenant, salt)
+    def root(self, salt: str | None, tenant: str | None = None, adapter: str | None = None) -> bytes:
+        """The hash chain's seed for this model, KV layout, tenant, cache salt and LoRA adapter digest."""
+        key = (tenant, salt, adapter)
         r = self._roots.get(key)
         if r is None:
-            r = self._roots[key] = root_hash(self.model_identity, self.kv_layout, salt, tenant)
+            r = self._roots[key] = root_hash(self.model_identity, self.kv_layout, salt, tenant, adapter)
             if len(self._roots) > MAX_CACHED_ROOTS:
                 self._roots.popitem(last=False)
         else:
@@ -249,7 +249,8 @@ class KVCacheManager:
                 req.mm_block_keys = req.multi_modal.block_keys(self.block_size)
             extra = req.mm_block_keys
         extend_block_hashes(req.block_hashes, req.token_ids, self.block_size,
-                            self.root(req.cache_salt, req.cache_tenant), extra)
+                            self.root(req.cache_salt, req.cache_tenant,
+                                      req.lora.digest if req.lora is not None else None), extra)
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

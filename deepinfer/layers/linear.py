@@ -6,12 +6,17 @@ row does not depend on the other rows."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.layers.cpu_kernels import load_library
 from deepinfer.layers.gguf_kernels import QuantizedWeight, max_rows
+
+if TYPE_CHECKING:
+    from deepinfer.lora.layers import LoRASite
 
 PANEL = 16  # output features per float32 panel of panel_gemm.c
 BF16_PANEL = 32  # output features per bfloat16 panel
@@ -115,6 +120,8 @@ class Linear(nn.Linear):
     _panels: torch.Tensor | None = None
     row_invariant: bool = False
     dense_twin: QuantizedWeight | None = None  # row-invariant bf16: the same values dense (see _bf16_twin)
+    # LoRA adapters of this projection (deepinfer/lora/layers.py), added to the rows of a step that run with them
+    lora: LoRASite | None = None
 
     @property
     def pads_rows(self) -> bool:
@@ -192,9 +199,13 @@ class Linear(nn.Linear):
             and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self._base_forward(x)
+        return y if self.lora is None else self.lora.add_to(x, y)
+
+    def _base_forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() != 2 and self.has_packed_copy:
             # the packed paths take rows: other ranks as their rows (a released dense weight has no other path)
-            return self.forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
+            return self._base_forward(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], self.out_features)
         q = self.quantized
         if self._quantized_serves(x):
             if self.dense_twin is not None and x.shape[0] > self._rows and x.dtype == torch.bfloat16:
@@ -218,12 +229,12 @@ class Linear(nn.Linear):
     def silu_mul_into(self, x: torch.Tensor, out: torch.Tensor) -> bool:
         """For a gate/up projection (the gate's features first, then the up's): out = silu(gate) * up of x in
         one pass over the panels, with the bits of `forward` followed by the kernels' `silu_mul`. False, with
-        out untouched, where `forward` would not take x to panels (GGUF blocks, oneDNN, a bias) or the build
-        has no such tile: the caller then runs the two steps. out: [rows, features / 2] in x's dtype,
+        out untouched, where `forward` would not take x to panels (GGUF blocks, oneDNN, a bias), the step has rows
+        with LoRA adapters, or the build has no such tile: the caller then runs the two steps. out: [rows, features / 2] in x's dtype,
         contiguous."""
         panels = self._panels
         if (panels is None or self.bias is not None or x.dim() != 2 or x.dtype != panels.dtype
-                or self._quantized_serves(x)):
+                or self._quantized_serves(x) or (self.lora is not None and self.lora.owner.active)):
             return False
         bf16 = panels.dtype == torch.bfloat16
         width = BF16_PANEL if bf16 else PANEL

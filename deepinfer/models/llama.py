@@ -9,7 +9,7 @@ sampler needs. Q/K/V and gate/up projections are fused into one matmul each;
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -23,6 +23,9 @@ from deepinfer.layers.gguf_kernels import QuantizedWeight, llama_unpermute_order
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RotaryEmbedding, apply_rotary_qk
+
+if TYPE_CHECKING:
+    from deepinfer.lora.layers import LoRALayers
 
 
 class DecoderAttention(nn.Module):
@@ -144,6 +147,7 @@ class LlamaForCausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg, max_positions, dtype)
         self.fused: FusedDecoder | None = None
         self.batched: BatchedDecoder | None = None
+        self.lora: LoRALayers | None = None  # LoRA adapters, when the engine serves them (deepinfer/lora)
         self._set_kv_groups(cfg, max_positions)
 
     def make_mlp(self, cfg, layer: int, bias: bool) -> nn.Module:
@@ -208,7 +212,10 @@ class LlamaForCausalLM(nn.Module):
         [len(logits_indices), hidden] (`compute_logits` turns them into logits, in row chunks if need be).
         `input_embeds` (rows, vectors): those rows' input embeddings instead of their tokens' (an image's
         encoded tiles in place of its placeholder tokens)."""
-        if input_embeds is None and self.fused is not None and self.fused.accepts(input_ids, metas[0]):
+        # a step with LoRA rows skips the whole-layer C path (it reads the base weights alone); the batched path
+        # calls each projection's `forward`, which adds the adapters
+        plain = self.lora is None or not self.lora.active
+        if plain and input_embeds is None and self.fused is not None and self.fused.accepts(input_ids, metas[0]):
             return self.fused.final_hidden(input_ids, positions, caches, metas[0], logits_indices)
         x = self.embed_tokens(input_ids)
         if input_embeds is not None:
@@ -250,7 +257,7 @@ class LlamaForCausalLM(nn.Module):
                 if part in name:
                     name = name.replace(part, f".{fused}.")
                     param = params[name]
-                    offset, size = self._shard_range(fused, param, shard)
+                    offset, size = self._shard_range(fused, param.shape[0], shard)
                     with torch.no_grad():
                         param.narrow(0, offset, size).copy_(tensor)
                     loaded.add(f"{name}#{shard}")
@@ -319,10 +326,32 @@ class LlamaForCausalLM(nn.Module):
             attached += 1
         return attached
 
-    def _shard_range(self, fused: str, param: torch.Tensor, shard: int) -> tuple[int, int]:
+    def _shard_range(self, fused: str, rows: int, shard: int) -> tuple[int, int]:
+        """(first row, rows) of shard `shard` of a fused parameter of `rows` rows."""
         attn = self.layers[0].self_attn
-        if fused.endswith("qkv_proj"):
-            sizes = [attn.q_size, attn.kv_size, attn.kv_size]
-        else:  # gate_up: two halves (a model's dense layers need not be layer 0's size)
-            sizes = [param.shape[0] // 2] * 2
+        # gate_up: two halves (a model's dense layers need not be layer 0's size)
+        sizes = [attn.q_size, attn.kv_size, attn.kv_size] if fused.endswith("qkv_proj") else [rows // 2] * 2
         return sum(sizes[:shard]), sizes[shard]
+
+    def lora_target(self, name: str) -> tuple[Linear, int, int] | None:
+        """The projection a LoRA adapter's module `name` adapts (the checkpoint's module naming, e.g.
+        `model.layers.3.self_attn.q_proj`): (our Linear, its first output feature, output features), a shard of
+        a fused projection for Q/K/V and gate/up; None where `name` is no decoder-layer projection of this model."""
+        name = getattr(self, "text_weight_name", lambda n: n)(name + ".weight").removesuffix(".weight")
+        name = name.removeprefix("model.")
+        shard = None
+        for suffix, (fused, index) in self._FUSED.items():
+            if name.endswith("." + suffix):
+                name, shard = name[:-len(suffix)] + fused, index
+                break
+        if not name.startswith("layers."):
+            return None
+        try:
+            module = self.get_submodule(name)
+        except AttributeError:
+            return None
+        if not isinstance(module, Linear):
+            return None
+        if shard is None:
+            return module, 0, module.out_features
+        return module, *self._shard_range(name.rpartition(".")[2], module.out_features, shard)

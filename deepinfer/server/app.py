@@ -9,6 +9,7 @@ status; bad input never yields a 500.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from deepinfer import __version__
@@ -39,7 +40,9 @@ from deepinfer.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    LoadLoRAAdapterRequest,
     TokenizeRequest,
+    UnloadLoRAAdapterRequest,
 )
 from deepinfer.server.protocol_anthropic import CountTokensRequest, MessagesRequest, anthropic_error_body
 from deepinfer.server.protocol_responses import ResponsesRequest
@@ -154,10 +157,18 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
     async def engine_dead(request: Request, e: EngineDeadError):
         return _error(503, str(e), type="server_error", code="engine_dead", request=request)
 
-    def check_model(name: str | None) -> None:
-        if name is not None and name not in names:
-            raise APIError(404, f"The model `{name}` does not exist.", type="invalid_request_error",
-                           param="model", code="model_not_found")
+    # LoRA adapters requests may name as their model -> their directories (None: the engine serves none); kept
+    # in step with the engine by the load / unload routes below
+    adapters: dict[str, str] | None = (getattr(engine, "facts", None) or {}).get("lora_adapters")
+
+    def check_model(name: str | None) -> ServingContext:
+        """The context a request naming `name` runs in: the base model's, or one that names its LoRA adapter."""
+        if name is None or name in names:
+            return ctx
+        if adapters is not None and name in adapters:
+            return dataclasses.replace(ctx, model_name=name, lora=name)
+        raise APIError(404, f"The model `{name}` does not exist.", type="invalid_request_error",
+                       param="model", code="model_not_found")
 
     @app.get("/health")
     async def health():
@@ -177,33 +188,55 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
     async def prometheus():
         return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+    def model_card(name: str) -> dict:
+        # vLLM's shape: an adapter's root is its directory and its parent the base model
+        lora = adapters is not None and name in adapters and name not in names
+        return {"id": name, "object": "model", "created": created, "owned_by": "deepinfer",
+                "root": adapters[name] if lora else model_name, "parent": model_name if lora else None,
+                "max_model_len": engine.max_model_len}
+
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": created, "owned_by": "deepinfer",
-            "root": model_name, "parent": None, "max_model_len": engine.max_model_len,
-        } for name in names]}
+        return {"object": "list", "data": [model_card(name) for name in (*names, *sorted(adapters or ()))]}
 
     @api.get("/v1/models/{name:path}")
     async def model_info(name: str):
         check_model(name)
-        return {"id": name, "object": "model", "created": created, "owned_by": "deepinfer",
-                "max_model_len": engine.max_model_len}
+        return model_card(name)
+
+    @api.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        if adapters is None:
+            raise APIError(400, "this server serves no LoRA adapters (start it with --enable-lora)")
+        if req.lora_name in names:
+            raise APIError(400, f"{req.lora_name!r} names the base model", param="lora_name")
+        try:
+            await engine.call("load_lora_adapter", req.lora_name, req.lora_path)
+        except ValueError as e:
+            raise APIError(400, str(e), param="lora_path") from None
+        adapters[req.lora_name] = req.lora_path
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    @api.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        if adapters is None or req.lora_name not in adapters:
+            raise APIError(404, f"The LoRA adapter `{req.lora_name}` is not loaded.", type="not_found_error",
+                           param="lora_name", code="model_not_found")
+        await engine.call("unload_lora_adapter", req.lora_name)
+        del adapters[req.lora_name]
+        return PlainTextResponse(f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     @api.post("/v1/chat/completions")
     async def chat(req: ChatCompletionRequest, raw: Request):
-        check_model(req.model)
-        return await chat_completion(ctx, req, raw)
+        return await chat_completion(check_model(req.model), req, raw)
 
     @api.post("/v1/completions")
     async def completions(req: CompletionRequest, raw: Request):
-        check_model(req.model)
-        return await completion(ctx, req, raw)
+        return await completion(check_model(req.model), req, raw)
 
     @api.post("/v1/responses")
     async def responses_create(req: ResponsesRequest, raw: Request):
-        check_model(req.model)
-        return await create_response(ctx, req, responses, raw)
+        return await create_response(check_model(req.model), req, responses, raw)
 
     @api.get("/v1/responses/{response_id}")
     async def responses_get(response_id: str, raw: Request):
@@ -215,8 +248,7 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
 
     @api.post("/v1/messages")
     async def messages(req: MessagesRequest, raw: Request):
-        check_model(req.model)
-        return await create_message(ctx, req, raw)
+        return await create_message(check_model(req.model), req, raw)
 
     @api.post("/v1/messages/count_tokens")
     async def messages_count_tokens(req: CountTokensRequest):

@@ -131,3 +131,16 @@ class TokenizeRequest(Lenient):
 class DetokenizeRequest(Lenient):
     model: str | None = None
     tokens: list[int]
+
+
+class LoadLoRAAdapterRequest(Lenient):
+    """vLLM's POST /v1/load_lora_adapter body."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRAAdapterRequest(Lenient):
+    """vLLM's POST /v1/unload_lora_adapter body (its `lora_int_id` is accepted and not used)."""
+
+    lora_name: str = Field(min_length=1)

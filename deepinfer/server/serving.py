@@ -34,6 +34,8 @@ class ServingContext:
     metrics: ServerMetrics
     recipe: RecipeOptions = field(default_factory=RecipeOptions)  # the model's tool / reasoning parsers
     media_domains: tuple[str, ...] = ()  # hosts image URLs may name (`--allowed-media-domains`; empty: any)
+    # the LoRA adapter a request named as its `model` (its handler's context then reports that name); None: base
+    lora: str | None = None
 
 
 def check_context(prompt_len: int, max_tokens: int | None, max_model_len: int, param: str) -> int:
@@ -198,7 +200,8 @@ async def stream_with_metrics(ctx: ServingContext, prompt_ids: list[int], params
     await precompile(ctx.engine, params, grammar_param)
     timer = ctx.metrics.timer()
     async for out in ctx.engine.generate(prompt_ids, params, prompt=prompt, cache_salt=cache_salt,
-                                         retention_class=retention, cache_tenant=cache_tenant, multi_modal=multi_modal):
+                                         retention_class=retention, cache_tenant=cache_tenant, multi_modal=multi_modal,
+                                         lora=ctx.lora):
         timer.observe(out)
         yield out
 
