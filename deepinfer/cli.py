@@ -84,9 +84,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
         engine = dataclasses.replace(engine, kvstore=dataclasses.replace(
             engine.kvstore, kv_store_admit=engine.kvstore.admission(cluster.role)))
     router = config_from_args(RouterConfig, args)
-    if engine.lora.enable_lora and (cluster.role != "unified" or cluster.ray is not None or cluster.local_cluster):
-        # the router neither lists adapters nor routes by them, and KV moved between workers is named without them
-        raise ValueError("--enable-lora serves adapters from one server; prefill/decode clusters do not serve them yet")
     if cluster.ray is not None:
         from deepinfer.cluster.ray_launcher import serve_ray_cluster
 

@@ -134,6 +134,15 @@ class ClusterEngineClient:
         return dict(self._sampling_defaults)
 
     @property
+    def lora_adapters(self) -> dict[str, str] | None:
+        """The LoRA adapters the workers serve (their --lora-modules, the same on every worker), as a worker
+        reports them; None where they serve none."""
+        return self.pool.any_load().get("lora_adapters")
+
+    # a cluster's adapters are its workers' --lora-modules: the server's load / unload routes refuse
+    loads_lora_adapters = False
+
+    @property
     def running_capacity(self) -> int:
         """Sequences the cluster runs at once: max_num_seqs summed over the decode workers in rotation (every
         request ends up on one); the router's admission bound builds on it."""
@@ -179,31 +188,38 @@ class ClusterEngineClient:
                        retention_class: str | None = None, cache_tenant: str | None = None,
                        multi_modal: MultiModalInputs | None = None, lora: str | None = None
                        ) -> AsyncIterator[RequestOutput]:
+        digest = None
         if lora is not None:
-            raise ValueError("LoRA adapters are not served by a prefill/decode cluster yet")
+            digest = (self.pool.any_load().get("lora_digests") or {}).get(lora)
+            if digest is None:
+                raise ValueError(f"no LoRA adapter named {lora!r} on this cluster's workers")
         retention_class = self.validator.validate(prompt_token_ids, params, retention_class)
         if multi_modal is not None:
             multi_modal = await self._encode(multi_modal)
+        adapter = (lora, digest) if lora is not None else None
         if params.n > 1:
             gen = self._generate_n(prompt_token_ids, params, request_id, prompt, cache_salt, retention_class,
-                                   cache_tenant, multi_modal)
+                                   cache_tenant, multi_modal, adapter)
         else:
             gen = self._generate_one(prompt_token_ids, params, request_id, cache_salt, retention_class, cache_tenant,
-                                     multi_modal)
+                                     multi_modal, adapter)
         async with contextlib.aclosing(gen):
             async for out in gen:
                 yield out
 
     async def _generate_one(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
                             cache_salt: str | None, retention_class: str | None, cache_tenant: str | None,
-                            multi_modal: MultiModalInputs | None = None) -> AsyncIterator[RequestOutput]:
-        """One sequence (validated): prefill on one worker, decode on another. The decode worker's lines add up
+                            multi_modal: MultiModalInputs | None = None, adapter: tuple[str, str] | None = None
+                            ) -> AsyncIterator[RequestOutput]:
+        """One sequence (validated): prefill on one worker, decode on another; `adapter`: the LoRA adapter's
+        (name, content digest) it runs with. The decode worker's lines add up
         to its whole output (which starts with the prefill's token); the deltas yielded here (`delta_text`,
         `delta_token_ids`) are taken against what this stream yielded before, as the prefill's first output
         held back the text a stop string could still claim."""
         sent = _Sent()
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
-        hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt, cache_tenant, multi_modal)
+        hashes, block_size = self._block_hashes(prompt_token_ids, cache_salt, cache_tenant, multi_modal,
+                                                adapter[1] if adapter is not None else None)
         route = RouteInfo(len(prompt_token_ids), await self._store_hits(hashes, block_size),
                           params.max_tokens if params.max_tokens is not None else self.max_model_len,
                           self._inflight_prefixes(hashes, block_size), _tiles_to_prefill(multi_modal))
@@ -211,6 +227,8 @@ class ClusterEngineClient:
                 "cache_salt": cache_salt, "cache_tenant": cache_tenant, "retention_class": retention_class}
         if multi_modal is not None:
             base["multi_modal"] = multi_modal.to_wire()
+        if adapter is not None:
+            base["lora"] = adapter[0]
         shipment: _Shipment | None = None
         decoder: Worker | None = None
         try:
@@ -234,7 +252,8 @@ class ClusterEngineClient:
 
     async def _generate_n(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str | None,
                           prompt: str | None, cache_salt: str | None, retention_class: str | None,
-                          cache_tenant: str | None, multi_modal: MultiModalInputs | None) -> AsyncIterator[RequestOutput]:
+                          cache_tenant: str | None, multi_modal: MultiModalInputs | None,
+                          adapter: tuple[str, str] | None) -> AsyncIterator[RequestOutput]:
         """n > 1: n independent one-sequence requests (seeds seed, seed+1, ... as the engine gives its
         children), each routed on its own, merged into one output with n choices."""
         from deepinfer.server.serving import merge
@@ -242,7 +261,7 @@ class ClusterEngineClient:
         rid = request_id or f"rreq-{uuid.uuid4().hex}"
         subs = [self._generate_one(prompt_token_ids, replace(params, n=1, seed=None if params.seed is None else
                                                              params.seed + i), f"{rid}-{i}", cache_salt,
-                                   retention_class, cache_tenant, multi_modal) for i in range(params.n)]
+                                   retention_class, cache_tenant, multi_modal, adapter) for i in range(params.n)]
         latest: list[RequestOutput | None] = [None] * params.n
         async for i, out in merge(subs):
             latest[i] = out
@@ -438,7 +457,8 @@ class ClusterEngineClient:
     # ------------------------------------------------------------------ store lookup
 
     def _block_hashes(self, prompt_ids: list[int], cache_salt: str | None, cache_tenant: str | None = None,
-                      multi_modal: MultiModalInputs | None = None) -> tuple[list[bytes], int]:
+                      multi_modal: MultiModalInputs | None = None, adapter: str | None = None
+                      ) -> tuple[list[bytes], int]:
         """The hashes of the prompt's full blocks a worker could take from a cache (the last token is
         always computed), as the workers' engines hash them for this tenant, and the block size; ([], 1)
         before any worker has reported its KV layout."""
@@ -450,7 +470,7 @@ class ClusterEngineClient:
         layout = KVLayout(*load["kv_layout"])
         hashes: list[bytes] = []
         extend_block_hashes(hashes, prompt_ids, layout.block_size,
-                            root_hash(load["model_identity"], layout.key, cache_salt, cache_tenant),
+                            root_hash(load["model_identity"], layout.key, cache_salt, cache_tenant, adapter),
                             multi_modal.block_keys(layout.block_size) if multi_modal is not None else None)
         return hashes[:(len(prompt_ids) - 1) // layout.block_size], layout.block_size
 

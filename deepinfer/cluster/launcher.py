@@ -49,8 +49,8 @@ def config_flags(cfg: Any) -> list[str]:
             for v in value:
                 out += [flag, str(v)]
         elif isinstance(value, tuple):
-            if value:
-                out += [flag, *map(str, value)]
+            if value:  # pairs (--lora-modules) as name=value
+                out += [flag, *(f"{v[0]}={v[1]}" if isinstance(v, tuple) else str(v) for v in value)]
         elif dataclasses.is_dataclass(value):  # a JSON-valued flag (--speculative-config)
             out += [flag, json.dumps(dataclasses.asdict(value))]
         elif value is not None:
@@ -61,10 +61,11 @@ def config_flags(cfg: Any) -> list[str]:
 def engine_flags(engine: EngineConfig, role: str = "unified") -> list[str]:
     """The flags that rebuild `engine` in a worker of `role`. Speculative decoding goes to decode (and
     unified) workers only: a prefill worker computes the prompt and the first token, never a draft (an encode
-    worker, no token at all)."""
+    worker, no token at all). LoRA adapters go to every worker with an engine (prefill and decode both run them)."""
     spec = config_flags(engine.speculative) if role in ("unified", "decode") else []
+    lora = config_flags(engine.lora) if role != "encode" else []
     return [*config_flags(engine.model), *config_flags(engine.cache), *config_flags(engine.scheduler),
-            *config_flags(engine.kvstore), *spec]
+            *config_flags(engine.kvstore), *spec, *lora]
 
 
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec

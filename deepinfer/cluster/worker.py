@@ -171,6 +171,8 @@ class WorkerState:
             "transfers_refused": getattr(self.transfer, "refused", 0),  # peers without the cluster token
             "transfers_pending": sum(not a.done.is_set() for a in self.arrivals.values()), "kv_blocks_held": int(s.get("kv_blocks_held_for_imports", 0)),
             "tile_seconds": float(s.get("tile_seconds", 0.0)),  # a vision-language model's tower, per tile
+            # the LoRA adapters it serves (--lora-modules): name -> directory, and -> content digest (block names)
+            "lora_adapters": facts.get("lora_adapters"), "lora_digests": facts.get("lora_digests"),
             "stats": s,
         }
 
@@ -271,7 +273,7 @@ async def _read(raw: Request, *required: str) -> dict[str, Any]:
         body["params"] = params_from_json(body["params"]) if "params" in body else None
     except (TypeError, ValueError) as e:
         raise APIError(400, f"invalid params: {e}", param="params") from e
-    for name in ("cache_salt", "cache_tenant"):
+    for name in ("cache_salt", "cache_tenant", "lora"):
         if body.get(name) is not None and not isinstance(body[name], str):
             raise APIError(400, f"{name} must be a string", param=name)
     if body.get("multi_modal") is not None:
@@ -307,7 +309,8 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                                              cache_salt=body.get("cache_salt"),
                                              cache_tenant=body.get("cache_tenant"),
                                              retention_class=body.get("retention_class"),
-                                             stream_kv=stream is not None, multi_modal=body.get("multi_modal")):
+                                             stream_kv=stream is not None, multi_modal=body.get("multi_modal"),
+                                             lora=body.get("lora")):
                 if out.kv_blocks and stream is not None:
                     stream.send(out.kv_blocks)  # a background task writes them while the next chunk computes
                 final = out
@@ -359,7 +362,7 @@ def add_worker_routes(app: FastAPI, state: WorkerState) -> None:
                                   retention_class=body.get("retention_class"),
                                   output_prefix=list(body["output_prefix"]),
                                   prefix_logprobs=logprobs_from_json(body.get("prefix_logprobs")),
-                                  multi_modal=body.get("multi_modal"))
+                                  multi_modal=body.get("multi_modal"), lora=body.get("lora"))
             try:  # the first output before the 200, so engine-side rejections still get their status
                 first = await gen.__anext__()
             except StopAsyncIteration:

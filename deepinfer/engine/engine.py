@@ -138,8 +138,9 @@ class LLMEngine:
                 "store_root": str(tiers.store.root) if tiers is not None and tiers.store is not None else None,
                 "architectures": list(getattr(core.checkpoint_config, "architectures", None) or []),
                 "model_identity": core.model_identity, "max_num_seqs": core.config.scheduler.max_num_seqs,
-                # LoRA adapters requests may name -> their directories (None: the engine serves none)
+                # LoRA adapters requests may name -> their directories and content digests (None: serves none)
                 "lora_adapters": None if core.lora is None else dict(core.lora.paths),
+                "lora_digests": None if core.lora is None else dict(core.lora.digests),
                 # a vision-language model: where its processor is and what its image tokens are (None: no images)
                 "multimodal": None if (images := image_facts(core.checkpoint_config)) is None else {
                     "directory": str(core.files.directory), "image_token_id": images[0], "tokens_per_tile": images[1]},
@@ -379,7 +380,16 @@ class LLMEngine:
             **self.core.cost_model.stats(sched.step_time_budget),
             **({"eplb": self.expert_parallel.stats()} if self.expert_parallel is not None else {}),
             **(self.core.speculator.stats() if self.core.speculator is not None else {}),
+            **(self._lora_stats() if self.core.lora is not None else {}),
         }
+
+    def _lora_stats(self) -> dict[str, float]:
+        sched = self.core.scheduler
+        with_adapter = [r for r in sched.running if r.lora is not None]
+        return {"lora_adapters_loaded": self.core.lora.num_loaded,
+                "lora_adapters_running": len({r.lora.slot for r in with_adapter}),
+                "lora_requests_running": len(with_adapter),
+                "lora_requests_waiting": sum(r.lora is not None for r in sched.waiting)}
 
     def _queued_prefill_seconds(self) -> float:
         """Predicted compute of the prompt tokens not yet computed (waiting and partly prefilled requests),

@@ -131,6 +131,14 @@ class EngineClient(ABC):
             return None
         return MultiModalProcessor(Path(mm["directory"]), mm["image_token_id"], mm["tokens_per_tile"])
 
+    loads_lora_adapters = True  # whether `call("load_lora_adapter" / "unload_lora_adapter")` serves new ones
+
+    @property
+    def lora_adapters(self) -> dict[str, str] | None:
+        """The LoRA adapters requests may name -> their directories; None where the engine serves none. The
+        server's load / unload routes keep this dict in step with the engine."""
+        return self.facts.get("lora_adapters")
+
     @property
     def sampling_defaults(self) -> dict:
         """The model's sampling defaults for parameters a request leaves unset (`--generation-config`)."""

@@ -52,11 +52,17 @@ class LoRAManager:
         # key no request can name, until evicted
         self._slots: dict[str, LoadedAdapter] = {}
         self._used: dict[str, float] = {}  # key in _slots -> when a request last acquired it
+        self.digests: dict[str, str] = {}  # name -> its adapter's content digest (names its KV blocks)
         for name, path in modules.items():
             self.register(name, path)
 
     def names(self) -> list[str]:
         return sorted(self.paths)
+
+    @property
+    def num_loaded(self) -> int:
+        """Adapters in slots now (named or kept for the requests running with an unloaded one)."""
+        return len(self._slots)
 
     def register(self, name: str, path: str) -> None:
         """Make `name` an adapter requests may name, reading it now (ValueError if it cannot be served)."""
@@ -70,6 +76,7 @@ class LoRAManager:
             self._load(name)
         except (ValueError, OSError):
             del self.paths[name]
+            self.digests.pop(name, None)
             raise
 
     def unregister(self, name: str) -> None:
@@ -77,6 +84,7 @@ class LoRAManager:
         if name not in self.paths:
             raise ValueError(f"no LoRA adapter named {name!r} is loaded")
         del self.paths[name]
+        self.digests.pop(name, None)
         loaded = self._slots.get(name)
         if loaded is None:
             return
@@ -115,6 +123,7 @@ class LoRAManager:
             self.layers.unload(slot)
             raise
         loaded = self._slots[name] = LoadedAdapter(name, slot, weights.digest)
+        self.digests[name] = weights.digest
         self._used[name] = time.monotonic()
         logger.info("LoRA adapter %r (rank %d, %d modules, %.1f MB) in slot %d", name, weights.rank,
                     len(weights.modules), weights.num_bytes / 1e6, slot)

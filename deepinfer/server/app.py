@@ -157,14 +157,13 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
     async def engine_dead(request: Request, e: EngineDeadError):
         return _error(503, str(e), type="server_error", code="engine_dead", request=request)
 
-    # LoRA adapters requests may name as their model -> their directories (None: the engine serves none); kept
-    # in step with the engine by the load / unload routes below
-    adapters: dict[str, str] | None = (getattr(engine, "facts", None) or {}).get("lora_adapters")
-
     def check_model(name: str | None) -> ServingContext:
-        """The context a request naming `name` runs in: the base model's, or one that names its LoRA adapter."""
+        """The context a request naming `name` runs in: the base model's, or one that names its LoRA adapter
+        (`engine.lora_adapters`: name -> directory, None where the engine serves none; kept in step with the
+        engine by the load / unload routes below)."""
         if name is None or name in names:
             return ctx
+        adapters = engine.lora_adapters
         if adapters is not None and name in adapters:
             return dataclasses.replace(ctx, model_name=name, lora=name)
         raise APIError(404, f"The model `{name}` does not exist.", type="invalid_request_error",
@@ -190,6 +189,7 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
 
     def model_card(name: str) -> dict:
         # vLLM's shape: an adapter's root is its directory and its parent the base model
+        adapters = engine.lora_adapters
         lora = adapters is not None and name in adapters and name not in names
         return {"id": name, "object": "model", "created": created, "owned_by": "deepinfer",
                 "root": adapters[name] if lora else model_name, "parent": model_name if lora else None,
@@ -197,7 +197,7 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
 
     @api.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [model_card(name) for name in (*names, *sorted(adapters or ()))]}
+        return {"object": "list", "data": [model_card(name) for name in (*names, *sorted(engine.lora_adapters or ()))]}
 
     @api.get("/v1/models/{name:path}")
     async def model_info(name: str):
@@ -206,8 +206,12 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
 
     @api.post("/v1/load_lora_adapter")
     async def load_lora_adapter(req: LoadLoRAAdapterRequest):
+        adapters = engine.lora_adapters
         if adapters is None:
             raise APIError(400, "this server serves no LoRA adapters (start it with --enable-lora)")
+        if not engine.loads_lora_adapters:
+            raise APIError(400, "a cluster serves its workers' --lora-modules; adapters are not loaded through the "
+                           "router")
         if req.lora_name in names:
             raise APIError(400, f"{req.lora_name!r} names the base model", param="lora_name")
         try:
@@ -219,6 +223,10 @@ def build_app(engine: EngineClient, model_name: str | Sequence[str], api_key: st
 
     @api.post("/v1/unload_lora_adapter")
     async def unload_lora_adapter(req: UnloadLoRAAdapterRequest):
+        adapters = engine.lora_adapters
+        if adapters is not None and not engine.loads_lora_adapters:
+            raise APIError(400, "a cluster serves its workers' --lora-modules; adapters are not unloaded through "
+                           "the router")
         if adapters is None or req.lora_name not in adapters:
             raise APIError(404, f"The LoRA adapter `{req.lora_name}` is not loaded.", type="not_found_error",
                            param="lora_name", code="model_not_found")

@@ -76,6 +76,12 @@ class _EngineCollector:
         yield by_tier
         yield from _kv_tier_metrics(s, gauge, counter)
         yield counter("num_preemptions", "Requests preempted for lack of KV blocks.", s["num_preemptions"])
+        if "lora_adapters_loaded" in s:  # an engine serving LoRA adapters
+            yield gauge("lora_adapters_loaded", "LoRA adapters loaded (kept in slots).", s["lora_adapters_loaded"])
+            yield gauge("lora_adapters_running", "Distinct LoRA adapters of the running requests (at most "
+                        "--max-loras).", s["lora_adapters_running"])
+            yield gauge("lora_requests_running", "Running requests with a LoRA adapter.", s["lora_requests_running"])
+            yield gauge("lora_requests_waiting", "Waiting requests with a LoRA adapter.", s["lora_requests_waiting"])
         yield from image_metrics(s, self.model_name)
         yield counter("cost_model_observations", "Engine steps the step-time cost model has been fitted on.",
                       s["cost_model_observations"])

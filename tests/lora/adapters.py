@@ -10,14 +10,20 @@ import torch
 ALL_PROJECTIONS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def write_adapter(base: Path, out: Path, targets: list[str], rank: int, alpha: float, seed: int,
-                  rslora: bool = False, std: float = 0.15) -> Path:
-    """A LoRA adapter of `base` on the `targets` projections with random A and B (peft starts B at zero, which
-    changes nothing), saved by peft to `out`."""
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
+def _load(base: Path, vision: bool):
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    return (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(str(base),
+                                                                                             dtype=torch.float32)
+
+
+def write_adapter(base: Path, out: Path, targets: list[str] | str, rank: int, alpha: float, seed: int,
+                  rslora: bool = False, std: float = 0.15, vision: bool = False) -> Path:
+    """A LoRA adapter of `base` (a vision-language model with `vision`) on the `targets` projections (names, or
+    peft's regex form) with random A and B (peft starts B at zero, which changes nothing), saved by peft to `out`."""
+    from peft import LoraConfig, get_peft_model
+
+    model = _load(base, vision)
     config = LoraConfig(r=rank, lora_alpha=alpha, target_modules=targets, lora_dropout=0.0, use_rslora=rslora)
     peft = get_peft_model(model, config)
     gen = torch.Generator().manual_seed(seed)
@@ -29,13 +35,12 @@ def write_adapter(base: Path, out: Path, targets: list[str], rank: int, alpha: f
     return out
 
 
-def peft_model(base: Path, adapter: Path, stop_at_eos: bool = False):
+def peft_model(base: Path, adapter: Path, stop_at_eos: bool = False, vision: bool = False):
     """peft's model of `base` with `adapter` (not merged: peft's own LoRA forward), float32; EOS stops its
     generation only with `stop_at_eos`."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    model = _load(base, vision)
     if not stop_at_eos:
         model.generation_config.eos_token_id = None
     return PeftModel.from_pretrained(model, str(adapter)).eval()

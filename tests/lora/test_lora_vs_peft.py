@@ -157,3 +157,39 @@ def test_bfloat16_adapter_distribution_close_to_peft(tiny_models, adapters):
             peft16.append(abs(b16[len(p) - 1 + i, tok].item() - row[tok].item()))
     assert max(ours) < max(0.05, 1.5 * max(peft16)), (max(ours), max(peft16))
     _assert_all_free(llm)
+
+
+def test_vision_language_model_with_images(tiny_gemma3_vlm, tmp_path):
+    """Gemma 3 with its vision tower and an adapter on its language model's projections (peft's regex form, as
+    adapters of VLMs are written so the tower is left alone): a prompt with an image, one with two and one without,
+    in one batch with the base model, equal peft's model; an adapter that also adapts the tower is refused."""
+    from transformers import AutoProcessor
+
+    from tests.models.vlm_tiny import random_image
+
+    targets = r".*language_model.*\.(q_proj|k_proj|v_proj|o_proj|gate_proj|up_proj|down_proj)"
+    path = write_adapter(tiny_gemma3_vlm, tmp_path / "text", targets, rank=4, alpha=8, seed=5, vision=True)
+    ref = peft_model(tiny_gemma3_vlm, path, vision=True)
+    processor = AutoProcessor.from_pretrained(str(tiny_gemma3_vlm))
+
+    def chat(images: int, question: str) -> str:
+        content = [{"type": "image"}] * images + [{"type": "text", "text": question}]
+        return processor.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True)
+
+    cases = [(chat(1, "What is in this picture?"), [random_image(0, 40, 70)]),
+             (chat(2, "Compare the two."), [random_image(1, 30, 30), random_image(2, 64, 50)]),
+             (chat(0, "No picture this time."), [])]
+    llm = LLM(str(tiny_gemma3_vlm), dtype="float32", kv_cache_memory="64MiB", enable_lora=True,
+              lora_modules={"text": str(path)})
+    prompts = [{"prompt": t, "multi_modal_data": {"image": i}} if i else {"prompt": t} for t, i in cases]
+    outs = llm.generate(prompts + prompts[:1], GREEDY, lora_request=[LoRARequest("text")] * 3 + [None])
+    for (text, images), out in zip(cases, outs[:3], strict=True):
+        enc = processor(text=text, images=[images] if images else None, return_tensors="pt")
+        with torch.no_grad():
+            want = ref.generate(**enc, max_new_tokens=12, do_sample=False, pad_token_id=0)
+        assert out.outputs[0].token_ids == want[0, enc["input_ids"].shape[1]:].tolist()
+    assert outs[3].outputs[0].token_ids != outs[0].outputs[0].token_ids  # the base model's reply is another
+    _assert_all_free(llm)
+    both = write_adapter(tiny_gemma3_vlm, tmp_path / "both", ["q_proj", "v_proj"], rank=4, alpha=8, seed=6, vision=True)
+    with pytest.raises(ValueError, match="vision_tower.*not a projection"):
+        llm.generate(prompts[:1], GREEDY, lora_request=LoRARequest("both", 0, str(both)))

@@ -1,7 +1,7 @@
 """LoRA adapters behind the real server (the default model, float32), through the official `openai` and
 `anthropic` SDKs: `/v1/models` lists them, a request naming one as its `model` equals peft's model of the default
-model with that adapter (streamed or not, Chat Completions, Completions and Anthropic Messages) and reports its
-name, requests for the base model and two adapters run together unchanged, and adapters are added and removed while
+model with that adapter (streamed or not, Chat Completions, Completions, Responses and Anthropic Messages) and
+reports its name, requests for the base model and two adapters run together unchanged, and adapters are added and removed while
 serving (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter)."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tests.lora.adapters import ALL_PROJECTIONS, peft_model, write_adapter
-from tests.server_utils import KEY, SHARED_SERVER_FLAGS, running_server
+from tests.server_utils import KEY, SHARED_SERVER_FLAGS, metric, running_server
 
 Q = [{"role": "user", "content": "Name three colours."}]
 MAX_TOKENS = 24
@@ -91,6 +91,8 @@ def test_adapter_replies_equal_peft(server, adapter_dirs, default_model_dir):
     assert r.choices[0].message.content == base_want
     c = client.completions.create(model="colours", prompt=ids, max_tokens=MAX_TOKENS, temperature=0)
     assert c.choices[0].text == want and c.model == "colours"
+    resp = client.responses.create(model="colours", input=Q, max_output_tokens=MAX_TOKENS, temperature=0)
+    assert resp.output_text == want and resp.model == "colours"
     a = anthropic.Anthropic(base_url=server, api_key=KEY, max_retries=0, timeout=120)
     # this SDK version has no temperature parameter: greedy decoding goes in extra_body
     m = a.messages.create(model="colours", messages=Q, max_tokens=MAX_TOKENS, extra_body={"temperature": 0})
@@ -123,8 +125,11 @@ def test_load_mixed_batch_and_unload(server, adapter_dirs, default_model_dir):
     with concurrent.futures.ThreadPoolExecutor(len(names)) as pool:
         replies = list(pool.map(ask, names))
     assert replies == [want[n] for n in names]
+    assert metric(server, "deepinfer:lora_adapters_loaded") == 2
+    assert metric(server, "deepinfer:lora_requests_running") == 0
     r = httpx.post(f"{server}/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "terse"}, timeout=60)
     assert r.status_code == 200, r.text
+    assert metric(server, "deepinfer:lora_adapters_loaded") == 1
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="terse", messages=Q, max_tokens=4)
     r = httpx.post(f"{server}/v1/unload_lora_adapter", headers=AUTH, json={"lora_name": "terse"}, timeout=60)
