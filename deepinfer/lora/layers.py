@@ -8,8 +8,8 @@ adds `(B (A x)) * scaling` of each row's adapter to that row's output.
 One step's adapters are applied together, in a fixed number of torch operations whatever their count (a loop over
 adapters cost 8 of 21 s of a 64-request run over four adapters here, all of it dispatch): the A's of the step's
 slots stacked into one matrix [columns, in] and their B's side by side [out, columns], so `t = x A^T` has every
-slot's columns for every row; a 0/1 mask keeps each row's own slot's columns (exact zeros elsewhere), `d = t B^T`,
-and `y += d * scale[row]`. A fused projection (Q/K/V, gate/up) stacks its shards' A's, and its B is block
+slot's columns for every row; a 0/1 mask keeps each row's own slot's columns (exact zeros elsewhere; a step with
+one adapter needs none: rows without it have scale 0), `d = t B^T`, and `y += d * scale[row]`. A fused projection (Q/K/V, gate/up) stacks its shards' A's, and its B is block
 diagonal over the shards (zero where a shard's rank does not reach another shard's features). The stacks are built
 per set of slots and kept for the next steps with the same set. Against peft's `(B_shard (A_shard x)) * scaling`
 per shard the products are the same; the sums run over more (zero) terms, which can move the last bit.
@@ -46,8 +46,8 @@ class LoRASite:
     def __init__(self, owner: LoRALayers) -> None:
         self.owner = owner
         self.slots: dict[int, _SlotWeights] = {}
-        # slots -> (A stacked [columns, in], B side by side [out, columns], each column's slot [columns], and the
-        # column layout: each slot's column count, which names the step's mask for it)
+        # slots -> (A stacked, transposed [in, columns], B side by side, transposed [columns, out], each column's
+        # slot [columns], and the column layout: each slot's column count, which names the step's mask for it)
         self._stacks: OrderedDict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple]] = \
             OrderedDict()
 
@@ -64,7 +64,8 @@ class LoRASite:
             ws = [self.slots[s] for s in slots]
             cols = torch.cat([torch.full((w.a.shape[0],), s, dtype=torch.long) for s, w in zip(slots, ws, strict=True)])
             layout = tuple((s, w.a.shape[0]) for s, w in zip(slots, ws, strict=True))
-            stack = self._stacks[slots] = (torch.cat([w.a for w in ws]), torch.cat([w.b for w in ws], dim=1),
+            stack = self._stacks[slots] = (torch.cat([w.a for w in ws]).t().contiguous(),
+                                           torch.cat([w.b for w in ws], dim=1).t().contiguous(),
                                            cols.to(ws[0].a.device), layout)
             if len(self._stacks) > MAX_STACKS:
                 self._stacks.popitem(last=False)
@@ -83,9 +84,13 @@ class LoRASite:
         if x.dim() != 2 or x.shape[0] != step.row_slots.shape[0]:
             raise RuntimeError(f"a projection with LoRA adapters got {tuple(x.shape)} for a step of "
                                f"{step.row_slots.shape[0]} rows")
-        a, b, cols, layout = self._stack(slots)
-        t = (x @ a.t()).mul_(step.mask(layout, cols))
-        return y.addcmul_(t @ b.t(), step.scale)
+        a_t, b_t, cols, layout = self._stack(slots)
+        t = torch.mm(x, a_t)
+        # a step with one adapter: the other rows have scale 0, nothing to mask (but with several, the rows of one
+        # that leaves this projection alone have its scale, and must not get another's columns)
+        if len(step.slots) > 1:
+            t.mul_(step.mask(layout, cols))
+        return y.addcmul_(torch.mm(t, b_t), step.scale)
 
 
 @dataclass

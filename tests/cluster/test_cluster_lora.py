@@ -25,6 +25,7 @@ def adapter(tiny_models, tmp_path_factory):
                          alpha=16, seed=7)
 
 
+@pytest.mark.slow  # ~30 s (a router and two workers): the default suite's LoRA coverage is one server's
 def test_a_cluster_serves_its_workers_adapters(tiny_models, adapter, tmp_path):
     model = tiny_models["llama"]
     tok = AutoTokenizer.from_pretrained(str(model))
