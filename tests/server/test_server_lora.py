@@ -7,6 +7,7 @@ serving (vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter)."""
 from __future__ import annotations
 
 import concurrent.futures
+import functools
 
 import anthropic
 import httpx
@@ -41,14 +42,20 @@ def server(adapter_dirs, tmp_path_factory):
         yield base
 
 
+@functools.cache
+def _model(default_model_dir, adapter):
+    """peft's model of the default model with `adapter` (None: transformers' model alone), loaded once."""
+    if adapter is not None:
+        return peft_model(default_model_dir, adapter, stop_at_eos=True)
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
+
+
 def _reference(default_model_dir, adapter, prompt_ids: list[int]) -> str:
     """peft's greedy reply (stopping at EOS, as the server does), as text."""
     tok = AutoTokenizer.from_pretrained(str(default_model_dir))
-    model = peft_model(default_model_dir, adapter, stop_at_eos=True) if adapter is not None else None
-    if model is None:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(default_model_dir), dtype=torch.float32).eval()
+    model = _model(default_model_dir, adapter)
     with torch.no_grad():
         out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              max_new_tokens=MAX_TOKENS, do_sample=False, pad_token_id=0)
