@@ -553,8 +553,8 @@ class ParallelConfig:
 def parse_lora_modules(spec: Sequence[str] | Sequence[tuple[str, str]] | dict[str, str] | None
                        ) -> tuple[tuple[str, str], ...]:
     """`--lora-modules` entries -> ((name, path), ...): each `name=path` or vLLM's JSON form
-    `{"name": ..., "path": ...}` (its `base_model_name` is accepted and must not name another model: checked
-    by the server); a dict name -> path from keyword arguments. Parsed values come back unchanged."""
+    `{"name": ..., "path": ...}` (other keys, such as vLLM's `base_model_name`, are accepted and not used); a dict
+    name -> path from keyword arguments. Parsed values come back unchanged."""
     if spec is None:
         return ()
     if isinstance(spec, dict):

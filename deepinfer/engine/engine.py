@@ -48,7 +48,7 @@ from deepinfer.engine.validation import RequestValidator
 from deepinfer.kvcache.blocks import layout_of
 from deepinfer.kvcache.engine_tiers import tier_stats
 from deepinfer.kvcache.exchange import export_blocks, export_computed, import_blocks, release_blocks
-from deepinfer.lora import LoadedAdapter, LoRARequest
+from deepinfer.lora import LoadedAdapter, LoRAManager, LoRARequest
 from deepinfer.models.registry import image_facts
 from deepinfer.multimodal.encoder import tile_stats
 from deepinfer.multimodal.inputs import MultiModalInputs
@@ -223,28 +223,27 @@ class LLMEngine:
         engine serves no adapters or cannot serve this one."""
         if lora_request is None:
             return None
-        if self.core.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora / --enable-lora)")
         if not isinstance(lora_request, str):  # vLLM's LoRARequest, or any object of its shape
             lora_request = LoRARequest(lora_request.lora_name, getattr(lora_request, "lora_int_id", 0),
                                        getattr(lora_request, "lora_path", "") or "")
-        return self.core.lora.acquire(lora_request)
+        return self._lora().acquire(lora_request)
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Serve the adapter in directory `path` as `name` (ValueError if it cannot be served)."""
-        if self.core.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
-        self.core.lora.register(name, path)
+        self._lora().register(name, path)
 
     def unload_lora_adapter(self, name: str) -> None:
         """Stop serving `name` (requests already running with it finish with it)."""
-        if self.core.lora is None:
-            raise ValueError("this engine serves no LoRA adapters (start it with --enable-lora)")
-        self.core.lora.unregister(name)
+        self._lora().unregister(name)
 
-    def lora_adapters(self) -> list[str]:
-        """The names of the adapters requests may use."""
+    def lora_adapter_names(self) -> list[str]:
+        """The names of the adapters requests may use (none where the engine serves none)."""
         return self.core.lora.names() if self.core.lora is not None else []
+
+    def _lora(self) -> LoRAManager:
+        if self.core.lora is None:
+            raise ValueError("this engine serves no LoRA adapters (start it with enable_lora / --enable-lora)")
+        return self.core.lora
 
     def check_images(self, prompt_ids: list[int], multi_modal: MultiModalInputs | None) -> None:
         """Raise ValueError unless the prompt's image placeholders and `multi_modal` fit each other and the model."""

@@ -213,6 +213,7 @@ class Scheduler:
             budget -= item.num_new_tokens
         admitting = not out.preempted
         computing = self._blocks_in_prefill(prefills) if self.waiting else set()  # only waiting prompts ask
+        adapters: set[int] | None = None  # the running requests' LoRA slots, once a waiting request with one asks
         for req in policy.prefill_order(prefills, self.waiting, self._estimated_start):
             if budget == 0:
                 break
@@ -235,8 +236,13 @@ class Scheduler:
                 if not admitting or len(self.running) >= self.config.max_num_seqs:
                     admitting = False
                     continue
-                if not req.ready_to_schedule() or not self._adapter_fits(req):
+                if not req.ready_to_schedule():
                     continue
+                if req.lora is not None:  # at most max_loras adapters among the running requests
+                    if adapters is None:
+                        adapters = {r.lora.slot for r in self.running if r.lora is not None}
+                    if req.lora.slot not in adapters and len(adapters) >= self.max_loras:
+                        continue
                 # device blocks, then host / store hits: those get fresh blocks, loaded before the step runs
                 hit = self.kv.lookup_prefix(req)
                 if hit.prefetching:
@@ -256,6 +262,8 @@ class Scheduler:
                     admitting = False  # FIFO: the head waits for room rather than being overtaken
                     continue
                 self._admit(req, start, hit)
+                if req.lora is not None:
+                    adapters.add(req.lora.slot)
                 computing.update(req.block_hashes[hit.num_blocks:])
             prefill_chunks.append(ScheduledRequest(req, n, start))
             scheduled_ids.add(req.request_id)
@@ -332,13 +340,6 @@ class Scheduler:
         tokens (drafts included) that can share the step."""
         per_decode = 1 + (self.speculator.k_max if self.speculator is not None else 0)
         return self.config.max_num_batched_tokens - (self.config.max_num_seqs - 1) * per_decode
-
-    def _adapter_fits(self, req: Request) -> bool:
-        """Whether `req`'s LoRA adapter (if any) keeps the running requests within `max_loras` adapters."""
-        if req.lora is None:
-            return True
-        running = {r.lora.slot for r in self.running if r.lora is not None}
-        return req.lora.slot in running or len(running) < self.max_loras
 
     def in_use_adapters(self) -> set[int]:
         """The LoRA slots of every unfinished request (their adapters must stay loaded)."""

@@ -117,11 +117,7 @@ class LoRAManager:
             return self._slots[name]
         weights = read_adapter(name, self.paths[name], self.max_rank, self.dtype)
         slot = self._free_slot()
-        try:
-            self.layers.load(slot, weights)
-        except ValueError:
-            self.layers.unload(slot)
-            raise
+        self.layers.load(slot, weights)  # a ValueError leaves the slot empty
         loaded = self._slots[name] = LoadedAdapter(name, slot, weights.digest)
         self.digests[name] = weights.digest
         self._used[name] = time.monotonic()

@@ -77,7 +77,7 @@ def test_unloading_an_adapter_a_request_runs_with(tiny_models, three):
     engine.add_request(p, GREEDY, request_id="r", lora_request="a")
     engine.step()
     engine.unload_lora_adapter("a")
-    assert engine.lora_adapters() == []
+    assert engine.lora_adapter_names() == []
     with pytest.raises(ValueError, match="no LoRA adapter named 'a'"):
         engine.add_request(p, GREEDY, lora_request="a")
     final = None
@@ -138,7 +138,7 @@ def test_adapters_it_cannot_apply_are_refused(tiny_models, tmp_path):
         path = write_adapter(base, tmp_path / targets[0], targets, rank=4, alpha=4, seed=1)
         with pytest.raises(ValueError, match=match):
             llm.generate(["Hi"], GREEDY, lora_request=LoRARequest(targets[0], 0, str(path)))
-    assert llm.engine.lora_adapters() == [] and not llm.engine.core.lora.layers.sites  # nothing half loaded
+    assert llm.engine.lora_adapter_names() == [] and not llm.engine.core.lora.layers.sites  # nothing half loaded
     path = write_adapter(base, tmp_path / "dora", ["q_proj"], rank=4, alpha=4, seed=1)
     cfg = json.loads((path / "adapter_config.json").read_text())
     (path / "adapter_config.json").write_text(json.dumps({**cfg, "use_dora": True}))

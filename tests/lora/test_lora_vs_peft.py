@@ -119,7 +119,7 @@ def test_bad_adapters_are_refused_by_name(tiny_models, adapters, tmp_path):
     # an adapter made for another model (qwen2's widths) does not fit llama's projections
     with pytest.raises(ValueError, match="another base model"):
         llm.generate(["Hi"], GREEDY, lora_request=LoRARequest("other", 1, str(adapters["qwen3"]["attn"])))
-    assert llm.engine.lora_adapters() == []  # nothing half registered
+    assert llm.engine.lora_adapter_names() == []  # nothing half registered
     assert not llm.engine.has_unfinished()
     plain = LLM(str(tiny_models[arch]), dtype="float32", kv_cache_memory="64MiB")
     with pytest.raises(ValueError, match="enable_lora"):
