@@ -223,10 +223,11 @@ class LLMEngine:
         engine serves no adapters or cannot serve this one."""
         if lora_request is None:
             return None
+        manager = self._lora()  # first: an engine without adapters refuses whatever the request is
         if not isinstance(lora_request, str):  # vLLM's LoRARequest, or any object of its shape
             lora_request = LoRARequest(lora_request.lora_name, getattr(lora_request, "lora_int_id", 0),
                                        getattr(lora_request, "lora_path", "") or "")
-        return self._lora().acquire(lora_request)
+        return manager.acquire(lora_request)
 
     def load_lora_adapter(self, name: str, path: str) -> None:
         """Serve the adapter in directory `path` as `name` (ValueError if it cannot be served)."""
