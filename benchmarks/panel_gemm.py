@@ -5,7 +5,9 @@ same activations with `--copies` distinct random weights in turn (30 by default,
 weights then come from memory, as in a decode step), interleaved within each repeat. Prints the median
 wall-clock ms per product, GFLOP/s and the ratio oneDNN / panel (> 1: the panel kernel is faster); for
 bfloat16 also the panel kernel with its next-panel prefetch requests (`panel_matmul(prefetch=True)`, off in
-the engine) and the ratio prefetch / panel (> 1: the engine's choice, no requests, is faster here)::
+the engine) and the ratio prefetch / panel (> 1: the engine's choice, no requests, is faster here); on a CPU with
+AMX, where the panel kernel runs on AMX tiles (and ignores the requests), its AVX-512 BF16 vector tiles instead
+(`panel_gemm_bf16_vector`) and the ratio vector / AMX::
 
     PYTHONPATH=. python3 benchmarks/panel_gemm.py --threads 2 --repeats 7
     PYTHONPATH=. python3 benchmarks/panel_gemm.py --threads 2 --repeats 7 --dtype bfloat16   # AVX-512 BF16 CPUs
@@ -37,9 +39,18 @@ def _onednn(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")[:m]
 
 
+def _vector(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    y = torch.empty((x.shape[0], panels.shape[0] * panels.shape[2]), dtype=x.dtype)
+    load_library().panel_gemm_bf16_vector(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), None,
+                                          y.data_ptr(), y.shape[1], 0)
+    return y
+
+
 def _product(kernel: str, x: torch.Tensor, packed: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
     if kernel == "onednn":
         return _onednn(x, packed)
+    if kernel == "vector":
+        return _vector(x, panels)
     return panel_matmul(x, panels, prefetch=kernel == "prefetch")
 
 
@@ -57,10 +68,12 @@ def main() -> None:
     if lib is None:
         raise SystemExit("the CPU kernels are unavailable here (x86-64 with AVX2 and gcc needed)")
     preferred = lib.panel_gemm_bf16_preferred() if dtype == torch.bfloat16 else lib.panel_gemm_preferred()
-    print(f"{args.threads} thread(s), {args.dtype}; panel kernel preferred on this CPU: {bool(preferred)}")
     bf16 = dtype == torch.bfloat16
+    other = ("vector" if lib.amx_tiles_granted() else "prefetch") if bf16 else None
+    print(f"{args.threads} thread(s), {args.dtype}; panel kernel preferred on this CPU: {bool(preferred)}"
+          + (f"; bf16 panels on AMX tiles: {other == 'vector'}" if bf16 else ""))
     print(f"{'shape':14s} {'rows':>5s} {'oneDNN ms':>10s} {'GFLOP/s':>8s} {'panel ms':>9s} {'GFLOP/s':>8s} {'ratio':>6s}"
-          + (f" {'prefetch ms':>11s} {'prefetch / panel':>16s}" if bf16 else ""))
+          + (f" {other + ' ms':>11s} {other + ' / panel':>16s}" if bf16 else ""))
     gen = torch.Generator().manual_seed(0)
     for name, (k, n) in SHAPES.items():
         copies = 1 if name == "lm_head" else args.copies
@@ -72,7 +85,7 @@ def main() -> None:
             if name == "lm_head" and m > 128:
                 continue  # the LM head runs on the last token of each sequence only
             x = torch.randn(m, k, generator=gen).to(dtype)
-            times: dict[str, list[float]] = {"onednn": [], "panel": [], **({"prefetch": []} if bf16 else {})}
+            times: dict[str, list[float]] = {"onednn": [], "panel": [], **({other: []} if other else {})}
             for key in times:  # warm-up: oneDNN builds its primitive for the shape
                 _product(key, x, packed[0], panels[0])
             for _ in range(args.repeats):
@@ -84,8 +97,8 @@ def main() -> None:
             a, b = statistics.median(times["onednn"]), statistics.median(times["panel"])
             flop = 2.0 * m * k * n
             extra = ""
-            if bf16:
-                c = statistics.median(times["prefetch"])
+            if other:
+                c = statistics.median(times[other])
                 extra = f" {c * 1e3:11.3f} {c / b:15.2f}x"
             print(f"{name:14s} {m:5d} {a * 1e3:10.3f} {flop / a / 1e9:8.1f} {b * 1e3:9.3f} {flop / b / 1e9:8.1f} "
                   f"{a / b:5.2f}x" + extra)

@@ -105,6 +105,9 @@ def load_library_from(directory: Path) -> ctypes.CDLL | None:
     lib.panel_gemm_preferred.restype = i
     lib.panel_gemm_bf16.argtypes = [vp, i, i, vp, vp, vp, i, i]
     lib.panel_gemm_bf16.restype = i
+    lib.panel_gemm_bf16_vector.argtypes = [vp, i, i, vp, vp, vp, i, i]
+    lib.panel_gemm_bf16_vector.restype = i
+    lib.amx_tiles_granted.restype = i
     lib.panel_gemm_bf16_preferred.restype = i
     lib.panel_gemm_bf16_supported.restype = i
     lib.paged_decode_attention.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, ctypes.c_float, i,

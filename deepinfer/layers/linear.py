@@ -1,6 +1,6 @@
 """nn.Linear with CPU fast paths: GGUF quantized blocks for a few rows (see gguf_kernels); for
 larger batches the weights packed in panels for `panel_gemm.c` (float32 on AVX2-only CPUs, bfloat16 on
-CPUs with AVX-512 BF16), else oneDNN's pre-packed bf16 / fp32 weights; and a row-invariant mode
+CPUs with AVX-512 BF16, on AMX tiles where there are any), else oneDNN's pre-packed bf16 / fp32 weights; and a row-invariant mode
 (`--deterministic`) where every batch size goes through the block kernel, whose result for a
 row does not depend on the other rows."""
 
@@ -33,8 +33,9 @@ def _can_pack(weight: torch.Tensor) -> bool:
 
 def _panel_kernel_for(weight: torch.Tensor) -> bool:
     """Whether `panel_gemm.c` serves this weight: float32 where the kernels are built (AVX2, or AVX-512
-    with 32-feature tiles), output features a multiple of PANEL; bfloat16 on a CPU with AVX-512 BF16 and no AMX
-    (AMX's tiles in oneDNN are faster), output features a multiple of BF16_PANEL and an even input width."""
+    with 32-feature tiles), output features a multiple of PANEL; bfloat16 on a CPU with AVX-512 BF16 (on AMX tiles
+    where the CPU has them and Linux grants them), output features a multiple of BF16_PANEL and an even input
+    width."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return False
     n, k = weight.shape
@@ -112,7 +113,10 @@ class Linear(nn.Linear):
     against oneDNN's packed 341-445 at 64 rows). bfloat16 on a CPU with AVX-512 BF16 but no AMX: `pack()` builds
     32-feature bf16 panels instead (no synchronisation inside a product, weights streamed by the hardware
     prefetcher; the four projections of SmolLM2-135M's 30 layers at 64 rows, weights from memory, 2 threads on a
-    2-core Zen 5: 14.9 ms against oneDNN's packed 19.2 ms; at or above oneDNN from 9 to 1024 rows)."""
+    2-core Zen 5: 14.9 ms against oneDNN's packed 19.2 ms; at or above oneDNN from 9 to 1024 rows). With AMX the
+    same panels feed AMX tiles (`amx_gemm_bf16`): SmolLM2-135M's layer products at 64 rows, 30 layers' weights from
+    memory, 2 threads of a 2-core Xeon: 0.70-0.94 of oneDNN's packed time, and a row's bits never depend on the
+    batch (oneDNN's do: benchmarks/BENCHMARKS.md, session 52)."""
 
     quantized: QuantizedWeight | None = None
     _rows: int = 0

@@ -313,14 +313,186 @@ static void bf16_panel_rows(const uint16_t *x, int M, int K, const uint16_t *pan
 }
 #endif
 
+#if HAVE_AMX
+/* The same products on AMX tiles (Sapphire Rapids and later). Each output is one float32 sum over k in order, as
+ * in bf16_tile, but TDPBF16PS rounds inside a k pair otherwise than VDPBF16PS: a few outputs in a thousand differ by
+ * one bf16 unit from the vector tiles' (a CPU runs one kernel or the other, never both). Where oneDNN's tile
+ * kernels choose their blocking by the row count (a row's result then depends on the batch: two steps that split
+ * the same prompts differently gave different greedy tokens on a 2-core Xeon), a row's sums here never depend on
+ * M. A bf16 panel (pack_panels) is [K/2][32][2]: its k pairs 16 at a time, one half of the panel's
+ * features, are a B tile of 16 rows x 64 bytes at a row stride of 128 bytes, so the panels serve both kernels.
+ * Blocking: 32 rows x 32 features (2 A tiles, 2 B tiles, 4 accumulator tiles), k 32 at a time. */
+#define AMX_K 32 /* bf16 values of x per A tile row: K must be a multiple */
+#ifndef AMX_CHUNK
+#define AMX_CHUNK 16 /* 16-row blocks of x per pass over a thread's panels */
+#endif
+/* bf16 values ahead of the tile loads that the first pass over a panel asks for (8 KB: four k steps; tile loads
+ * alone read the weights at ~10 GB/s on a 2-core Xeon, with these requests at ~13-17, benchmarks/BENCHMARKS.md) */
+#define AMX_AHEAD 4096
+
+/* rows [16 * g, 16 * g + 16 * groups) of x (groups 1 or 2, rows past M read from `pad`) against panel p */
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, const uint16_t *pad, int M, int K,
+                                                           int r0, int groups, const uint16_t *p, const float *bias,
+                                                           uint16_t *y, int N, int ahead) {
+    const uint16_t *a0 = r0 + 16 <= M ? x + (int64_t)r0 * K : pad;
+    const uint16_t *a1 = r0 + 32 <= M ? x + (int64_t)(r0 + 16) * K : pad;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int k = 0; k < K; k += AMX_K) {
+        const uint16_t *pk = p + (int64_t)k * BF_PANEL;
+        if (ahead) /* the first pass over a panel reads it from memory: ask for the weights AMX_AHEAD further on */
+            for (int l = 0; l < AMX_K * BF_PANEL; l += 32)
+                _mm_prefetch((const char *)(pk + AMX_AHEAD + l), _MM_HINT_T2);
+        _tile_loadd(4, pk, 128);
+        _tile_loadd(5, pk + 32, 128);
+        _tile_loadd(6, a0 + k, 2 * K);
+        _tile_dpbf16ps(0, 6, 4);
+        _tile_dpbf16ps(1, 6, 5);
+        if (groups > 1) {
+            _tile_loadd(7, a1 + k, 2 * K);
+            _tile_dpbf16ps(2, 7, 4);
+            _tile_dpbf16ps(3, 7, 5);
+        }
+    }
+    float c[4][16][16];
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    if (groups > 1) {
+        _tile_stored(2, c[2], 64);
+        _tile_stored(3, c[3], 64);
+    }
+    const __m512 bias0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
+    const __m512 bias1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
+    for (int g = 0; g < groups; g++)
+        for (int r = 0; r < 16 && r0 + 16 * g + r < M; r++) {
+            uint16_t *yr = y + (int64_t)(r0 + 16 * g + r) * N;
+            store16(yr, _mm512_add_ps(_mm512_loadu_ps(c[2 * g][r]), bias0), 1);
+            store16(yr + 16, _mm512_add_ps(_mm512_loadu_ps(c[2 * g + 1][r]), bias1), 1);
+        }
+}
+
+static int amx_gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *packed, const float *bias, uint16_t *y,
+                         int N) {
+    if (K % AMX_K || !amx_permitted()) return 0;
+    const int panels = N / BF_PANEL, full = M / 16 * 16;
+    /* the last rows, zero-padded to a tile's 16 (only read where M is not a multiple of 16) */
+    uint16_t *pad = M > full ? calloc((size_t)16 * K, sizeof *pad) : NULL;
+    if (M > full && !pad) return 0;
+    if (pad) memcpy(pad, x + (int64_t)full * K, (size_t)(M - full) * K * sizeof *pad);
+    const int blocks = (M + 15) / 16;
+#pragma omp parallel
+    {
+        amx_configure();
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int j0 = (int)((int64_t)panels * t / nt), j1 = (int)((int64_t)panels * (t + 1) / nt);
+        /* rows AMX_CHUNK at a time across the thread's panels: the chunk of x stays in the core's L2 */
+        for (int c0 = 0; c0 < blocks; c0 += AMX_CHUNK)
+            for (int j = j0; j < j1; j++) {
+                const uint16_t *p = packed + (int64_t)j * K * BF_PANEL;
+                const int c1 = c0 + AMX_CHUNK < blocks ? c0 + AMX_CHUNK : blocks;
+                for (int g = c0; g < c1; g += 2)
+                    amx_block(x, pad, M, K, 16 * g, c1 - g > 1 ? 2 : 1, p, bias ? bias + j * BF_PANEL : NULL,
+                              y + (int64_t)j * BF_PANEL, N, g == c0);
+            }
+        _tile_release();
+    }
+    free(pad);
+    return 1;
+}
+
+/* out = silu(gate) * up for the gate/up panels of a fused projection (gate panels 0 .. I/32 - 1, then up), with
+ * the bits of amx_gemm_bf16 followed by silu_mul: each 32-row block takes a gate panel and its up panel half by
+ * half (4 accumulators: two row groups x gate, up), the sums rounded to bf16 as the products' outputs are, then
+ * silu_mul's operations */
+static int amx_gemm_bf16_silu(const uint16_t *x, int M, int K, const uint16_t *packed, uint16_t *out, int I) {
+    if (K % AMX_K || !amx_permitted()) return 0;
+    const int half = I / BF_PANEL, full = M / 16 * 16, blocks = (M + 15) / 16;
+    uint16_t *pad = M > full ? calloc((size_t)16 * K, sizeof *pad) : NULL;
+    if (M > full && !pad) return 0;
+    if (pad) memcpy(pad, x + (int64_t)full * K, (size_t)(M - full) * K * sizeof *pad);
+#pragma omp parallel
+    {
+        amx_configure();
+        const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        const int j0 = (int)((int64_t)half * t / nt), j1 = (int)((int64_t)half * (t + 1) / nt);
+        float c[4][16][16];
+        for (int c0 = 0; c0 < blocks; c0 += AMX_CHUNK)
+            for (int j = j0; j < j1; j++) {
+                const uint16_t *gp = packed + (int64_t)j * K * BF_PANEL, *up = gp + (int64_t)half * K * BF_PANEL;
+                const int c1 = c0 + AMX_CHUNK < blocks ? c0 + AMX_CHUNK : blocks;
+                for (int g = c0; g < c1; g += 2) {
+                    const int r0 = 16 * g, groups = c1 - g > 1 ? 2 : 1;
+                    const uint16_t *a0 = r0 + 16 <= M ? x + (int64_t)r0 * K : pad;
+                    const uint16_t *a1 = r0 + 32 <= M ? x + (int64_t)(r0 + 16) * K : pad;
+                    for (int h = 0; h < 2; h++) { /* features 16 h .. 16 h + 15 of the gate and up panels */
+                        _tile_zero(0);
+                        _tile_zero(1);
+                        _tile_zero(2);
+                        _tile_zero(3);
+                        for (int k = 0; k < K; k += AMX_K) {
+                            if (g == c0 && h == 0)
+                                for (int l = 0; l < AMX_K * BF_PANEL; l += 32) {
+                                    _mm_prefetch((const char *)(gp + (int64_t)k * BF_PANEL + AMX_AHEAD + l), _MM_HINT_T2);
+                                    _mm_prefetch((const char *)(up + (int64_t)k * BF_PANEL + AMX_AHEAD + l), _MM_HINT_T2);
+                                }
+                            _tile_loadd(4, gp + (int64_t)k * BF_PANEL + 32 * h, 128);
+                            _tile_loadd(5, up + (int64_t)k * BF_PANEL + 32 * h, 128);
+                            _tile_loadd(6, a0 + k, 2 * K);
+                            _tile_dpbf16ps(0, 6, 4);
+                            _tile_dpbf16ps(1, 6, 5);
+                            if (groups > 1) {
+                                _tile_loadd(7, a1 + k, 2 * K);
+                                _tile_dpbf16ps(2, 7, 4);
+                                _tile_dpbf16ps(3, 7, 5);
+                            }
+                        }
+                        _tile_stored(0, c[0], 64);
+                        _tile_stored(1, c[1], 64);
+                        if (groups > 1) {
+                            _tile_stored(2, c[2], 64);
+                            _tile_stored(3, c[3], 64);
+                        }
+                        const __m512 zero = _mm512_setzero_ps();
+                        for (int q = 0; q < groups; q++)
+                            for (int r = 0; r < 16 && r0 + 16 * q + r < M; r++) {
+                                const __m512 gv = round16(_mm512_add_ps(_mm512_loadu_ps(c[2 * q][r]), zero), 1);
+                                const __m512 uv = round16(_mm512_add_ps(_mm512_loadu_ps(c[2 * q + 1][r]), zero), 1);
+                                store16(out + (int64_t)(r0 + 16 * q + r) * I + j * BF_PANEL + 16 * h,
+                                        _mm512_mul_ps(round16(silu16(gv), 1), uv), 1);
+                            }
+                    }
+                }
+            }
+        _tile_release();
+    }
+    free(pad);
+    return 1;
+}
+#endif
+
+int panel_gemm_bf16_vector(const void *x, int M, int K, const void *packed, const float *bias, void *y, int N,
+                           int prefetch);
+
 /* y = x w^T (+ bias, float32, or NULL) in bfloat16 from the bf16 panels of pack_panels; N a multiple of 32,
  * K even. `prefetch`: each thread asks for its next panel while its first tile computes (1), or leaves the
  * weights to the hardware prefetcher (0: what the engine passes). A panel is one sequential run of 36-98 KB
  * (SmolLM2-135M), which the hardware prefetcher follows; on a 2-core Zen 4 the requests made a 64-row chat
  * step's layer products ~2% slower and its LM head ~3% (benchmarks/BENCHMARKS.md, session 37). The same bits
- * either way. Returns 0 where the CPU has no AVX-512 BF16 (nothing computed). */
+ * either way. With AMX (and K a multiple of 32) AMX tiles compute it (amx_gemm_bf16, whose bits are not quite the
+ * vector tiles'; `prefetch` is then unused). Returns 0 where the CPU has no AVX-512 BF16 (nothing computed). */
 int panel_gemm_bf16(const void *x, int M, int K, const void *packed, const float *bias, void *y, int N,
                     int prefetch) {
+#if HAVE_AMX
+    if (amx_gemm_bf16((const uint16_t *)x, M, K, (const uint16_t *)packed, bias, (uint16_t *)y, N)) return 1;
+#endif
+    return panel_gemm_bf16_vector(x, M, K, packed, bias, y, N, prefetch);
+}
+
+/* panel_gemm_bf16 on AVX-512 BF16 vector registers, with AMX too (benchmarks/panel_gemm.py compares them) */
+int panel_gemm_bf16_vector(const void *x, int M, int K, const void *packed, const float *bias, void *y, int N,
+                           int prefetch) {
 #ifdef __AVX512BF16__
     const int panels = N / BF_PANEL;
     const uint16_t *xb = (const uint16_t *)x, *pb = (const uint16_t *)packed;
@@ -376,6 +548,9 @@ static inline __attribute__((always_inline)) void bf16_gated_tile(const uint16_t
 /* panel_gemm_f32_silu for bf16 panels (I a multiple of 32), with the bits of panel_gemm_bf16 (no bias) then
  * silu_mul. Returns 0 where the CPU has no AVX-512 BF16 (nothing computed). */
 int panel_gemm_bf16_silu(const void *x, int M, int K, const void *packed, void *out, int I) {
+#if HAVE_AMX && SILU_WIDE
+    if (amx_gemm_bf16_silu((const uint16_t *)x, M, K, (const uint16_t *)packed, (uint16_t *)out, I)) return 1;
+#endif
 #if defined(__AVX512BF16__) && SILU_WIDE
     const int half = I / BF_PANEL;
     const uint16_t *xb = (const uint16_t *)x, *pb = (const uint16_t *)packed;
@@ -403,6 +578,15 @@ int panel_gemm_bf16_silu(const void *x, int M, int K, const void *packed, void *
 #endif
 }
 
+/* 1 where panel_gemm_bf16 runs on AMX tiles (for the tests; K a multiple of 32) */
+int amx_tiles_granted(void) {
+#if HAVE_AMX
+    return amx_permitted();
+#else
+    return 0;
+#endif
+}
+
 /* 1 where panel_gemm_bf16 computes (AVX-512 BF16) */
 int panel_gemm_bf16_supported(void) {
 #ifdef __AVX512BF16__
@@ -412,10 +596,11 @@ int panel_gemm_bf16_supported(void) {
 #endif
 }
 
-/* 1 where the engine should use it: AVX-512 BF16 without AMX (with AMX, oneDNN's tile kernels do many
- * times the work per instruction) */
+/* 1 where the engine should use it: AVX-512 BF16, and with AMX where Linux lets the process use the tiles */
 int panel_gemm_bf16_preferred(void) {
-#if defined(__AVX512BF16__) && !defined(__AMX_BF16__)
+#if HAVE_AMX
+    return amx_permitted();
+#elif defined(__AVX512BF16__)
     return 1;
 #else
     return 0;

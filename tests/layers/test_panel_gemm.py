@@ -199,6 +199,45 @@ def test_bf16_rows_result_does_not_depend_on_the_other_rows():
     assert torch.equal(panel_matmul(x[12:29], panels), full[12:29])
 
 
+_AMX = pytest.mark.skipif(not (_LIB and _LIB.amx_tiles_granted()), reason="needs a CPU with AMX (and Linux's grant)")
+
+
+def _vector_matmul(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    y = torch.empty(x.shape[0], panels.shape[0] * 32, dtype=torch.bfloat16)
+    assert _LIB.panel_gemm_bf16_vector(x.data_ptr(), x.shape[0], x.shape[1], panels.data_ptr(), None, y.data_ptr(),
+                                       y.shape[1], 0)
+    return y
+
+
+@_AMX
+@pytest.mark.parametrize("rows", [1, 15, 16, 17, 33, 64, 100, 300])
+def test_amx_tiles_match_float64_and_keep_each_rows_bits_whatever_the_batch(rows):
+    # rows past a 16-row tile (zero-padded), an odd 16-row block (one A tile), more than a 128-row chunk (300)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 576, generator=gen).to(torch.bfloat16)
+    w = (torch.randn(3072, 576, generator=gen) / 24).to(torch.bfloat16)
+    panels = pack_panels(w)
+    y = panel_matmul(x, panels)
+    ref = _bf16_reference(x, w)
+    torch.testing.assert_close(y.float(), ref.float(), rtol=2 ** -7, atol=1e-5 * 24)
+    assert (y == ref).float().mean() > 0.9
+    for r0, r1 in ((0, 1), (rows // 2, rows), (rows - 1, rows)):
+        assert torch.equal(panel_matmul(x[r0:r1], panels), y[r0:r1])
+    # the vector tiles (what a CPU without AMX runs) sum the same products but round inside a k pair otherwise:
+    # as close to float64, yet not the same bits everywhere
+    vec = _vector_matmul(x, panels)
+    torch.testing.assert_close(vec.float(), ref.float(), rtol=2 ** -7, atol=1e-5 * 24)
+    assert (vec == y).float().mean() > 0.97
+
+
+@_AMX
+def test_amx_tiles_serve_widths_that_are_not_a_multiple_of_32_with_the_vector_tiles():
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(20, 100, generator=gen).to(torch.bfloat16)
+    panels = pack_panels((torch.randn(64, 100, generator=gen) / 10).to(torch.bfloat16))
+    assert torch.equal(panel_matmul(x, panels), _vector_matmul(x, panels))
+
+
 @_BF16
 @pytest.mark.parametrize("rows", [9, 12, 64])
 def test_bf16_prefetch_requests_change_no_bits(rows):
@@ -217,7 +256,7 @@ def test_bf16_panels_refuse_shapes_they_cannot_fill():
 
 
 @pytest.mark.skipif(not (_LIB and _LIB.panel_gemm_bf16_preferred()),
-                    reason="bf16 panels serve Linear on CPUs with AVX-512 BF16 and no AMX")
+                    reason="bf16 panels serve Linear on CPUs with AVX-512 BF16 (and with AMX where Linux grants it)")
 @pytest.mark.parametrize("bias", [False, True])
 def test_linear_serves_bf16_batches_from_panels(bias):
     gen = torch.Generator().manual_seed(5)
@@ -251,7 +290,7 @@ def _fused_tile(dtype: torch.dtype) -> bool:
 _DTYPES = [pytest.param(torch.float32, marks=pytest.mark.skipif(not _fused_tile(torch.float32),
                                                                  reason="needs the AVX-512 float32 panel tiles")),
            pytest.param(torch.bfloat16, marks=pytest.mark.skipif(not _fused_tile(torch.bfloat16),
-                                                                  reason="needs bf16 panels (AVX-512 BF16, no AMX)"))]
+                                                                  reason="needs bf16 panels (AVX-512 BF16)"))]
 
 
 def _gate_up(k: int, inter: int, seed: int, bias: bool = False, dtype: torch.dtype = torch.float32) -> Linear:
