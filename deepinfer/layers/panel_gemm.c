@@ -1,6 +1,7 @@
 /*
  * Matrix products from weights packed in panels of output features: float32 on AVX2 CPUs (16 features
- * per panel), and bfloat16 on CPUs with AVX-512 BF16 (32 features per panel, below).
+ * per panel), and bfloat16 on CPUs with AVX-512 BF16 (32 features per panel, below: vector tiles, or AMX tiles on
+ * CPUs that have them).
  *
  *   y[m, n] = sum_k x[m, k] * w[n, k]      x: [M, K], y: [M, N] float32 (row-major, y's row stride N)
  *
@@ -330,23 +331,24 @@ static void bf16_panel_rows(const uint16_t *x, int M, int K, const uint16_t *pan
  * alone read the weights at ~10 GB/s on a 2-core Xeon, with these requests at ~13-17, benchmarks/BENCHMARKS.md) */
 #define AMX_AHEAD 4096
 
-/* rows [16 * g, 16 * g + 16 * groups) of x (groups 1 or 2, rows past M read from `pad`) against panel p */
-static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, const uint16_t *pad, int M, int K,
-                                                           int r0, int groups, const uint16_t *p, const float *bias,
-                                                           uint16_t *y, int N, int ahead) {
-    const uint16_t *a0 = r0 + 16 <= M ? x + (int64_t)r0 * K : pad;
-    const uint16_t *a1 = r0 + 32 <= M ? x + (int64_t)(r0 + 16) * K : pad;
+/* The sums of A tiles a0 (and a1 when groups is 2: rows K apart, k 32 at a time) against B tiles b0 and b1 (k pairs
+ * at a row stride of 128 bytes, BF_PANEL k's further per step) into c[2 q + i] (row group q, B tile i). pre0 / pre1
+ * (or NULL): the weight streams to ask for AMX_AHEAD further on, on a first pass over weights from memory. */
+static inline __attribute__((always_inline)) void amx_sums(const uint16_t *a0, const uint16_t *a1, int groups, int K,
+                                                          const uint16_t *b0, const uint16_t *b1, const uint16_t *pre0,
+                                                          const uint16_t *pre1, float c[4][16][16]) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int k = 0; k < K; k += AMX_K) {
-        const uint16_t *pk = p + (int64_t)k * BF_PANEL;
-        if (ahead) /* the first pass over a panel reads it from memory: ask for the weights AMX_AHEAD further on */
-            for (int l = 0; l < AMX_K * BF_PANEL; l += 32)
-                _mm_prefetch((const char *)(pk + AMX_AHEAD + l), _MM_HINT_T2);
-        _tile_loadd(4, pk, 128);
-        _tile_loadd(5, pk + 32, 128);
+        const int64_t o = (int64_t)k * BF_PANEL;
+        for (int l = 0; pre0 && l < AMX_K * BF_PANEL; l += 32) {
+            _mm_prefetch((const char *)(pre0 + o + AMX_AHEAD + l), _MM_HINT_T2);
+            if (pre1) _mm_prefetch((const char *)(pre1 + o + AMX_AHEAD + l), _MM_HINT_T2);
+        }
+        _tile_loadd(4, b0 + o, 128);
+        _tile_loadd(5, b1 + o, 128);
         _tile_loadd(6, a0 + k, 2 * K);
         _tile_dpbf16ps(0, 6, 4);
         _tile_dpbf16ps(1, 6, 5);
@@ -356,45 +358,63 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *x, c
             _tile_dpbf16ps(3, 7, 5);
         }
     }
-    float c[4][16][16];
     _tile_stored(0, c[0], 64);
     _tile_stored(1, c[1], 64);
     if (groups > 1) {
         _tile_stored(2, c[2], 64);
         _tile_stored(3, c[3], 64);
     }
-    const __m512 bias0 = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
-    const __m512 bias1 = bias ? _mm512_loadu_ps(bias + 16) : _mm512_setzero_ps();
-    for (int g = 0; g < groups; g++)
-        for (int r = 0; r < 16 && r0 + 16 * g + r < M; r++) {
-            uint16_t *yr = y + (int64_t)(r0 + 16 * g + r) * N;
-            store16(yr, _mm512_add_ps(_mm512_loadu_ps(c[2 * g][r]), bias0), 1);
-            store16(yr + 16, _mm512_add_ps(_mm512_loadu_ps(c[2 * g + 1][r]), bias1), 1);
-        }
+}
+
+/* The last M % 16 rows of x zero-padded to a tile's 16 (freed by the caller), NULL where M is a multiple of 16;
+ * *ok = 0 where memory ran out */
+static uint16_t *amx_pad(const uint16_t *x, int M, int K, int *ok) {
+    const int full = M / 16 * 16;
+    *ok = 1;
+    if (M == full) return NULL;
+    uint16_t *pad = calloc((size_t)16 * K, sizeof *pad);
+    if (!pad) *ok = 0;
+    else memcpy(pad, x + (int64_t)full * K, (size_t)(M - full) * K * sizeof *pad);
+    return pad;
+}
+
+/* rows [r0, r0 + 16 * groups) of x (groups 1 or 2; rows past M read from `pad`) */
+static inline const uint16_t *amx_rows(const uint16_t *x, const uint16_t *pad, int M, int K, int r0) {
+    return r0 + 16 <= M ? x + (int64_t)r0 * K : pad;
 }
 
 static int amx_gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *packed, const float *bias, uint16_t *y,
                          int N) {
+    int ok;
     if (K % AMX_K || !amx_permitted()) return 0;
-    const int panels = N / BF_PANEL, full = M / 16 * 16;
-    /* the last rows, zero-padded to a tile's 16 (only read where M is not a multiple of 16) */
-    uint16_t *pad = M > full ? calloc((size_t)16 * K, sizeof *pad) : NULL;
-    if (M > full && !pad) return 0;
-    if (pad) memcpy(pad, x + (int64_t)full * K, (size_t)(M - full) * K * sizeof *pad);
-    const int blocks = (M + 15) / 16;
+    uint16_t *pad = amx_pad(x, M, K, &ok);
+    if (!ok) return 0;
+    const int panels = N / BF_PANEL, blocks = (M + 15) / 16;
 #pragma omp parallel
     {
         amx_configure();
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int j0 = (int)((int64_t)panels * t / nt), j1 = (int)((int64_t)panels * (t + 1) / nt);
-        /* rows AMX_CHUNK at a time across the thread's panels: the chunk of x stays in the core's L2 */
+        float c[4][16][16];
+        /* rows AMX_CHUNK blocks at a time across the thread's panels: the chunk of x stays in the core's L2 */
         for (int c0 = 0; c0 < blocks; c0 += AMX_CHUNK)
             for (int j = j0; j < j1; j++) {
                 const uint16_t *p = packed + (int64_t)j * K * BF_PANEL;
+                const float *bj = bias ? bias + j * BF_PANEL : NULL;
+                const __m512 bias0 = bj ? _mm512_loadu_ps(bj) : _mm512_setzero_ps();
+                const __m512 bias1 = bj ? _mm512_loadu_ps(bj + 16) : _mm512_setzero_ps();
                 const int c1 = c0 + AMX_CHUNK < blocks ? c0 + AMX_CHUNK : blocks;
-                for (int g = c0; g < c1; g += 2)
-                    amx_block(x, pad, M, K, 16 * g, c1 - g > 1 ? 2 : 1, p, bias ? bias + j * BF_PANEL : NULL,
-                              y + (int64_t)j * BF_PANEL, N, g == c0);
+                for (int g = c0; g < c1; g += 2) {
+                    const int r0 = 16 * g, groups = c1 - g > 1 ? 2 : 1;
+                    amx_sums(amx_rows(x, pad, M, K, r0), amx_rows(x, pad, M, K, r0 + 16), groups, K, p, p + 32,
+                             g == c0 ? p : NULL, NULL, c);
+                    for (int q = 0; q < groups; q++)
+                        for (int r = 0; r < 16 && r0 + 16 * q + r < M; r++) {
+                            uint16_t *yr = y + (int64_t)(r0 + 16 * q + r) * N + j * BF_PANEL;
+                            store16(yr, _mm512_add_ps(_mm512_loadu_ps(c[2 * q][r]), bias0), 1);
+                            store16(yr + 16, _mm512_add_ps(_mm512_loadu_ps(c[2 * q + 1][r]), bias1), 1);
+                        }
+                }
             }
         _tile_release();
     }
@@ -407,54 +427,28 @@ static int amx_gemm_bf16(const uint16_t *x, int M, int K, const uint16_t *packed
  * half (4 accumulators: two row groups x gate, up), the sums rounded to bf16 as the products' outputs are, then
  * silu_mul's operations */
 static int amx_gemm_bf16_silu(const uint16_t *x, int M, int K, const uint16_t *packed, uint16_t *out, int I) {
+    int ok;
     if (K % AMX_K || !amx_permitted()) return 0;
-    const int half = I / BF_PANEL, full = M / 16 * 16, blocks = (M + 15) / 16;
-    uint16_t *pad = M > full ? calloc((size_t)16 * K, sizeof *pad) : NULL;
-    if (M > full && !pad) return 0;
-    if (pad) memcpy(pad, x + (int64_t)full * K, (size_t)(M - full) * K * sizeof *pad);
+    uint16_t *pad = amx_pad(x, M, K, &ok);
+    if (!ok) return 0;
+    const int half = I / BF_PANEL, blocks = (M + 15) / 16;
 #pragma omp parallel
     {
         amx_configure();
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int j0 = (int)((int64_t)half * t / nt), j1 = (int)((int64_t)half * (t + 1) / nt);
         float c[4][16][16];
+        const __m512 zero = _mm512_setzero_ps();
         for (int c0 = 0; c0 < blocks; c0 += AMX_CHUNK)
             for (int j = j0; j < j1; j++) {
                 const uint16_t *gp = packed + (int64_t)j * K * BF_PANEL, *up = gp + (int64_t)half * K * BF_PANEL;
                 const int c1 = c0 + AMX_CHUNK < blocks ? c0 + AMX_CHUNK : blocks;
                 for (int g = c0; g < c1; g += 2) {
                     const int r0 = 16 * g, groups = c1 - g > 1 ? 2 : 1;
-                    const uint16_t *a0 = r0 + 16 <= M ? x + (int64_t)r0 * K : pad;
-                    const uint16_t *a1 = r0 + 32 <= M ? x + (int64_t)(r0 + 16) * K : pad;
                     for (int h = 0; h < 2; h++) { /* features 16 h .. 16 h + 15 of the gate and up panels */
-                        _tile_zero(0);
-                        _tile_zero(1);
-                        _tile_zero(2);
-                        _tile_zero(3);
-                        for (int k = 0; k < K; k += AMX_K) {
-                            if (g == c0 && h == 0)
-                                for (int l = 0; l < AMX_K * BF_PANEL; l += 32) {
-                                    _mm_prefetch((const char *)(gp + (int64_t)k * BF_PANEL + AMX_AHEAD + l), _MM_HINT_T2);
-                                    _mm_prefetch((const char *)(up + (int64_t)k * BF_PANEL + AMX_AHEAD + l), _MM_HINT_T2);
-                                }
-                            _tile_loadd(4, gp + (int64_t)k * BF_PANEL + 32 * h, 128);
-                            _tile_loadd(5, up + (int64_t)k * BF_PANEL + 32 * h, 128);
-                            _tile_loadd(6, a0 + k, 2 * K);
-                            _tile_dpbf16ps(0, 6, 4);
-                            _tile_dpbf16ps(1, 6, 5);
-                            if (groups > 1) {
-                                _tile_loadd(7, a1 + k, 2 * K);
-                                _tile_dpbf16ps(2, 7, 4);
-                                _tile_dpbf16ps(3, 7, 5);
-                            }
-                        }
-                        _tile_stored(0, c[0], 64);
-                        _tile_stored(1, c[1], 64);
-                        if (groups > 1) {
-                            _tile_stored(2, c[2], 64);
-                            _tile_stored(3, c[3], 64);
-                        }
-                        const __m512 zero = _mm512_setzero_ps();
+                        const int first = g == c0 && h == 0;
+                        amx_sums(amx_rows(x, pad, M, K, r0), amx_rows(x, pad, M, K, r0 + 16), groups, K, gp + 32 * h,
+                                 up + 32 * h, first ? gp : NULL, first ? up : NULL, c);
                         for (int q = 0; q < groups; q++)
                             for (int r = 0; r < 16 && r0 + 16 * q + r < M; r++) {
                                 const __m512 gv = round16(_mm512_add_ps(_mm512_loadu_ps(c[2 * q][r]), zero), 1);
