@@ -139,34 +139,3 @@ static inline __m512 silu16(__m512 g) {
 #else
 #define SILU_WIDE 0
 #endif
-
-/* AMX tiles (Sapphire Rapids and later; panel_gemm.c and gguf_gemm.c multiply bf16 on them) */
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-/* Linux hands a process the tiles' 8 KB of state only on request (once; later requests are no-ops) */
-static inline int amx_permitted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
-
-/* every tile 16 rows x 64 bytes; per thread (the configuration is thread state) */
-static inline void amx_configure(void) {
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
-#else
-#define HAVE_AMX 0
-#endif
