@@ -29,7 +29,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-SOURCE_NAMES = ("gguf_gemm.c", "panel_gemm.c", "paged_attention.c", "elementwise.c", "decode_layer.c")
+SOURCE_NAMES = ("gguf_gemm.c", "panel_gemm.c", "paged_attention.c", "paged_attention_amx.c", "elementwise.c",
+                "decode_layer.c")
 HEADER_NAMES = ("cpu_common.h",)
 _FLAGS = ["-O3", "-march=native", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None | bool = False  # False: not tried yet
@@ -113,6 +114,8 @@ def load_library_from(directory: Path) -> ctypes.CDLL | None:
     lib.paged_decode_attention.argtypes = [vp, vp, vp, vp, vp, i, vp, i, i, i, i, i, ctypes.c_float, i,
                                            ctypes.c_int64, vp]
     lib.paged_decode_attention.restype = i
+    lib.paged_decode_attention_vector.argtypes = lib.paged_decode_attention.argtypes
+    lib.paged_decode_attention_vector.restype = i
     lib.rms_norm.argtypes = [vp, vp, vp, vp, i, i, ctypes.c_float, i]
     lib.rotary_qk.argtypes = [vp, ctypes.c_int64, i, vp, ctypes.c_int64, i, i, i, vp, vp, i]
     lib.rope_kv_write.argtypes = [vp, i, i, i, i, vp, vp, vp, vp, vp, vp, i]

@@ -772,10 +772,12 @@ static inline __attribute__((always_inline)) int decode_attention_tasks(
     return 0;
 }
 
-int paged_decode_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
-                           const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
-                           int B, int H, int KVH, int D, int block_size, float scale, int dtype,
-                           int64_t skip, float *lse) {
+/* the vector kernel above, on any CPU (paged_decode_attention takes AMX tiles instead where it can; the tests and
+ * benchmarks/attention.py compare the two) */
+int paged_decode_attention_vector(const void *q, void *out, const void *k_cache, const void *v_cache,
+                                  const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                                  int B, int H, int KVH, int D, int block_size, float scale, int dtype,
+                                  int64_t skip, float *lse) {
     if (D > MAX_D || D % 8 || H % KVH || H / KVH > MAX_GROUP || block_size > MAX_BS) return -1;
 #ifdef __AVX512F__
     if (D % 16 == 0)
@@ -784,4 +786,27 @@ int paged_decode_attention(const void *q, void *out, const void *k_cache, const 
 #endif
     return decode_attention_tasks(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH, D,
                                   block_size, scale, dtype, skip, lse, 0);
+}
+
+#if HAVE_AMX
+int amx_decode_attention(const uint16_t *q, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache,
+                         const int64_t *block_tables, int max_blocks, const int64_t *context_lens, int B, int H,
+                         int KVH, int D, int block_size, float scale);
+#endif
+
+/* Decode attention for B rows, each over its own paged context (arguments above): bf16 rows on AMX tiles where the
+ * CPU has them and no skip / lse is asked (paged_attention_amx.c), the vector kernel otherwise */
+int paged_decode_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                           int B, int H, int KVH, int D, int block_size, float scale, int dtype,
+                           int64_t skip, float *lse) {
+#if HAVE_AMX
+    if (dtype == 1 && skip == 0 && !lse && block_size <= MAX_BS) {
+        const int rc = amx_decode_attention(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H,
+                                            KVH, D, block_size, scale);
+        if (rc != 1) return rc;
+    }
+#endif
+    return paged_decode_attention_vector(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH,
+                                         D, block_size, scale, dtype, skip, lse);
 }

@@ -19,37 +19,6 @@
 
 #include "cpu_common.h"
 
-/* AMX tiles (Sapphire Rapids and later), where the bf16 panels are multiplied (below) */
-#if defined(__AVX512BF16__) && defined(__AMX_BF16__) && defined(__AMX_TILE__)
-#define HAVE_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} amx_config;
-
-/* Linux hands a process the tiles' 8 KB of state only on request (once; later requests are no-ops) */
-static inline int amx_permitted(void) {
-    static int state = -1;
-    if (state < 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-    return state;
-}
-
-/* every tile 16 rows x 64 bytes; per thread (the configuration is thread state) */
-static inline void amx_configure(void) {
-    amx_config cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.rows[t] = 16, cfg.colsb[t] = 64;
-    _tile_loadconfig(&cfg);
-}
-#else
-#define HAVE_AMX 0
-#endif
-
 #define PANEL 16
 #define TILE_ROWS 6
 

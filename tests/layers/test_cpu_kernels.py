@@ -102,6 +102,102 @@ def test_long_contexts_give_a_row_the_same_bits_alone_in_a_batch_and_at_any_thre
             assert torch.equal(run(True, [i], threads)[0], in_batch[i]), (lens[i], threads)
 
 
+def _shared_prefix_tables(lens: list[int], groups: list[int], shared: list[int], block_size: int,
+                          gen: torch.Generator) -> tuple[list[list[int]], int]:
+    """Block tables where sequence i shares the first shared[groups[i]] tokens' full blocks with the other
+    sequences of its group (as the prefix cache hands them out), its other blocks its own, all scattered."""
+    need = [(n + block_size - 1) // block_size for n in lens]
+    num_blocks = sum(need) + 4
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    common: dict[int, list[int]] = {}
+    tables = []
+    for n, g in zip(need, groups, strict=True):
+        if g not in common:
+            common[g] = [perm.pop() for _ in range(shared[g] // block_size)]
+        own = [perm.pop() for _ in range(n - min(n, len(common[g])))]
+        tables.append((common[g] + own)[:n])
+    return tables, num_blocks
+
+
+def _paged_attention(fn, q: torch.Tensor, cache: torch.Tensor, tables: list[list[int]], lens: list[int],
+                     block_size: int) -> torch.Tensor:
+    """One call of a paged_decode_attention entry point of the C library: q [B, H, D], cache [2, blocks, ...]."""
+    width = max(len(t) for t in tables)
+    table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+    ctx = torch.tensor(lens, dtype=torch.long)
+    out = torch.empty_like(q)
+    heads, kv_heads, dim = q.shape[1], cache.shape[3], q.shape[2]
+    rc = fn(q.data_ptr(), out.data_ptr(), cache[0].data_ptr(), cache[1].data_ptr(), table.data_ptr(), width,
+            ctx.data_ptr(), q.shape[0], heads, kv_heads, dim, block_size, dim ** -0.5, cpu_kernels.dtype_code(q.dtype),
+            0, None)
+    assert rc == 0
+    return out
+
+
+def _dense_attention(q: torch.Tensor, cache: torch.Tensor, tables: list[list[int]], lens: list[int]) -> torch.Tensor:
+    """float32 attention of each row over its gathered context (the reference)."""
+    heads, kv_heads, dim = q.shape[1], cache.shape[3], q.shape[2]
+    out = torch.empty(q.shape)
+    for i, (table, n) in enumerate(zip(tables, lens, strict=True)):
+        keys, values = (cache[j][table].reshape(-1, kv_heads, dim)[:n].float().repeat_interleave(heads // kv_heads, 1)
+                        for j in (0, 1))
+        probs = (torch.einsum("hd,khd->hk", q[i].float(), keys) * dim ** -0.5).softmax(-1)
+        out[i] = torch.einsum("hk,khd->hd", probs, values)
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 32), (4, 4, 64, 64),
+                                                                 (6, 2, 64, 8)])
+def test_rows_sharing_prefix_blocks_get_their_own_bits_in_a_batch(dtype, heads, kv_heads, head_dim, block_size):
+    """Sequences that share a prefix's blocks (two groups, prefixes ending inside and at a 64-token segment), a
+    sequence alone, and the consecutive rows of one prompt (each attending its own positions): on AMX CPUs the bf16
+    kernel gathers the rows of a segment they share into common tiles (paged_attention_amx.c). Every row is the
+    same bits alone and in the batch, at one thread and at two, and close to float32 attention."""
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    lens = [430, 431, 500, 700, 430, 200, 70, 129, 64, 65, 300] + list(range(120, 136))
+    groups = [0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 3] + [4] * 16  # group 4: the prompt's rows
+    tables, num_blocks = _shared_prefix_tables(lens, groups, [432, 128, 0, 0, 128], block_size, gen)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(dtype)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    lib = cpu_kernels.load_library()
+    before = torch.get_num_threads()
+    try:
+        in_batch = _paged_attention(lib.paged_decode_attention, q, cache, tables, lens, block_size)
+        torch.testing.assert_close(in_batch.float(), _dense_attention(q, cache, tables, lens),
+                                   atol=TOL[dtype], rtol=TOL[dtype])
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for i in range(len(lens)):
+                alone = _paged_attention(lib.paged_decode_attention, q[i:i + 1].contiguous(), cache, [tables[i]],
+                                         [lens[i]], block_size)
+                assert torch.equal(alone[0], in_batch[i]), (i, lens[i], threads)
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.skipif(cpu_kernels.load_library() is None or not cpu_kernels.load_library().amx_tiles_granted(),
+                    reason="needs AMX tiles")
+def test_amx_attention_agrees_with_the_vector_kernel_and_folds_windows_alike():
+    """The AMX path against the vector kernel (the other CPUs' numerics) on a long shared context, with so many
+    rows that its segment records take several windows (RECORD_BUDGET): the same bits as each row alone, whose
+    records fit one window, and within bf16 rounding of the vector kernel."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, bs = 32, 4, 128, 16
+    lens = [2000 + 37 * i for i in range(24)]
+    tables, num_blocks = _shared_prefix_tables(lens, [0] * 12 + [1] * 12, [1024, 64], bs, gen)
+    q = torch.randn(len(lens), heads, head_dim, generator=gen).to(torch.bfloat16)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, head_dim, generator=gen).to(torch.bfloat16)
+    lib = cpu_kernels.load_library()
+    amx = _paged_attention(lib.paged_decode_attention, q, cache, tables, lens, bs)
+    vector = _paged_attention(lib.paged_decode_attention_vector, q, cache, tables, lens, bs)
+    assert not torch.equal(amx, vector)  # two numerics
+    torch.testing.assert_close(amx.float(), vector.float(), atol=1e-2, rtol=1e-2)
+    for i in (0, 13, 23):
+        alone = _paged_attention(lib.paged_decode_attention, q[i:i + 1].contiguous(), cache, [tables[i]], [lens[i]], bs)
+        assert torch.equal(alone[0], amx[i])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_rms_norm_matches_reference(dtype):
     gen = torch.Generator().manual_seed(1)
