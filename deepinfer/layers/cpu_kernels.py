@@ -2,7 +2,7 @@
 
 Sources: `gguf_gemm.c` (matmuls from GGUF quantized blocks), `panel_gemm.c` (float32 matmuls on
 weights packed in 16-feature panels, AVX2 CPUs), `paged_attention.c` (decode
-attention reading the paged KV cache in place) and `elementwise.c` (fused residual + RMSNorm,
+attention reading the paged KV cache in place; its bf16 path on AMX tiles in `paged_attention_amx.c`) and `elementwise.c` (fused residual + RMSNorm,
 rotary, SiLU-and-multiply, row argmax, categorical sampling, grammar token masks), and `decode_layer.c` (a whole decoder layer for a few
 decoding sequences, composed of the others, and the whole layer stack in one call). They are built into one shared
 library with `-march=native`, so the cache key holds the sources, the flags and the CPU's
