@@ -20,6 +20,11 @@ much of a 256 MB buffer before each layer's call, outside the timed calls, so th
 decode step (`--batch 1 --context 140,140 --threads 2 --wall --between-mb 2.2`: a single stream's step).
 `--rows-per-seq R` gives each sequence R rows at consecutive positions over its one block table, the shape of a
 verification step's drafts or a prompt chunk's tokens (`--batch 1 --rows-per-seq 4 --context 300,300`).
+`--shared-prefix N` gives every sequence the same blocks for its first N tokens (full blocks; a common system
+prompt from the prefix cache), each context then N + a length drawn from `--context`. On AMX CPUs bf16 calls take
+`paged_attention_amx.c`; `--vector` times the vector kernel beside it in the same run (interleaved steps) and
+prints the ratio (the shared-prefix workload's steps:
+`--shared-prefix 432 --context 30,160 --threads 2 --wall --vector`).
 """
 
 from __future__ import annotations
@@ -52,6 +57,10 @@ def main() -> None:
     ap.add_argument("--rows-per-seq", type=int, default=1,
                     help="rows per sequence at consecutive positions sharing its block table (a verification "
                          "step's drafts or a prompt chunk's tokens): the sequence's context is the last row's")
+    ap.add_argument("--shared-prefix", type=int, default=0,
+                    help="tokens at the start of every context whose blocks all sequences share")
+    ap.add_argument("--vector", action="store_true",
+                    help="also time the vector kernel (paged_decode_attention_vector) and print the ratio")
     ap.add_argument("--between-mb", type=float, default=0.0,
                     help="MB of another buffer read before each layer's call, untimed (the weights' traffic)")
     args = ap.parse_args()
@@ -63,17 +72,19 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     gen = torch.Generator().manual_seed(0)
     lo, hi = (int(x) for x in args.context.split(","))
-    lens = torch.randint(lo, hi + 1, (args.batch,), generator=gen)
     bs, kvh, d = args.block_size, args.kv_heads, args.head_dim
+    shared = args.shared_prefix // bs  # blocks every table starts with
+    lens = shared * bs + torch.randint(lo, hi + 1, (args.batch,), generator=gen)
     blocks = int(((lens + bs - 1) // bs).sum()) + 8
     perm = torch.randperm(blocks, generator=gen)
     need = int(((lens + bs - 1) // bs).max())
     tables = torch.zeros(args.batch, need, dtype=torch.long)
-    used = 0
+    used = shared
     for b, n in enumerate(lens.tolist()):
         nb = (n + bs - 1) // bs
-        tables[b, :nb] = perm[used:used + nb]
-        used += nb
+        tables[b, :shared] = perm[:shared]
+        tables[b, shared:nb] = perm[used:used + nb - shared]
+        used += nb - shared
     caches = [(torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype),
                torch.randn(blocks, bs, kvh, d, generator=gen).to(dtype)) for _ in range(args.layers)]
     if args.rows_per_seq > 1:  # each sequence's rows: its table, contexts ending at its length
@@ -90,7 +101,7 @@ def main() -> None:
     traffic = torch.ones(max(64 * 2**20, chunk), dtype=torch.float32) if chunk else None
     at = 0
 
-    def step() -> float:
+    def step(kernel=lib.paged_decode_attention) -> float:
         nonlocal at
         total = 0.0
         for k, v in caches:
@@ -100,7 +111,7 @@ def main() -> None:
                 traffic[at:at + chunk].sum()
                 at += chunk
             t = clock()
-            rc = lib.paged_decode_attention(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(),
+            rc = kernel(q.data_ptr(), out.data_ptr(), k.data_ptr(), v.data_ptr(),
                                             tables.data_ptr(), need, lens.data_ptr(), rows, args.heads, kvh,
                                             d, bs, d ** -0.5, code, 0, None)
             total += clock() - t
@@ -108,14 +119,26 @@ def main() -> None:
                 raise RuntimeError("the kernel rejected its arguments")
         return total * 1e3
 
+    kernels = {"paged_decode_attention": lib.paged_decode_attention}
+    if args.vector:
+        kernels["vector kernel"] = lib.paged_decode_attention_vector
+    times: dict[str, list[float]] = {name: [] for name in kernels}
     for _ in range(3):
-        step()
-    times = [step() for _ in range(args.repeats)]
+        for kernel in kernels.values():
+            step(kernel)
+    for _ in range(args.repeats):  # interleaved, so that drift on a noisy machine hits both
+        for name, kernel in kernels.items():
+            times[name].append(step(kernel))
     tokens = int(lens.sum()) * kvh * args.layers
-    med = statistics.median(times)
-    print(f"{args.dtype} B={args.batch}x{args.rows_per_seq} ctx {lo}-{hi} H={args.heads}/{kvh} D={d} layers={args.layers}: "
-          f"median {med:.2f} ms {'wall' if args.wall else 'CPU'} per step (min {min(times):.2f}), "
-          f"{med * 1e6 / tokens:.2f} ns per (token, kv head)")
+    shape = (f"{args.dtype} B={args.batch}x{args.rows_per_seq} ctx {args.shared_prefix // bs * bs}+{lo}-{hi} "
+             f"H={args.heads}/{kvh} D={d} layers={args.layers}")
+    for name, ts in times.items():
+        med = statistics.median(ts)
+        print(f"{shape} {name}: median {med:.2f} ms {'wall' if args.wall else 'CPU'} per step (min {min(ts):.2f}), "
+              f"{med * 1e6 / tokens:.2f} ns per (token, kv head)")
+    if args.vector:
+        ratio = statistics.median(times["vector kernel"]) / statistics.median(times["paged_decode_attention"])
+        print(f"vector / paged_decode_attention: {ratio:.2f}x")
 
 
 if __name__ == "__main__":

@@ -773,7 +773,7 @@ static inline __attribute__((always_inline)) int decode_attention_tasks(
 }
 
 /* the vector kernel above, on any CPU (paged_decode_attention takes AMX tiles instead where it can; the tests and
- * benchmarks/attention.py compare the two) */
+ * benchmarks/attn_kernel.py --vector compare the two) */
 int paged_decode_attention_vector(const void *q, void *out, const void *k_cache, const void *v_cache,
                                   const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
                                   int B, int H, int KVH, int D, int block_size, float scale, int dtype,
@@ -792,20 +792,81 @@ int paged_decode_attention_vector(const void *q, void *out, const void *k_cache,
 int amx_decode_attention(const uint16_t *q, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int64_t *block_tables, int max_blocks, const int64_t *context_lens, int B, int H,
                          int KVH, int D, int block_size, float scale);
+int amx_attention_applies(int H, int KVH, int D, int block_size);
+
+/* bf16 rows whose context has at least this many tokens take the AMX kernel: a row's own property, so its bits never
+ * depend on the batch. The tiles pay where rows share a prefix's segments (a shared-prefix step's attention 1.2-1.5x
+ * faster); a lone short context, its KV streamed from memory, ran ~15% slower there than in the vector kernel
+ * (benchmarks/attn_kernel.py --vector; benchmarks/BENCHMARKS.md, session 53). */
+#define AMX_MIN_CONTEXT 256
+
+/* the bf16 rows `rows[0..n)` of a call through one kernel (amx: 1 the AMX one), gathered and scattered back */
+static int attend_subset(int amx, const int *rows, int n, const uint16_t *q, uint16_t *out, const void *k_cache,
+                         const void *v_cache, const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
+                         int H, int KVH, int D, int block_size, float scale) {
+    const size_t qrow = (size_t)H * D;
+    uint16_t *qs = malloc(sizeof(uint16_t) * 2 * qrow * n), *os = qs ? qs + qrow * n : NULL;
+    int64_t *tables = malloc(sizeof(int64_t) * ((size_t)max_blocks + 1) * n);
+    int64_t *lens = tables ? tables + (size_t)max_blocks * n : NULL;
+    int rc = -2;
+    if (qs && tables) {
+        for (int i = 0; i < n; i++) {
+            memcpy(qs + qrow * i, q + qrow * rows[i], qrow * sizeof(uint16_t));
+            memcpy(tables + (size_t)max_blocks * i, block_tables + (size_t)max_blocks * rows[i],
+                   sizeof(int64_t) * max_blocks);
+            lens[i] = context_lens[rows[i]];
+        }
+        rc = amx ? amx_decode_attention(qs, os, k_cache, v_cache, tables, max_blocks, lens, n, H, KVH, D, block_size,
+                                        scale)
+                 : paged_decode_attention_vector(qs, os, k_cache, v_cache, tables, max_blocks, lens, n, H, KVH, D,
+                                                 block_size, scale, 1, 0, NULL);
+        for (int i = 0; rc == 0 && i < n; i++) memcpy(out + qrow * rows[i], os + qrow * i, qrow * sizeof(uint16_t));
+    }
+    free(qs);
+    free(tables);
+    return rc;
+}
+
+/* bf16 rows, each through the kernel its context length picks (AMX_MIN_CONTEXT) */
+static int attend_bf16_amx(const uint16_t *q, uint16_t *out, const void *k_cache, const void *v_cache,
+                           const int64_t *block_tables, int max_blocks, const int64_t *context_lens, int B, int H,
+                           int KVH, int D, int block_size, float scale) {
+    int longer = 0;
+    for (int b = 0; b < B; b++) longer += context_lens[b] >= AMX_MIN_CONTEXT;
+    if (longer == B)
+        return amx_decode_attention(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH, D,
+                                    block_size, scale);
+    if (longer == 0)
+        return paged_decode_attention_vector(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH,
+                                             D, block_size, scale, 1, 0, NULL);
+    int *rows = malloc(sizeof(int) * B);
+    if (!rows) return -2;
+    int n = 0;
+    for (int b = 0; b < B; b++)
+        if (context_lens[b] >= AMX_MIN_CONTEXT) rows[n++] = b;
+    for (int b = 0; b < B; b++)
+        if (context_lens[b] < AMX_MIN_CONTEXT) rows[n++] = b;
+    int rc = attend_subset(1, rows, longer, q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, H, KVH, D,
+                           block_size, scale);
+    if (rc == 0)
+        rc = attend_subset(0, rows + longer, B - longer, q, out, k_cache, v_cache, block_tables, max_blocks, context_lens,
+                           H, KVH, D, block_size, scale);
+    free(rows);
+    return rc;
+}
 #endif
 
-/* Decode attention for B rows, each over its own paged context (arguments above): bf16 rows on AMX tiles where the
- * CPU has them and no skip / lse is asked (paged_attention_amx.c), the vector kernel otherwise */
+/* Decode attention for B rows, each over its own paged context (arguments above): bf16 rows of contexts of at least
+ * AMX_MIN_CONTEXT tokens on AMX tiles where the CPU has them and no skip / lse is asked (paged_attention_amx.c), the
+ * vector kernel otherwise */
 int paged_decode_attention(const void *q, void *out, const void *k_cache, const void *v_cache,
                            const int64_t *block_tables, int max_blocks, const int64_t *context_lens,
                            int B, int H, int KVH, int D, int block_size, float scale, int dtype,
                            int64_t skip, float *lse) {
 #if HAVE_AMX
-    if (dtype == 1 && skip == 0 && !lse && block_size <= MAX_BS) {
-        const int rc = amx_decode_attention(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H,
-                                            KVH, D, block_size, scale);
-        if (rc != 1) return rc;
-    }
+    if (dtype == 1 && skip == 0 && !lse && block_size <= MAX_BS && amx_attention_applies(H, KVH, D, block_size))
+        return attend_bf16_amx(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH, D,
+                               block_size, scale);
 #endif
     return paged_decode_attention_vector(q, out, k_cache, v_cache, block_tables, max_blocks, context_lens, B, H, KVH,
                                          D, block_size, scale, dtype, skip, lse);

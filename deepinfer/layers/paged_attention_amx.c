@@ -322,12 +322,18 @@ static inline int64_t segments_of(int64_t ctx) { return (ctx + SEG - 1) / SEG; }
 /* tokens of segment s of a context of ctx tokens */
 static inline int seg_tokens(int64_t ctx, int64_t s) { return (int)(ctx - s * SEG < SEG ? ctx - s * SEG : SEG); }
 
+/* 1 where amx_decode_attention runs these shapes on this CPU */
+int amx_attention_applies(int H, int KVH, int D, int block_size) {
+    return D % 64 == 0 && D <= AMX_ATT_MAX_D && block_size >= 1 && SEG % block_size == 0 && H % KVH == 0 &&
+           amx_permitted();
+}
+
 /* Returns 0 when done, 1 where this path does not apply (the caller takes the vector kernel), -2 when memory ran
  * out. dtype must be bf16. */
 int amx_decode_attention(const uint16_t *q, uint16_t *out, const uint16_t *k_cache, const uint16_t *v_cache,
                          const int64_t *block_tables, int max_blocks, const int64_t *context_lens, int B, int H,
                          int KVH, int D, int block_size, float scale) {
-    if (D % 64 || D > AMX_ATT_MAX_D || block_size < 1 || SEG % block_size || H % KVH || !amx_permitted()) return 1;
+    if (!amx_attention_applies(H, KVH, D, block_size)) return 1;
     int shift = 0;
     while ((1 << shift) < block_size) shift++;
     const int G = H / KVH, RS = D + 2; /* a record: D partial sums, the maximum, the normaliser */

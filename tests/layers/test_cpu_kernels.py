@@ -151,9 +151,10 @@ def _dense_attention(q: torch.Tensor, cache: torch.Tensor, tables: list[list[int
                                                                  (6, 2, 64, 8)])
 def test_rows_sharing_prefix_blocks_get_their_own_bits_in_a_batch(dtype, heads, kv_heads, head_dim, block_size):
     """Sequences that share a prefix's blocks (two groups, prefixes ending inside and at a 64-token segment), a
-    sequence alone, and the consecutive rows of one prompt (each attending its own positions): on AMX CPUs the bf16
-    kernel gathers the rows of a segment they share into common tiles (paged_attention_amx.c). Every row is the
-    same bits alone and in the batch, at one thread and at two, and close to float32 attention."""
+    sequence alone, and the consecutive rows of one prompt (each attending its own positions): on AMX CPUs bf16 rows
+    of contexts of at least 256 tokens go to the AMX kernel, which gathers the rows of a segment they share into
+    common tiles (paged_attention_amx.c), the shorter ones to the vector kernel, in one call. Every row is the same
+    bits alone and in the batch, at one thread and at two, and close to float32 attention."""
     gen = torch.Generator().manual_seed(head_dim + block_size)
     lens = [430, 431, 500, 700, 430, 200, 70, 129, 64, 65, 300] + list(range(120, 136))
     groups = [0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 3] + [4] * 16  # group 4: the prompt's rows
