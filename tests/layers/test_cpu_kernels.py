@@ -199,6 +199,27 @@ def test_amx_attention_agrees_with_the_vector_kernel_and_folds_windows_alike():
         assert torch.equal(alone[0], amx[i])
 
 
+@pytest.mark.parametrize("kernel", ["paged_decode_attention", "paged_decode_attention_vector"])
+def test_bf16_attention_outputs_are_the_exact_result_rounded(kernel):
+    """Against float64 attention rounded to bf16, nearly every output is that value: the AMX kernel multiplies the
+    values by each probability's bf16 leading part and its bf16 remainder (rounded once to bf16, as torch's bf16
+    SDPA does, a quarter of the outputs missed it on this data); the vector kernel keeps them in float32."""
+    gen = torch.Generator().manual_seed(2)
+    heads, kv_heads, dim, bs, n = 9, 3, 64, 16, 400  # contexts of 256+ tokens: the AMX kernel where there is one
+    lens = [n] * 32
+    tables, num_blocks = _shared_prefix_tables(lens, list(range(32)), [0] * 32, bs, gen)
+    q = (2 * torch.randn(len(lens), heads, dim, generator=gen)).to(torch.bfloat16)
+    cache = torch.randn(2, num_blocks, bs, kv_heads, dim, generator=gen).to(torch.bfloat16)
+    out = _paged_attention(getattr(cpu_kernels.load_library(), kernel), q, cache, tables, lens, bs)
+    exact = torch.empty(q.shape, dtype=torch.float64)
+    for i, table in enumerate(tables):
+        keys, values = (cache[j][table].reshape(-1, kv_heads, dim)[:n].double().repeat_interleave(3, 1) for j in (0, 1))
+        probs = (torch.einsum("hd,khd->hk", q[i].double(), keys) * dim ** -0.5).softmax(-1)
+        exact[i] = torch.einsum("hk,khd->hd", probs, values)
+    missed = (out != exact.to(torch.bfloat16)).float().mean().item()
+    assert missed < 0.02, missed
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_add_rms_norm_matches_reference(dtype):
     gen = torch.Generator().manual_seed(1)
