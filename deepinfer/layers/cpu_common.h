@@ -2,6 +2,7 @@
  * of a float32; stores round to nearest even, as torch does), horizontal sums, a vector exp. */
 #pragma once
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -171,3 +172,28 @@ static inline __m512 silu16(__m512 g) {
 #else
 #define SILU_WIDE 0
 #endif
+
+/* R rows' online-softmax state (acc rows of stride as, running max m, sum l) merged into the state (macc,
+ * stride ms; mm, ml); first: copied. One function, not inlined, for every merge of paged_attention.c (in order on
+ * one thread, and of split segments) and paged_attention_amx.c's folds, so that each gives the same bits. */
+static __attribute__((noinline, unused)) void merge_rows(float *macc, int ms, float *mm, float *ml, const float *acc,
+                                                         int as, const float *m, const float *l, int R, int D, int first) {
+    for (int r = 0; r < R; r++) {
+        float *a = macc + (int64_t)r * ms;
+        const float *b = acc + (int64_t)r * as;
+        if (first) {
+            memcpy(a, b, (size_t)D * sizeof(float));
+            mm[r] = m[r];
+            ml[r] = l[r];
+            continue;
+        }
+        const float mx = mm[r] > m[r] ? mm[r] : m[r];
+        const float ca = expf(mm[r] - mx), cb = expf(m[r] - mx);
+        ml[r] = fmaf(ml[r], ca, l[r] * cb);
+        mm[r] = mx;
+        const __m256 va = _mm256_set1_ps(ca), vb = _mm256_set1_ps(cb);
+        for (int d = 0; d < D; d += 8)
+            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(_mm256_loadu_ps(a + d), va,
+                                                    _mm256_mul_ps(_mm256_loadu_ps(b + d), vb)));
+    }
+}

@@ -540,31 +540,6 @@ static inline int64_t seg_count(int64_t skip, int64_t ctx, int64_t seg) {
     return ctx <= skip ? 0 : (ctx - 1) / seg - skip / seg + 1;
 }
 
-/* R rows' online-softmax state (acc rows of stride as, running max m, sum l) merged into the state (macc,
- * stride ms; mm, ml); first: copied. One function, not inlined, for the in-order merge on one thread and
- * the merge of split segments, so that both give the same bits. */
-static __attribute__((noinline)) void merge_rows(float *macc, int ms, float *mm, float *ml, const float *acc,
-                                                 int as, const float *m, const float *l, int R, int D, int first) {
-    for (int r = 0; r < R; r++) {
-        float *a = macc + (int64_t)r * ms;
-        const float *b = acc + (int64_t)r * as;
-        if (first) {
-            memcpy(a, b, (size_t)D * sizeof(float));
-            mm[r] = m[r];
-            ml[r] = l[r];
-            continue;
-        }
-        const float mx = mm[r] > m[r] ? mm[r] : m[r];
-        const float ca = expf(mm[r] - mx), cb = expf(m[r] - mx);
-        ml[r] = fmaf(ml[r], ca, l[r] * cb);
-        mm[r] = mx;
-        const __m256 va = _mm256_set1_ps(ca), vb = _mm256_set1_ps(cb);
-        for (int d = 0; d < D; d += 8)
-            _mm256_storeu_ps(a + d, _mm256_fmadd_ps(_mm256_loadu_ps(a + d), va,
-                                                    _mm256_mul_ps(_mm256_loadu_ps(b + d), vb)));
-    }
-}
-
 /* normalise and store R output rows in the width the loop was built for (finish_task16 / finish_task8) */
 static inline __attribute__((always_inline)) void finish_task(int wide, void *out, float *lse, float (*acc)[MAX_D],
                                                               const float *m, const float *l, int64_t row, int R,

@@ -9,7 +9,7 @@
  *             remainder (16 bits of it kept, where one bf16 rounding changed a quarter of the outputs' last bit),
  *   partial = probabilities x the segment's values (a second tile product, both parts; the values interleaved in
  *             key pairs, pack_values),
- * and each row's segment states (partial sum, maximum, normaliser) are folded in order into its result (fold_row).
+ * and each row's segment states (partial sum, maximum, normaliser) are folded in order into its result (merge_rows).
  * Every output of a tile product is a function of its own row, so a row's bits depend on its q and its context
  * alone, never on which rows share its tiles: the rows whose segment covers the same physical blocks (sequences
  * with a common prefix from the prefix cache, a sequence's grouped query heads, the rows of one prompt) are
@@ -244,23 +244,6 @@ static inline void softmax_rows4(const float *s, int n, float scale, uint16_t *p
     }
 }
 
-/* state (acc[D], m, l) <- state folded with the segment record (o[D], m, l); first: copied */
-static inline void fold_row(float *state, const float *rec, int D, int first) {
-    if (first) {
-        memcpy(state, rec, (size_t)(D + 2) * sizeof(float));
-        return;
-    }
-    const float m0 = state[D], m1 = rec[D];
-    const float mx = m0 > m1 ? m0 : m1;
-    const float ca = expf(m0 - mx), cb = expf(m1 - mx);
-    state[D + 1] = fmaf(state[D + 1], ca, rec[D + 1] * cb);
-    state[D] = mx;
-    const __m512 va = _mm512_set1_ps(ca), vb = _mm512_set1_ps(cb);
-    for (int d = 0; d < D; d += 16)
-        _mm512_storeu_ps(state + d, _mm512_fmadd_ps(_mm512_loadu_ps(state + d), va,
-                                                    _mm512_mul_ps(_mm512_loadu_ps(rec + d), vb)));
-}
-
 /* growable scratch buffers of the calling thread (kept between calls: a step calls once per layer); which: 0 or 1 */
 static void *scratch(int which, size_t bytes) {
     static __thread void *buf[2];
@@ -375,15 +358,13 @@ int amx_decode_attention(const uint16_t *q, uint16_t *out, const uint16_t *k_cac
                     continue;
                 }
                 const int64_t *table = block_tables + (int64_t)b * max_blocks;
-                const int n = (int)(ctx - s * SEG < SEG ? ctx - s * SEG : SEG);
+                const int n = seg_tokens(ctx, s);
                 const int64_t blk0 = s * SEG / block_size, nblk = (n + block_size - 1) / block_size;
                 uint64_t key = (uint64_t)table[blk0] * 0x9E3779B97F4A7C15ull + (uint64_t)n;
                 int h = (int)((key ^ key >> 29) & (uint64_t)(hash_size - 1)), g = -1;
                 for (; hash[h] >= 0; h = (h + 1) & (hash_size - 1)) {
                     const int c = hash[h], lead = members[c]; /* members[c]: the group's first entry, for now */
-                    const int64_t lctx = context_lens[lead];
-                    const int ln = (int)(lctx - s * SEG < SEG ? lctx - s * SEG : SEG);
-                    if (ln != n) continue;
+                    if (seg_tokens(context_lens[lead], s) != n) continue;
                     const int64_t *lt = block_tables + (int64_t)lead * max_blocks;
                     int same = 1;
                     for (int64_t k = blk0; k < blk0 + nblk && same; k++) same = lt[k] == table[k];
@@ -483,8 +464,10 @@ int amx_decode_attention(const uint16_t *q, uint16_t *out, const uint16_t *k_cac
                 const int b = (int)(row / H), hq = (int)(row % H);
                 const int64_t nseg = segments_of(context_lens[b]);
                 float *st = state + row * RS;
-                for (int64_t sidx = w0; sidx < w1 && sidx < nseg; sidx++)
-                    fold_row(st, records + (((int64_t)b * W + (sidx - w0)) * H + hq) * RS, D, sidx == 0);
+                for (int64_t sidx = w0; sidx < w1 && sidx < nseg; sidx++) {
+                    const float *rec = records + (((int64_t)b * W + (sidx - w0)) * H + hq) * RS;
+                    merge_rows(st, 0, st + D, st + D + 1, rec, 0, rec + D, rec + D + 1, 1, D, sidx == 0);
+                }
                 if (w1 < max_seg) continue;
                 uint16_t *dst = out + row * D;
                 if (nseg == 0) {
