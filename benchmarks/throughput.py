@@ -210,12 +210,22 @@ def run_deepinfer(args: argparse.Namespace, runs: Runs, llm: Any) -> list[dict[s
     from deepinfer import SamplingParams
 
     sp = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
+    decode_s: list[float] = []  # a lone request's seconds per token after its first (the warm-up's first)
 
     def gen(prompts: Prompts) -> list[list[int]]:
         outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp)
+        if len(outs) == 1 and len(outs[0].outputs[0].token_ids) > 1:
+            m, n = outs[0].metrics, len(outs[0].outputs[0].token_ids)
+            decode_s.append((m["now"] - m["first_token"]) / (n - 1))
         return [list(o.outputs[0].token_ids) for o in outs]
 
-    results = time_runs("deepinfer", runs, gen, contention=args.contention)
+    results = []
+    for name, plist in runs.items():
+        decode_s.clear()
+        r = time_runs("deepinfer", {name: plist}, gen, contention=args.contention)[0]
+        if len(decode_s) > 1:  # a single stream's decode rate alone, as llama.cpp's runner reports its own
+            r["decode_tok_per_s"] = 1.0 / statistics.median(decode_s[1:])
+        results.append(r)
     dtype = str(llm.engine.core.runner.dtype).removeprefix("torch.")
     return [{**r, "dtype": dtype} for r in results]
 
@@ -386,6 +396,9 @@ def print_table(results: list[dict[str, Any]], bounds: tuple[Any, Any] | None = 
         if r["engine"] == "llamacpp":
             how = "first prompt token only (--llamacpp-decode-only)" if r["decode_only"] else "whole prompt"
             print(f"llamacpp {r['workload']}: decode alone {r['decode_tok_per_s']:.1f} tok/s; prompt evaluated: {how}")
+        elif r["engine"] == "deepinfer" and "decode_tok_per_s" in r:
+            print(f"deepinfer {r['workload']}: decode alone {r['decode_tok_per_s']:.1f} tok/s (the tokens after the "
+                  "first over the time after it; the tok/s column includes the prompt's prefill)")
     if bounds is not None:
         print(hw_bounds.describe(*bounds))
         print("of bound: tok/s over the bound (cmp: matmul FLOP/s in the engine's dtype / model FLOPs per "

@@ -378,12 +378,13 @@ class SchedulerConfig:
         choices=["auto", "on", "off"],
     )
     num_scheduler_steps: int = _f(
-        8,
+        16,
         "Decode steps one scheduling pass may run for a batch of plain greedy decodes (no sampling, "
         "penalties, logprobs or grammar; at most 8 requests, nothing waiting) on the CPU whole-layer path: the "
-        "C call feeds each step's argmax to the next, so the host's work between steps (~0.9 ms of a ~8 ms "
-        "single-stream token on a 2-core CPU) is paid once per pass. The tokens are the same as one step "
-        "at a time; they reach the client in groups of up to this many. With n-gram speculative decoding "
+        "C call feeds each step's argmax to the next, so the host's work between passes (~1.5-2.5 ms beside a "
+        "~6 ms single-stream token on a 2-core CPU) is paid once per pass. The tokens are the same as one step "
+        "at a time; they reach the client in groups of up to this many. A server's passes are mostly cut "
+        "shorter by --multi-step-budget-ms; the offline API's run this many. With n-gram speculative decoding "
         "a pass of up to 4 such requests also drafts and verifies in C, the rows past one per request shared "
         "among the drafts (alone: up to 8 tokens a step, so up to 8x this many per group); a step where "
         "another request drafts is one step. 1 = one step per pass; fewer where --multi-step-budget-ms says. "
@@ -394,8 +395,9 @@ class SchedulerConfig:
         "The longest a pass of several decode steps (--num-scheduler-steps) may take by the cost model's "
         "price of one step of its requests: it bounds how long a request that arrives meanwhile waits for the "
         "pass to end and how far apart a stream's groups of tokens come. On the default model on a 2-core "
-        "AVX-512 CPU single stream runs 8 steps a pass (~2.9 ms a step by the cost model), 4 decodes 6, 8 "
-        "decodes 4 (~6.7 ms).",
+        "AVX-512 CPU single stream runs 10 steps a pass (~2.9 ms a step by the cost model), 4 decodes 6, 8 "
+        "decodes 4 (~6.7 ms). Not applied in the offline API (`LLM.generate`), where no request can arrive "
+        "during a pass.",
     )
 
     def __post_init__(self) -> None:

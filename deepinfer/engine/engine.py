@@ -267,16 +267,18 @@ class LLMEngine:
     def closed_batch(self) -> Iterator[None]:
         """Within it, the caller adds no request until every one in the engine has finished (`LLM.generate`):
         speculation then weighs each request's drafts by its projected finish (`FinishBalance`), since the
-        batch's wall time is its last request's."""
-        speculator = self.core.speculator
-        if speculator is None:
-            yield
-            return
-        speculator.balance.begin()
+        batch's wall time is its last request's, and a pass of several decode steps is not cut to
+        `multi_step_budget_ms` (which bounds the wait of a request arriving during it)."""
+        scheduler, speculator = self.core.scheduler, self.core.speculator
+        scheduler.closed_batch = True
+        if speculator is not None:
+            speculator.balance.begin()
         try:
             yield
         finally:
-            speculator.balance.end()
+            scheduler.closed_batch = False
+            if speculator is not None:
+                speculator.balance.end()
 
     def abort_request(self, request_id: str) -> None:
         if self.processor is not None:

@@ -128,6 +128,9 @@ class Scheduler:
         self.speculator = speculator
         self.decode_steps_rows = decode_steps_rows
         self.max_loras = max_loras
+        # set by the caller while it adds no request until all have finished (`LLMEngine.closed_batch`, the
+        # offline `LLM.generate`): no request can arrive during a pass, so `multi_step_budget_ms` is moot
+        self.closed_batch = False
         # seconds the vision tower takes per image tile (the runner measures it; None: not yet): under the
         # `compute` policy a step starts encoding only as many tiles as its time budget has room for
         self.tile_seconds: Callable[[], float | None] = lambda: None
@@ -387,9 +390,10 @@ class Scheduler:
     def _pass_steps(self, decodes: list[Request]) -> int:
         """Steps for a pass of several decode steps of `decodes`: `num_scheduler_steps`, fewer where the cost
         model prices one step of them so that the pass would outlast `multi_step_budget_ms` (at least 1); all
-        of them without a start-up profile (the default prices are a slow CPU's, ~30 ms a step)."""
+        of them without a start-up profile (the default prices are a slow CPU's, ~30 ms a step) and in a closed
+        batch (nobody can arrive and wait for the pass)."""
         limit = self.config.num_scheduler_steps
-        if not self.cost_model.profiled:
+        if self.closed_batch or not self.cost_model.profiled:
             return limit
         step = self.cost_model.predict(StepWork(tuple((1, r.num_tokens - 1) for r in decodes)))
         if step <= 0:

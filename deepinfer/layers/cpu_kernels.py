@@ -96,6 +96,11 @@ def load_library_from(directory: Path) -> ctypes.CDLL | None:
     vp, i = ctypes.c_void_p, ctypes.c_int
     lib.q4_1_gemm.argtypes = [vp, i, i, vp, vp, vp, vp, i, vp, i]
     lib.q8_0_gemm.argtypes = [vp, i, i, vp, vp, vp, i, vp, i]
+    if hasattr(lib, "gguf_amx_gemm"):  # AMX builds only
+        lib.gguf_amx_gemm.argtypes = [vp, i, i, i, vp, vp, vp, vp, i]
+        lib.gguf_amx_gemm.restype = i
+        lib.gguf_amx_gemm_silu.argtypes = [vp, i, i, i, vp, vp, vp, vp, i]
+        lib.gguf_amx_gemm_silu.restype = i
     lib.dense_gemm.argtypes = [vp, i, i, vp, vp, i, vp, i]
     lib.max_rows.restype = i
     lib.panel_gemm_f32.argtypes = [vp, i, i, vp, vp, i]

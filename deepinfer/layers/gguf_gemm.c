@@ -13,7 +13,8 @@
  *   Q8_0: qs [N, K] int8, d [N, K/32] float32; w = d * q
  * The effective weights are those of the model's dense copy in the same dtype, so a row's result
  * does not depend on which path a batch size picks: float32 uses the file's exact values, bfloat16
- * those values rounded to bfloat16. Rows are served MAX_ROWS at a time per pass over the weights.
+ * those values rounded to bfloat16. Rows are served MAX_ROWS at a time per pass over the weights. On AMX CPUs
+ * gguf_amx_gemm(_silu) multiplies bf16 batches of any size from the blocks on AMX tiles (the end of this file).
  * Built together with paged_attention.c by deepinfer/layers/cpu_kernels.py.
  */
 #include <omp.h>
@@ -831,6 +832,234 @@ static void rows_bf16(const uint16_t *x, int M, int K, int kind, const void *qs,
 #define ROWSM(R) rowsm_any(x, R, K, kind, qs, d, mn, y, N, n0, n1)
     ROWS_SWITCH(ROWSM)
 #undef ROWSM
+}
+#endif
+
+#if HAVE_AMX
+/* ---- batches past MAX_ROWS on AMX tiles, straight from the blocks ------------------------------- *
+ * A bf16 batch of more rows than MAX_ROWS takes AMX tiles (panel_gemm.c's amx_gemm_bf16) where the CPU has them,
+ * on the dense bf16 copy of the weights: 2 bytes a weight from memory where the blocks hold 0.625 (Q4_1). Here the
+ * blocks are dequantized, 32 output features at a time, into a buffer in the core's cache (q4_1_block_pbh: the
+ * dense copy's values, k in order) and multiplied from there as A tiles (16 features x 32 k) against x transposed
+ * into B tiles (16 k pairs x 16 rows), the C tiles (features x rows) transposed into y. A tile product's output
+ * (m, n) adds the same k pairs' products in the same order whichever operand holds the weights, so every output has
+ * the bits amx_gemm_bf16 gives on the dense copy. */
+#define AMX_FEATURES 32
+
+/* v[0..16) as rows of a 16 x 16 matrix of 32-bit lanes -> v[j] its column j: 32-bit unpacks, 64-bit unpacks, then
+ * two rounds of 128-bit shuffles */
+static inline __attribute__((always_inline)) void transpose16(__m512 v[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm512_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        v[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        v[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+        v[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+        v[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(v[i], v[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(v[i], v[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(v[i + 8], v[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(v[i + 8], v[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        v[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+        v[i + 4] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0x88);
+        v[i + 12] = _mm512_shuffle_f32x4(t[i + 4], t[i + 12], 0xDD);
+    }
+}
+
+/* B tile (g, c) of x: rows [16 g, 16 g + 16) of x [M, K] (bf16) at k chunk c (32 k) as 16 rows (k pairs) x 16
+ * dwords (one row of x each, its pair); rows past M zeros */
+static void pack_xt_tile(const uint16_t *x, int M, int K, int g, int c, uint32_t *tile) {
+    __m512 v[16];
+    for (int r = 0; r < 16; r++)
+        v[r] = 16 * g + r < M ? _mm512_loadu_ps((const float *)(x + (int64_t)(16 * g + r) * K + 32 * c))
+                              : _mm512_setzero_ps();
+    transpose16(v);
+    for (int p = 0; p < 16; p++) _mm512_storeu_ps((float *)(tile + 16 * p), v[p]);
+}
+
+/* The dequantizing of one unit's features into a [AMX_FEATURES][K] buffer, done a few blocks at a time between tile
+ * products (dequant_step) so that the vector units dequantize the next unit while the tiles multiply this one: a
+ * unit is 32 features from n0 (or, with silu, 16 gate features from n0 and their 16 up features from n1) */
+typedef struct {
+    int kind, nb, first[2], limit[2];  /* feature ranges of 16 from first[h]; prefetches stop at limit[h] */
+    const void *qs;
+    const float *d, *mn;
+    uint16_t *buf;
+    int f, b;  /* the next block: feature f (of AMX_FEATURES), block b */
+} dequant_job;
+
+static inline void dequant_step(dequant_job *j, int blocks) {
+    const int K = j->nb * QK;
+    while (blocks > 0 && j->f < AMX_FEATURES) {
+        const int h = j->f >> 4;
+        const int64_t row = j->first[h] + (j->f & 15);
+        if (j->b == 0 && row + PREFETCH_AHEAD < j->limit[h])
+            prefetch_feature(j->kind, j->qs, j->d, j->mn, row + PREFETCH_AHEAD, j->nb);
+        int end = j->b + blocks < j->nb ? j->b + blocks : j->nb;
+        end += (end - j->b) & 1 && end < j->nb;  /* whole pairs */
+        uint16_t *out = j->buf + (int64_t)j->f * K;
+        blocks -= end - j->b;
+        int b = j->b;
+        for (; b + 2 <= end; b += 2) {  /* a pair's lo / hi halves (block_pair_pbh) back into k order */
+            __m512bh lo, hi;
+            block_pair_pbh(j->kind, j->qs, j->d, j->mn, row, j->nb, b, &lo, &hi);
+            _mm512_storeu_si512(out + b * QK, _mm512_shuffle_i64x2((__m512i)lo, (__m512i)hi, 0x44));
+            _mm512_storeu_si512(out + (b + 1) * QK, _mm512_shuffle_i64x2((__m512i)lo, (__m512i)hi, 0xEE));
+        }
+        if (b < end)
+            _mm512_storeu_si512(out + b * QK, (__m512i)block_pbh(j->kind, j->qs, j->d, j->mn, row, j->nb, b));
+        j->b = end;
+        if (end == j->nb) j->f++, j->b = 0;
+    }
+}
+
+/* the 16 x 16 float32 tile c (rows: features, columns: rows of x) as 16-feature runs of `rows` rows of y */
+static inline void store_transposed(const float c[16][16], uint16_t *y, int N, int rows) {
+    __m512 v[16];
+    for (int i = 0; i < 16; i++) v[i] = _mm512_loadu_ps(c[i]);
+    transpose16(v);
+    /* v[j]: column j; + 0 as amx_gemm_bf16 adds its (zero) bias: a -0 sum is stored as +0 there too */
+    for (int j = 0; j < rows; j++) store16(y + (int64_t)j * N, _mm512_add_ps(v[j], _mm512_setzero_ps()), 1);
+}
+
+/* C tiles 0-3 = (A tile a0, a1) x (B tiles of row groups g, g + 1 at k chunk c): tile 2 i + q is A i, group q */
+static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, int K, const uint32_t *xt, int groups,
+                                                           int g, int two, dequant_job *job, int per_step) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < K / 32; c++) {
+        if (job) dequant_step(job, per_step);
+        const uint32_t *b = xt + ((int64_t)c * groups + g) * 256;
+        _tile_loadd(4, a + 32 * c, 2 * K);
+        _tile_loadd(5, a + (int64_t)16 * K + 32 * c, 2 * K);
+        _tile_loadd(6, b, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(2, 5, 6);
+        if (two) {
+            _tile_loadd(7, b + 256, 64);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+}
+
+/* a thread's scratch of at least `bytes`, kept for its next calls (allocating and freeing ~100 KB a call had glibc
+ * return the heap's top to the kernel and fault it back in, with TLB shootdowns, every call); NULL if out of memory */
+static void *thread_scratch(size_t bytes, int which) {
+    static __thread void *held[2];
+    static __thread size_t size[2];
+    if (size[which] < bytes) {
+        free(held[which]);
+        held[which] = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        size[which] = held[which] ? bytes : 0;
+    }
+    return held[which];
+}
+
+/* y [M, N] = x [M, K] w^T for bf16 x and the GGUF blocks of w (kind 0 Q4_1, 1 Q8_0), on AMX tiles, with the bits of
+ * amx_gemm_bf16 on w's dense bf16 copy. `silu`: w is a fused gate/up projection of N = 2 I features and y [M, I]
+ * gets silu(x gate^T) * (x up^T) with the bits of amx_gemm_bf16_silu (a unit of work is then 16 gate features and
+ * their 16 up features, else 32 features). Returns 0 (nothing computed) where the CPU or Linux grants no tiles, K
+ * or N is not a multiple of 32, or memory runs out. The dequantizing and the tile products of a core do not overlap
+ * in time here (measured: their sum), so this pays where the panels' 2 bytes a weight cost more than the
+ * dequantizing: SmolLM2-135M's gate/up product (benchmarks/amx_blocks.py). */
+static int amx_blocks(const uint16_t *x, int M, int K, int kind, const void *qs, const float *d, const float *mn,
+                      uint16_t *y, int N, int silu) {
+    if (K % 32 || N % AMX_FEATURES || !amx_permitted()) return 0;
+    const int groups = (M + 15) / 16, nb = K / QK, I = N / 2;
+    uint32_t *xt = thread_scratch((size_t)(K / 32) * groups * 1024, 0);  /* the caller's: every thread reads it */
+    if (!xt) return 0;
+    int failed = 0;
+#pragma omp parallel
+    {
+        uint16_t *bufs = thread_scratch((size_t)2 * AMX_FEATURES * K * 2, 1);  /* this unit's, the next one's */
+        if (!bufs) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int i = 0; i < groups * (K / 32); i++)  /* tile (g, c) at (c * groups + g) */
+            pack_xt_tile(x, M, K, i % groups, i / groups, xt + (int64_t)i * 256);
+        if (!failed) {
+            amx_configure();
+            const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+            /* silu: a unit is 16 gate features and their 16 up features; else 32 features */
+            const int units = silu ? I / 16 : N / AMX_FEATURES;
+            const int u0 = (int)((int64_t)units * t / nt), u1 = (int)((int64_t)units * (t + 1) / nt);
+            /* the next unit's blocks spread over this unit's k steps */
+            const int steps = (K / 32) * ((groups + 1) / 2), per_step = (AMX_FEATURES * nb + steps - 1) / steps;
+            float c[4][16][16];
+            dequant_job job = {kind, nb, {0, 0}, {0, 0}, qs, d, mn, bufs, 0, 0};
+            for (int u = u0; u < u1; u++) {
+                uint16_t *buf = bufs + (int64_t)((u - u0) & 1) * AMX_FEATURES * K;
+                if (u == u0) {  /* the first unit's blocks before any product */
+                    job.first[0] = silu ? 16 * u : AMX_FEATURES * u, job.first[1] = silu ? I + 16 * u : job.first[0] + 16;
+                    job.limit[0] = silu ? 16 * u1 : AMX_FEATURES * u1, job.limit[1] = silu ? I + 16 * u1 : job.limit[0];
+                    job.buf = buf, job.f = job.b = 0;
+                    dequant_step(&job, AMX_FEATURES * nb);
+                }
+                dequant_job *ahead = NULL;  /* the next unit's */
+                if (u + 1 < u1) {
+                    const int v = u + 1;
+                    job.first[0] = silu ? 16 * v : AMX_FEATURES * v, job.first[1] = silu ? I + 16 * v : job.first[0] + 16;
+                    job.buf = bufs + (int64_t)((v - u0) & 1) * AMX_FEATURES * K, job.f = job.b = 0;
+                    ahead = &job;
+                }
+                for (int g = 0; g < groups; g += 2) {
+                    const int two = g + 1 < groups;
+                    amx_block(buf, K, xt, groups, g, two, ahead, per_step);
+                    /* c[q]: A 0 (the first 16 features: gate with silu) x group g + q; c[2 + q]: A 1 (the next 16: up) */
+                    _tile_stored(0, c[0], 64);
+                    _tile_stored(2, c[2], 64);
+                    if (two) {
+                        _tile_stored(1, c[1], 64);
+                        _tile_stored(3, c[3], 64);
+                    }
+                    for (int q = 0; q <= two; q++) {
+                        const int r0 = 16 * (g + q), rows = M - r0 < 16 ? M - r0 : 16;
+                        if (!silu) {
+                            store_transposed(c[q], y + (int64_t)r0 * N + AMX_FEATURES * u, N, rows);
+                            store_transposed(c[2 + q], y + (int64_t)r0 * N + AMX_FEATURES * u + 16, N, rows);
+                        } else {
+                            uint16_t gt[16][16], ut[16][16];  /* the rounded gate and up sums, rows x features */
+                            store_transposed(c[q], &gt[0][0], 16, rows);
+                            store_transposed(c[2 + q], &ut[0][0], 16, rows);
+                            for (int r = 0; r < rows; r++) {
+                                const __m512 gv = _mm512_castsi512_ps(
+                                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)gt[r])), 16));
+                                const __m512 uv = _mm512_castsi512_ps(
+                                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)ut[r])), 16));
+                                store16(y + (int64_t)(r0 + r) * I + 16 * u, _mm512_mul_ps(round16(silu16(gv), 1), uv), 1);
+                            }
+                        }
+                    }
+                }
+                if (ahead) dequant_step(ahead, AMX_FEATURES * nb);  /* what the k steps left (rounding) */
+            }
+            _tile_release();
+        }
+    }
+    return !failed;
+}
+
+int gguf_amx_gemm(const void *x, int M, int K, int kind, const void *qs, const float *d, const float *mn, void *y,
+                  int N) {
+    return amx_blocks((const uint16_t *)x, M, K, kind, qs, d, mn, (uint16_t *)y, N, 0);
+}
+
+int gguf_amx_gemm_silu(const void *x, int M, int K, int kind, const void *qs, const float *d, const float *mn,
+                       void *out, int I) {
+    return amx_blocks((const uint16_t *)x, M, K, kind, qs, d, mn, (uint16_t *)out, 2 * I, 1);
 }
 #endif
 

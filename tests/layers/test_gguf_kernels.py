@@ -125,6 +125,71 @@ def test_bf16_block_pairs_and_a_lone_last_block_give_the_dense_copys_bits(kind, 
             assert torch.equal(dense.matmul(x[:rows]), alone[:rows]), (n, nb, rows)
 
 
+def _amx_library():
+    lib = gk.load_library()
+    return lib if lib is not None and hasattr(lib, "gguf_amx_gemm") and lib.amx_tiles_granted() else None
+
+
+@pytest.mark.skipif(_amx_library() is None, reason="needs AMX tiles (the kernel exists only in AMX builds)")
+@pytest.mark.parametrize("rows", [9, 16, 17, 40, 64, 100])
+def test_blocks_on_amx_tiles_give_the_dense_panels_bits(blocks, rows):
+    """gguf_amx_gemm(_silu): GGUF blocks dequantized into the core's cache and multiplied as A tiles against x^T must
+    give every output the bits of the AMX panels of the dense bf16 copy (panel_gemm_bf16(_silu), what a batch of more
+    than max_rows() rows took before): Q4_1 (a layer's gate/up, its SiLU*mul fused as the panels fuse it; its
+    down projection, K = 1536) and Q8_0 (LM head rows), row counts off and on the tiles' 16, an odd number of
+    16-row groups; and stay near the float64 product."""
+    from deepinfer.layers.linear import pack_panels
+
+    lib = _amx_library()
+    embd = blocks["token_embd.weight"]
+    gate_up = gk.QuantizedWeight.concat([blocks["blk.2.ffn_gate.weight"], blocks["blk.2.ffn_up.weight"]])
+    cases = {"gate_up": gate_up, "down": blocks["blk.2.ffn_down.weight"],
+             "q8_0": gk.QuantizedWeight("q8_0", embd.qs[:1056], embd.d[:1056], None, 1056, embd.k)}
+    codes = {"q4_1": 0, "q8_0": 1}
+    for name, w in cases.items():
+        dense = w.dequantize().bfloat16()
+        panels = pack_panels(dense)
+        x = (torch.randn(rows, w.k, generator=torch.Generator().manual_seed(rows)) * 0.5).bfloat16()
+        mn = w.mn.data_ptr() if w.mn is not None else None
+        y, ref = torch.empty(rows, w.n, dtype=torch.bfloat16), torch.empty(rows, w.n, dtype=torch.bfloat16)
+        assert lib.gguf_amx_gemm(x.data_ptr(), rows, w.k, codes[w.kind], w.qs.data_ptr(), w.d.data_ptr(), mn,
+                                 y.data_ptr(), w.n) == 1
+        assert lib.panel_gemm_bf16(x.data_ptr(), rows, w.k, panels.data_ptr(), None, ref.data_ptr(), w.n, 0) == 1
+        assert torch.equal(y.view(torch.int16), ref.view(torch.int16)), (name, rows)
+        exact = x.double() @ dense.double().T
+        assert ((y.double() - exact).abs() / exact.abs().clamp_min(1e-1)).max().item() < 2e-2, (name, rows)
+        if name == "gate_up":
+            inter = w.n // 2
+            act, act_ref = torch.empty(rows, inter, dtype=torch.bfloat16), torch.empty(rows, inter, dtype=torch.bfloat16)
+            assert lib.gguf_amx_gemm_silu(x.data_ptr(), rows, w.k, 0, w.qs.data_ptr(), w.d.data_ptr(), mn,
+                                          act.data_ptr(), inter) == 1
+            assert lib.panel_gemm_bf16_silu(x.data_ptr(), rows, w.k, panels.data_ptr(), act_ref.data_ptr(), inter) == 1
+            assert torch.equal(act.view(torch.int16), act_ref.view(torch.int16)), rows
+
+
+@pytest.mark.skipif(_amx_library() is None, reason="needs AMX tiles (the kernel exists only in AMX builds)")
+def test_a_gate_up_linear_takes_the_blocks_past_max_rows_with_the_panels_bits(blocks):
+    """Linear.silu_mul_into on an AMX CPU: a bf16 batch of more than max_rows() rows of a gate/up projection with GGUF
+    blocks takes gguf_amx_gemm_silu, whose output is what forward() followed by silu_mul gives; at max_rows() rows
+    and below (the blocks' vector kernel serves forward) and for float32 it declines."""
+    from deepinfer.layers.activation import silu_and_mul
+    from deepinfer.layers.linear import Linear
+
+    w = gk.QuantizedWeight.concat([blocks["blk.5.ffn_gate.weight"], blocks["blk.5.ffn_up.weight"]])
+    lin = Linear(w.k, w.n, bias=False)
+    lin.weight.data = w.dequantize().bfloat16()
+    lin.attach(w)
+    lin.pack()
+    x = (torch.randn(37, w.k, generator=torch.Generator().manual_seed(5)) * 0.5).bfloat16()
+    out = torch.empty(37, w.n // 2, dtype=torch.bfloat16)
+    assert lin._blocks_on_amx(x, out)
+    assert lin.silu_mul_into(x, out)
+    assert torch.equal(out.view(torch.int16), silu_and_mul(lin(x)).view(torch.int16))
+    small = x[:gk.max_rows()]
+    assert not lin.silu_mul_into(small, torch.empty(small.shape[0], w.n // 2, dtype=torch.bfloat16))
+    assert not lin._blocks_on_amx(x.float(), out.float())
+
+
 @pytest.mark.slow  # ~25 s: two default-model engines
 def test_engine_with_kernels_matches_float32_path():
     params = SamplingParams(temperature=0, max_tokens=24, logprobs=3)
