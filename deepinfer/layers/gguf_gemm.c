@@ -845,6 +845,9 @@ static void rows_bf16(const uint16_t *x, int M, int K, int kind, const void *qs,
  * (m, n) adds the same k pairs' products in the same order whichever operand holds the weights, so every output has
  * the bits amx_gemm_bf16 gives on the dense copy. */
 #define AMX_FEATURES 32
+/* more rows take the panels: each unit of features here walks all of x^T, which past ~1000 rows no longer stays in
+ * L2 (SmolLM2's gate/up: 1.22-1.35x the panels' speed at 16-512 rows, 0.74x at 2048) */
+#define AMX_BLOCKS_MAX_ROWS 512
 
 /* v[0..16) as rows of a 16 x 16 matrix of 32-bit lanes -> v[j] its column j: 32-bit unpacks, 64-bit unpacks, then
  * two rounds of 128-bit shuffles */
@@ -970,12 +973,12 @@ static void *thread_scratch(size_t bytes, int which) {
  * amx_gemm_bf16 on w's dense bf16 copy. `silu`: w is a fused gate/up projection of N = 2 I features and y [M, I]
  * gets silu(x gate^T) * (x up^T) with the bits of amx_gemm_bf16_silu (a unit of work is then 16 gate features and
  * their 16 up features, else 32 features). Returns 0 (nothing computed) where the CPU or Linux grants no tiles, K
- * or N is not a multiple of 32, or memory runs out. The dequantizing and the tile products of a core do not overlap
- * in time here (measured: their sum), so this pays where the panels' 2 bytes a weight cost more than the
- * dequantizing: SmolLM2-135M's gate/up product (benchmarks/amx_blocks.py). */
+ * or N is not a multiple of 32, M is past AMX_BLOCKS_MAX_ROWS, or memory runs out. The dequantizing and the tile
+ * products of a core do not overlap in time here (measured: their sum), so this pays where the panels' 2 bytes a
+ * weight cost more than the dequantizing: SmolLM2-135M's gate/up product (benchmarks/amx_blocks.py). */
 static int amx_blocks(const uint16_t *x, int M, int K, int kind, const void *qs, const float *d, const float *mn,
                       uint16_t *y, int N, int silu) {
-    if (K % 32 || N % AMX_FEATURES || !amx_permitted()) return 0;
+    if (M > AMX_BLOCKS_MAX_ROWS || K % 32 || N % AMX_FEATURES || !amx_permitted()) return 0;
     const int groups = (M + 15) / 16, nb = K / QK, I = N / 2;
     uint32_t *xt = thread_scratch((size_t)(K / 32) * groups * 1024, 0);  /* the caller's: every thread reads it */
     if (!xt) return 0;
