@@ -103,6 +103,8 @@ def load_library_from(directory: Path) -> ctypes.CDLL | None:
         lib.gguf_amx_gemm_silu.restype = i
     lib.dense_gemm.argtypes = [vp, i, i, vp, vp, i, vp, i]
     lib.max_rows.restype = i
+    if hasattr(lib, "gguf_rows_take_fmas"):  # AVX-512 BF16 builds only
+        lib.gguf_rows_take_fmas.restype = i
     lib.panel_gemm_f32.argtypes = [vp, i, i, vp, vp, i]
     lib.panel_gemm_f32_silu.argtypes = [vp, i, i, vp, vp, i]
     lib.panel_gemm_f32_silu.restype = i

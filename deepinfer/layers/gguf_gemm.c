@@ -747,6 +747,82 @@ static inline __attribute__((always_inline)) void prefetch_feature(const int kin
         for (int o = 0; o < nb * 4; o += 64) _mm_prefetch((const char *)(mn + n * nb) + o, _MM_HINT_T0);
 }
 
+/* VDPBF16PS is slow on some cores (a 2-core Sapphire Rapids Xeon: one every ~2 cycles, where an FMA issues twice a
+ * cycle), and on Intel's it is two fused multiply-adds per float32 lane, the odd bf16 pair member first, with DAZ and
+ * FTZ: fma(even w, even x, fma(odd w, odd x, acc)) with the denormal flags set gives the same bits (checked at start,
+ * dp_is_two_fmas). With 2-8 rows the weights' bf16 halves are widened once (a shift, a mask) and shared by the rows,
+ * the rows' x widened once per call (fma_x_rows), so a row's products cost two FMAs and two loads. */
+static inline __m512 even_f32(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+static inline __m512 odd_f32(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000))); }
+
+/* acc + the dot products of a 32-value chunk: w's odd / even members against x's (xc: 16 odd, then 16 even floats) */
+static inline __attribute__((always_inline)) __m512 dp_fma(__m512 acc, __m512 w_o, __m512 w_e, const float *xc) {
+    return _mm512_fmadd_ps(w_e, _mm512_loadu_ps(xc + 16), _mm512_fmadd_ps(w_o, _mm512_loadu_ps(xc), acc));
+}
+
+/* the rows of x [M, K] (bf16) in pair_x_bf16's order, each 32-value chunk as its 16 odd members then its 16 even ones
+ * as float32: xf [M, K] floats */
+static void fma_x_rows(const uint16_t *x, int M, int K, float *xf) {
+    const int nb = K / QK;
+    for (int64_t m = 0; m < M; m++) {
+        const uint16_t *r = x + m * K;
+        float *o = xf + m * K;
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            const uint16_t *x0 = r + b * QK, *x1 = x0 + QK;
+            const __m512i lo = two_halves(x0, x1), hi = two_halves(x0 + 16, x1 + 16);
+            _mm512_storeu_ps(o + b * QK, odd_f32(lo));
+            _mm512_storeu_ps(o + b * QK + 16, even_f32(lo));
+            _mm512_storeu_ps(o + b * QK + QK, odd_f32(hi));
+            _mm512_storeu_ps(o + b * QK + QK + 16, even_f32(hi));
+        }
+        if (b < nb) {
+            const __m512i v = _mm512_loadu_si512(r + b * QK);
+            _mm512_storeu_ps(o + b * QK, odd_f32(v));
+            _mm512_storeu_ps(o + b * QK + 16, even_f32(v));
+        }
+    }
+}
+
+/* whether this core's VDPBF16PS gives the two FMAs' bits (dp_fma) under DAZ and FTZ, on values of every scale down to
+ * the denormal range (1 on Intel's cores, where the instruction is defined that way; once, then cached) */
+static int dp_is_two_fmas(void) {
+    static int known = -1;
+    if (known >= 0) return known;
+    const unsigned csr = _mm_getcsr();
+    _mm_setcsr(csr | 0x8040);
+    uint32_t state = 12345;
+    int same = 1;
+    for (int it = 0; it < 4096 && same; it++) {
+        uint16_t w[32], xv[32];
+        float acc[16], xf[32];
+        for (int i = 0; i < 32; i++) {
+            state = state * 1664525u + 1013904223u;
+            w[i] = (uint16_t)(state >> 16) & (it % 3 ? 0xBFFF : 0x81FF);  /* every sign and exponent; tiny ones */
+            state = state * 1664525u + 1013904223u;
+            xv[i] = (uint16_t)(state >> 16) & (it % 4 ? 0xBFFF : 0x80FF);
+        }
+        for (int i = 0; i < 16; i++) {
+            state = state * 1664525u + 1013904223u;
+            uint32_t bits = state & (it % 2 ? 0xBFFFFFFFu : 0x80FFFFFFu);
+            memcpy(&acc[i], &bits, 4);
+        }
+        const __m512i wv = _mm512_loadu_si512(w), x = _mm512_loadu_si512(xv);
+        _mm512_storeu_ps(xf, odd_f32(x));
+        _mm512_storeu_ps(xf + 16, even_f32(x));
+        const __m512 a = _mm512_loadu_ps(acc);
+        const __m512 ref = _mm512_dpbf16_ps(a, (__m512bh)wv, (__m512bh)x);
+        const __m512 got = dp_fma(a, odd_f32(wv), even_f32(wv), xf);
+        same = _mm512_cmpeq_epi32_mask(_mm512_castps_si512(ref), _mm512_castps_si512(got)) == 0xFFFF;
+    }
+    _mm_setcsr(csr);
+    known = same;
+    return known;
+}
+
+/* 1 where bf16 products of 2-8 rows take dp_fma (tests and benchmarks ask) */
+int gguf_rows_take_fmas(void) { return dp_is_two_fmas(); }
+
 /* The sums of output feature n for M rows (1..MAX_ROWS) of x (in pair order: pair_x_bf16) into v[0..M): each
  * block pair's lo vector into one accumulator, its hi vector into another (a last lone block into the first),
  * then their sum. M and the weight kind are compile-time constants at each call site, so
@@ -754,10 +830,39 @@ static inline __attribute__((always_inline)) void prefetch_feature(const int kin
  * and store its accumulator: 4-8 rows cost 1.7-2.3x one row). Each block is dequantized once for all M
  * rows; the x blocks come from L1. The order is fixed whatever M is, so a row's bits do not depend on the
  * other rows. */
-static inline __attribute__((always_inline)) void feature_sums(const uint16_t *x, const int M, int K, const int kind,
+static inline __attribute__((always_inline)) void feature_sums(const void *xv, const int M, int K, const int kind,
                                                                 const void *qs, const float *d, const float *mn,
-                                                                int n, __m512 *v) {
+                                                                int n, __m512 *v, const int fma2) {
     const int nb = K / QK;
+    if (fma2) {  /* x as fma_x_rows left it: per 32-value chunk its odd then its even values as float32 */
+        const float *xf = (const float *)xv;
+        __m512 acc[MAX_ROWS], accb[MAX_ROWS];
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
+        int b = 0;
+        for (; b + 2 <= nb; b += 2) {
+            __m512bh lo, hi;
+            block_pair_pbh(kind, qs, d, mn, n, nb, b, &lo, &hi);
+            const __m512 lo_o = odd_f32((__m512i)lo), lo_e = even_f32((__m512i)lo);
+            const __m512 hi_o = odd_f32((__m512i)hi), hi_e = even_f32((__m512i)hi);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) {
+                const float *xm = xf + (int64_t)m * K + b * QK;
+                acc[m] = dp_fma(acc[m], lo_o, lo_e, xm);
+                accb[m] = dp_fma(accb[m], hi_o, hi_e, xm + QK);
+            }
+        }
+        if (b < nb) {
+            const __m512i w0 = (__m512i)block_pbh(kind, qs, d, mn, n, nb, b);
+            const __m512 w_o = odd_f32(w0), w_e = even_f32(w0);
+#pragma GCC unroll 8
+            for (int m = 0; m < M; m++) acc[m] = dp_fma(acc[m], w_o, w_e, xf + (int64_t)m * K + b * QK);
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < M; m++) v[m] = _mm512_add_ps(acc[m], accb[m]);
+        return;
+    }
+    const uint16_t *x = (const uint16_t *)xv;
     __m512 acc[MAX_ROWS], accb[MAX_ROWS];
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
@@ -784,16 +889,17 @@ static inline __attribute__((always_inline)) void feature_sums(const uint16_t *x
 
 /* G consecutive features from n (G * M <= 16): their sums reduced together by one reduce16 (source f * M + m:
  * feature f, row m), rounded to bfloat16 as store1 rounds one, and stored */
-static inline __attribute__((always_inline)) void feature_group(const uint16_t *x, const int M, int K, const int kind,
+static inline __attribute__((always_inline)) void feature_group(const void *x, const int M, int K, const int kind,
                                                                  const void *qs, const float *d, const float *mn,
-                                                                 uint16_t *y, int N, int n, const int G, int n1) {
+                                                                 uint16_t *y, int N, int n, const int G, int n1,
+                                                                 const int fma2) {
     const int nb = K / QK;
     __m512 v[16];
 #pragma GCC unroll 16
     for (int s = G * M; s < 16; s++) v[s] = _mm512_setzero_ps();
     for (int f = 0; f < G; f++) {
         if (n + f + PREFETCH_AHEAD < n1) prefetch_feature(kind, qs, d, mn, n + f + PREFETCH_AHEAD, nb);
-        feature_sums(x, M, K, kind, qs, d, mn, n + f, v + f * M);
+        feature_sums(x, M, K, kind, qs, d, mn, n + f, v + f * M, fma2);
     }
     uint16_t out[16];
     store16(out, reduce16(v), 1);
@@ -809,29 +915,36 @@ static inline __attribute__((always_inline)) void feature_group(const uint16_t *
  * group: several features per pass (sharing the x loads) only paid with the weights in cache; reading them
  * from memory, one sequential run per array was faster. */
 #define GROUPED_MAX_ROWS 4
-static inline __attribute__((always_inline)) void rowsm_bf16(const uint16_t *x, const int M, int K, const int kind,
+static inline __attribute__((always_inline)) void rowsm_bf16(const void *x, const int M, int K, const int kind,
                                                               const void *qs, const float *d, const float *mn,
-                                                              uint16_t *y, int N, int n0, int n1) {
+                                                              uint16_t *y, int N, int n0, int n1, const int fma2) {
     const int G = M <= GROUPED_MAX_ROWS ? 16 / M : 1;
     int n = n0;
-    for (; n + G <= n1; n += G) feature_group(x, M, K, kind, qs, d, mn, y, N, n, G, n1);
-    for (; n < n1; n++) feature_group(x, M, K, kind, qs, d, mn, y, N, n, 1, n1);
+    for (; n + G <= n1; n += G) feature_group(x, M, K, kind, qs, d, mn, y, N, n, G, n1, fma2);
+    for (; n < n1; n++) feature_group(x, M, K, kind, qs, d, mn, y, N, n, 1, n1, fma2);
 }
 
-static inline __attribute__((always_inline)) void rowsm_any(const uint16_t *x, const int M, int K, int kind,
+static inline __attribute__((always_inline)) void rowsm_any(const void *x, const int M, int K, int kind,
                                                              const void *qs, const float *d, const float *mn,
-                                                             uint16_t *y, int N, int n0, int n1) {
-    if (kind == 0) rowsm_bf16(x, M, K, 0, qs, d, mn, y, N, n0, n1);
-    else if (kind == 1) rowsm_bf16(x, M, K, 1, qs, d, mn, y, N, n0, n1);
-    else rowsm_bf16(x, M, K, 3, qs, d, mn, y, N, n0, n1);
+                                                             uint16_t *y, int N, int n0, int n1, const int fma2) {
+    if (kind == 0) rowsm_bf16(x, M, K, 0, qs, d, mn, y, N, n0, n1, fma2);
+    else if (kind == 1) rowsm_bf16(x, M, K, 1, qs, d, mn, y, N, n0, n1, fma2);
+    else rowsm_bf16(x, M, K, 3, qs, d, mn, y, N, n0, n1, fma2);
 }
 
-/* one group of M <= MAX_ROWS rows: one copy of the kernel per (M, kind) */
-static void rows_bf16(const uint16_t *x, int M, int K, int kind, const void *qs, const float *d, const float *mn,
-                      uint16_t *y, int N, int n0, int n1) {
-#define ROWSM(R) rowsm_any(x, R, K, kind, qs, d, mn, y, N, n0, n1)
-    ROWS_SWITCH(ROWSM)
+/* one group of M <= MAX_ROWS rows: one copy of the kernel per (M, kind); fma2: x as fma_x_rows left it, the products
+ * as dp_fma's (2-8 rows), else x as pair_x_bf16 left it and VDPBF16PS */
+static void rows_bf16(const void *x, int M, int K, int kind, const void *qs, const float *d, const float *mn,
+                      uint16_t *y, int N, int n0, int n1, int fma2) {
+    if (fma2) {
+#define ROWSM(R) rowsm_any(x, R, K, kind, qs, d, mn, y, N, n0, n1, 1)
+        ROWS_SWITCH(ROWSM)
 #undef ROWSM
+    } else {
+#define ROWSM(R) rowsm_any(x, R, K, kind, qs, d, mn, y, N, n0, n1, 0)
+        ROWS_SWITCH(ROWSM)
+#undef ROWSM
+    }
 }
 #endif
 
@@ -1150,22 +1263,35 @@ static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, 
         xq = xp;
     }
 #ifdef __AVX512BF16__
-    const uint16_t *xb = (const uint16_t *)x_in;  /* path 2: the rows in block-pair order (block_pair_pbh) */
-    if (path == 2) {
-        pair_x_bf16(xb, M, K, (uint16_t *)scratch);
-        xb = (const uint16_t *)scratch;
+    /* path 2: the rows in block-pair order (block_pair_pbh), as bf16, or widened for dp_fma (2 rows and more, on a
+     * core whose VDPBF16PS is the two FMAs: the same bits, faster) */
+    const int fma2 = path == 2 && M >= 2 && dp_is_two_fmas();
+    const void *xb = x_in;
+    if (fma2) {
+        fma_x_rows((const uint16_t *)x_in, M, K, scratch);
+        xb = scratch;
+    } else if (path == 2) {
+        pair_x_bf16((const uint16_t *)x_in, M, K, (uint16_t *)scratch);
+        xb = scratch;
     }
+#else
+    const int fma2 = 0;
 #endif
 #pragma omp parallel
     {
         const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+        /* bf16: DAZ and FTZ, VDPBF16PS's own rules, for dp_fma's FMAs and for every row's lane sums (reduce16), so
+         * that a row's bits do not depend on which of the two ran its products, down to denormal sums */
+        const unsigned csr = _mm_getcsr();
+        if (path == 2) _mm_setcsr(csr | 0x8040);
         const int n0 = (int)((int64_t)N * t / nt), n1 = (int)((int64_t)N * (t + 1) / nt);
         for (int m0 = 0; m0 < M; m0 += MAX_ROWS) {
             const int rows = M - m0 < MAX_ROWS ? M - m0 : MAX_ROWS;
             char *yg = (char *)y + (int64_t)m0 * N * es;
             if (path == 2) {
 #ifdef __AVX512BF16__
-                rows_bf16(xb + (int64_t)m0 * K, rows, K, kind, qs, d, mn, (uint16_t *)yg, N, n0, n1);
+                rows_bf16((const char *)xb + (int64_t)m0 * K * (fma2 ? 4 : 2), rows, K, kind, qs, d, mn, (uint16_t *)yg, N,
+                          n0, n1, fma2);
 #endif
             } else if (path == 1) {
                 rows_f32lanes(xf + (int64_t)m0 * K, rows, K, kind, qs, d, mn, yg, N, dtype == 1, n0, n1);
@@ -1176,6 +1302,7 @@ static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, 
                 q8_0_rows_f32(xf + (int64_t)m0 * K, rows, K, (const int8_t *)qs, d, (float *)yg, N, n0, n1, stream);
             }
         }
+        if (path == 2) _mm_setcsr(csr);
     }
 }
 

@@ -125,6 +125,33 @@ def test_bf16_block_pairs_and_a_lone_last_block_give_the_dense_copys_bits(kind, 
             assert torch.equal(dense.matmul(x[:rows]), alone[:rows]), (n, nb, rows)
 
 
+@pytest.mark.skipif(not getattr(gk.load_library(), "gguf_rows_take_fmas", lambda: 0)(),
+                    reason="bf16 rows take VDPBF16PS itself on this CPU (its results are not two FMAs')")
+def test_rows_on_two_fmas_keep_vdpbf16ps_bits_down_to_denormals():
+    """On CPUs whose VDPBF16PS is two FMAs (odd pair member first, DAZ / FTZ), bf16 calls of 2-8 rows compute their
+    products that way (faster there) while one row keeps VDPBF16PS: every row of a multi-row call must still have
+    the bits of the same row alone, also where x, the weights and the sums reach the denormal range (the FMAs run
+    with the denormal flags set; unset, most such outputs would differ), and the process's flags are left as
+    they were."""
+    import ctypes
+
+    n, nb = 40, 6
+    w = _odd_shaped("q4_1", n, nb, 3)
+    g = torch.Generator().manual_seed(4)
+    scale = torch.tensor([1.0, 1e-36, 1e-38, 3e-39, 1e-39, 1e-30, 1e-37, 2.0]).repeat_interleave(1)
+    x = (torch.randn(8, w.k, generator=g) * scale[:, None]).bfloat16()
+    x[:, ::7] = torch.tensor(1e-39).bfloat16()  # bf16 denormals beside normal values
+    libc = ctypes.CDLL(None)
+    alone = torch.cat([w.matmul(x[i:i + 1]) for i in range(8)])
+    assert (alone.view(torch.int16) != 0).any()
+    for rows in range(2, 9):
+        assert torch.equal(w.matmul(x[:rows]).view(torch.int16), alone[:rows].view(torch.int16)), rows
+    # a float32 denormal product still comes out denormal here: the flags were restored after the calls
+    tiny = torch.tensor([1e-20], dtype=torch.float32)
+    assert (tiny * tiny).item() != 0.0
+    del libc
+
+
 def _amx_library():
     lib = gk.load_library()
     return lib if lib is not None and hasattr(lib, "gguf_amx_gemm") and lib.amx_tiles_granted() else None
