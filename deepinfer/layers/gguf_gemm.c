@@ -13,7 +13,8 @@
  *   Q8_0: qs [N, K] int8, d [N, K/32] float32; w = d * q
  * The effective weights are those of the model's dense copy in the same dtype, so a row's result
  * does not depend on which path a batch size picks: float32 uses the file's exact values, bfloat16
- * those values rounded to bfloat16. Rows are served MAX_ROWS at a time per pass over the weights. On AMX CPUs
+ * those values rounded to bfloat16. Rows are served MAX_ROWS at a time per pass over the weights (bf16 rows: the pair
+ * products by VDPBF16PS, or at 2-8 rows by the two FMAs it is on Intel's cores, dp_fma). On AMX CPUs
  * gguf_amx_gemm(_silu) multiplies bf16 batches of any size from the blocks on AMX tiles (the end of this file).
  * Built together with paged_attention.c by deepinfer/layers/cpu_kernels.py.
  */
