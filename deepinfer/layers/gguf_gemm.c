@@ -667,7 +667,7 @@ static inline __attribute__((always_inline)) __m512bh block_pbh(int kind, const 
 
 /* Blocks go through the kernels in pairs (b, b + 1), as two vectors of 32 weights:
  *   lo = [block b: k 0..15 | block b + 1: k 0..15],  hi = [block b: k 16..31 | block b + 1: k 16..31],
- * with x permuted the same way once per call (pair_x_bf16), so the products and their float32 lanes are
+ * with x permuted the same way once per call (pair_x_rows), so the products and their float32 lanes are
  * those of the blocks in k order, summed in another fixed order. For Q4_1 one vpermw table then holds both
  * blocks' 16 values (words 0..15 block b's, 16..31 block b + 1's): one conversion to bf16 per pair instead
  * of one per block, and one widening of the pair's 32 quant bytes, whose words index the table after a
@@ -714,19 +714,31 @@ static inline __attribute__((always_inline)) void block_pair_pbh(int kind, const
     }
 }
 
-/* rows of x [M, K] (bf16) in the pair order of block_pair_pbh, into xp [M, K] */
-static void pair_x_bf16(const uint16_t *x, int M, int K, uint16_t *xp) {
+/* the even / odd bf16 members of v's 32 as float32 (the top half of a float32 is the bf16) */
+static inline __m512 even_f32(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
+static inline __m512 odd_f32(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000))); }
+
+/* rows of x [M, K] (bf16) in the pair order of block_pair_pbh, 32 values a chunk, into out [M, K]: as bf16 or, with
+ * `widen` (dp_fma's rows), each chunk as its 16 odd members then its 16 even ones in float32 (out: M * K floats) */
+static void pair_x_rows(const uint16_t *x, int M, int K, void *out, int widen) {
     const int nb = K / QK;
     for (int64_t m = 0; m < M; m++) {
         const uint16_t *r = x + m * K;
-        uint16_t *o = xp + m * K;
-        int b = 0;
-        for (; b + 2 <= nb; b += 2) {
+        for (int b = 0; b < nb; b += 2) {
             const uint16_t *x0 = r + b * QK, *x1 = x0 + QK;
-            _mm512_storeu_si512(o + b * QK, two_halves(x0, x1));
-            _mm512_storeu_si512(o + b * QK + QK, two_halves(x0 + 16, x1 + 16));
+            /* a pair's lo, hi chunks; a last lone block as it is */
+            const __m512i chunk[2] = {b + 1 < nb ? two_halves(x0, x1) : _mm512_loadu_si512(x0),
+                                      b + 1 < nb ? two_halves(x0 + 16, x1 + 16) : _mm512_setzero_si512()};
+            for (int h = 0; h < (b + 1 < nb ? 2 : 1); h++) {
+                const int64_t at = m * K + (b + h) * QK;
+                if (widen) {
+                    _mm512_storeu_ps((float *)out + at, odd_f32(chunk[h]));
+                    _mm512_storeu_ps((float *)out + at + 16, even_f32(chunk[h]));
+                } else {
+                    _mm512_storeu_si512((uint16_t *)out + at, chunk[h]);
+                }
+            }
         }
-        if (b < nb) _mm512_storeu_si512(o + b * QK, _mm512_loadu_si512(r + b * QK));
     }
 }
 
@@ -752,37 +764,19 @@ static inline __attribute__((always_inline)) void prefetch_feature(const int kin
  * cycle), and on Intel's it is two fused multiply-adds per float32 lane, the odd bf16 pair member first, with DAZ and
  * FTZ: fma(even w, even x, fma(odd w, odd x, acc)) with the denormal flags set gives the same bits (checked at start,
  * dp_is_two_fmas). With 2-8 rows the weights' bf16 halves are widened once (a shift, a mask) and shared by the rows,
- * the rows' x widened once per call (fma_x_rows), so a row's products cost two FMAs and two loads. */
-static inline __m512 even_f32(__m512i v) { return _mm512_castsi512_ps(_mm512_slli_epi32(v, 16)); }
-static inline __m512 odd_f32(__m512i v) { return _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xFFFF0000))); }
+ * the rows' x widened once per call (pair_x_rows), so a row's products cost two FMAs and two loads. */
 
 /* acc + the dot products of a 32-value chunk: w's odd / even members against x's (xc: 16 odd, then 16 even floats) */
 static inline __attribute__((always_inline)) __m512 dp_fma(__m512 acc, __m512 w_o, __m512 w_e, const float *xc) {
     return _mm512_fmadd_ps(w_e, _mm512_loadu_ps(xc + 16), _mm512_fmadd_ps(w_o, _mm512_loadu_ps(xc), acc));
 }
 
-/* the rows of x [M, K] (bf16) in pair_x_bf16's order, each 32-value chunk as its 16 odd members then its 16 even ones
- * as float32: xf [M, K] floats */
-static void fma_x_rows(const uint16_t *x, int M, int K, float *xf) {
-    const int nb = K / QK;
-    for (int64_t m = 0; m < M; m++) {
-        const uint16_t *r = x + m * K;
-        float *o = xf + m * K;
-        int b = 0;
-        for (; b + 2 <= nb; b += 2) {
-            const uint16_t *x0 = r + b * QK, *x1 = x0 + QK;
-            const __m512i lo = two_halves(x0, x1), hi = two_halves(x0 + 16, x1 + 16);
-            _mm512_storeu_ps(o + b * QK, odd_f32(lo));
-            _mm512_storeu_ps(o + b * QK + 16, even_f32(lo));
-            _mm512_storeu_ps(o + b * QK + QK, odd_f32(hi));
-            _mm512_storeu_ps(o + b * QK + QK + 16, even_f32(hi));
-        }
-        if (b < nb) {
-            const __m512i v = _mm512_loadu_si512(r + b * QK);
-            _mm512_storeu_ps(o + b * QK, odd_f32(v));
-            _mm512_storeu_ps(o + b * QK + 16, even_f32(v));
-        }
-    }
+/* acc + the products of the weights' 32-value chunk w with x's chunk at element `at` of x as pair_x_rows left it:
+ * VDPBF16PS on bf16 x, or (fma2) dp_fma on widened x with w's halves w_o, w_e (widened once for all rows) */
+static inline __attribute__((always_inline)) __m512 chunk_dp(__m512 acc, __m512bh w, __m512 w_o, __m512 w_e,
+                                                            const void *x, int64_t at, const int fma2) {
+    if (fma2) return dp_fma(acc, w_o, w_e, (const float *)x + at);
+    return _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_loadu_si512((const uint16_t *)x + at));
 }
 
 /* whether this core's VDPBF16PS gives the two FMAs' bits (dp_fma) under DAZ and FTZ, on values of every scale down to
@@ -824,46 +818,17 @@ static int dp_is_two_fmas(void) {
 /* 1 where bf16 products of 2-8 rows take dp_fma (tests and benchmarks ask) */
 int gguf_rows_take_fmas(void) { return dp_is_two_fmas(); }
 
-/* The sums of output feature n for M rows (1..MAX_ROWS) of x (in pair order: pair_x_bf16) into v[0..M): each
+/* The sums of output feature n for M rows (1..MAX_ROWS) of x (in pair order: pair_x_rows) into v[0..M): each
  * block pair's lo vector into one accumulator, its hi vector into another (a last lone block into the first),
  * then their sum. M and the weight kind are compile-time constants at each call site, so
  * the 2 * M accumulators stay in registers (a stack array indexed by a run-time m had every vdpbf16ps load
  * and store its accumulator: 4-8 rows cost 1.7-2.3x one row). Each block is dequantized once for all M
  * rows; the x blocks come from L1. The order is fixed whatever M is, so a row's bits do not depend on the
  * other rows. */
-static inline __attribute__((always_inline)) void feature_sums(const void *xv, const int M, int K, const int kind,
+static inline __attribute__((always_inline)) void feature_sums(const void *x, const int M, int K, const int kind,
                                                                 const void *qs, const float *d, const float *mn,
                                                                 int n, __m512 *v, const int fma2) {
     const int nb = K / QK;
-    if (fma2) {  /* x as fma_x_rows left it: per 32-value chunk its odd then its even values as float32 */
-        const float *xf = (const float *)xv;
-        __m512 acc[MAX_ROWS], accb[MAX_ROWS];
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
-        int b = 0;
-        for (; b + 2 <= nb; b += 2) {
-            __m512bh lo, hi;
-            block_pair_pbh(kind, qs, d, mn, n, nb, b, &lo, &hi);
-            const __m512 lo_o = odd_f32((__m512i)lo), lo_e = even_f32((__m512i)lo);
-            const __m512 hi_o = odd_f32((__m512i)hi), hi_e = even_f32((__m512i)hi);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++) {
-                const float *xm = xf + (int64_t)m * K + b * QK;
-                acc[m] = dp_fma(acc[m], lo_o, lo_e, xm);
-                accb[m] = dp_fma(accb[m], hi_o, hi_e, xm + QK);
-            }
-        }
-        if (b < nb) {
-            const __m512i w0 = (__m512i)block_pbh(kind, qs, d, mn, n, nb, b);
-            const __m512 w_o = odd_f32(w0), w_e = even_f32(w0);
-#pragma GCC unroll 8
-            for (int m = 0; m < M; m++) acc[m] = dp_fma(acc[m], w_o, w_e, xf + (int64_t)m * K + b * QK);
-        }
-#pragma GCC unroll 8
-        for (int m = 0; m < M; m++) v[m] = _mm512_add_ps(acc[m], accb[m]);
-        return;
-    }
-    const uint16_t *x = (const uint16_t *)xv;
     __m512 acc[MAX_ROWS], accb[MAX_ROWS];
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++) acc[m] = accb[m] = _mm512_setzero_ps();
@@ -871,18 +836,23 @@ static inline __attribute__((always_inline)) void feature_sums(const void *xv, c
     for (; b + 2 <= nb; b += 2) {
         __m512bh lo, hi;
         block_pair_pbh(kind, qs, d, mn, n, nb, b, &lo, &hi);
+        const __m512 lo_o = fma2 ? odd_f32((__m512i)lo) : _mm512_setzero_ps();
+        const __m512 lo_e = fma2 ? even_f32((__m512i)lo) : lo_o;
+        const __m512 hi_o = fma2 ? odd_f32((__m512i)hi) : lo_o;
+        const __m512 hi_e = fma2 ? even_f32((__m512i)hi) : lo_o;
 #pragma GCC unroll 8
         for (int m = 0; m < M; m++) {
-            const uint16_t *xm = x + (int64_t)m * K + b * QK;
-            acc[m] = _mm512_dpbf16_ps(acc[m], lo, (__m512bh)_mm512_loadu_si512(xm));
-            accb[m] = _mm512_dpbf16_ps(accb[m], hi, (__m512bh)_mm512_loadu_si512(xm + QK));
+            const int64_t at = (int64_t)m * K + b * QK;
+            acc[m] = chunk_dp(acc[m], lo, lo_o, lo_e, x, at, fma2);
+            accb[m] = chunk_dp(accb[m], hi, hi_o, hi_e, x, at + QK, fma2);
         }
     }
     if (b < nb) {
         const __m512bh w0 = block_pbh(kind, qs, d, mn, n, nb, b);
+        const __m512 w_o = fma2 ? odd_f32((__m512i)w0) : _mm512_setzero_ps();
+        const __m512 w_e = fma2 ? even_f32((__m512i)w0) : w_o;
 #pragma GCC unroll 8
-        for (int m = 0; m < M; m++)
-            acc[m] = _mm512_dpbf16_ps(acc[m], w0, (__m512bh)_mm512_loadu_si512(x + (int64_t)m * K + b * QK));
+        for (int m = 0; m < M; m++) acc[m] = chunk_dp(acc[m], w0, w_o, w_e, x, (int64_t)m * K + b * QK, fma2);
     }
 #pragma GCC unroll 8
     for (int m = 0; m < M; m++) v[m] = _mm512_add_ps(acc[m], accb[m]);
@@ -933,8 +903,8 @@ static inline __attribute__((always_inline)) void rowsm_any(const void *x, const
     else rowsm_bf16(x, M, K, 3, qs, d, mn, y, N, n0, n1, fma2);
 }
 
-/* one group of M <= MAX_ROWS rows: one copy of the kernel per (M, kind); fma2: x as fma_x_rows left it, the products
- * as dp_fma's (2-8 rows), else x as pair_x_bf16 left it and VDPBF16PS */
+/* one group of M <= MAX_ROWS rows: one copy of the kernel per (M, kind); fma2: x as pair_x_rows widened it, the products
+ * as dp_fma's (2-8 rows), else x as pair_x_rows left it and VDPBF16PS */
 static void rows_bf16(const void *x, int M, int K, int kind, const void *qs, const float *d, const float *mn,
                       uint16_t *y, int N, int n0, int n1, int fma2) {
     if (fma2) {
@@ -1269,10 +1239,10 @@ static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, 
     const int fma2 = path == 2 && M >= 2 && dp_is_two_fmas();
     const void *xb = x_in;
     if (fma2) {
-        fma_x_rows((const uint16_t *)x_in, M, K, scratch);
+        pair_x_rows((const uint16_t *)x_in, M, K, scratch, 1);
         xb = scratch;
     } else if (path == 2) {
-        pair_x_bf16((const uint16_t *)x_in, M, K, (uint16_t *)scratch);
+        pair_x_rows((const uint16_t *)x_in, M, K, scratch, 0);
         xb = scratch;
     }
 #else
