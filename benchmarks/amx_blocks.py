@@ -30,7 +30,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from deepinfer.layers.cpu_kernels import load_library
-    from deepinfer.layers.gguf_kernels import QuantizedWeight, read_quantized_tensors
+    from deepinfer.layers.gguf_kernels import KIND_CODES, QuantizedWeight, read_quantized_tensors
     from deepinfer.layers.linear import pack_panels
     from deepinfer.weights import resolve_model
 
@@ -47,7 +47,6 @@ def main() -> None:
     weights = {name: [QuantizedWeight.concat([tensors[f"blk.{i}.{p}.weight"] for p in ps]) for i in range(layers)]
                for name, ps in parts.items()}
     weights["lm_head"] = [tensors["token_embd.weight"]]
-    kinds = {"q4_1": 0, "q8_0": 1}
     print(f"{'rows':>5} {'product':8} {'blocks ms':>10} {'panels ms':>10} {'panels/blocks':>14}  bits")
     for name, ws in weights.items():
         panels = [pack_panels(w.dequantize().to(torch.bfloat16)) for w in ws]
@@ -62,10 +61,10 @@ def main() -> None:
                     mn = w.mn.data_ptr() if w.mn is not None else None
                     t0 = time.perf_counter()
                     if silu:
-                        ok = lib.gguf_amx_gemm_silu(x.data_ptr(), m, w.k, kinds[w.kind], w.qs.data_ptr(), w.d.data_ptr(),
-                                                    mn, ya.data_ptr(), n_out)
+                        ok = lib.gguf_amx_gemm_silu(x.data_ptr(), m, w.k, KIND_CODES[w.kind], w.qs.data_ptr(),
+                                                    w.d.data_ptr(), mn, ya.data_ptr(), n_out)
                     else:
-                        ok = lib.gguf_amx_gemm(x.data_ptr(), m, w.k, kinds[w.kind], w.qs.data_ptr(), w.d.data_ptr(), mn,
+                        ok = lib.gguf_amx_gemm(x.data_ptr(), m, w.k, KIND_CODES[w.kind], w.qs.data_ptr(), w.d.data_ptr(), mn,
                                                ya.data_ptr(), n_out)
                     t1 = time.perf_counter()
                     if silu:

@@ -4,7 +4,23 @@
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
+
+/* Growable scratch buffers of the calling thread, kept between calls (a decode step calls a kernel once per layer;
+ * allocating and freeing ~100 KB a call had glibc trim the heap's top and fault it back in, with TLB shootdowns);
+ * which: 0 or 1, each source file its own pair. NULL if out of memory. */
+static __attribute__((unused)) void *thread_scratch(int which, size_t bytes) {
+    static __thread void *buf[2];
+    static __thread size_t cap[2];
+    if (bytes > cap[which]) {
+        free(buf[which]);
+        cap[which] = bytes + bytes / 4;
+        buf[which] = aligned_alloc(64, (cap[which] + 63) / 64 * 64);
+        if (!buf[which]) cap[which] = 0;
+    }
+    return buf[which];
+}
 
 /* AMX tiles (Sapphire Rapids and later): the bf16 panel products of panel_gemm.c and the bf16 decode attention of
  * paged_attention_amx.c */

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import torch
 
 from deepinfer.layers import cpu_kernels
-from deepinfer.layers.gguf_kernels import max_rows
+from deepinfer.layers.gguf_kernels import KIND_CODES, max_rows
 from deepinfer.layers.linear import Linear
 
 
@@ -38,7 +38,7 @@ class _Layer(ctypes.Structure):
                 ("eps", ctypes.c_float), ("scale", ctypes.c_float)]
 
 
-_KINDS = {"q4_1": 0, "q8_0": 1, "dense": 2}
+_KINDS = {**KIND_CODES, "dense": 2}  # decode_layer.c's qweight kinds
 
 
 class _Call(NamedTuple):

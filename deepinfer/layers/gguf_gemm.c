@@ -983,6 +983,13 @@ typedef struct {
     int f, b;  /* the next block: feature f (of AMX_FEATURES), block b */
 } dequant_job;
 
+/* j set to dequantize unit u into buf: its features from first[0] and first[1] (see dequant_job) */
+static inline void dequant_unit(dequant_job *j, int u, int silu, int I, uint16_t *buf) {
+    j->first[0] = silu ? 16 * u : AMX_FEATURES * u;
+    j->first[1] = silu ? I + 16 * u : j->first[0] + 16;
+    j->buf = buf, j->f = j->b = 0;
+}
+
 static inline void dequant_step(dequant_job *j, int blocks) {
     const int K = j->nb * QK;
     while (blocks > 0 && j->f < AMX_FEATURES) {
@@ -1040,19 +1047,6 @@ static inline __attribute__((always_inline)) void amx_block(const uint16_t *a, i
     }
 }
 
-/* a thread's scratch of at least `bytes`, kept for its next calls (allocating and freeing ~100 KB a call had glibc
- * return the heap's top to the kernel and fault it back in, with TLB shootdowns, every call); NULL if out of memory */
-static void *thread_scratch(size_t bytes, int which) {
-    static __thread void *held[2];
-    static __thread size_t size[2];
-    if (size[which] < bytes) {
-        free(held[which]);
-        held[which] = aligned_alloc(64, (bytes + 63) / 64 * 64);
-        size[which] = held[which] ? bytes : 0;
-    }
-    return held[which];
-}
-
 /* y [M, N] = x [M, K] w^T for bf16 x and the GGUF blocks of w (kind 0 Q4_1, 1 Q8_0), on AMX tiles, with the bits of
  * amx_gemm_bf16 on w's dense bf16 copy. `silu`: w is a fused gate/up projection of N = 2 I features and y [M, I]
  * gets silu(x gate^T) * (x up^T) with the bits of amx_gemm_bf16_silu (a unit of work is then 16 gate features and
@@ -1064,12 +1058,12 @@ static int amx_blocks(const uint16_t *x, int M, int K, int kind, const void *qs,
                       uint16_t *y, int N, int silu) {
     if (M > AMX_BLOCKS_MAX_ROWS || K % 32 || N % AMX_FEATURES || !amx_permitted()) return 0;
     const int groups = (M + 15) / 16, nb = K / QK, I = N / 2;
-    uint32_t *xt = thread_scratch((size_t)(K / 32) * groups * 1024, 0);  /* the caller's: every thread reads it */
+    uint32_t *xt = thread_scratch(0, (size_t)(K / 32) * groups * 1024);  /* the caller's: every thread reads it */
     if (!xt) return 0;
     int failed = 0;
 #pragma omp parallel
     {
-        uint16_t *bufs = thread_scratch((size_t)2 * AMX_FEATURES * K * 2, 1);  /* this unit's, the next one's */
+        uint16_t *bufs = thread_scratch(1, (size_t)2 * AMX_FEATURES * K * 2);  /* this unit's, the next one's */
         if (!bufs) {
 #pragma omp atomic write
             failed = 1;
@@ -1086,20 +1080,18 @@ static int amx_blocks(const uint16_t *x, int M, int K, int kind, const void *qs,
             /* the next unit's blocks spread over this unit's k steps */
             const int steps = (K / 32) * ((groups + 1) / 2), per_step = (AMX_FEATURES * nb + steps - 1) / steps;
             float c[4][16][16];
-            dequant_job job = {kind, nb, {0, 0}, {0, 0}, qs, d, mn, bufs, 0, 0};
+            /* prefetches stop at the end of this thread's features (with silu: of its gate, of its up features) */
+            dequant_job job = {kind, nb, {0, 0}, {silu ? 16 * u1 : AMX_FEATURES * u1, silu ? I + 16 * u1 : AMX_FEATURES * u1},
+                               qs, d, mn, bufs, 0, 0};
+            if (u0 < u1) {  /* the first unit's blocks before any product */
+                dequant_unit(&job, u0, silu, I, bufs);
+                dequant_step(&job, AMX_FEATURES * nb);
+            }
             for (int u = u0; u < u1; u++) {
                 uint16_t *buf = bufs + (int64_t)((u - u0) & 1) * AMX_FEATURES * K;
-                if (u == u0) {  /* the first unit's blocks before any product */
-                    job.first[0] = silu ? 16 * u : AMX_FEATURES * u, job.first[1] = silu ? I + 16 * u : job.first[0] + 16;
-                    job.limit[0] = silu ? 16 * u1 : AMX_FEATURES * u1, job.limit[1] = silu ? I + 16 * u1 : job.limit[0];
-                    job.buf = buf, job.f = job.b = 0;
-                    dequant_step(&job, AMX_FEATURES * nb);
-                }
-                dequant_job *ahead = NULL;  /* the next unit's */
+                dequant_job *ahead = NULL;  /* the next unit's, into the other buffer */
                 if (u + 1 < u1) {
-                    const int v = u + 1;
-                    job.first[0] = silu ? 16 * v : AMX_FEATURES * v, job.first[1] = silu ? I + 16 * v : job.first[0] + 16;
-                    job.buf = bufs + (int64_t)((v - u0) & 1) * AMX_FEATURES * K, job.f = job.b = 0;
+                    dequant_unit(&job, u + 1, silu, I, bufs + (int64_t)((u + 1 - u0) & 1) * AMX_FEATURES * K);
                     ahead = &job;
                 }
                 for (int g = 0; g < groups; g += 2) {
@@ -1121,13 +1113,9 @@ static int amx_blocks(const uint16_t *x, int M, int K, int kind, const void *qs,
                             uint16_t gt[16][16], ut[16][16];  /* the rounded gate and up sums, rows x features */
                             store_transposed(c[q], &gt[0][0], 16, rows);
                             store_transposed(c[2 + q], &ut[0][0], 16, rows);
-                            for (int r = 0; r < rows; r++) {
-                                const __m512 gv = _mm512_castsi512_ps(
-                                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)gt[r])), 16));
-                                const __m512 uv = _mm512_castsi512_ps(
-                                    _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)ut[r])), 16));
-                                store16(y + (int64_t)(r0 + r) * I + 16 * u, _mm512_mul_ps(round16(silu16(gv), 1), uv), 1);
-                            }
+                            for (int r = 0; r < rows; r++)
+                                store16(y + (int64_t)(r0 + r) * I + 16 * u,
+                                        _mm512_mul_ps(round16(silu16(load16(gt[r], 1)), 1), load16(ut[r], 1)), 1);
                         }
                     }
                 }
@@ -1238,15 +1226,10 @@ static void qgemm_any(int kind, const void *x_in, int M, int K, const void *qs, 
      * core whose VDPBF16PS is the two FMAs: the same bits, faster) */
     const int fma2 = path == 2 && M >= 2 && dp_is_two_fmas();
     const void *xb = x_in;
-    if (fma2) {
-        pair_x_rows((const uint16_t *)x_in, M, K, scratch, 1);
-        xb = scratch;
-    } else if (path == 2) {
-        pair_x_rows((const uint16_t *)x_in, M, K, scratch, 0);
+    if (path == 2) {
+        pair_x_rows((const uint16_t *)x_in, M, K, scratch, fma2);
         xb = scratch;
     }
-#else
-    const int fma2 = 0;
 #endif
 #pragma omp parallel
     {

@@ -30,6 +30,8 @@ from deepinfer.fileio import write_atomic
 from deepinfer.layers.cpu_kernels import dtype_code, load_library
 
 QK = 32
+# the C kernels' codes for the block kinds (gguf_gemm.c's gguf_amx_gemm, decode_layer.c's qweight)
+KIND_CODES = {"q4_1": 0, "q8_0": 1}
 logger = logging.getLogger(__name__)
 
 

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.layers.cpu_kernels import load_library
-from deepinfer.layers.gguf_kernels import QuantizedWeight, max_rows
+from deepinfer.layers.gguf_kernels import KIND_CODES, QuantizedWeight, max_rows
 
 if TYPE_CHECKING:
     from deepinfer.lora.layers import LoRASite
@@ -240,8 +240,6 @@ class Linear(nn.Linear):
         if (panels is None or self.bias is not None or x.dim() != 2 or x.dtype != panels.dtype
                 or self._quantized_serves(x) or (self.lora is not None and self.lora.owner.active)):
             return False
-        if self._blocks_on_amx(x, out):
-            return True
         bf16 = panels.dtype == torch.bfloat16
         width = BF16_PANEL if bf16 else PANEL
         k = 2 * panels.shape[1] if bf16 else panels.shape[1]
@@ -252,34 +250,28 @@ class Linear(nn.Linear):
         if not x.shape[0]:
             return True
         x = x.contiguous()
+        if self._blocks_on_amx(x, out):
+            return True
         lib = load_library()
         fused = lib.panel_gemm_bf16_silu if bf16 else lib.panel_gemm_f32_silu
         return bool(fused(x.data_ptr(), x.shape[0], k, panels.data_ptr(), out.data_ptr(), inter))
-
 
     def _blocks_on_amx(self, x: torch.Tensor, out: torch.Tensor) -> bool:
         """silu_mul_into from the GGUF blocks on AMX tiles (`gguf_amx_gemm_silu`: the blocks dequantized a few
         features at a time in the core's cache, multiplied there), with the panels' bits: 1.2-1.4x the AMX panels'
         speed for SmolLM2-135M's gate/up product at 16-128 rows on a 2-core Xeon, which read 2 bytes a weight from
         memory where the blocks hold 0.625 (the other projections, whose dequantizing costs more than it saves,
-        stay on the panels: benchmarks/BENCHMARKS.md, session 54). False where it does not apply (no blocks, not
-        bf16, no AMX, shapes) or did not run."""
+        stay on the panels: benchmarks/BENCHMARKS.md, session 54). x and out as silu_mul_into checked them (x
+        contiguous). False where it does not apply (no blocks, not bf16, no AMX, past 512 rows) or did not run."""
         q = self.quantized
-        if q is None or q.kind not in _BLOCK_KINDS or x.dtype != torch.bfloat16 or self.row_invariant:
+        if q is None or q.kind not in KIND_CODES or x.dtype != torch.bfloat16 or self.row_invariant:
             return False
         lib = load_library()
         if not hasattr(lib, "gguf_amx_gemm_silu") or not lib.amx_tiles_granted():
             return False
-        inter = q.n // 2
-        if x.shape[1] != q.k or out.shape != (x.shape[0], inter) or out.dtype != x.dtype or not out.is_contiguous():
-            return False
-        x = x.contiguous()
-        return bool(lib.gguf_amx_gemm_silu(x.data_ptr(), x.shape[0], q.k, _BLOCK_KINDS[q.kind], q.qs.data_ptr(),
+        return bool(lib.gguf_amx_gemm_silu(x.data_ptr(), x.shape[0], q.k, KIND_CODES[q.kind], q.qs.data_ptr(),
                                            q.d.data_ptr(), q.mn.data_ptr() if q.mn is not None else None,
-                                           out.data_ptr(), inter))
-
-
-_BLOCK_KINDS = {"q4_1": 0, "q8_0": 1}  # gguf_gemm.c's codes
+                                           out.data_ptr(), q.n // 2))
 
 
 def padded_rows(m: int) -> int:

@@ -244,19 +244,6 @@ static inline void softmax_rows4(const float *s, int n, float scale, uint16_t *p
     }
 }
 
-/* growable scratch buffers of the calling thread (kept between calls: a step calls once per layer); which: 0 or 1 */
-static void *scratch(int which, size_t bytes) {
-    static __thread void *buf[2];
-    static __thread size_t cap[2];
-    if (bytes > cap[which]) {
-        free(buf[which]);
-        cap[which] = bytes + bytes / 4;
-        buf[which] = aligned_alloc(64, (cap[which] + 63) / 64 * 64);
-        if (!buf[which]) cap[which] = 0;
-    }
-    return buf[which];
-}
-
 /* A task's buffers: the packed keys and values of one head, 16 query rows, their scores, probabilities, sums */
 typedef struct {
     uint16_t kt[SEG * AMX_ATT_MAX_D] __attribute__((aligned(64)));
@@ -335,7 +322,7 @@ int amx_decode_attention(const uint16_t *q, uint16_t *out, const uint16_t *k_cac
     const int64_t items = (int64_t)B * W;
     const size_t state_bytes = (size_t)B * H * RS * sizeof(float), record_bytes = (size_t)items * H * RS * sizeof(float);
     const size_t int_bytes = sizeof(int) * (size_t)(6 * items + 1 + hash_size);
-    char *mem = scratch(0, state_bytes + record_bytes + int_bytes);
+    char *mem = thread_scratch(0, state_bytes + record_bytes + int_bytes);
     if (!mem) return -2;
     float *state = (float *)mem, *records = (float *)(mem + state_bytes);
     int *group_of = (int *)(mem + state_bytes + record_bytes); /* item (b, s - w0) -> its group */
@@ -402,7 +389,7 @@ int amx_decode_attention(const uint16_t *q, uint16_t *out, const uint16_t *k_cac
             if (g_count[g] > 1) shared += KVH * ((g_count[g] * G + TASK_ROWS - 1) / TASK_ROWS);
             else solo++;
         }
-        int *task_list = scratch(1, sizeof(int) * (size_t)(3 * shared + solo + 1));
+        int *task_list = thread_scratch(1, sizeof(int) * (size_t)(3 * shared + solo + 1));
         if (!task_list) return -2;
         int *solo_groups = task_list + 3 * shared;
         for (int g = 0, i = 0, j = 0; g < groups; g++) {
