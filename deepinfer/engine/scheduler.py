@@ -382,18 +382,24 @@ class Scheduler:
                 return []
             budgets.append(max_new)
         plans = self.speculator.in_call_drafts(decodes, rows)
-        if plans is None or not self.kv.allocate_all(list(zip(decodes, budgets, strict=True))):
+        if plans is None:
+            return []
+        if any(plan.explores for plan in plans):
+            steps = min(steps, self.speculator.EXPLORE_CALL_STEPS)
+            budgets = [min(n, steps * per_step) for n in budgets]
+        if not self.kv.allocate_all(list(zip(decodes, budgets, strict=True))):
             return []
         return [ScheduledRequest(req, 1, req.num_computed_tokens, num_steps=steps, in_call_drafts=plan,
                                  max_new_tokens=n) for req, plan, n in zip(decodes, plans, budgets, strict=True)]
 
-    def _pass_steps(self, decodes: list[Request]) -> int:
+    def _pass_steps(self, decodes: list[Request], drafts_may_pay: bool = False) -> int:
         """Steps for a pass of several decode steps of `decodes`: `num_scheduler_steps`, fewer where the cost
         model prices one step of them so that the pass would outlast `multi_step_budget_ms` (at least 1); all
         of them without a start-up profile (the default prices are a slow CPU's, ~30 ms a step) and in a closed
-        batch (nobody can arrive and wait for the pass)."""
+        batch (nobody can arrive and wait for the pass) unless `drafts_may_pay`: a plain pass drafts nothing,
+        and the speculator says drafts could pay for these requests as soon as their proposer finds some."""
         limit = self.config.num_scheduler_steps
-        if self.closed_batch or not self.cost_model.profiled:
+        if (self.closed_batch and not drafts_may_pay) or not self.cost_model.profiled:
             return limit
         step = self.cost_model.predict(StepWork(tuple((1, r.num_tokens - 1) for r in decodes)))
         if step <= 0:
@@ -409,7 +415,11 @@ class Scheduler:
         if self.config.num_scheduler_steps <= 1 or not items or len(items) > self.decode_steps_rows or self.waiting \
                 or out.preempted:
             return 1
-        steps = self._pass_steps([item.request for item in items])
+        reqs = [item.request for item in items]
+        # a code edit's copy resumes a token or two after an edited name: a 16-step pass of a closed batch of
+        # eight there drafted nothing for 16 steps (adaptive 0.81x of a fixed k = 5 at code_edit b=8, session 55)
+        speculating = self.speculator is not None and self.speculator.drafts_may_pay(reqs, self.max_model_len)
+        steps = self._pass_steps(reqs, drafts_may_pay=speculating)
         for item in items:
             req = item.request
             if item.num_new_tokens != 1 or item.draft_token_ids or req.num_tokens != item.start + 1 \

@@ -461,9 +461,11 @@ def test_a_pass_of_several_decode_steps_is_cut_to_the_time_budget():
     tight = Scheduler(SchedulerConfig(max_num_seqs=8, num_scheduler_steps=8, multi_step_budget_ms=1.0), kv, 256,
                       cost_model=model)
     assert tight._pass_steps(reqs[:1]) == 1
-    # a closed batch (the offline API): nobody can arrive and wait for the pass, so the budget does not cut it
+    # a closed batch (the offline API): nobody can arrive and wait for the pass, so the budget does not cut it,
+    # unless drafts may pay for its requests (a plain pass drafts nothing)
     tight.closed_batch = True
     assert tight._pass_steps(reqs[:8]) == 8
+    assert tight._pass_steps(reqs[:8], drafts_may_pay=True) == 1
 
 
 def test_decodes_running_beside_a_wave_of_prompts_make_it_batch_in_larger_groups():

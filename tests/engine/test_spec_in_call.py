@@ -143,6 +143,27 @@ def test_a_batch_of_code_edits_is_token_identical_and_shares_the_calls_rows(dtyp
     assert_all_free(spec)
 
 
+@needs_kernels
+def test_a_request_explores_where_rates_pooled_over_other_traffic_price_out_every_draft(float32_engines,
+                                                                                        monkeypatch):
+    """An engine whose pooled rates say drafts are rarely kept (as after JSON requests, whose two-token matches
+    missed): by the price alone a code edit at batch 1 drafts nothing in its calls and so never learns (it
+    did not, 0.6x of a fixed k = 5 on the AMX Xeon); its first call explores behind long matches in a few
+    steps (`Speculator.EXPLORE_CALL_STEPS`), the kept drafts teach its estimates, and the later calls draft
+    by the price. The tokens stay those of decoding without speculation."""
+    plain = float32_engines[0]
+    spec = LLM(kv_cache_memory="256MiB", dtype="float32", speculative_config=spec_config("ngram", k=16, adaptive=True))
+    speculator = spec.engine.core.speculator
+    for _ in range(20):
+        speculator.pool.observe(2, 4, 0)
+    calls = _count_calls(monkeypatch)
+    prompt, params = [code_edit_prompt(2)], SamplingParams(max_tokens=64, temperature=0.0)
+    assert token_ids(spec, prompt, params) == token_ids(plain, prompt, params)
+    assert calls and calls[0][0] <= speculator.EXPLORE_CALL_STEPS < max(n for n, _ in calls)
+    assert speculator.metrics.num_accepted_tokens > 10
+    assert_all_free(spec)
+
+
 @pytest.mark.slow  # ~18 s, as above
 @needs_kernels
 def test_a_speculating_call_keeps_two_steps_whatever_the_time_budget(float32_engines, monkeypatch):

@@ -437,3 +437,65 @@ def test_requests_without_a_match_are_neither_looked_up_nor_priced():
     reqs[2] = _req("c", COPY)
     out = spec.propose(reqs, 4096)
     assert proposer.lookups == 1 and list(out) == ["c"] and out["c"][:4] == [9, 10, 11, 12]
+
+
+def test_a_step_where_few_requests_matched_does_not_go_quiet():
+    """Batch 8 at the 9th row's jump, estimates whose ceilings say drafts may pay: where only two of the eight
+    requests found a proposal and the step drafted nothing, the next step looks up again (a code edit's copy
+    resumes a token or two after an edited name); where all eight did and were priced out, the batch goes
+    quiet."""
+    def quiet_after(copying: int) -> bool:
+        spec, proposer = _speculator(jump=True, rules=OFF)
+        reqs = [_req(f"r{i}", COPY if i < copying else FRESH) for i in range(8)]
+        for r in reqs:
+            spec._state(r).rates = [0.8] * 8
+            spec._state(r).prior = [0.8] * 8
+        spec.pool.boost = lambda: np.full(8, 1.25)
+        assert spec.propose(reqs, 4096) == {}
+        return spec._quiet(8, spec.num_steps + 1)
+
+    assert not quiet_after(2)
+    assert quiet_after(8)
+
+
+def test_a_speculating_c_call_explores_untried_requests_behind_long_matches():
+    """`in_call_drafts` for a request whose estimates say no draft pays (every row 0.8 of a step, low rates, as
+    after JSON requests): exploration's `tokens` drafts behind matches of at least `min_match` tokens while the
+    request is untried, nothing below, in one call of its life (marked `explores`: the scheduler keeps it to
+    EXPLORE_CALL_STEPS steps); none once it has had its tries, and none with exploration off."""
+    def speculator(rules: TryRules) -> Speculator:
+        spec = Speculator(SpeculativeMethod("ngram", 8), CostModel(), NgramProposer(2, 5), rules)
+        spec.ledger.observe(100.0)
+        spec.policy.price.c_path_rows = 8
+        spec.policy.price.seed([(r, 0.010 * (1 + 0.8 * (r - 1))) for r in range(1, 301)])
+        return spec
+
+    def plan(spec: Speculator, req: Request, verifications: int = 0):
+        spec._state(req).rates = [0.1] * 8
+        for _ in range(verifications):
+            spec.verified(req, 4, 0)
+        plans = spec.in_call_drafts([req], 8)
+        assert plans is not None
+        return plans[0].k_by_match, plans[0].explores
+
+    spec, req = speculator(ON), _req("r", COPY)
+    assert plan(spec, req) == ((0, 0, 0, 4, 4, 4), True)
+    assert plan(spec, req) == ((0,) * 6, False)  # one exploring call per request
+    assert plan(speculator(ON), _req("r", COPY), verifications=2) == ((0,) * 6, False)
+    assert plan(speculator(OFF), _req("r", COPY)) == ((0,) * 6, False)
+
+
+def test_plain_passes_stay_short_while_a_batch_drafts():
+    """`drafts_may_pay`: an adaptive speculator that has not drafted lately lets a closed batch's plain pass
+    run all its steps; within RECENT_DRAFT_STEPS of a step that drafted (and with ceilings that pay) the
+    pass keeps to the time budget; a fixed draft length always does."""
+    spec, _ = _speculator()
+    reqs = [_req(f"r{i}", COPY) for i in range(2)]
+    assert not spec.drafts_may_pay(reqs, 4096)
+    assert spec.propose(reqs, 4096)  # cheap rows at the prior: drafts
+    assert spec.drafts_may_pay(reqs, 4096)
+    for _ in range(Speculator.RECENT_DRAFT_STEPS):
+        spec.propose([_req("f", FRESH)], 4096)
+    assert not spec.drafts_may_pay(reqs, 4096)
+    fixed = Speculator(SpeculativeMethod("ngram", 8, adaptive=False), CostModel(), NgramProposer(2, 5), ON)
+    assert fixed.drafts_may_pay(reqs, 4096)

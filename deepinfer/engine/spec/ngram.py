@@ -20,12 +20,14 @@ from deepinfer.engine.spec.proposer import Draft, Proposer
 @dataclass(frozen=True)
 class LookupPlan:
     """Prompt lookup as a C call's steps do it (`FusedDecoder.spec_steps`): the n-gram sizes and lookback of
-    `find_match`, and the draft length for each match length m (index 0..max_n)."""
+    `find_match`, and the draft length for each match length m (index 0..max_n). `explores`: some of those
+    lengths are exploration's (`tries.py`), not the price's: the call stays short (`Speculator.EXPLORE_CALL_STEPS`)."""
 
     k_by_match: tuple[int, ...]
     min_n: int
     max_n: int
     lookback: int
+    explores: bool = False
 
 
 class NgramProposer(Proposer):

@@ -109,6 +109,8 @@ class AcceptanceStats:
     explored_from: int = 0
     # a proposal it did not draft, held to check against the tokens it decodes next (`Speculator`'s hindsight)
     hindsight: HeldProposal | None = None
+    # whether a speculating C call has explored for it (`Speculator.in_call_drafts`: once in its life)
+    call_explored: bool = False
 
     @classmethod
     def new(cls, prior: float, k_max: int, relax_weight: float = 0.0,

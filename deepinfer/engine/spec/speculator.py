@@ -77,6 +77,12 @@ def build_proposer(method: SpeculativeMethod) -> Proposer:
 
 class Speculator:
     QUIET_STEPS = 4  # steps a batch skips the lookup after one that chose no drafts (`_quiet`)
+    # scheduled steps since the last that drafted within which a plain pass of several decode steps stays within
+    # the time budget (`drafts_may_pay`)
+    RECENT_DRAFT_STEPS = 4
+    # the steps of a speculating C call that explores (`in_call_drafts`): a call's steps draft behind every long
+    # enough match, and its tries are counted only when it returns
+    EXPLORE_CALL_STEPS = 4
     HINDSIGHT_UNTIL = 64  # pooled verifications (hindsight's included) after which hindsight stops (`_hindsight_on`)
     STALE_STEPS = 64  # steps without a verification after which hindsight is on again (`_rearm_if_stale`)
 
@@ -93,6 +99,7 @@ class Speculator:
         self.calibration = KeepCalibration()
         self.balance = FinishBalance()  # closed batches: what each request's kept tokens are worth
         self._quiet_until, self._quiet_batch = 0, 0  # `_quiet`
+        self._drafted_at = -self.RECENT_DRAFT_STEPS  # the last step that chose drafts (`drafts_may_pay`)
         self._hindsight_until = self.HINDSIGHT_UNTIL  # pooled verifications while hindsight is on (`_hindsight_on`)
         self._verified_at = 0  # `num_steps` at the last verification (or re-arm: `_rearm_if_stale`)
         self._price_probe = False  # the next proposal verifies a step past the C path (`_probe_past_c_path`)
@@ -192,10 +199,12 @@ class Speculator:
         priced = True
         estimates = None  # the states' estimates (`estimate_rows`), once per step where the price reads them
         unmatched = None  # per request: its lookup (or the proposer's cheap check) found nothing
+        unpaused = None  # the limits of the requests that may draft, where some were then looked up
         if tries:
             limits = self._unpaused(states, limits, self.num_steps)
             quiet = not probe and self._quiet(batch, self.num_steps)
             if not quiet and any(limits):
+                unpaused = limits
                 matched = self._matched(decodes, limits)
                 unmatched = [lim > 0 and not m for lim, m in zip(limits, matched, strict=True)]
                 limits = matched
@@ -206,7 +215,7 @@ class Speculator:
                 # no drafts pay by the price: look up only requests owed exploration, every few steps
                 priced = False
                 if not quiet:
-                    self._go_quiet(batch)
+                    self._go_quiet(batch, states, unpaused, limits, estimates)
                 lookup = explore and self.num_steps % self.tries.lookup_every == 0
                 limits = [lim if lookup and self.tries.explorable(s) else 0 for s, lim in zip(states, limits, strict=True)]
                 if any(limits):
@@ -236,13 +245,15 @@ class Speculator:
         else:
             ks = [0] * len(cands)
         if priced and tries and not any(ks) and any(len(d) for _, d in cands):
-            self._go_quiet(batch)  # proposals priced out
+            self._go_quiet(batch, states, unpaused, [len(d) for _, d in cands], estimates)  # proposals priced out
         if probe and keep is not None:
             ks = self._probe_past_c_path(cands, keep, ks)
         if explore:
             ks = self._explore(cands, states, ks, batch)
         out = {}
         self._drafted = any(ks)
+        if self._drafted:
+            self._drafted_at = self.num_steps
         for i, ((r, d), s, k, lim) in enumerate(zip(cands, states, ks, limits, strict=True)):
             self.metrics.chose(k)
             r.draft_probs = d.probs[:k] if k and d.probs is not None else None
@@ -460,9 +471,35 @@ class Speculator:
         return step % self.tries.lookup_every == 0 and self._may_explore(batch) and any(
             lim and self.tries.explorable(s) for s, lim in zip(states, limits, strict=True))
 
-    def _go_quiet(self, batch: int) -> None:
+    def drafts_may_pay(self, requests: list[Request], max_model_len: int) -> bool:
+        """Whether drafts could pay for `requests`' next steps as a batch of their own, should the proposer find
+        some: one of the last RECENT_DRAFT_STEPS steps chose drafts and the price's bound on the requests'
+        estimates' ceilings (`_drafts_can_pay`) allows them (not whether the proposer finds any now). The
+        scheduler then keeps a plain pass of several decode steps of them, which drafts nothing, within its
+        time budget. Always where the draft length is fixed or the proposer is not skippable. (The recent
+        drafts: chat at batch 8, whose loose ceilings allow drafts its proposals rarely earn, otherwise
+        decoded in one-step passes, 0.96x of no speculation.)"""
+        if not self._skippable():
+            return True
+        if self.num_steps - self._drafted_at >= self.RECENT_DRAFT_STEPS:
+            return False
+        states = [self._state(r) for r in requests]
+        limits = self._unpaused(states, self._limits(requests, max_model_len), self.num_steps + 1)
+        return self._drafts_can_pay(states, limits, len(requests))
+
+    def _go_quiet(self, batch: int, states: list[AcceptanceStats] | None = None, unpaused: list[int] | None = None,
+                  found: list[int] | None = None, estimates: np.ndarray | None = None) -> None:
         """No drafts paid this step: the next QUIET_STEPS steps at this batch size or larger skip the lookup
-        and the price (`_quiet`), at batches from the C decode path's rows up."""
+        and the price (`_quiet`), at batches from the C decode path's rows up. Not where it was for want of
+        proposals (`found`: per request, the drafts it was offered) while the requests' ceilings say drafts
+        would pay if every request that may draft (`unpaused`: their limits) had some and fewer than half of
+        them had: a code edit's copy resumes a token or two after an edited name, and at batch 8 the quiet
+        steps after one where only one or two of the eight matched drafted nothing for four steps (adaptive
+        0.8x of a fixed k = 5 on the AMX Xeon, session 55)."""
+        if states is not None and unpaused is not None and found is not None:
+            may = sum(1 for lim in unpaused if lim)
+            if 2 * sum(1 for n in found if n) < may and self._drafts_can_pay(states, unpaused, batch, estimates):
+                return
         if batch >= self.policy.price.c_path_rows:
             self._quiet_until, self._quiet_batch = self.num_steps + self.QUIET_STEPS, batch
 
@@ -544,20 +581,31 @@ class Speculator:
         if self._call_price is None or self._call_price.max_rows != max_rows:
             self._call_price = CallStepPrice(self.policy.price, max_rows)
         seconds = self._call_price.table() if self.policy.adaptive else []
+        explore = self._skippable() and self._may_explore(batch)
         plans = []
         for req in reqs:
             state = self._state(req)
             ks = [0] * (proposer.max_n + 1)
+            explores = False
             if not self.policy.adaptive:
                 ks[proposer.min_n:] = [self.k_max] * (proposer.max_n + 1 - proposer.min_n)
             elif not self.tries.backed_off(state, self.num_steps):
                 estimates, cap = state.estimates(), min(self.k_max, room)
+                explores = explore and not state.call_explored and self.tries.explorable(state)
+                state.call_explored |= explores
                 for m in range(proposer.min_n, proposer.max_n + 1):
                     probs = self.pool.match_probs(estimates, m)[:cap]
                     if probs:
                         probs = [state.first_keep_rate(m, probs[0]), *probs[1:]]
                     ks[m] = self.policy.choose_in_call(probs, seconds, batch)
-            plans.append(LookupPlan(tuple(ks), proposer.min_n, proposer.max_n, proposer.max_lookback))
+                    # exploration (tries.py) behind matches long enough, as `propose` explores: without it a
+                    # request whose estimates start from rates pooled over other traffic never verifies a draft
+                    # and never learns (code edits after JSON requests at batch 1: no drafts, 0.6x of a fixed
+                    # k = 5). One short call in a request's life: the call's steps explore behind every such
+                    # match, 16 steps of them cost JSON requests at batch 1 ~5-10% of CPU time
+                    if explores and m >= self.tries.min_match:
+                        ks[m] = max(ks[m], min(self.tries.tokens, cap))
+            plans.append(LookupPlan(tuple(ks), proposer.min_n, proposer.max_n, proposer.max_lookback, explores))
         return plans
 
     def in_call_done(self, verdicts: list[tuple[Request, list[tuple[int, int, int]]]],
