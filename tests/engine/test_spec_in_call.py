@@ -6,6 +6,7 @@ another request joins; its blocks all come back."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import random
 
@@ -170,10 +171,12 @@ def test_a_speculating_call_keeps_two_steps_whatever_the_time_budget(float32_eng
     """`--multi-step-budget-ms` cuts a pass to the steps its price allows, down to one; a speculating call keeps
     at least two, so its drafts stay on the C path (dropped for a one-step pass, the call's drafts were verified
     in the ordinary path, past its rows, where in float32's default mode the outputs could part from decoding
-    without speculation: seen once in a combined test run)."""
+    without speculation: seen once in a combined test run). The batch is an open one, as a server's: in
+    `LLM.generate`'s closed batch the budget does not cut passes (`LLMEngine.closed_batch`)."""
     plain = float32_engines[0]
     spec = LLM(kv_cache_memory="256MiB", dtype="float32", multi_step_budget_ms=0.001,
                speculative_config=spec_config("ngram", k=3, adaptive=False))
+    monkeypatch.setattr(spec.engine, "closed_batch", contextlib.nullcontext)
     calls = _count_calls(monkeypatch)
     params = SamplingParams(max_tokens=48, temperature=0.0)
     prompts = [code_edit_prompt(i) for i in range(4)]
