@@ -71,8 +71,12 @@ def test_speculative_decode_worker_is_token_identical_and_the_router_shows_its_m
         with pytest.raises(KeyError):
             metric(workers["prefill"], "deepinfer:spec_decode_num_draft_tokens_total")
         # the router's /metrics: the worker's counters (its load snapshot refreshes every health interval)
+        # (the draft-length histogram too: it counts steps that chose no drafts, which move no token counter, so
+        # a snapshot taken after the last drafting step but before a last k = 0 step matched the totals alone)
         deadline = time.monotonic() + 10
-        while metric(base, "deepinfer:spec_decode_num_draft_tokens_total") != drafts:
+        worker_hist = _samples(workers["decode"], "deepinfer:spec_decode_draft_length_bucket")
+        while (metric(base, "deepinfer:spec_decode_num_draft_tokens_total") != drafts
+               or _samples(base, "deepinfer:spec_decode_draft_length_bucket") != worker_hist):
             assert time.monotonic() < deadline, "the router's spec metrics never caught up with the worker's"
             time.sleep(0.25)
         rate = _samples(base, "deepinfer:spec_decode_acceptance_rate")
