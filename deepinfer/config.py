@@ -397,7 +397,7 @@ class SchedulerConfig:
         "pass to end and how far apart a stream's groups of tokens come. On the default model on a 2-core "
         "AVX-512 CPU single stream runs 10 steps a pass (~2.9 ms a step by the cost model), 4 decodes 6, 8 "
         "decodes 4 (~6.7 ms). Not applied in the offline API (`LLM.generate`), where no request can arrive "
-        "during a pass.",
+        "during a pass, except while its requests draft speculatively (a plain pass drafts nothing).",
     )
 
     def __post_init__(self) -> None:
