@@ -389,6 +389,7 @@ class Scheduler:
             budgets = [min(n, steps * per_step) for n in budgets]
         if not self.kv.allocate_all(list(zip(decodes, budgets, strict=True))):
             return []
+        self.speculator.call_scheduled(decodes, plans)
         return [ScheduledRequest(req, 1, req.num_computed_tokens, num_steps=steps, in_call_drafts=plan,
                                  max_new_tokens=n) for req, plan, n in zip(decodes, plans, budgets, strict=True)]
 
@@ -418,7 +419,8 @@ class Scheduler:
         reqs = [item.request for item in items]
         # a code edit's copy resumes a token or two after an edited name: a 16-step pass of a closed batch of
         # eight there drafted nothing for 16 steps (adaptive 0.81x of a fixed k = 5 at code_edit b=8, session 55)
-        speculating = self.speculator is not None and self.speculator.drafts_may_pay(reqs, self.max_model_len)
+        speculating = self.closed_batch and self.speculator is not None \
+            and self.speculator.drafts_may_pay(reqs, self.max_model_len)
         steps = self._pass_steps(reqs, drafts_may_pay=speculating)
         for item in items:
             req = item.request

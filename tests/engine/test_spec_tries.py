@@ -38,14 +38,16 @@ OFF = TryRules(tries=0)  # no exploration
 
 
 def _speculator(jump: bool = False, rules: TryRules = ON, elapsed: float = 100.0,
-                dear: bool = False, hindsight: bool = False) -> tuple[Speculator, CountingNgram]:
+                dear: bool = False, hindsight: bool = False, counting: bool = True
+                ) -> tuple[Speculator, NgramProposer]:
     """k_max 8, the C decode path's 8 rows; `jump`: steps of up to 8 rows cost the same, the 9th row a jump (CPU
     at batch 8); `dear`: every row costs 0.8 of a one-row step (a pessimistic start-up table: at the prior's
     0.6 no draft pays at any batch); else every row costs 1/40 of a step (batch 1 on the C path: drafts at the
     prior's 0.6 pay). `elapsed`: seconds of decode steps already run (exploration's budget is a share).
     `hindsight` off by default: most tests here count the lookups the choice of drafts makes, and a held
-    proposal's lookup (`Speculator._keep_for_hindsight`) would count too."""
-    proposer = CountingNgram()
+    proposal's lookup (`Speculator._keep_for_hindsight`) would count too. `counting` False: the plain n-gram
+    proposer (the speculating C call's plans take no other)."""
+    proposer = CountingNgram() if counting else NgramProposer(2, 5)
     spec = Speculator(SpeculativeMethod("ngram", 8, hindsight=hindsight), CostModel(), proposer, rules)
     spec.ledger.observe(elapsed)
     price = spec.policy.price
@@ -464,11 +466,7 @@ def test_a_speculating_c_call_explores_untried_requests_behind_long_matches():
     request is untried, nothing below, in one call of its life (marked `explores`: the scheduler keeps it to
     EXPLORE_CALL_STEPS steps); none once it has had its tries, and none with exploration off."""
     def speculator(rules: TryRules) -> Speculator:
-        spec = Speculator(SpeculativeMethod("ngram", 8), CostModel(), NgramProposer(2, 5), rules)
-        spec.ledger.observe(100.0)
-        spec.policy.price.c_path_rows = 8
-        spec.policy.price.seed([(r, 0.010 * (1 + 0.8 * (r - 1))) for r in range(1, 301)])
-        return spec
+        return _speculator(dear=True, rules=rules, counting=False)[0]
 
     def plan(spec: Speculator, req: Request, verifications: int = 0):
         spec._state(req).rates = [0.1] * 8
@@ -476,6 +474,7 @@ def test_a_speculating_c_call_explores_untried_requests_behind_long_matches():
             spec.verified(req, 4, 0)
         plans = spec.in_call_drafts([req], 8)
         assert plans is not None
+        spec.call_scheduled([req], plans)  # the call got its blocks
         return plans[0].k_by_match, plans[0].explores
 
     spec, req = speculator(ON), _req("r", COPY)

@@ -109,7 +109,7 @@ class AcceptanceStats:
     explored_from: int = 0
     # a proposal it did not draft, held to check against the tokens it decodes next (`Speculator`'s hindsight)
     hindsight: HeldProposal | None = None
-    # whether a speculating C call has explored for it (`Speculator.in_call_drafts`: once in its life)
+    # whether a speculating C call has explored for it (`Speculator.call_scheduled`: once in its life)
     call_explored: bool = False
 
     @classmethod

@@ -487,16 +487,16 @@ class Speculator:
         limits = self._unpaused(states, self._limits(requests, max_model_len), self.num_steps + 1)
         return self._drafts_can_pay(states, limits, len(requests))
 
-    def _go_quiet(self, batch: int, states: list[AcceptanceStats] | None = None, unpaused: list[int] | None = None,
-                  found: list[int] | None = None, estimates: np.ndarray | None = None) -> None:
+    def _go_quiet(self, batch: int, states: list[AcceptanceStats], unpaused: list[int] | None, found: list[int],
+                  estimates: np.ndarray | None) -> None:
         """No drafts paid this step: the next QUIET_STEPS steps at this batch size or larger skip the lookup
         and the price (`_quiet`), at batches from the C decode path's rows up. Not where it was for want of
         proposals (`found`: per request, the drafts it was offered) while the requests' ceilings say drafts
         would pay if every request that may draft (`unpaused`: their limits) had some and fewer than half of
         them had: a code edit's copy resumes a token or two after an edited name, and at batch 8 the quiet
         steps after one where only one or two of the eight matched drafted nothing for four steps (adaptive
-        0.8x of a fixed k = 5 on the AMX Xeon, session 55)."""
-        if states is not None and unpaused is not None and found is not None:
+        0.8x of a fixed k = 5 on the AMX Xeon, session 55). `unpaused` None: no request was looked up."""
+        if unpaused is not None:
             may = sum(1 for lim in unpaused if lim)
             if 2 * sum(1 for n in found if n) < may and self._drafts_can_pay(states, unpaused, batch, estimates):
                 return
@@ -592,7 +592,6 @@ class Speculator:
             elif not self.tries.backed_off(state, self.num_steps):
                 estimates, cap = state.estimates(), min(self.k_max, room)
                 explores = explore and not state.call_explored and self.tries.explorable(state)
-                state.call_explored |= explores
                 for m in range(proposer.min_n, proposer.max_n + 1):
                     probs = self.pool.match_probs(estimates, m)[:cap]
                     if probs:
@@ -607,6 +606,13 @@ class Speculator:
                         ks[m] = max(ks[m], min(self.tries.tokens, cap))
             plans.append(LookupPlan(tuple(ks), proposer.min_n, proposer.max_n, proposer.max_lookback, explores))
         return plans
+
+    def call_scheduled(self, reqs: list[Request], plans: list[LookupPlan]) -> None:
+        """`in_call_drafts`' plans for `reqs` got their call (the scheduler had its blocks): an exploring plan
+        spends its request's one exploring call."""
+        for req, plan in zip(reqs, plans, strict=True):
+            if plan.explores:
+                self._state(req).call_explored = True
 
     def in_call_done(self, verdicts: list[tuple[Request, list[tuple[int, int, int]]]],
                      steps: list[tuple[int, float]]) -> None:
