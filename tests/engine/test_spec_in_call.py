@@ -49,9 +49,13 @@ def test_the_c_ngram_lookup_finds_what_find_match_finds():
     assert hits > 1000  # most cases found a match: the comparison covered the search, not just misses
 
 
+# the adaptive n-gram speculation of most engines here (a dict the config only reads; the others: fixed k = 3)
+ADAPTIVE_NGRAM = spec_config("ngram", k=16, adaptive=True)
+
+
 def _engines(dtype: str, **kw) -> tuple[LLM, LLM]:
     kw = {"kv_cache_memory": "256MiB", "dtype": dtype, **kw}
-    return LLM(**kw), LLM(speculative_config=spec_config("ngram", k=16, adaptive=True), **kw)
+    return LLM(**kw), LLM(speculative_config=ADAPTIVE_NGRAM, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -153,7 +157,7 @@ def test_a_request_explores_where_rates_pooled_over_other_traffic_price_out_ever
     steps (`Speculator.EXPLORE_CALL_STEPS`), the kept drafts teach its estimates, and the later calls draft
     by the price. The tokens stay those of decoding without speculation."""
     plain = float32_engines[0]
-    spec = LLM(kv_cache_memory="256MiB", dtype="float32", speculative_config=spec_config("ngram", k=16, adaptive=True))
+    spec = LLM(kv_cache_memory="256MiB", dtype="float32", speculative_config=ADAPTIVE_NGRAM)
     speculator = spec.engine.core.speculator
     for _ in range(20):
         speculator.pool.observe(2, 4, 0)
@@ -279,7 +283,7 @@ def test_calls_whose_blocks_do_not_fit_are_not_made_and_lose_nothing(float32_eng
     # moment's prices gave calls few enough steps that every one fitted, once in CI)
     kw = {"kv_cache_memory": str(38 * per_block), "dtype": "float32", "deterministic": True,
           "multi_step_budget_ms": 1e6}
-    plain, spec = LLM(**kw), LLM(speculative_config=spec_config("ngram", k=16, adaptive=True), **kw)
+    plain, spec = LLM(**kw), LLM(speculative_config=ADAPTIVE_NGRAM, **kw)
     made, unfit = [], []
     original = Scheduler._speculative_call
 
@@ -314,8 +318,7 @@ def test_calls_whose_blocks_do_not_fit_are_not_made_and_lose_nothing(float32_eng
     assert made and max(made) > 1, "no call of several requests was made"
     assert_all_free(spec)
 
-    tight = LLM(speculative_config=spec_config("ngram", k=16, adaptive=True),
-                **{**kw, "kv_cache_memory": str(29 * per_block)})
+    tight = LLM(speculative_config=ADAPTIVE_NGRAM, **{**kw, "kv_cache_memory": str(29 * per_block)})
     assert token_ids(tight, prompts, params) == want
     assert tight.engine.core.scheduler.num_preemptions > 0
     assert_all_free(tight)
